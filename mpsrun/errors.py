@@ -1,0 +1,130 @@
+"""Exceptions raised by mpsrun.
+
+Every error derives from :class:`MPSError` and, where one fits, from the matching
+builtin (``ValueError``, ``TimeoutError``, ...), so callers can catch either.
+Errors carry their data as attributes and survive pickling (they cross process
+boundaries in multiprocessing pools).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "ConfigError",
+    "DaemonError",
+    "DaemonStartError",
+    "DaemonTimeoutError",
+    "GPUError",
+    "GPUNotFoundError",
+    "MPSError",
+    "MPSUnavailableError",
+    "NoDriverError",
+    "NotMPSClientError",
+    "TeardownError",
+    "UnsafeDirectoryError",
+]
+
+
+def _rebuild(cls: type[MPSError], kwargs: dict[str, Any]) -> MPSError:
+    return cls(**kwargs)
+
+
+class MPSError(Exception):
+    """Base class of every error mpsrun raises."""
+
+    def __init__(self, message: str, **data: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self._data = data
+        for key, value in data.items():
+            setattr(self, key, value)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), {"message": self.message, **self._data}))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ConfigError(MPSError, ValueError):
+    """A setting is invalid; raised before anything is started.
+
+    Attributes: ``setting`` (the option or argument name) and ``value``.
+    """
+
+    def __init__(self, message: str, *, setting: str = "", value: Any = None) -> None:
+        super().__init__(message, setting=setting, value=value)
+
+
+class UnsafeDirectoryError(MPSError, PermissionError):
+    """A session directory (or its parent) is not private to this user.
+
+    Attributes: ``path`` and ``reason``.
+    """
+
+    def __init__(self, message: str, *, path: str = "", reason: str = "") -> None:
+        super().__init__(message, path=path, reason=reason)
+
+
+class GPUError(MPSError, RuntimeError):
+    """NVML could not answer a question about the GPUs."""
+
+
+class NoDriverError(GPUError):
+    """No NVIDIA driver (NVML) is usable on this machine. Attribute: ``reason``."""
+
+    def __init__(self, message: str, *, reason: str = "") -> None:
+        super().__init__(message, reason=reason)
+
+
+class GPUNotFoundError(MPSError, ValueError):
+    """A requested GPU is not visible. Attributes: ``requested`` and ``visible``."""
+
+    def __init__(self, message: str, *, requested: Any = None, visible: Sequence[str] = ()) -> None:
+        super().__init__(message, requested=requested, visible=list(visible))
+
+
+class MPSUnavailableError(MPSError, RuntimeError):
+    """MPS was required (``mps="on"``) but cannot run here. Attribute: ``reason``."""
+
+    def __init__(self, message: str, *, reason: str = "") -> None:
+        super().__init__(message, reason=reason)
+
+
+class DaemonError(MPSError, RuntimeError):
+    """The MPS control daemon refused or failed a command.
+
+    Attributes: ``command`` (what was sent), ``reply`` (what the daemon printed) and
+    ``log_tail`` (the last lines of the daemon's log, when known).
+    """
+
+    def __init__(self, message: str, *, command: str = "", reply: str = "", log_tail: str = "") -> None:
+        super().__init__(message, command=command, reply=reply, log_tail=log_tail)
+
+
+class DaemonStartError(DaemonError):
+    """The control daemon exited or could not be started."""
+
+
+class DaemonTimeoutError(DaemonError, TimeoutError):
+    """The control daemon did not answer or reach a state before its deadline."""
+
+
+class NotMPSClientError(MPSError, RuntimeError):
+    """Processes use the GPU without being clients of the session's MPS server.
+
+    CUDA silently runs without MPS when a process cannot reach the daemon. Attributes:
+    ``pids`` (the offending processes) and ``gpu`` (the UUID of the GPU they use).
+    """
+
+    def __init__(self, message: str, *, pids: Sequence[int] = (), gpu: str = "") -> None:
+        super().__init__(message, pids=list(pids), gpu=gpu)
+
+
+class TeardownError(MPSError, RuntimeError):
+    """Stopping the session failed. Attribute: ``errors`` (the underlying exceptions)."""
+
+    def __init__(self, message: str, *, errors: Sequence[BaseException] = ()) -> None:
+        super().__init__(message, errors=list(errors))

@@ -1,0 +1,382 @@
+"""``mps_session()``: a private MPS control daemon per GPU for the duration of a ``with`` block."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import psutil
+
+from mpsrun import gpus as gpu_info
+from mpsrun.daemon import ControlDaemon, find_control_executable
+from mpsrun.errors import (
+    ConfigError,
+    DaemonError,
+    MPSError,
+    MPSUnavailableError,
+    NoDriverError,
+    NotMPSClientError,
+    TeardownError,
+)
+from mpsrun.gpus import GPU
+from mpsrun.limits import parse_mem_limit, parse_mps_mode, parse_priority, parse_thread_percentage
+from mpsrun.paths import SessionDirs, base_directory, validate_base
+
+__all__ = ["Session", "mps_session"]
+
+log = logging.getLogger("mpsrun")
+
+#: Variables a session may set in a worker's environment.
+SESSION_VARIABLES = (
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_MPS_PIPE_DIRECTORY",
+    "CUDA_MPS_LOG_DIRECTORY",
+    "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+    "CUDA_MPS_CLIENT_PRIORITY",
+    "MPSRUN_SESSION_DIR",
+)
+
+
+class Session:
+    """A running (or ready to run) set of private MPS daemons, one per GPU.
+
+    Make one with :func:`mps_session`; use it as a context manager, or call
+    :meth:`start` and :meth:`close` yourself. Arguments are checked when it is made,
+    before anything starts.
+
+    Args:
+        gpu: one GPU, by index among the visible GPUs or by UUID (default 0).
+        gpus: several GPUs (a list, ``"0,1"`` or ``"all"``); one daemon each.
+        thread_percentage: cap on each client's share of SMs (1-100).
+        mem_limit: pinned device memory per client, e.g. ``"4G"``.
+        priority: client priority, 0 (normal) or 1 (below normal).
+        tmpdir: where session directories go (default ``$MPSRUN_TMPDIR``,
+            ``$XDG_RUNTIME_DIR`` or ``/tmp``).
+        mps: ``"auto"`` runs without MPS (and says why) when there is no driver or
+            control daemon; ``"on"`` raises instead; ``"off"`` never starts MPS.
+        keep_logs: keep the session directory (with the daemon logs) after exit.
+        export: set the workers' variables in ``os.environ`` during the session so
+            ``multiprocessing`` and ``subprocess`` children inherit them (default: yes
+            with one GPU; several GPUs need ``session.env(rank)`` per worker).
+        start_timeout, stop_timeout: deadlines in seconds for each daemon.
+    """
+
+    def __init__(
+        self,
+        gpu: int | str | None = None,
+        gpus: Sequence[int | str] | str | None = None,
+        thread_percentage: int | None = None,
+        mem_limit: str | int | None = None,
+        priority: int | None = None,
+        tmpdir: str | os.PathLike[str] | None = None,
+        mps: str = "auto",
+        keep_logs: bool = False,
+        export: bool | None = None,
+        start_timeout: float = 30.0,
+        stop_timeout: float = 10.0,
+    ) -> None:
+        if gpu is not None and gpus is not None:
+            raise ConfigError("give gpu= or gpus=, not both", setting="gpus", value=(gpu, gpus))
+        if gpus == "all":
+            self._requested: list[int | str] | None = None
+        elif isinstance(gpus, str):
+            self._requested = [part.strip() for part in gpus.split(",") if part.strip()]
+        elif gpus is not None:
+            self._requested = list(gpus)
+            if not self._requested:
+                raise ConfigError("gpus= must name at least one GPU", setting="gpus", value=gpus)
+        else:
+            self._requested = [0 if gpu is None else gpu]
+        self.mps = parse_mps_mode(mps)
+        self.thread_percentage = None if thread_percentage is None else parse_thread_percentage(thread_percentage)
+        self.mem_limit = None if mem_limit is None else parse_mem_limit(mem_limit)
+        self.priority = None if priority is None else parse_priority(priority)
+        self.base = Path(tmpdir) if tmpdir is not None else base_directory()
+        validate_base(self.base)
+        for name, value in (("start_timeout", start_timeout), ("stop_timeout", stop_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, not {value!r}", setting=name)
+        self.keep_logs = bool(keep_logs)
+        self.export = export
+        self.start_timeout = float(start_timeout)
+        self.stop_timeout = float(stop_timeout)
+
+        self.gpus: list[GPU] = []
+        self.daemons: list[ControlDaemon] = []
+        self.dirs: SessionDirs | None = None
+        self.enabled = False
+        self.disabled_reason: str | None = None
+        self.teardown_errors: list[BaseException] = []
+        self._saved_env: dict[str, str | None] | None = None
+        self._owner_pid: int | None = None
+        self._state = "new"
+
+    # -- starting -------------------------------------------------------------------------
+
+    def _find_gpus(self) -> list[GPU] | None:
+        """The session's GPUs, or None when there is no driver (reason in disabled_reason)."""
+        try:
+            visible = gpu_info.visible_gpus()
+        except NoDriverError as exc:
+            self.disabled_reason = exc.message
+            return None
+        return gpu_info.select_gpus(self._requested, visible)
+
+    def start(self) -> Session:
+        """Start the daemons and wait until each GPU's server is ACTIVE."""
+        if self._state != "new":
+            raise MPSError(f"this session is {self._state}; make a new one with mps_session()")
+        self._state = "starting"
+        self._owner_pid = os.getpid()
+        try:
+            found = self._find_gpus()
+            self.gpus = found or []
+            if self.mps == "off":
+                self.disabled_reason = "MPS is off (mps='off')"
+            elif found is None:
+                pass  # no driver: reason already set
+            else:
+                try:
+                    find_control_executable()
+                except MPSUnavailableError as exc:
+                    self.disabled_reason = exc.message
+            if self.disabled_reason is not None and self.mps == "on":
+                raise MPSUnavailableError(
+                    f"MPS is required (mps='on') but unavailable: {self.disabled_reason}",
+                    reason=self.disabled_reason,
+                )
+            if self.export is True and len(self.gpus) > 1:
+                raise ConfigError(
+                    "export=True needs a single GPU: a process can reach only one MPS daemon; "
+                    "with several GPUs give each worker session.env(rank)",
+                    setting="export",
+                    value=True,
+                )
+            if self.disabled_reason is None:
+                self._start_daemons()
+                self.enabled = True
+            else:
+                log.warning("mpsrun: running without MPS: %s", self.disabled_reason)
+            if self.export is not False and len(self.gpus) <= 1:
+                self._export(self.env())
+        except BaseException:
+            self._state = "failed"
+            with contextlib.suppress(Exception):
+                self._teardown()
+            raise
+        self._state = "running"
+        return self
+
+    def _start_daemons(self) -> None:
+        self.dirs = SessionDirs.create(self.base, [g.index for g in self.gpus])
+        self.dirs.write_info(
+            {
+                "pid": os.getpid(),
+                "create_time": psutil.Process().create_time(),
+                "uid": os.getuid(),
+                "started": time.time(),
+                "gpus": [g.uuid for g in self.gpus],
+                "argv": sys.argv,
+            }
+        )
+        for gpu in self.gpus:
+            daemon = ControlDaemon(
+                gpu_uuid=gpu.uuid, pipe_dir=self.dirs.pipe_dir(gpu.index), log_dir=self.dirs.log_dir(gpu.index)
+            )
+            self.daemons.append(daemon)
+            daemon.start(timeout=self.start_timeout)
+            daemon.set_defaults(self.thread_percentage, self.mem_limit)
+            daemon.start_server(timeout=self.start_timeout)
+
+    def _export(self, env: Mapping[str, str]) -> None:
+        self._saved_env = {name: os.environ.get(name) for name in SESSION_VARIABLES}
+        for name in SESSION_VARIABLES:
+            if name in env:
+                os.environ[name] = env[name]
+            elif self.enabled:
+                os.environ.pop(name, None)  # a stale MPS setting must not leak into our workers
+
+    # -- using ----------------------------------------------------------------------------
+
+    def _gpu_position(self, rank: int | None) -> int:
+        if rank is None:
+            if len(self.gpus) > 1:
+                raise ConfigError(
+                    "this session has several GPUs: pass rank= to env() to choose one", setting="rank"
+                )
+            return 0
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ConfigError(f"rank must be a non-negative integer, not {rank!r}", setting="rank", value=rank)
+        return rank % len(self.gpus)
+
+    def env(self, rank: int | None = None) -> dict[str, str]:
+        """Variables a worker needs to use this session (GPU ``rank % len(gpus)``)."""
+        if not self.gpus:
+            return {}
+        position = self._gpu_position(rank)
+        env = {"CUDA_VISIBLE_DEVICES": self.gpus[position].uuid}
+        if not self.enabled:
+            return env
+        assert self.dirs is not None
+        daemon = self.daemons[position]
+        env["CUDA_MPS_PIPE_DIRECTORY"] = str(daemon.pipe_dir)
+        env["CUDA_MPS_LOG_DIRECTORY"] = str(daemon.log_dir)
+        env["MPSRUN_SESSION_DIR"] = str(self.dirs.root)
+        if self.thread_percentage is not None:
+            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.thread_percentage)
+        if self.mem_limit is not None:
+            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={self.mem_limit}"
+        if self.priority is not None:
+            env["CUDA_MPS_CLIENT_PRIORITY"] = str(self.priority)
+        return env
+
+    def clients(self) -> set[int]:
+        """PIDs connected as clients to any of this session's servers."""
+        result: set[int] = set()
+        for daemon in self.daemons:
+            result |= daemon.clients()
+        return result
+
+    def verify(self, pids: Iterable[int] | None = None) -> list[int]:
+        """Check that processes using our GPUs are clients of our MPS servers.
+
+        ``pids`` defaults to every descendant of this process. A process holding a CUDA
+        context on one of the session's GPUs without being a client of our server ran
+        into CUDA's silent fallback: :class:`NotMPSClientError` names it. Processes with no
+        context yet are not judged. Returns the PIDs verified as clients.
+        """
+        if not self.enabled:
+            return []
+        if pids is None:
+            pids = [child.pid for child in psutil.Process().children(recursive=True)]
+        wanted = set(pids)
+        verified: list[int] = []
+        for gpu, daemon in zip(self.gpus, self.daemons):
+            clients = daemon.clients()
+            using = gpu_info.compute_pids(gpu.uuid) - set(daemon.server_pids)
+            strays = sorted((wanted & using) - clients)
+            if strays:
+                raise NotMPSClientError(
+                    f"process(es) {strays} use GPU {gpu.index} ({gpu.uuid}) without MPS: they are not clients "
+                    f"of this session's server (check CUDA_MPS_PIPE_DIRECTORY={daemon.pipe_dir})",
+                    pids=strays,
+                    gpu=gpu.uuid,
+                )
+            verified.extend(sorted(wanted & clients))
+        return verified
+
+    def status(self) -> dict[str, Any]:
+        """A snapshot: directories, and per GPU the daemon, its servers and clients."""
+        report: dict[str, Any] = {
+            "enabled": self.enabled,
+            "state": self._state,
+            "reason": self.disabled_reason,
+            "directory": str(self.dirs.root) if self.dirs else None,
+            "gpus": [],
+        }
+        for gpu, daemon in zip(self.gpus, self.daemons):
+            entry: dict[str, Any] = {"index": gpu.index, "uuid": gpu.uuid, "daemon_pid": daemon.pid}
+            entry["daemon_alive"] = daemon.alive
+            servers: dict[int, str] = {}
+            clients: dict[int, list[int]] = {}
+            if daemon.alive:
+                with contextlib.suppress(DaemonError):
+                    for server in daemon.server_list():
+                        servers[server] = daemon.server_status(server).value
+                        clients[server] = daemon.client_list(server)
+            entry["servers"] = servers
+            entry["clients"] = clients
+            report["gpus"].append(entry)
+        return report
+
+    # -- stopping -------------------------------------------------------------------------
+
+    def _teardown(self) -> list[BaseException]:
+        errors: list[BaseException] = []
+        if self._saved_env is not None:
+            for name, value in self._saved_env.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+            self._saved_env = None
+        for daemon in reversed(self.daemons):
+            try:
+                daemon.stop(timeout=self.stop_timeout)
+            except Exception as exc:  # keep stopping the others
+                errors.append(exc)
+        if self.dirs is not None:
+            if self.keep_logs:
+                log.warning("mpsrun: kept session logs in %s", self.dirs.root)
+            else:
+                try:
+                    self.dirs.remove()
+                except OSError as exc:
+                    errors.append(exc)
+        return errors
+
+    def close(self) -> None:
+        """Stop every daemon and server, restore the environment, remove the directories.
+
+        Raises :class:`TeardownError` if something could not be stopped or removed. Does
+        nothing in a forked child or when called again.
+        """
+        if self._owner_pid != os.getpid() or self._state in ("closed", "new"):
+            return
+        self._state = "closed"
+        self.teardown_errors = self._teardown()
+        if self.teardown_errors:
+            raise TeardownError(
+                "session teardown failed: " + "; ".join(str(e) for e in self.teardown_errors),
+                errors=self.teardown_errors,
+            )
+
+    def __enter__(self) -> Session:
+        if self._state == "new":
+            self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            self.close()
+        except TeardownError as teardown:
+            if exc is None:
+                raise
+            # Never hide the body's exception: attach the teardown failure to it.
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"mpsrun: {teardown}")
+            else:  # pragma: no cover - Python 3.10
+                log.error("mpsrun: %s", teardown)
+
+    def __repr__(self) -> str:
+        gpus = ",".join(str(g.index) for g in self.gpus) or "?"
+        return f"<mpsrun.Session {self._state} gpus={gpus} mps={'on' if self.enabled else 'off'}>"
+
+
+def mps_session(*args: Any, **kwargs: Any) -> Session:
+    """A private MPS session: one control daemon per GPU, started on ``with``.
+
+    Takes the arguments of :class:`Session` (``gpu``, ``gpus``, ``thread_percentage``,
+    ``mem_limit``, ``priority``, ``tmpdir``, ``mps``, ``keep_logs``, ``export``,
+    ``start_timeout``, ``stop_timeout``). Example::
+
+        with mps_session(gpu=0) as session:
+            with multiprocessing.get_context("spawn").Pool(4) as pool:
+                pool.map(work, range(4))
+            session.verify()
+    """
+    return Session(*args, **kwargs)
+
+
+mps_session.__signature__ = inspect.signature(Session)  # type: ignore[attr-defined]

@@ -1,0 +1,167 @@
+"""Shared fixtures: the fake MPS daemon and fake NVML for CI, the GPU tier's gate, leak checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+FAKE_MPS = TESTS / "fake_mps"
+FAKE_NVML = TESTS / "fake_nvml"
+FAKECUDA = FAKE_MPS / "fakecuda.py"
+
+
+def real_gpu_available() -> tuple[bool, str]:
+    """Whether the real driver answers and the real MPS control program exists."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        count = pynvml.nvmlDeviceGetCount()
+        pynvml.nvmlShutdown()
+    except Exception as exc:
+        return False, f"no NVIDIA driver ({exc})"
+    if count < 1:
+        return False, "the driver sees no GPU"
+    if shutil.which("nvidia-cuda-mps-control") is None:
+        return False, "nvidia-cuda-mps-control is not on PATH"
+    return True, ""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    ok, why = real_gpu_available()
+    if ok:
+        return
+    if os.environ.get("MPSRUN_REQUIRE_GPU") == "1":
+        config._mpsrun_gpu_missing = why  # type: ignore[attr-defined]  # fail them in setup
+    else:
+        for item in gpu_items:
+            item.add_marker(pytest.mark.skip(reason=f"GPU tier: {why}"))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    why = getattr(item.config, "_mpsrun_gpu_missing", None)
+    if why and item.get_closest_marker("gpu"):
+        pytest.fail(f"MPSRUN_REQUIRE_GPU=1 but {why}", pytrace=False)
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A short private directory (socket paths must stay under 108 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="mt", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _load_fake_pynvml() -> object:
+    spec = importlib.util.spec_from_file_location("pynvml", FAKE_NVML / "pynvml.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class FakeGPU:
+    """Handle on the fake machine: its GPUs, NVML directory and daemon switches."""
+
+    def __init__(self, root: Path, count: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.root = root
+        self.monkeypatch = monkeypatch
+        self.nvml_dir = root / "nvml"
+        self.nvml_dir.mkdir()
+        self.gpus = [
+            {"uuid": f"GPU-{i:08d}-fake-4000-8000-{i:012d}", "name": "Fake H100", "memory_total": 80 << 30}
+            for i in range(count)
+        ]
+        (self.nvml_dir / "gpus.json").write_text(json.dumps(self.gpus))
+        self.bin_dir = root / "bin"
+        self.bin_dir.mkdir()
+        wrapper = self.bin_dir / "nvidia-cuda-mps-control"
+        wrapper.write_text(
+            f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(FAKE_MPS)!r})\n"
+            "from fake_mps_control import main\nsys.exit(main(sys.argv[1:]))\n"
+        )
+        wrapper.chmod(0o755)
+        self.tmpdir = root / "t"
+        self.tmpdir.mkdir(mode=0o700)
+
+    @property
+    def uuids(self) -> list[str]:
+        return [g["uuid"] for g in self.gpus]
+
+    def daemon_env(self, **switches: str) -> None:
+        """Set fault-injection switches (FAKE_MPS_*) for daemons started from now on."""
+        for name, value in switches.items():
+            self.monkeypatch.setenv(name, value)
+
+    def client_command(self, *args: str) -> list[str]:
+        return [sys.executable, str(FAKECUDA), *args]
+
+    def session_dirs(self) -> list[Path]:
+        root = self.tmpdir / f"mpsrun-{os.getuid()}"
+        return sorted(p for p in root.iterdir()) if root.is_dir() else []
+
+
+def _ours(proc: psutil.Process) -> bool:
+    """A live child started by a test (multiprocessing's own helper process lives on by design)."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE and "multiprocessing.resource_tracker" not in " ".join(
+            proc.cmdline()
+        )
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture
+def fake_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGPU]:
+    """A machine with fake GPUs (default 1; parametrize indirectly for more) and the fake daemon.
+
+    Puts the fake ``nvidia-cuda-mps-control`` first on PATH, the fake ``pynvml`` in
+    ``sys.modules`` and on PYTHONPATH, and a short MPSRUN_TMPDIR. Afterwards it checks
+    that the test left no child process and no session directory behind.
+    """
+    count = getattr(request, "param", 1)
+    root = Path(tempfile.mkdtemp(prefix="mf", dir="/tmp"))
+    fake = FakeGPU(root, count, monkeypatch)
+    monkeypatch.setenv("MPSRUN_FAKE_NVML", str(fake.nvml_dir))
+    monkeypatch.setenv("PATH", f"{fake.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(FAKE_NVML), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("MPSRUN_TMPDIR", str(fake.tmpdir))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for name in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setitem(sys.modules, "pynvml", _load_fake_pynvml())
+    try:
+        yield fake
+        leftovers = [p for p in psutil.Process().children(recursive=True) if _ours(p)]
+        assert not leftovers, f"processes left behind: {[(p.pid, p.cmdline()) for p in leftovers]}"
+        assert not fake.session_dirs(), f"session directories left behind: {fake.session_dirs()}"
+    finally:
+        for proc in psutil.Process().children(recursive=True):
+            if _ours(proc):
+                proc.kill()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def no_gpu(monkeypatch: pytest.MonkeyPatch, short_tmp: Path) -> Path:
+    """A machine with no NVIDIA driver and no MPS control program."""
+    monkeypatch.setenv("MPSRUN_FAKE_NVML", str(short_tmp / "absent"))
+    monkeypatch.setitem(sys.modules, "pynvml", _load_fake_pynvml())
+    empty_bin = short_tmp / "bin"
+    empty_bin.mkdir()
+    monkeypatch.setenv("PATH", f"{empty_bin}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    monkeypatch.setenv("MPSRUN_TMPDIR", str(short_tmp))
+    return short_tmp

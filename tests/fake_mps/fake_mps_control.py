@@ -1,0 +1,353 @@
+"""A test double of ``nvidia-cuda-mps-control`` for machines without a GPU.
+
+It speaks the real tool's interface as recorded on an H100 (tests/data/h100/):
+
+* ``-f``: run the control daemon in the foreground, log lines on stdout;
+* ``-h``: print the help;
+* no argument: client mode, one command per stdin line, replies on stdout, exit 1
+  with "Cannot find MPS control daemon process" when no daemon answers, exit 0
+  otherwise, even when the command failed (as the real one does).
+
+The daemon listens on ``$CUDA_MPS_PIPE_DIRECTORY/control`` (a UNIX socket, as the
+real one) and keeps its state in memory. Fake CUDA programs (``fakecuda.py``)
+connect through the same socket with private ``__client`` commands, so client
+lists, ``quit`` blocking while clients live, ``terminate_client`` and server faults
+behave as on the real daemon. The server is a real child process that dies with
+the daemon. Fault injection for tests, through the daemon's environment:
+
+* ``FAKE_MPS_START_FAIL=1``: the daemon prints an error and exits 1 at once;
+* ``FAKE_MPS_NO_ANSWER=1``: the daemon runs but never opens its socket;
+* ``FAKE_MPS_QUIT_HANG=1``: ``quit`` never returns (the daemon ignores SIGTERM too);
+* ``FAKE_MPS_INIT_POLLS=N``: a new server answers INITIALIZING N times first.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import socket
+import socketserver
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+NO_DAEMON = "Cannot find MPS control daemon process"
+HELP = """\
+Usage: nvidia-cuda-mps-control [-d | -f] [-M|--multiuser-server] [-q|--ready-devices]
+       nvidia-cuda-mps-control [-h]
+Commands: start_server -uid <uid>, quit, get_server_list, get_server_status <PID>,
+  get_client_list <PID>, get_device_client_list [<PID>], ps [-p PID],
+  set_default_active_thread_percentage <pct>, get_default_active_thread_percentage,
+  set_active_thread_percentage <PID> <pct>, get_active_thread_percentage <PID>,
+  set_default_device_pinned_mem_limit <dev> <value>, get_default_device_pinned_mem_limit <dev>,
+  set_device_pinned_mem_limit <PID> <dev> <value>, get_device_pinned_mem_limit <PID> <dev>,
+  set_default_client_priority <level>, get_default_client_priority,
+  terminate_client <server PID> <client PID>, device_query [<PID>] [--csv]
+"""
+
+
+def pipe_dir() -> Path:
+    return Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps")
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def stamp() -> str:
+    return datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+class State:
+    """Everything the fake daemon knows; guarded by one lock."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.uuid = (os.environ.get("CUDA_VISIBLE_DEVICES") or "GPU-fake").split(",")[0]
+        self.default_atp = "100.0"
+        self.default_mem: dict[str, str] = {}
+        self.default_priority = "0"
+        self.server: subprocess.Popen[bytes] | None = None
+        self.server_atp = "100.0"
+        self.init_polls = int(os.environ.get("FAKE_MPS_INIT_POLLS", "0"))
+        self.clients: dict[int, str] = {}  # pid -> "ok" | "terminated" | "fault"
+        self.faulted = False
+        self.quitting = False
+
+    def log(self, line: str) -> None:
+        print(f"[{stamp()} Control {os.getpid()}] {line}", flush=True)
+
+    def live_clients(self) -> list[int]:
+        for pid in [p for p in self.clients if not pid_alive(p)]:
+            del self.clients[pid]
+            self.log(f"Client {pid} disconnected")
+        return sorted(self.clients)
+
+    def ensure_server(self) -> int:
+        if self.server is None or self.server.poll() is not None:
+            self.server = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--server", self.uuid],
+                stdin=subprocess.PIPE,
+                stdout=sys.stdout,
+                stderr=subprocess.STDOUT,
+            )
+            self.server_atp = self.default_atp
+            self.faulted = False
+            self.log(f"Starting new server {self.server.pid} for user {os.getuid()}")
+            self.log(f"NEW SERVER {self.server.pid}: Ready")
+        return self.server.pid
+
+    def server_pid(self) -> int | None:
+        if self.server is not None and self.server.poll() is None:
+            return self.server.pid
+        return None
+
+    def stop_server(self) -> None:
+        if self.server is not None:
+            if self.server.stdin:
+                self.server.stdin.close()
+            self.server.wait()
+            self.log(f"Server {self.server.pid} exited with status 0")
+            self.server = None
+
+
+def is_server(state: State, text: str) -> bool:
+    return text.isdigit() and state.server_pid() == int(text)
+
+
+def handle(state: State, line: str) -> tuple[str, bool]:
+    """Reply to one command; the flag says the daemon should exit afterwards."""
+    words = line.split()
+    if not words:
+        return "", False
+    cmd, args = words[0], words[1:]
+    if cmd == "quit":
+        state.quitting = True
+        while True:
+            with state.lock:
+                if not state.live_clients():
+                    break
+            time.sleep(0.02)
+        if os.environ.get("FAKE_MPS_QUIT_HANG"):
+            while True:
+                time.sleep(1)
+        with state.lock:
+            state.stop_server()
+            state.log("Exit")
+        return "", True
+    with state.lock:
+        state.log(f"Accepting connection...\n[{stamp()} Control {os.getpid()}] User did send {line}")
+        return dispatch(state, cmd, args), False
+
+
+def dispatch(state: State, cmd: str, args: list[str]) -> str:  # noqa: C901 - one branch per command
+    if cmd == "get_server_list":
+        pid = state.server_pid()
+        return "" if pid is None else str(pid)
+    if cmd == "start_server":
+        if len(args) == 2 and args[0] == "-uid" and args[1].isdigit():
+            state.ensure_server()
+            return ""
+        return 'Invalid arguments for "start_server"'
+    if cmd == "get_server_status":
+        if len(args) != 1:
+            return 'Invalid arguments for "get_server_status"'
+        if not is_server(state, args[0]):
+            return f"Server {args[0]} not found"
+        if state.init_polls > 0:
+            state.init_polls -= 1
+            return "INITIALIZING"
+        return "FAULT" if state.faulted else "ACTIVE"
+    if cmd == "get_client_list":
+        if len(args) != 1 or not is_server(state, args[0]):
+            return f"Server {args[0] if args else ''} not found"
+        return "\n".join(str(p) for p in state.live_clients())
+    if cmd == "ps":
+        rows = ["PID\tID\tSERVER\tDEVICE\tNAMESPACE\tCOMMAND"]
+        server = state.server_pid()
+        if server is not None:
+            rows.append(f"{server}\t1\t-\t-\t4026531836\tnvidia-cuda-mps-server")
+            for i, pid in enumerate(state.live_clients(), start=2):
+                rows.append(f"{pid}\t{i}\t{server}\t{state.uuid}\t4026531836\tpython3")
+        return "\n".join(rows)
+    if cmd == "set_default_active_thread_percentage":
+        value = args[0] if len(args) == 1 else ""
+        try:
+            number = float(value)
+        except ValueError:
+            return f'Invalid arguments for "{cmd}"'
+        if not 0 < number <= 100:
+            return f'Invalid arguments for "{cmd}"'
+        state.default_atp = f"{number:.1f}"
+        return state.default_atp
+    if cmd == "get_default_active_thread_percentage":
+        return state.default_atp
+    if cmd == "get_active_thread_percentage":
+        if len(args) != 1 or not is_server(state, args[0]):
+            return f"Server {args[0] if args else ''} not found"
+        return state.server_atp
+    if cmd == "set_default_device_pinned_mem_limit":
+        if len(args) != 2 or not args[1][:-1].isdigit() or args[1][-1] not in "MG":
+            return f'Invalid arguments for "{cmd}"'
+        state.default_mem[args[0]] = args[1]
+        return ""
+    if cmd == "get_default_device_pinned_mem_limit":
+        if len(args) != 1:
+            return f'Invalid arguments for "{cmd}"'
+        return state.default_mem.get(args[0], "0")
+    if cmd == "get_default_client_priority":
+        return state.default_priority
+    if cmd == "set_default_client_priority":
+        if args not in (["0"], ["1"]):
+            return f'Invalid arguments for "{cmd}"'
+        state.default_priority = args[0]
+        return ""
+    if cmd == "terminate_client":
+        if len(args) != 2 or not is_server(state, args[0]):
+            return f"Server {args[0] if args else ''} not found"
+        client = int(args[1]) if args[1].isdigit() else -1
+        if client not in state.live_clients():
+            return f"Client {args[1]} not found"
+        state.clients[client] = "terminated"
+        state.log(f"Server {args[0]} terminating client {client}")
+        return "0"
+    if cmd == "__client_connect":
+        # Fake CUDA init: a client attaches; the server starts lazily, as the real one does.
+        if state.quitting:
+            return "refused"
+        pid = int(args[0])
+        if state.faulted:
+            return "not_ready"
+        server = state.ensure_server()
+        state.clients[pid] = "ok"
+        state.log(f"NEW CLIENT {pid} from user {os.getuid()}: Server {server} already exists")
+        return f"ok {server} {state.uuid}"
+    if cmd == "__client_poll":
+        return state.clients.get(int(args[0]), "gone")
+    if cmd == "__client_fault":
+        # One client's fatal GPU error tears down every client of the server (Volta+ MPS).
+        pid = int(args[0])
+        server = state.server_pid()
+        state.faulted = True
+        for client in state.clients:
+            state.clients[client] = "fault"
+        state.log(f"Server {server} encountered a fatal GPU error.")
+        state.log(f"All clients belonging to error trigging process {pid} will be torn down.")
+        return "ok"
+    return f'Unknown command "{cmd}"'
+
+
+def run_daemon() -> int:
+    if os.environ.get("FAKE_MPS_START_FAIL"):
+        print("An instance of this daemon is already running", flush=True)
+        return 1
+    directory = pipe_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "nvidia-cuda-mps-control.pid").write_text(f"{os.getpid()}\n")
+    (directory / "control_lock").touch()
+    if os.environ.get("FAKE_MPS_NO_ANSWER"):
+        while True:
+            time.sleep(1)
+    state = State()
+    if os.environ.get("FAKE_MPS_QUIT_HANG"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    done = threading.Event()
+
+    class Handler(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            line = self.rfile.readline().decode().strip()
+            reply, stop = handle(state, line)
+            self.wfile.write(reply.encode())
+            if stop:
+                done.set()
+
+    for name in ("control", "control_privileged"):
+        with_path = directory / name
+        if with_path.exists():
+            with_path.unlink()
+    server = socketserver.ThreadingUnixStreamServer(str(directory / "control"), Handler)
+    server.daemon_threads = True
+    privileged = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    privileged.bind(str(directory / "control_privileged"))
+    state.log("Starting control daemon using socket " + str(directory / "control"))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    done.wait()
+    server.shutdown()
+    return 0
+
+
+def run_server(uuid: str) -> int:
+    """The fake MPS server: shows up in the fake NVML as a compute process, dies with the daemon."""
+    nvml_dir = os.environ.get("MPSRUN_FAKE_NVML")
+    entry = Path(nvml_dir, "procs", str(os.getpid())) if nvml_dir else None
+    if entry is not None:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        entry.write_text(json.dumps({"uuid": uuid, "type": "C"}))
+    try:
+        sys.stdin.buffer.read()  # EOF when the daemon exits or stops us
+    finally:
+        if entry is not None:
+            entry.unlink(missing_ok=True)
+    return 0
+
+
+def send(command: str, directory: Path | None = None, timeout: float | None = None) -> str | None:
+    """Send one command to the daemon; None when no daemon answers."""
+    path = str((directory or pipe_dir()) / "control")
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(timeout)
+    try:
+        conn.connect(path)
+    except OSError:
+        conn.close()
+        return None
+    with conn:
+        conn.sendall(command.encode() + b"\n")
+        chunks = []
+        while chunk := conn.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks).decode()
+
+
+def run_client() -> int:
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        reply = send(line.strip())
+        if reply is None:
+            print(NO_DAEMON)
+            return 1
+        if reply:
+            print(reply, flush=True)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        return run_client()
+    if argv[0] == "--server":
+        return run_server(argv[1])
+    if argv[0] == "-f":
+        return run_daemon()
+    if argv[0] in ("-h", "--help"):
+        print(HELP, end="")
+        return 0
+    if argv[0] == "-d":
+        print("the fake daemon supports only -f", file=sys.stderr)
+        return 2
+    print(f'Unrecognized option "{argv[0]}"')
+    print(HELP, end="")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

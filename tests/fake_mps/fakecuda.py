@@ -1,0 +1,108 @@
+"""A fake CUDA program for tests without a GPU.
+
+``init()`` does what CUDA's first call does about MPS: it tries the control daemon
+named by ``CUDA_MPS_PIPE_DIRECTORY`` (default /tmp/nvidia-mps) and, when none
+answers, silently runs WITHOUT MPS, as real CUDA does. Either way it registers a
+context on its GPU in the fake NVML (``$MPSRUN_FAKE_NVML/procs``), type "M+C" for an
+MPS client and "C" otherwise, so mpsrun's checks see what NVML would show.
+
+As a program: ``python fakecuda.py [--hold S] [--exit N] [--fault] [--report FILE]``
+initialises, then "runs kernels" for S seconds (checking with the server between
+kernels, like a real client's next CUDA call), then exits with N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from fake_mps_control import send  # noqa: E402
+
+
+class Context:
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps")
+        reply = send(f"__client_connect {self.pid}", self.pipe, timeout=5)
+        if reply is not None and reply.startswith("not_ready"):
+            raise SystemExit(_fail("cudaErrorMpsServerNotReady"))
+        if reply is not None and reply.startswith("ok"):
+            _, server, uuid = reply.split()
+            self.mps, self.server, self.uuid = True, int(server), uuid
+        else:
+            self.mps, self.server, self.uuid = False, 0, _visible_uuid()
+        nvml_dir = os.environ.get("MPSRUN_FAKE_NVML")
+        if nvml_dir:
+            entry = Path(nvml_dir, "procs", str(self.pid))
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            entry.write_text(json.dumps({"uuid": self.uuid, "type": "M+C" if self.mps else "C"}))
+            atexit.register(entry.unlink, missing_ok=True)
+
+    def kernel(self) -> None:
+        """One 'kernel launch': an MPS client learns here that it was terminated or faulted."""
+        if not self.mps:
+            return
+        state = send(f"__client_poll {self.pid}", self.pipe, timeout=5)
+        if state == "terminated":
+            raise SystemExit(_fail("cudaErrorMpsClientTerminated"))
+        if state == "fault":
+            raise SystemExit(_fail("cudaErrorIllegalAddress"))
+        if state is None:
+            raise SystemExit(_fail("cudaErrorMpsRpcFailure"))
+
+    def fault(self) -> None:
+        send(f"__client_fault {self.pid}", self.pipe, timeout=5)
+        raise SystemExit(_fail("cudaErrorIllegalAddress"))
+
+
+def _fail(error: str) -> int:
+    print(f"CUDA error: {error}", file=sys.stderr, flush=True)
+    return 1
+
+
+def _visible_uuid() -> str:
+    visible = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip()
+    if visible.startswith("GPU-"):
+        return visible
+    nvml_dir = os.environ.get("MPSRUN_FAKE_NVML")
+    gpus = json.loads(Path(nvml_dir, "gpus.json").read_text()) if nvml_dir else []
+    index = int(visible) if visible.isdigit() else 0
+    return gpus[index]["uuid"] if index < len(gpus) else "GPU-none"
+
+
+def init() -> Context:
+    return Context()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hold", type=float, default=0.0)
+    parser.add_argument("--exit", type=int, default=0)
+    parser.add_argument("--fault", action="store_true")
+    parser.add_argument("--report")
+    args = parser.parse_args()
+    ctx = init()
+    if args.report:
+        info = {"pid": ctx.pid, "mps": ctx.mps, "server": ctx.server, "uuid": ctx.uuid,
+                "env": {k: v for k, v in os.environ.items() if k.startswith(("CUDA_", "MPSRUN_"))}}
+        Path(args.report).write_text(json.dumps(info))
+    if args.fault:
+        ctx.fault()
+    end = time.monotonic() + args.hold
+    while True:
+        ctx.kernel()
+        if time.monotonic() >= end:
+            break
+        time.sleep(0.02)
+    return args.exit
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""A test double of ``pynvml`` (nvidia-ml-py) for machines without a GPU.
+
+Reads ``$MPSRUN_FAKE_NVML/gpus.json`` (a list of {uuid, name, memory_total,
+compute_mode, mig}) and the compute processes registered under
+``$MPSRUN_FAKE_NVML/procs/<pid>`` by fake CUDA programs and the fake MPS server.
+Without that variable (or file) ``nvmlInit`` fails as it does on a machine with no
+driver. Only the calls mpsrun makes exist here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+NVML_ERROR_LIBRARY_NOT_FOUND = 12
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_INVALID_ARGUMENT = 2
+NVML_ERROR_NOT_FOUND = 6
+_MESSAGES = {
+    2: "Invalid Argument",
+    3: "Not Supported",
+    6: "Not Found",
+    12: "NVML Shared Library Not Found",
+}
+
+
+class NVMLError(Exception):
+    def __init__(self, value: int) -> None:
+        super().__init__(value)
+        self.value = value
+
+    def __str__(self) -> str:
+        return _MESSAGES.get(self.value, f"error {self.value}")
+
+
+class NVMLError_NotSupported(NVMLError):  # noqa: N801 - the real module's name
+    def __init__(self) -> None:
+        super().__init__(NVML_ERROR_NOT_SUPPORTED)
+
+
+_gpus: list[dict] | None = None
+
+
+def _root() -> Path:
+    return Path(os.environ.get("MPSRUN_FAKE_NVML", "/nonexistent"))
+
+
+def nvmlInit() -> None:  # noqa: N802
+    global _gpus
+    try:
+        _gpus = json.loads((_root() / "gpus.json").read_text())
+    except (OSError, ValueError):
+        raise NVMLError(NVML_ERROR_LIBRARY_NOT_FOUND) from None
+
+
+def nvmlShutdown() -> None:  # noqa: N802
+    pass
+
+
+def _check() -> list[dict]:
+    if _gpus is None:
+        raise NVMLError(NVML_ERROR_LIBRARY_NOT_FOUND)
+    return _gpus
+
+
+def nvmlSystemGetDriverVersion() -> str:  # noqa: N802
+    _check()
+    return "580.159.04"
+
+
+def nvmlSystemGetCudaDriverVersion() -> int:  # noqa: N802
+    _check()
+    return 13000
+
+
+def nvmlDeviceGetCount() -> int:  # noqa: N802
+    return len(_check())
+
+
+def nvmlDeviceGetHandleByIndex(index: int) -> dict:  # noqa: N802
+    gpus = _check()
+    if not 0 <= index < len(gpus):
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    return gpus[index]
+
+
+def nvmlDeviceGetHandleByUUID(uuid: str) -> dict:  # noqa: N802
+    for gpu in _check():
+        if gpu["uuid"] == uuid:
+            return gpu
+    raise NVMLError(NVML_ERROR_NOT_FOUND)
+
+
+def nvmlDeviceGetUUID(handle: dict) -> str:  # noqa: N802
+    return handle["uuid"]
+
+
+def nvmlDeviceGetName(handle: dict) -> str:  # noqa: N802
+    return handle.get("name", "Fake GPU")
+
+
+def nvmlDeviceGetMemoryInfo(handle: dict) -> SimpleNamespace:  # noqa: N802
+    total = int(handle.get("memory_total", 80 << 30))
+    return SimpleNamespace(total=total, free=total, used=0)
+
+
+def nvmlDeviceGetComputeMode(handle: dict) -> int:  # noqa: N802
+    return int(handle.get("compute_mode", 0))
+
+
+def nvmlDeviceGetMigMode(handle: dict) -> tuple[int, int]:  # noqa: N802
+    if "mig" not in handle:
+        raise NVMLError_NotSupported()
+    return (int(handle["mig"]), int(handle["mig"]))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _procs(handle: dict, kinds: tuple[str, ...]) -> list[SimpleNamespace]:
+    found = []
+    directory = _root() / "procs"
+    for entry in sorted(directory.glob("*")) if directory.is_dir() else []:
+        try:
+            info = json.loads(entry.read_text())
+        except (OSError, ValueError):
+            continue
+        if info["uuid"] == handle["uuid"] and info["type"] in kinds and _alive(int(entry.name)):
+            found.append(SimpleNamespace(pid=int(entry.name), usedGpuMemory=530 << 20))
+    return found
+
+
+def nvmlDeviceGetComputeRunningProcesses(handle: dict) -> list[SimpleNamespace]:  # noqa: N802
+    return _procs(handle, ("C",))
+
+
+def nvmlDeviceGetMPSComputeRunningProcesses(handle: dict) -> list[SimpleNamespace]:  # noqa: N802
+    return _procs(handle, ("M+C",))

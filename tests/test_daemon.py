@@ -1,0 +1,142 @@
+"""Integration tests: ControlDaemon against the fake nvidia-cuda-mps-control."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from mpsrun.daemon import ControlDaemon, ServerStatus
+from mpsrun.errors import DaemonError, DaemonStartError, DaemonTimeoutError
+from mpsrun.paths import SessionDirs
+
+
+@pytest.fixture
+def daemon(fake_gpu):
+    dirs = SessionDirs.create(fake_gpu.tmpdir, [0])
+    d = ControlDaemon(gpu_uuid=fake_gpu.uuids[0], pipe_dir=dirs.pipe_dir(0), log_dir=dirs.log_dir(0))
+    yield d
+    d.stop(timeout=5)
+    dirs.remove()
+
+
+def test_start_configure_serve_and_stop(daemon, fake_gpu):
+    """The daemon answers, takes defaults, starts an ACTIVE server, and stop() leaves no process."""
+    daemon.start(timeout=10)
+    assert daemon.alive and daemon.server_list() == []
+    daemon.set_defaults(thread_percentage=40, mem_limit="2G")
+    assert daemon.command("get_default_active_thread_percentage") == "40.0"
+    assert daemon.command("get_default_device_pinned_mem_limit 0") == "2G"
+    server = daemon.start_server(timeout=10)
+    assert daemon.server_list() == [server]
+    assert daemon.server_status(server) is ServerStatus.ACTIVE
+    assert daemon.command(f"get_active_thread_percentage {server}") == "40.0"
+    assert "control.log" in os.listdir(daemon.log_dir) and daemon.log_tail()
+    pids = [daemon.pid, server]
+    daemon.stop(timeout=5)
+    assert not daemon.alive
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+
+
+def test_failed_commands_raise_with_command_and_reply(daemon):
+    """The client exits 0 on failed commands, so replies are parsed: errors carry command and reply."""
+    daemon.start(timeout=10)
+    with pytest.raises(DaemonError) as info:
+        daemon.command("frobnicate")
+    assert info.value.command == "frobnicate" and info.value.reply == 'Unknown command "frobnicate"'
+    with pytest.raises(DaemonError, match="not found"):
+        daemon.server_status(999999)
+    with pytest.raises(DaemonError, match="Invalid"):
+        daemon.set_defaults(thread_percentage=0)
+
+
+def test_command_without_daemon_raises(daemon):
+    """Before start (no daemon in the pipe directory) a command fails with the tool's own message."""
+    daemon.executable = "nvidia-cuda-mps-control"
+    with pytest.raises(DaemonError, match="Cannot find MPS control daemon process"):
+        daemon.command("get_server_list")
+
+
+def test_server_initializing_is_polled_until_active(daemon, fake_gpu):
+    """A server that reports INITIALIZING first is polled (not slept on) until ACTIVE."""
+    fake_gpu.daemon_env(FAKE_MPS_INIT_POLLS="3")
+    daemon.start(timeout=10)
+    server = daemon.start_server(timeout=10)
+    assert daemon.server_status(server) is ServerStatus.ACTIVE
+
+
+def test_daemon_that_exits_at_start_reports_log_tail(daemon, fake_gpu):
+    """A daemon that dies at start gives DaemonStartError with its exit code and last log line."""
+    fake_gpu.daemon_env(FAKE_MPS_START_FAIL="1")
+    with pytest.raises(DaemonStartError, match="exited with code 1.*already running") as info:
+        daemon.start(timeout=10)
+    assert "already running" in info.value.log_tail
+    assert not daemon.alive
+
+
+def test_daemon_that_never_answers_times_out_and_is_killed(daemon, fake_gpu):
+    """A daemon that never opens its socket hits the deadline; it is then killed by its pid group."""
+    fake_gpu.daemon_env(FAKE_MPS_NO_ANSWER="1")
+    start = time.monotonic()
+    with pytest.raises(DaemonTimeoutError, match="did not answer within 0.5 s"):
+        daemon.start(timeout=0.5)
+    assert time.monotonic() - start < 6
+    assert not daemon.alive
+
+
+def test_clients_terminate_and_quit_blocking(daemon, fake_gpu):
+    """Clients are listed; terminate_client ends one at its next call; quit waits for live ones."""
+    daemon.start(timeout=10)
+    server = daemon.start_server(timeout=10)
+    env = {**os.environ, **{"CUDA_MPS_PIPE_DIRECTORY": str(daemon.pipe_dir)}}
+    first = subprocess.Popen(fake_gpu.client_command("--hold", "30"), env=env, stderr=subprocess.PIPE, text=True)
+    second = subprocess.Popen(fake_gpu.client_command("--hold", "1.5"), env=env)
+    deadline = time.monotonic() + 10
+    while daemon.clients() != {first.pid, second.pid} and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert daemon.clients() == {first.pid, second.pid}
+    assert {row.pid for row in daemon.ps()} == {server, first.pid, second.pid}
+    daemon.terminate_client(server, first.pid)
+    assert first.wait(timeout=10) == 1
+    assert "cudaErrorMpsClientTerminated" in first.stderr.read()
+    first.stderr.close()
+    started = time.monotonic()
+    daemon.stop(timeout=10)  # quit blocks until the second client is done
+    assert second.poll() == 0
+    assert time.monotonic() - started > 0.3
+
+
+def test_stop_escalates_when_quit_hangs(daemon, fake_gpu):
+    """When quit does not return by the deadline, the daemon's process group is killed."""
+    fake_gpu.daemon_env(FAKE_MPS_QUIT_HANG="1")
+    daemon.start(timeout=10)
+    server = daemon.start_server(timeout=10)
+    started = time.monotonic()
+    daemon.stop(timeout=1, grace=0.5)
+    assert time.monotonic() - started < 5
+    assert not daemon.alive
+    assert not psutil.pid_exists(server) or psutil.Process(server).status() == psutil.STATUS_ZOMBIE
+
+
+def test_daemon_dies_with_its_parent(fake_gpu, short_tmp):
+    """The parent-death signal: if the process that started the daemon is SIGKILLed, the daemon dies too."""
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from mpsrun.daemon import ControlDaemon\n"
+        f"d = ControlDaemon(gpu_uuid='GPU-x', pipe_dir=Path({str(short_tmp)!r}), log_dir=Path({str(short_tmp)!r}))\n"
+        "d.start(timeout=10)\n"
+        "print(d.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    daemon_pid = int(holder.stdout.readline())
+    holder.stdout.close()
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    gone = psutil.wait_procs([psutil.Process(daemon_pid)], timeout=5)[0]
+    assert [p.pid for p in gone] == [daemon_pid]

@@ -1,0 +1,75 @@
+"""Unit tests: CUDA_VISIBLE_DEVICES handling and GPU selection (pure), and the NVML seam on the fake."""
+
+import pytest
+
+from mpsrun import gpus
+from mpsrun.errors import ConfigError, GPUNotFoundError, NoDriverError
+from mpsrun.gpus import GPU, parse_visible_devices, select_gpus
+
+PHYSICAL = [GPU(i, f"GPU-{i}{i}aa-0000", "H100", 80 << 30, "Default", False) for i in range(4)]
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, [0, 1, 2, 3]),
+        ("2,0", [2, 0]),
+        ("1,7,2", [1]),  # CUDA stops at the first entry that names no device
+        ("", []),
+        ("-1", []),
+        ("GPU-33", [3]),  # UUID prefixes are accepted, as by CUDA
+        ("GPU-00aa-0000,1", [0, 1]),
+        ("1,1", [1]),
+    ],
+)
+def test_visible_devices_follow_cuda_rules(value, expected):
+    """Indices, UUID prefixes, invalid entries and duplicates behave as CUDA treats them."""
+    assert [g.index for g in parse_visible_devices(value, PHYSICAL)] == expected
+
+
+def test_visible_devices_reject_mig():
+    """A MIG instance in CUDA_VISIBLE_DEVICES is refused with a clear message."""
+    with pytest.raises(ConfigError, match="MIG"):
+        parse_visible_devices("MIG-abc", PHYSICAL)
+
+
+def test_select_by_position_and_uuid():
+    """GPUs are chosen by position among the visible ones (as CUDA numbers them) or by UUID."""
+    visible = [PHYSICAL[2], PHYSICAL[3]]
+    assert select_gpus([0], visible) == [PHYSICAL[2]]
+    assert select_gpus(["1"], visible) == [PHYSICAL[3]]
+    assert select_gpus(["GPU-22"], visible) == [PHYSICAL[2]]
+    assert select_gpus(None, visible) == visible
+
+
+@pytest.mark.parametrize("request_", [[2], [-1], ["GPU-00"], ["abc"], [0, 0], [1.5], [True]])
+def test_select_rejects_unknown_or_bad(request_):
+    """An index out of range, an invisible UUID, junk or a repeat raises a ValueError naming the problem."""
+    with pytest.raises(ValueError) as info:
+        select_gpus(request_, [PHYSICAL[2], PHYSICAL[3]])
+    if isinstance(info.value, GPUNotFoundError):
+        assert "visible GPUs: 0: H100 GPU-22aa-0000; 1: H100 GPU-33aa-0000" in str(info.value)
+
+
+def test_select_with_nothing_visible():
+    """Selecting from no visible GPUs says to check CUDA_VISIBLE_DEVICES."""
+    with pytest.raises(GPUNotFoundError, match="CUDA_VISIBLE_DEVICES"):
+        select_gpus(None, [])
+
+
+@pytest.mark.parametrize("fake_gpu", [2], indirect=True)
+def test_nvml_seam_on_fake_driver(fake_gpu, monkeypatch):
+    """list_gpus/visible_gpus/driver_info read NVML; CUDA_VISIBLE_DEVICES filters and orders."""
+    listed = gpus.list_gpus()
+    assert [g.uuid for g in listed] == fake_gpu.uuids
+    assert listed[0].compute_mode == "Default" and listed[0].mig_enabled is False
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert [g.index for g in gpus.visible_gpus()] == [1]
+    assert gpus.driver_info().cuda_version == "13.0"
+    assert gpus.compute_pids(fake_gpu.uuids[0]) == set()
+
+
+def test_no_driver_is_a_clear_error(no_gpu):
+    """Without a driver NVML fails to initialise and mpsrun raises NoDriverError saying so."""
+    with pytest.raises(NoDriverError, match="no usable NVIDIA driver"):
+        gpus.list_gpus()

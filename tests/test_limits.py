@@ -1,0 +1,78 @@
+"""Unit tests: validation of thread percentages, memory limits, priorities and MPS modes."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mpsrun.errors import ConfigError
+from mpsrun.limits import parse_mem_limit, parse_mps_mode, parse_priority, parse_thread_percentage
+
+
+@pytest.mark.parametrize(("value", "expected"), [(1, 1), (100, 100), ("25", 25), (" 50 ", 50), (50.0, 50)])
+def test_thread_percentage_accepts_whole_numbers_1_to_100(value, expected):
+    """Integers (or integer strings) from 1 to 100 are accepted as ints."""
+    assert parse_thread_percentage(value) == expected
+
+
+@pytest.mark.parametrize("value", [0, 101, -5, "abc", "", 12.5, None, True, "1e3"])
+def test_thread_percentage_rejects_everything_else(value):
+    """Out-of-range, fractional, boolean and non-numeric values raise ConfigError naming the setting."""
+    with pytest.raises(ConfigError, match="thread_percentage must be an integer from 1 to 100") as info:
+        parse_thread_percentage(value)
+    assert isinstance(info.value, ValueError)
+    assert info.value.setting == "thread_percentage"
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("4G", "4G"), ("4g", "4G"), ("4GiB", "4G"), ("512M", "512M"), ("1.5G", "1536M"), (2 << 30, "2048M"),
+     ("1T", "1024G"), ("2048K", "2M")],
+)
+def test_mem_limit_normalises_to_the_form_mps_takes(value, expected):
+    """Sizes become whole G or M, the only units MPS accepts."""
+    assert parse_mem_limit(value) == expected
+
+
+@pytest.mark.parametrize("value", ["12Q", "", "G", "-1G", "0M", "100", "1.5", None, True, 3.5, "4 G B"])
+def test_mem_limit_rejects_malformed_sizes(value):
+    """Unknown units, missing numbers, sizes under 1M and non-strings raise ConfigError."""
+    with pytest.raises(ConfigError, match="mem_limit"):
+        parse_mem_limit(value)
+
+
+@given(st.integers(min_value=1, max_value=1 << 20), st.sampled_from(["M", "G", "m", "g", "MiB", "GB"]))
+def test_mem_limit_round_trips_whole_sizes(number, unit):
+    """Any whole size in M or G parses to the same number with an upper-case unit."""
+    assert parse_mem_limit(f"{number}{unit}") == f"{number}{unit[0].upper()}"
+
+
+@given(st.text())
+def test_mem_limit_never_crashes(text):
+    """Arbitrary text either parses to a valid MPS size or raises ConfigError; nothing else."""
+    try:
+        result = parse_mem_limit(text)
+    except ConfigError:
+        return
+    assert result[-1] in "MG" and result[:-1].isdigit() and int(result[:-1]) >= 1
+
+
+@given(st.one_of(st.integers(), st.text(), st.floats(allow_nan=True)))
+def test_thread_percentage_property(value):
+    """Whatever the input, the result is an int in 1..100 or a ConfigError."""
+    try:
+        result = parse_thread_percentage(value)
+    except ConfigError:
+        return
+    assert isinstance(result, int) and 1 <= result <= 100
+
+
+def test_priority_and_mode():
+    """Priority takes 0 or 1; mps mode takes auto/on/off case-insensitively; others raise ConfigError."""
+    assert parse_priority("1") == 1 and parse_priority(0) == 0
+    assert parse_mps_mode("ON") == "on"
+    for bad in (2, "high", True):
+        with pytest.raises(ConfigError, match="priority"):
+            parse_priority(bad)
+    for bad in ("yes", 1, None):
+        with pytest.raises(ConfigError, match="mps must be one of"):
+            parse_mps_mode(bad)
