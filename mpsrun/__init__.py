@@ -8,6 +8,7 @@ Public API::
 """
 
 from mpsrun.errors import (
+    CommandNotFoundError,
     ConfigError,
     DaemonError,
     DaemonStartError,
@@ -26,6 +27,7 @@ from mpsrun.session import Session, mps_session
 __version__ = "0.1.0"
 
 __all__ = [
+    "CommandNotFoundError",
     "ConfigError",
     "DaemonError",
     "DaemonStartError",

@@ -91,16 +91,18 @@ def parse_server_status(reply: str) -> ServerStatus:
 
 
 def parse_ps(reply: str) -> list[PsEntry]:
-    """Rows of the ``ps`` command: ``PID ID SERVER DEVICE NAMESPACE COMMAND`` and similar.
+    """Rows of the ``ps`` command (recorded on an H100)::
 
-    Columns are found from the header line so a driver that adds one does not break us.
+        PID       ID        SERVER         DEVICE                    NAMESPACE      COMMAND
+        8216      1         8176           GPU-5ecd2ecb-5789-2238    4026531836     /usr/bin/python3
+
+    Columns are found by name in the header, so an added column does not break us.
+    ``Server not found`` (no server) and an empty reply (no clients) give no rows.
     """
     lines = [line for line in reply.splitlines() if line.strip()]
-    if not lines:
+    if not lines or "PID" not in lines[0].split():
         return []
     header = lines[0].split()
-    if "PID" not in header:
-        return []
     column = {name: i for i, name in enumerate(header)}
     rows: list[PsEntry] = []
     for line in lines[1:]:
@@ -113,10 +115,17 @@ def parse_ps(reply: str) -> list[PsEntry]:
                 pid=int(parts[column["PID"]]),
                 device=parts[column["DEVICE"]] if "DEVICE" in column else "",
                 server_pid=int(server) if server.isdigit() else 0,
-                name=parts[-1],
+                name=parts[-1].strip(),
             )
         )
     return rows
+
+
+def _as_float(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def _set_parent_death_signal() -> None:  # pragma: no cover - runs in the child before exec
@@ -351,11 +360,24 @@ class ControlDaemon:
 
     def set_defaults(self, thread_percentage: int | None = None, mem_limit: str | None = None) -> None:
         """Set limits for servers started later (call before :meth:`start_server`)."""
+        # The daemon prints no error for a bad value (recorded: it answers an invalid
+        # percentage with the old one and stores "12Q" as 12M), so each setting is read back.
         if thread_percentage is not None:
-            self.command(f"set_default_active_thread_percentage {thread_percentage}")
+            command = f"set_default_active_thread_percentage {thread_percentage}"
+            reply = self.command(command)
+            if _as_float(reply) != float(thread_percentage):
+                raise DaemonError(
+                    f"the daemon did not take {command!r} (it answered {reply!r})", command=command, reply=reply
+                )
         if mem_limit is not None:
             # Device 0 is this daemon's only device (CUDA_VISIBLE_DEVICES = one UUID).
-            self.command(f"set_default_device_pinned_mem_limit 0 {mem_limit}")
+            command = f"set_default_device_pinned_mem_limit 0 {mem_limit}"
+            self.command(command)
+            stored = self.command("get_default_device_pinned_mem_limit 0")
+            if stored != mem_limit:
+                raise DaemonError(
+                    f"the daemon did not take {command!r} (it stored {stored!r})", command=command, reply=stored
+                )
 
     def start_server(self, uid: int | None = None, timeout: float = 30.0) -> int:
         """Start this user's server now (not lazily at the first client) and wait for ACTIVE."""
@@ -413,7 +435,13 @@ class ControlDaemon:
         return result
 
     def ps(self) -> list[PsEntry]:
-        return parse_ps(self.command("ps"))
+        """The daemon's clients (``ps``); none when there is no server."""
+        try:
+            return parse_ps(self.command("ps"))
+        except DaemonError as exc:
+            if exc.reply.strip() == "Server not found":
+                return []
+            raise
 
     def terminate_client(self, server_pid: int, client_pid: int) -> None:
         """Ask the server to end a client's work (it fails at its next CUDA call)."""

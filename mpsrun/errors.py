@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
+    "CommandNotFoundError",
     "ConfigError",
     "DaemonError",
     "DaemonStartError",
@@ -54,6 +55,9 @@ class ConfigError(MPSError, ValueError):
     Attributes: ``setting`` (the option or argument name) and ``value``.
     """
 
+    setting: str
+    value: Any
+
     def __init__(self, message: str, *, setting: str = "", value: Any = None) -> None:
         super().__init__(message, setting=setting, value=value)
 
@@ -63,6 +67,9 @@ class UnsafeDirectoryError(MPSError, PermissionError):
 
     Attributes: ``path`` and ``reason``.
     """
+
+    path: str
+    reason: str
 
     def __init__(self, message: str, *, path: str = "", reason: str = "") -> None:
         super().__init__(message, path=path, reason=reason)
@@ -75,6 +82,8 @@ class GPUError(MPSError, RuntimeError):
 class NoDriverError(GPUError):
     """No NVIDIA driver (NVML) is usable on this machine. Attribute: ``reason``."""
 
+    reason: str
+
     def __init__(self, message: str, *, reason: str = "") -> None:
         super().__init__(message, reason=reason)
 
@@ -82,12 +91,17 @@ class NoDriverError(GPUError):
 class GPUNotFoundError(MPSError, ValueError):
     """A requested GPU is not visible. Attributes: ``requested`` and ``visible``."""
 
+    requested: Any
+    visible: list[str]
+
     def __init__(self, message: str, *, requested: Any = None, visible: Sequence[str] = ()) -> None:
         super().__init__(message, requested=requested, visible=list(visible))
 
 
 class MPSUnavailableError(MPSError, RuntimeError):
     """MPS was required (``mps="on"``) but cannot run here. Attribute: ``reason``."""
+
+    reason: str
 
     def __init__(self, message: str, *, reason: str = "") -> None:
         super().__init__(message, reason=reason)
@@ -99,6 +113,10 @@ class DaemonError(MPSError, RuntimeError):
     Attributes: ``command`` (what was sent), ``reply`` (what the daemon printed) and
     ``log_tail`` (the last lines of the daemon's log, when known).
     """
+
+    command: str
+    reply: str
+    log_tail: str
 
     def __init__(self, message: str, *, command: str = "", reply: str = "", log_tail: str = "") -> None:
         super().__init__(message, command=command, reply=reply, log_tail=log_tail)
@@ -119,6 +137,9 @@ class NotMPSClientError(MPSError, RuntimeError):
     ``pids`` (the offending processes) and ``gpu`` (the UUID of the GPU they use).
     """
 
+    pids: list[int]
+    gpu: str
+
     def __init__(self, message: str, *, pids: Sequence[int] = (), gpu: str = "") -> None:
         super().__init__(message, pids=list(pids), gpu=gpu)
 
@@ -126,5 +147,16 @@ class NotMPSClientError(MPSError, RuntimeError):
 class TeardownError(MPSError, RuntimeError):
     """Stopping the session failed. Attribute: ``errors`` (the underlying exceptions)."""
 
+    errors: list[BaseException]
+
     def __init__(self, message: str, *, errors: Sequence[BaseException] = ()) -> None:
         super().__init__(message, errors=list(errors))
+
+
+class CommandNotFoundError(MPSError, FileNotFoundError):
+    """The command to run as the ranks does not exist. Attribute: ``command``."""
+
+    command: str
+
+    def __init__(self, message: str, *, command: str = "") -> None:
+        super().__init__(message, command=command)

@@ -14,6 +14,7 @@ paths are kept short and checked before anything starts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -92,10 +93,8 @@ def _make_user_root(base: Path) -> Path:
             value=str(base),
         )
     root = user_root(base)
-    try:
-        os.mkdir(root, 0o700)
-    except FileExistsError:
-        pass
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(root, 0o700)  # an existing one is checked below
     check_private_dir(root)
     return root
 

@@ -131,36 +131,47 @@ class Session:
             return None
         return gpu_info.select_gpus(self._requested, visible)
 
+    def resolve(self) -> Session:
+        """Find the session's GPUs and decide whether MPS will run; starts nothing.
+
+        :meth:`start` does this first; call it earlier to learn ``gpus`` (e.g. to plan
+        ranks) before anything is started. Raises for an unknown GPU, or when
+        ``mps="on"`` and MPS cannot run here.
+        """
+        if self._state != "new":
+            return self
+        found = self._find_gpus()
+        self.gpus = found or []
+        if self.mps == "off":
+            self.disabled_reason = "MPS is off (mps='off')"
+        elif found is not None:
+            try:
+                find_control_executable()
+            except MPSUnavailableError as exc:
+                self.disabled_reason = exc.message
+        if self.disabled_reason is not None and self.mps == "on":
+            raise MPSUnavailableError(
+                f"MPS is required (mps='on') but unavailable: {self.disabled_reason}",
+                reason=self.disabled_reason,
+            )
+        if self.export is True and len(self.gpus) > 1:
+            raise ConfigError(
+                "export=True needs a single GPU: a process can reach only one MPS daemon; "
+                "with several GPUs give each worker session.env(rank)",
+                setting="export",
+                value=True,
+            )
+        self._state = "resolved"
+        return self
+
     def start(self) -> Session:
         """Start the daemons and wait until each GPU's server is ACTIVE."""
-        if self._state != "new":
+        self.resolve()
+        if self._state != "resolved":
             raise MPSError(f"this session is {self._state}; make a new one with mps_session()")
         self._state = "starting"
         self._owner_pid = os.getpid()
         try:
-            found = self._find_gpus()
-            self.gpus = found or []
-            if self.mps == "off":
-                self.disabled_reason = "MPS is off (mps='off')"
-            elif found is None:
-                pass  # no driver: reason already set
-            else:
-                try:
-                    find_control_executable()
-                except MPSUnavailableError as exc:
-                    self.disabled_reason = exc.message
-            if self.disabled_reason is not None and self.mps == "on":
-                raise MPSUnavailableError(
-                    f"MPS is required (mps='on') but unavailable: {self.disabled_reason}",
-                    reason=self.disabled_reason,
-                )
-            if self.export is True and len(self.gpus) > 1:
-                raise ConfigError(
-                    "export=True needs a single GPU: a process can reach only one MPS daemon; "
-                    "with several GPUs give each worker session.env(rank)",
-                    setting="export",
-                    value=True,
-                )
             if self.disabled_reason is None:
                 self._start_daemons()
                 self.enabled = True
@@ -210,9 +221,7 @@ class Session:
     def _gpu_position(self, rank: int | None) -> int:
         if rank is None:
             if len(self.gpus) > 1:
-                raise ConfigError(
-                    "this session has several GPUs: pass rank= to env() to choose one", setting="rank"
-                )
+                raise ConfigError("this session has several GPUs: pass rank= to env() to choose one", setting="rank")
             return 0
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ConfigError(f"rank must be a non-negative integer, not {rank!r}", setting="rank", value=rank)
@@ -246,6 +255,25 @@ class Session:
             result |= daemon.clients()
         return result
 
+    def detach_clients(self, pids: Iterable[int]) -> list[int]:
+        """Ask our servers to end the work of those ``pids`` that are their clients.
+
+        NVIDIA documents ``terminate_client`` as the safe way to stop a client with GPU
+        work in flight (killing it outright is undefined behaviour for the others).
+        Returns the PIDs detached.
+        """
+        wanted = set(pids)
+        detached: list[int] = []
+        for daemon in self.daemons:
+            if not daemon.alive:
+                continue
+            for server in daemon.server_list():
+                for client in sorted(wanted & set(daemon.client_list(server))):
+                    with contextlib.suppress(DaemonError):  # it may have exited meanwhile
+                        daemon.terminate_client(server, client)
+                        detached.append(client)
+        return detached
+
     def verify(self, pids: Iterable[int] | None = None) -> list[int]:
         """Check that processes using our GPUs are clients of our MPS servers.
 
@@ -260,7 +288,7 @@ class Session:
             pids = [child.pid for child in psutil.Process().children(recursive=True)]
         wanted = set(pids)
         verified: list[int] = []
-        for gpu, daemon in zip(self.gpus, self.daemons):
+        for gpu, daemon in zip(self.gpus, self.daemons, strict=True):
             clients = daemon.clients()
             using = gpu_info.compute_pids(gpu.uuid) - set(daemon.server_pids)
             strays = sorted((wanted & using) - clients)
@@ -283,7 +311,7 @@ class Session:
             "directory": str(self.dirs.root) if self.dirs else None,
             "gpus": [],
         }
-        for gpu, daemon in zip(self.gpus, self.daemons):
+        for gpu, daemon in zip(self.gpus, self.daemons, strict=True):
             entry: dict[str, Any] = {"index": gpu.index, "uuid": gpu.uuid, "daemon_pid": daemon.pid}
             entry["daemon_alive"] = daemon.alive
             servers: dict[int, str] = {}
@@ -330,7 +358,7 @@ class Session:
         Raises :class:`TeardownError` if something could not be stopped or removed. Does
         nothing in a forked child or when called again.
         """
-        if self._owner_pid != os.getpid() or self._state in ("closed", "new"):
+        if self._owner_pid != os.getpid() or self._state in ("closed", "new", "resolved"):
             return
         self._state = "closed"
         self.teardown_errors = self._teardown()
@@ -341,7 +369,7 @@ class Session:
             )
 
     def __enter__(self) -> Session:
-        if self._state == "new":
+        if self._state in ("new", "resolved"):
             self.start()
         return self
 

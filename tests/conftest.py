@@ -109,6 +109,16 @@ class FakeGPU:
     def client_command(self, *args: str) -> list[str]:
         return [sys.executable, str(FAKECUDA), *args]
 
+    def orphans(self) -> list[psutil.Process]:
+        """Live processes started under this fake machine that are no longer our descendants."""
+        found = []
+        mine = {p.pid for p in psutil.Process().children(recursive=True)} | {os.getpid()}
+        for proc in psutil.process_iter(["pid", "environ"]):
+            env = proc.info["environ"] or {}
+            if proc.pid not in mine and env.get("MPSRUN_FAKE_NVML") == str(self.nvml_dir) and _ours(proc):
+                found.append(proc)
+        return found
+
     def session_dirs(self) -> list[Path]:
         root = self.tmpdir / f"mpsrun-{os.getuid()}"
         return sorted(p for p in root.iterdir()) if root.is_dir() else []
@@ -145,7 +155,7 @@ def fake_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setitem(sys.modules, "pynvml", _load_fake_pynvml())
     try:
         yield fake
-        leftovers = [p for p in psutil.Process().children(recursive=True) if _ours(p)]
+        leftovers = [p for p in psutil.Process().children(recursive=True) if _ours(p)] + fake.orphans()
         assert not leftovers, f"processes left behind: {[(p.pid, p.cmdline()) for p in leftovers]}"
         assert not fake.session_dirs(), f"session directories left behind: {fake.session_dirs()}"
     finally:

@@ -49,8 +49,10 @@ def test_failed_commands_raise_with_command_and_reply(daemon):
     assert info.value.command == "frobnicate" and info.value.reply == 'Unknown command "frobnicate"'
     with pytest.raises(DaemonError, match="not found"):
         daemon.server_status(999999)
-    with pytest.raises(DaemonError, match="Invalid"):
-        daemon.set_defaults(thread_percentage=0)
+    with pytest.raises(DaemonError, match="did not take 'set_default_active_thread_percentage 0'"):
+        daemon.set_defaults(thread_percentage=0)  # the daemon answers with the unchanged value
+    with pytest.raises(DaemonError, match="it stored '12M'"):
+        daemon.set_defaults(mem_limit="12Q")  # stored silently as 12M by the real daemon
 
 
 def test_command_without_daemon_raises(daemon):
@@ -98,7 +100,7 @@ def test_clients_terminate_and_quit_blocking(daemon, fake_gpu):
     while daemon.clients() != {first.pid, second.pid} and time.monotonic() < deadline:
         time.sleep(0.02)
     assert daemon.clients() == {first.pid, second.pid}
-    assert {row.pid for row in daemon.ps()} == {server, first.pid, second.pid}
+    assert {(row.pid, row.server_pid) for row in daemon.ps()} == {(first.pid, server), (second.pid, server)}
     daemon.terminate_client(server, first.pid)
     assert first.wait(timeout=10) == 1
     assert "cudaErrorMpsClientTerminated" in first.stderr.read()

@@ -21,9 +21,12 @@ def test_server_status():
 
 def test_ps_rows_found_by_header():
     """ps rows are read by column name, with the command taking the rest of the line."""
-    reply = "PID\tID\tSERVER\tDEVICE\tNAMESPACE\tCOMMAND\n10\t1\t-\t-\t4026531836\tnvidia-cuda-mps-server\n" \
-            "11\t2\t10\tGPU-abc\t4026531836\tpython3 sim.py"
+    reply = (
+        "PID       ID        SERVER         DEVICE                    NAMESPACE      COMMAND        \n"
+        "8216      1         8176           GPU-5ecd2ecb-5789-2238    4026531836     /opt/venv/bin/python3\n"
+        "8217      2         8176           GPU-5ecd2ecb-5789-2238    4026531836     ./solver -i in.dat\n"
+    )  # recorded on the H100 (the second command line is made up to have spaces)
     rows = parse_ps(reply)
-    assert [(r.pid, r.server_pid) for r in rows] == [(10, 0), (11, 10)]
-    assert rows[1].device == "GPU-abc"
-    assert parse_ps("") == [] and parse_ps("garbage") == []
+    assert [(r.pid, r.server_pid) for r in rows] == [(8216, 8176), (8217, 8176)]
+    assert rows[0].device == "GPU-5ecd2ecb-5789-2238" and rows[1].name == "./solver -i in.dat"
+    assert parse_ps("") == [] and parse_ps("Server not found") == []

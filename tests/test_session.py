@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import FAKECUDA
 
 from mpsrun import (
     ConfigError,
@@ -22,9 +23,6 @@ from mpsrun import (
     TeardownError,
     mps_session,
 )
-
-from conftest import FAKECUDA
-
 from mpsrun.daemon import ControlDaemon
 
 

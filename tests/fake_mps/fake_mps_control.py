@@ -36,18 +36,15 @@ import time
 from pathlib import Path
 
 NO_DAEMON = "Cannot find MPS control daemon process"
-HELP = """\
-Usage: nvidia-cuda-mps-control [-d | -f] [-M|--multiuser-server] [-q|--ready-devices]
-       nvidia-cuda-mps-control [-h]
-Commands: start_server -uid <uid>, quit, get_server_list, get_server_status <PID>,
-  get_client_list <PID>, get_device_client_list [<PID>], ps [-p PID],
-  set_default_active_thread_percentage <pct>, get_default_active_thread_percentage,
-  set_active_thread_percentage <PID> <pct>, get_active_thread_percentage <PID>,
-  set_default_device_pinned_mem_limit <dev> <value>, get_default_device_pinned_mem_limit <dev>,
-  set_device_pinned_mem_limit <PID> <dev> <value>, get_device_pinned_mem_limit <PID> <dev>,
-  set_default_client_priority <level>, get_default_client_priority,
-  terminate_client <server PID> <client PID>, device_query [<PID>] [--csv]
-"""
+RECORDING = Path(__file__).resolve().parent.parent / "data" / "h100" / "transcript.json"
+
+
+def recorded_reply(command: str) -> str:
+    """The real daemon's recorded output for ``command`` (tests/data/h100/transcript.json)."""
+    records = json.loads(RECORDING.read_text())["records"]
+    return next(r["stdout"] for r in records if r.get("cmd") == command)
+
+
 
 
 def pipe_dir() -> Path:
@@ -78,18 +75,22 @@ class State:
         self.default_priority = "0"
         self.server: subprocess.Popen[bytes] | None = None
         self.server_atp = "100.0"
+        self.server_mem: dict[str, str] = {}
         self.init_polls = int(os.environ.get("FAKE_MPS_INIT_POLLS", "0"))
         self.clients: dict[int, str] = {}  # pid -> "ok" | "terminated" | "fault"
-        self.faulted = False
         self.quitting = False
 
-    def log(self, line: str) -> None:
-        print(f"[{stamp()} Control {os.getpid()}] {line}", flush=True)
+    def log(self, line: str, who: str = "Control", pid: int | None = None) -> None:
+        for part in line.split("\n"):
+            print(f"[{stamp()} {who} {pid or os.getpid():5d}] {part}", flush=True)
+
+    def server_log(self, line: str) -> None:
+        self.log(line, "Server", self.server_pid())
 
     def live_clients(self) -> list[int]:
         for pid in [p for p in self.clients if not pid_alive(p)]:
             del self.clients[pid]
-            self.log(f"Client {pid} disconnected")
+            self.server_log(f"Client process {pid} disconnected")
         return sorted(self.clients)
 
     def ensure_server(self) -> int:
@@ -101,8 +102,12 @@ class State:
                 stderr=subprocess.STDOUT,
             )
             self.server_atp = self.default_atp
-            self.faulted = False
-            self.log(f"Starting new server {self.server.pid} for user {os.getuid()}")
+            self.server_mem = dict(self.default_mem)
+            self.log(f"Starting new server {self.server.pid} for user {os.getuid()}", pid=self.server.pid)
+            self.server_log(f"Active Threads Percentage set to {self.server_atp}")
+            for device, limit in self.default_mem.items():
+                self.server_log(f"Device pinned memory limit for device {device} set to {limit}")
+            self.server_log("Server has started")
             self.log(f"NEW SERVER {self.server.pid}: Ready")
         return self.server.pid
 
@@ -113,6 +118,7 @@ class State:
 
     def stop_server(self) -> None:
         if self.server is not None:
+            self.log(f"Try shutting down server {self.server.pid}, backoff is disabled")
             if self.server.stdin:
                 self.server.stdin.close()
             self.server.wait()
@@ -142,14 +148,20 @@ def handle(state: State, line: str) -> tuple[str, bool]:
                 time.sleep(1)
         with state.lock:
             state.stop_server()
-            state.log("Exit")
+            state.log("Exit with status 0")
         return "", True
     with state.lock:
-        state.log(f"Accepting connection...\n[{stamp()} Control {os.getpid()}] User did send {line}")
-        return dispatch(state, cmd, args), False
+        if cmd.startswith("__client"):
+            return dispatch(state, cmd, args), False
+        state.log(f"Accepting connection...\nNEW UI\nCmd:{line}")
+        reply = dispatch(state, cmd, args)
+        if reply:
+            state.log(reply)
+        state.log("UI closed")
+        return reply, False
 
 
-def dispatch(state: State, cmd: str, args: list[str]) -> str:  # noqa: C901 - one branch per command
+def dispatch(state: State, cmd: str, args: list[str]) -> str:
     if cmd == "get_server_list":
         pid = state.server_pid()
         return "" if pid is None else str(pid)
@@ -166,27 +178,37 @@ def dispatch(state: State, cmd: str, args: list[str]) -> str:  # noqa: C901 - on
         if state.init_polls > 0:
             state.init_polls -= 1
             return "INITIALIZING"
-        return "FAULT" if state.faulted else "ACTIVE"
+        return "ACTIVE"
     if cmd == "get_client_list":
         if len(args) != 1 or not is_server(state, args[0]):
             return f"Server {args[0] if args else ''} not found"
         return "\n".join(str(p) for p in state.live_clients())
     if cmd == "ps":
-        rows = ["PID\tID\tSERVER\tDEVICE\tNAMESPACE\tCOMMAND"]
         server = state.server_pid()
-        if server is not None:
-            rows.append(f"{server}\t1\t-\t-\t4026531836\tnvidia-cuda-mps-server")
-            for i, pid in enumerate(state.live_clients(), start=2):
-                rows.append(f"{pid}\t{i}\t{server}\t{state.uuid}\t4026531836\tpython3")
+        if server is None:
+            return "Server not found"
+        clients = state.live_clients()
+        if not clients:
+            return ""
+        rows = [f"{'PID':<10}{'ID':<10}{'SERVER':<15}{'DEVICE':<26}{'NAMESPACE':<15}{'COMMAND':<15}"]
+        for i, pid in enumerate(clients, start=1):
+            rows.append(f"{pid:<10}{i:<10}{server:<15}{state.uuid[:22]:<26}{4026531836:<15}{sys.executable}")
         return "\n".join(rows)
+    if cmd == "get_device_client_list":
+        clients = state.live_clients()
+        if state.server_pid() is None or not clients:
+            return ""
+        return "\n".join(["[0] 00:00.0, Fake H100", *(f"{pid}.1" for pid in clients)])
     if cmd == "set_default_active_thread_percentage":
+        # The real daemon answers an invalid value with the unchanged setting (logging why).
         value = args[0] if len(args) == 1 else ""
         try:
             number = float(value)
         except ValueError:
-            return f'Invalid arguments for "{cmd}"'
+            number = -1.0
         if not 0 < number <= 100:
-            return f'Invalid arguments for "{cmd}"'
+            state.log("Invalid percentage, expected between (0.0, 100.0]")
+            return state.default_atp
         state.default_atp = f"{number:.1f}"
         return state.default_atp
     if cmd == "get_default_active_thread_percentage":
@@ -196,14 +218,21 @@ def dispatch(state: State, cmd: str, args: list[str]) -> str:  # noqa: C901 - on
             return f"Server {args[0] if args else ''} not found"
         return state.server_atp
     if cmd == "set_default_device_pinned_mem_limit":
-        if len(args) != 2 or not args[1][:-1].isdigit() or args[1][-1] not in "MG":
+        # Recorded: the real daemon accepts any unit silently ("12Q" is stored as 12M).
+        if len(args) != 2:
             return f'Invalid arguments for "{cmd}"'
-        state.default_mem[args[0]] = args[1]
+        digits = "".join(c for c in args[1] if c.isdigit()) or "0"
+        state.default_mem[args[0]] = digits + ("G" if args[1].upper().endswith("G") else "M")
+        state.log(f"{cmd} {args[0]} {args[1]}.")
         return ""
     if cmd == "get_default_device_pinned_mem_limit":
         if len(args) != 1:
             return f'Invalid arguments for "{cmd}"'
         return state.default_mem.get(args[0], "0")
+    if cmd == "get_device_pinned_mem_limit":
+        if len(args) != 2 or not is_server(state, args[0]):
+            return f"Server {args[0] if args else ''} not found"
+        return state.server_mem.get(args[1], "0")
     if cmd == "get_default_client_priority":
         return state.default_priority
     if cmd == "set_default_client_priority":
@@ -213,20 +242,20 @@ def dispatch(state: State, cmd: str, args: list[str]) -> str:  # noqa: C901 - on
         return ""
     if cmd == "terminate_client":
         if len(args) != 2 or not is_server(state, args[0]):
-            return f"Server {args[0] if args else ''} not found"
+            server = args[0] if args else ""
+            return f"Server {server} not found\nServer {server} not found!\n1"
         client = int(args[1]) if args[1].isdigit() else -1
         if client not in state.live_clients():
-            return f"Client {args[1]} not found"
+            return f"Invalid process {args[1]}!\n1"
         state.clients[client] = "terminated"
-        state.log(f"Server {args[0]} terminating client {client}")
+        state.server_log(f"MPS server requesting client {{PID: {client}, Context ID: 1}} to exit")
+        state.server_log("Client termination succeeded.")
         return "0"
     if cmd == "__client_connect":
         # Fake CUDA init: a client attaches; the server starts lazily, as the real one does.
         if state.quitting:
             return "refused"
         pid = int(args[0])
-        if state.faulted:
-            return "not_ready"
         server = state.ensure_server()
         state.clients[pid] = "ok"
         state.log(f"NEW CLIENT {pid} from user {os.getuid()}: Server {server} already exists")
@@ -237,11 +266,17 @@ def dispatch(state: State, cmd: str, args: list[str]) -> str:  # noqa: C901 - on
         # One client's fatal GPU error tears down every client of the server (Volta+ MPS).
         pid = int(args[0])
         server = state.server_pid()
-        state.faulted = True
+        # Recorded on the H100: every client is torn down, the server stays ACTIVE.
         for client in state.clients:
             state.clients[client] = "fault"
-        state.log(f"Server {server} encountered a fatal GPU error.")
-        state.log(f"All clients belonging to error trigging process {pid} will be torn down.")
+        state.server_log(f"Client {{PID: {pid}, Context: 1}} encountered a fatal GPU error.")
+        state.server_log("Server is handling a fatal GPU error.")
+        for client in sorted(state.clients):
+            state.server_log(f"All clients belonging to error trigging process {client} will be torn down")
+        state.server_log("The following client process have a sticky error set:")
+        for client in sorted(state.clients):
+            state.server_log(str(client))
+        del server
         return "ok"
     return f'Unknown command "{cmd}"'
 
@@ -279,6 +314,8 @@ def run_daemon() -> int:
     privileged = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     privileged.bind(str(directory / "control_privileged"))
     state.log("Starting control daemon using socket " + str(directory / "control"))
+    state.log(f"To connect CUDA applications to this daemon, set env CUDA_MPS_PIPE_DIRECTORY={directory}")
+    state.log("CUDA MPS Control binary version: 13000 (fake)")
     threading.Thread(target=server.serve_forever, daemon=True).start()
     done.wait()
     server.shutdown()
@@ -324,7 +361,7 @@ def run_client() -> int:
             continue
         reply = send(line.strip())
         if reply is None:
-            print(NO_DAEMON)
+            print(NO_DAEMON, file=sys.stderr)
             return 1
         if reply:
             print(reply, flush=True)
@@ -339,13 +376,13 @@ def main(argv: list[str]) -> int:
     if argv[0] == "-f":
         return run_daemon()
     if argv[0] in ("-h", "--help"):
-        print(HELP, end="")
+        print(recorded_reply("-h"), end="")
         return 0
     if argv[0] == "-d":
         print("the fake daemon supports only -f", file=sys.stderr)
         return 2
     print(f'Unrecognized option "{argv[0]}"')
-    print(HELP, end="")
+    print(recorded_reply("-h"), end="")
     return 1
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fake_mps_control import send  # noqa: E402
+from fake_mps_control import send
 
 
 class Context:
@@ -83,25 +83,39 @@ def init() -> Context:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--hold", type=float, default=0.0)
-    parser.add_argument("--exit", type=int, default=0)
-    parser.add_argument("--fault", action="store_true")
-    parser.add_argument("--report")
+    parser.add_argument("--hold", type=float, default=0.0, help="seconds of 'kernels' before exiting")
+    parser.add_argument("--exit", type=int, default=0, help="exit code (for --fail-rank, or everyone)")
+    parser.add_argument("--fail-rank", type=int, default=None, help="only this rank exits, at once, with --exit")
+    parser.add_argument("--kill-rank", type=int, default=None, help="this rank SIGKILLs itself")
+    parser.add_argument("--fault", action="store_true", help="trigger a fatal GPU fault")
+    parser.add_argument("--report", help="write what this process saw to this JSON file")
+    parser.add_argument("--report-dir", help="write <RANK>.json here")
     args = parser.parse_args()
+    rank = int(os.environ.get("RANK", "0"))
     ctx = init()
-    if args.report:
+    report = args.report or (args.report_dir and os.path.join(args.report_dir, f"{rank}.json"))
+    if report:
         info = {"pid": ctx.pid, "mps": ctx.mps, "server": ctx.server, "uuid": ctx.uuid,
-                "env": {k: v for k, v in os.environ.items() if k.startswith(("CUDA_", "MPSRUN_"))}}
-        Path(args.report).write_text(json.dumps(info))
+                "env": {k: v for k, v in os.environ.items()
+                        if k.startswith(("CUDA_", "MPSRUN_")) or k in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                                                        "LOCAL_WORLD_SIZE")}}
+        Path(report).write_text(json.dumps(info))
     if args.fault:
         ctx.fault()
+    if args.kill_rank == rank:
+        os.kill(os.getpid(), 9)
+    if args.fail_rank == rank:
+        ctx.kernel()
+        return args.exit
     end = time.monotonic() + args.hold
     while True:
         ctx.kernel()
         if time.monotonic() >= end:
             break
         time.sleep(0.02)
-    return args.exit
+    if args.fail_rank is None or args.fail_rank == rank:
+        return args.exit
+    return 0
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ class NVMLError(Exception):
         return _MESSAGES.get(self.value, f"error {self.value}")
 
 
-class NVMLError_NotSupported(NVMLError):  # noqa: N801 - the real module's name
+class NVMLError_NotSupported(NVMLError):
     def __init__(self) -> None:
         super().__init__(NVML_ERROR_NOT_SUPPORTED)
 
@@ -47,7 +47,7 @@ def _root() -> Path:
     return Path(os.environ.get("MPSRUN_FAKE_NVML", "/nonexistent"))
 
 
-def nvmlInit() -> None:  # noqa: N802
+def nvmlInit() -> None:
     global _gpus
     try:
         _gpus = json.loads((_root() / "gpus.json").read_text())
@@ -55,7 +55,7 @@ def nvmlInit() -> None:  # noqa: N802
         raise NVMLError(NVML_ERROR_LIBRARY_NOT_FOUND) from None
 
 
-def nvmlShutdown() -> None:  # noqa: N802
+def nvmlShutdown() -> None:
     pass
 
 
@@ -65,52 +65,52 @@ def _check() -> list[dict]:
     return _gpus
 
 
-def nvmlSystemGetDriverVersion() -> str:  # noqa: N802
+def nvmlSystemGetDriverVersion() -> str:
     _check()
     return "580.159.04"
 
 
-def nvmlSystemGetCudaDriverVersion() -> int:  # noqa: N802
+def nvmlSystemGetCudaDriverVersion() -> int:
     _check()
     return 13000
 
 
-def nvmlDeviceGetCount() -> int:  # noqa: N802
+def nvmlDeviceGetCount() -> int:
     return len(_check())
 
 
-def nvmlDeviceGetHandleByIndex(index: int) -> dict:  # noqa: N802
+def nvmlDeviceGetHandleByIndex(index: int) -> dict:
     gpus = _check()
     if not 0 <= index < len(gpus):
         raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
     return gpus[index]
 
 
-def nvmlDeviceGetHandleByUUID(uuid: str) -> dict:  # noqa: N802
+def nvmlDeviceGetHandleByUUID(uuid: str) -> dict:
     for gpu in _check():
         if gpu["uuid"] == uuid:
             return gpu
     raise NVMLError(NVML_ERROR_NOT_FOUND)
 
 
-def nvmlDeviceGetUUID(handle: dict) -> str:  # noqa: N802
+def nvmlDeviceGetUUID(handle: dict) -> str:
     return handle["uuid"]
 
 
-def nvmlDeviceGetName(handle: dict) -> str:  # noqa: N802
+def nvmlDeviceGetName(handle: dict) -> str:
     return handle.get("name", "Fake GPU")
 
 
-def nvmlDeviceGetMemoryInfo(handle: dict) -> SimpleNamespace:  # noqa: N802
+def nvmlDeviceGetMemoryInfo(handle: dict) -> SimpleNamespace:
     total = int(handle.get("memory_total", 80 << 30))
     return SimpleNamespace(total=total, free=total, used=0)
 
 
-def nvmlDeviceGetComputeMode(handle: dict) -> int:  # noqa: N802
+def nvmlDeviceGetComputeMode(handle: dict) -> int:
     return int(handle.get("compute_mode", 0))
 
 
-def nvmlDeviceGetMigMode(handle: dict) -> tuple[int, int]:  # noqa: N802
+def nvmlDeviceGetMigMode(handle: dict) -> tuple[int, int]:
     if "mig" not in handle:
         raise NVMLError_NotSupported()
     return (int(handle["mig"]), int(handle["mig"]))
@@ -137,9 +137,11 @@ def _procs(handle: dict, kinds: tuple[str, ...]) -> list[SimpleNamespace]:
     return found
 
 
-def nvmlDeviceGetComputeRunningProcesses(handle: dict) -> list[SimpleNamespace]:  # noqa: N802
-    return _procs(handle, ("C",))
+def nvmlDeviceGetComputeRunningProcesses(handle: dict) -> list[SimpleNamespace]:
+    # Recorded on the H100: this lists the MPS server, the MPS clients and plain CUDA processes.
+    return _procs(handle, ("C", "M+C"))
 
 
-def nvmlDeviceGetMPSComputeRunningProcesses(handle: dict) -> list[SimpleNamespace]:  # noqa: N802
+def nvmlDeviceGetMPSComputeRunningProcesses(handle: dict) -> list[SimpleNamespace]:
+    # Recorded on the H100: only the MPS clients, not the server.
     return _procs(handle, ("M+C",))

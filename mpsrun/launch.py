@@ -1,0 +1,313 @@
+"""Running a job: plan the ranks, start the MPS session, run a backend, report, tear down.
+
+The CLI builds a :class:`JobConfig` and calls :func:`run_job`; nothing here parses
+command lines or exits the interpreter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import attrs
+import psutil
+
+from mpsrun import gpus as gpu_info
+from mpsrun import mpi
+from mpsrun.errors import CommandNotFoundError, ConfigError, DaemonError, GPUError, TeardownError
+from mpsrun.placement import RankPlan, ThreadSpec, plan_ranks, rank_environments
+from mpsrun.session import Session
+from mpsrun.supervisor import JobResult, RankSpec, Supervisor
+
+__all__ = [
+    "EXIT_NOT_FOUND",
+    "EXIT_OK",
+    "EXIT_SETUP",
+    "EXIT_TIMEOUT",
+    "EXIT_USAGE",
+    "LAUNCHERS",
+    "JobConfig",
+    "run_job",
+]
+
+log = logging.getLogger("mpsrun")
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_SETUP = 3
+EXIT_TIMEOUT = 124
+EXIT_NOT_FOUND = 127
+LAUNCHERS = ("auto", "local", "mpiexec")
+
+
+@attrs.frozen
+class JobConfig:
+    """Everything that defines one ``mpsrun`` job (validated by :func:`run_job`)."""
+
+    command: tuple[str, ...]
+    nranks: int = 1
+    gpus: tuple[int | str, ...] | None = None  # None: every visible GPU
+    map_by: str = "block"
+    thread_percentage: ThreadSpec = None
+    mem_limit: str | None = None
+    priority: int | None = None
+    mps: str = "auto"
+    launcher: str = "auto"
+    mpiexec: str | None = None
+    mpiexec_args: tuple[str, ...] = ()
+    tag_output: bool = False
+    timeout: float | None = None
+    grace: float = 5.0
+    keep_logs: bool = False
+    verbose: bool = False
+
+
+def choose_launcher(config: JobConfig) -> tuple[str, str | None]:
+    """(``local`` or ``mpiexec``, path of mpiexec). ``auto`` takes mpiexec when it and mpi4py exist."""
+    if config.launcher not in LAUNCHERS:
+        raise ConfigError(
+            f"--launcher must be one of {', '.join(LAUNCHERS)}, not {config.launcher!r}", setting="--launcher"
+        )
+    if config.launcher == "local":
+        return "local", None
+    found = mpi.find_mpiexec(config.mpiexec)
+    if config.launcher == "mpiexec":
+        if found is None:
+            raise ConfigError("--launcher mpiexec: no mpiexec or mpirun on PATH", setting="--launcher")
+        return "mpiexec", found
+    if found is not None and (config.mpiexec or mpi.mpi4py_available()):
+        return "mpiexec", found
+    return "local", None
+
+
+def resolve_command(command: Sequence[str]) -> str:
+    if not command:
+        raise ConfigError("no command to run: mpsrun [options] [--] command [args...]", setting="command")
+    program = shutil.which(command[0])
+    if program is None:
+        raise CommandNotFoundError(f"{command[0]}: command not found", command=command[0])
+    return program
+
+
+class ClientWatch:
+    """Finds ranks that use the GPU without being clients of our server (CUDA's silent fallback).
+
+    ``rank_pids`` returns {pid: rank} for the ranks' processes; their descendants count
+    as the same rank. A rank is reported after two checks in a row see it off MPS.
+    """
+
+    def __init__(self, session: Session, rank_pids: Callable[[], dict[int, int]], required: bool) -> None:
+        self.session = session
+        self.rank_pids = rank_pids
+        self.required = required
+        self.verified: set[int] = set()
+        self._suspects: dict[int, int] = {}
+        self._warned: set[int] = set()
+
+    def _with_descendants(self) -> dict[int, int]:
+        result: dict[int, int] = {}
+        for pid, rank in self.rank_pids().items():
+            result[pid] = rank
+            with contextlib.suppress(psutil.Error):
+                for child in psutil.Process(pid).children(recursive=True):
+                    result.setdefault(child.pid, rank)
+        return result
+
+    def check(self) -> str | None:
+        pids = self._with_descendants()
+        strays: list[str] = []
+        for position, (gpu, daemon) in enumerate(zip(self.session.gpus, self.session.daemons, strict=True)):
+            if not daemon.alive:
+                tail = daemon.log_tail(5)
+                return f"the MPS control daemon of GPU {gpu.index} died under the job" + (
+                    f"; its log ends: {tail.splitlines()[-1]}" if tail else ""
+                )
+            try:
+                clients = daemon.clients()
+                using = gpu_info.compute_pids(gpu.uuid) - set(daemon.server_pids)
+            except (DaemonError, GPUError) as exc:
+                log.debug("client check skipped: %s", exc)
+                continue
+            for pid in sorted(using & pids.keys()):
+                rank = pids[pid]
+                if pid in clients:
+                    self.verified.add(rank)
+                    self._suspects.pop(pid, None)
+                    continue
+                self._suspects[pid] = self._suspects.get(pid, 0) + 1
+                if self._suspects[pid] >= 2 and rank not in self._warned:
+                    strays.append(f"rank {rank} (pid {pid}) uses GPU {position} without MPS")
+                    self._warned.add(rank)
+        if not strays:
+            return None
+        message = (
+            "; ".join(strays) + ": not a client of this job's MPS server (CUDA silently runs without MPS when it "
+            "cannot reach the daemon; does the rank change CUDA_MPS_PIPE_DIRECTORY?)"
+        )
+        if self.required:
+            return message
+        log.warning(f"mpsrun: warning: {message}")
+        return None
+
+
+def _ranges(values: Sequence[int]) -> str:
+    parts: list[str] = []
+    for value in sorted(values):
+        if parts and parts[-1].split("-")[-1] == str(value - 1):
+            parts[-1] = f"{parts[-1].split('-')[0]}-{value}"
+        else:
+            parts.append(str(value))
+    return ",".join(parts) or "none"
+
+
+def _mps_related(session: Session, result: JobResult) -> bool:
+    if any(not d.alive for d in session.daemons):
+        return True
+    return any("fatal" in d.log_tail(50).lower() or "error" in d.log_tail(50).lower() for d in session.daemons)
+
+
+class Job:
+    """One run of a :class:`JobConfig`; see :func:`run_job`."""
+
+    def __init__(self, config: JobConfig, note: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self.note = note or (lambda text: print(f"mpsrun: {text}", file=sys.stderr, flush=True))
+
+    def _describe_plan(self, plan: Sequence[RankPlan], session: Session) -> None:
+        for entry in plan:
+            gpu = session.gpus[entry.gpu].index if session.gpus else "-"
+            log.info(
+                f"mpsrun: rank {entry.rank}: GPU {gpu}"
+                + (f", {entry.thread_percentage}% of SMs" if entry.thread_percentage else "")
+                + (f", {entry.mem_limit} pinned memory" if entry.mem_limit else "")
+            )
+
+    def run(self) -> JobResult:
+        config = self.config
+        resolve_command(config.command)
+        backend, mpiexec = choose_launcher(config)
+        session = Session(
+            gpus=list(config.gpus) if config.gpus is not None else "all",
+            mem_limit=config.mem_limit,
+            mps=config.mps,
+            keep_logs=config.keep_logs,
+            export=False,
+        )
+        session.resolve()
+        plan = plan_ranks(
+            config.nranks,
+            max(1, len(session.gpus)),
+            config.map_by,
+            config.thread_percentage,
+            config.mem_limit,
+            config.priority,
+        )
+        percentages = [p.thread_percentage for p in plan if p.thread_percentage is not None]
+        if percentages and len(percentages) == len(plan):
+            session.thread_percentage = max(percentages)  # the daemon's cap; ranks tighten it
+        result: JobResult | None = None
+        session.start()
+        try:
+            gpu_envs = [session.env(i) for i in range(len(session.gpus))] or [{}]
+            envs = rank_environments(plan, gpu_envs)
+            log.info(f"mpsrun: {backend} launcher, MPS {'on' if session.enabled else 'off'}, {config.nranks} rank(s)")
+            self._describe_plan(plan, session)
+            job_dir = Path(tempfile.mkdtemp(prefix="mpsrun-job-"))
+            try:
+                result, watch = self._run_backend(backend, mpiexec, session, envs, job_dir)
+            finally:
+                shutil.rmtree(job_dir, ignore_errors=True)
+            if watch is not None:
+                verified = sorted(watch.verified)
+                log.info(
+                    f"mpsrun: {len(verified)} of {config.nranks} rank(s) verified as MPS clients ({_ranges(verified)})"
+                )
+            if result.exit_code != 0:
+                self.note(result.message)
+                if session.enabled and _mps_related(session, result):
+                    for daemon in session.daemons:
+                        tail = daemon.log_tail(10)
+                        if tail:
+                            self.note(f"MPS log ({daemon.log_file}):\n{tail}")
+        finally:
+            try:
+                session.close()
+            except TeardownError as exc:  # reported, never hiding the job's own outcome
+                self.note(str(exc))
+                if result is not None and result.exit_code == EXIT_OK:
+                    result = JobResult(EXIT_SETUP, "teardown-failed", str(exc))
+        assert result is not None
+        return result
+
+    def _run_backend(
+        self, backend: str, mpiexec: str | None, session: Session, envs: list[dict[str, str]], job_dir: Path
+    ) -> tuple[JobResult, ClientWatch | None]:
+        config = self.config
+        base_env = dict(os.environ)
+        if backend == "local":
+            specs = [RankSpec(rank, config.command, {**base_env, **env}) for rank, env in enumerate(envs)]
+        else:
+            assert mpiexec is not None
+            plan_file = job_dir / "plan.json"
+            plan_file.write_text(json.dumps({"ranks": envs}))
+            ranks_dir = job_dir / "ranks"
+            ranks_dir.mkdir()
+            flavour = mpi.detect_flavour(mpiexec)
+            extra = list(config.mpiexec_args)
+            if config.tag_output:
+                extra.insert(0, "--tag-output" if flavour == "openmpi" else "-prepend-rank")
+            argv = mpi.mpiexec_command(
+                mpiexec,
+                flavour,
+                config.nranks,
+                [sys.executable, "-m", "mpsrun.rank", "--", *config.command],
+                extra,
+                cores=psutil.cpu_count(logical=False),
+            )
+            log.info(f"mpsrun: {flavour} mpiexec: {' '.join(argv)}")
+            env = {**base_env, "MPSRUN_PLAN": str(plan_file), "MPSRUN_RANKS_DIR": str(ranks_dir)}
+            specs = [RankSpec(0, argv, env)]
+        supervisor = Supervisor(
+            specs,
+            tag_output=config.tag_output and backend == "local",
+            grace=config.grace,
+            timeout=config.timeout,
+            before_stop=session.detach_clients if session.enabled else None,
+            note=self.note,
+        )
+        watch = None
+        if session.enabled:
+            if backend == "local":
+                rank_pids: Callable[[], dict[int, int]] = lambda: {p.pid: r for r, p in supervisor.procs.items()}  # noqa: E731
+            else:
+                rank_pids = lambda: _read_rank_pids(job_dir / "ranks")  # noqa: E731
+            watch = ClientWatch(session, rank_pids, required=config.mps == "on")
+            supervisor.check = watch.check
+        result = supervisor.run()
+        if backend == "mpiexec" and result.cause == "rank-failed" and result.first_failure is not None:
+            result.message = f"mpiexec {result.first_failure.describe().split(') ', 1)[1]}"
+        return result, watch
+
+
+def _read_rank_pids(directory: Path) -> dict[int, int]:
+    found: dict[int, int] = {}
+    for entry in directory.glob("*.pid"):
+        with contextlib.suppress(OSError, ValueError):
+            found[int(entry.read_text())] = int(entry.stem)
+    return found
+
+
+def run_job(config: JobConfig, note: Callable[[str], None] | None = None) -> JobResult:
+    """Run a job to completion and return how it ended (exit code, cause, message).
+
+    Raises :class:`ConfigError` (usage, exit 2), :class:`CommandNotFoundError` (127) or
+    another :class:`MPSError` (set-up failure, exit 3) before any rank starts.
+    """
+    return Job(config, note).run()

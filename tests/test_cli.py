@@ -1,0 +1,113 @@
+"""Unit tests: mpirun-style option parsing, environment fallbacks, usage errors."""
+
+import sys
+
+import pytest
+
+from mpsrun.cli import build_parser, main, parse_args, split_argv
+from mpsrun.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("argv", "options", "command"),
+    [
+        (["-np", "4", "python", "sim.py", "-n", "3"], ["-np", "4"], ["python", "sim.py", "-n", "3"]),
+        (["-n", "2", "--", "-weird", "x"], ["-n", "2"], ["-weird", "x"]),
+        (["--tag-output", "./a.out"], ["--tag-output"], ["./a.out"]),
+        (["--mem-limit=4G", "cmd"], ["--mem-limit=4G"], ["cmd"]),
+        (["--mpiexec-arg", "-x", "cmd"], ["--mpiexec-arg=-x"], ["cmd"]),
+        (["-np", "2", "-m", "pkg.mod", "-v", "--x"], ["-np", "2", "-m", "pkg.mod"], ["-v", "--x"]),
+        (["-np", "-1", "python"], ["-np", "-1"], ["python"]),
+        (["-v"], ["-v"], []),
+    ],
+)
+def test_options_end_at_first_command_word(argv, options, command):
+    """Options stop at the first non-option word, at --, or after -m MODULE; the rest is the command's."""
+    assert split_argv(argv, build_parser()) == (options, command)
+
+
+def test_full_parse_builds_config():
+    """Every option lands in the job configuration with its parsed type."""
+    config, _ = parse_args(
+        ["-np", "4", "--gpus", "0,GPU-ab", "--map-by", "round-robin", "--thread-percentage", "10,20,30,40",
+         "--mem-limit", "1.5G", "--priority", "1", "--mps", "on", "--launcher", "local", "--mpiexec-arg",
+         "--bind-to=none", "--mpiexec-arg=-x", "--tag-output", "--timeout", "30", "--grace", "0", "--keep-logs",
+         "python", "x.py"],
+        environ={},
+    )
+    assert config.command == ("python", "x.py") and config.nranks == 4
+    assert config.gpus == (0, "GPU-ab") and config.map_by == "round-robin"
+    assert config.thread_percentage == [10, 20, 30, 40] and config.mem_limit == "1536M"
+    assert config.priority == 1 and config.mps == "on" and config.launcher == "local"
+    assert config.mpiexec_args == ("--bind-to=none", "-x")
+    assert config.tag_output and config.timeout == 30.0 and config.grace == 0.0 and config.keep_logs
+
+
+def test_module_form_runs_python_m():
+    """-m MODULE becomes `python -m MODULE args` with this interpreter."""
+    config, _ = parse_args(["-m", "pkg.mod", "--flag"], environ={})
+    assert config.command == (sys.executable, "-m", "pkg.mod", "--flag")
+
+
+def test_environment_fallbacks_and_precedence():
+    """MPSRUN_<NAME> variables set options; the command line wins over them."""
+    env = {"MPSRUN_NP": "3", "MPSRUN_THREAD_PERCENTAGE": "auto", "MPSRUN_TAG_OUTPUT": "yes",
+           "MPSRUN_MPIEXEC_ARG": "--bind-to none", "MPSRUN_MPS": "off", "MPSRUN_TIMEOUT": "9"}
+    config, _ = parse_args(["python"], environ=env)
+    assert (config.nranks, config.thread_percentage, config.tag_output) == (3, "auto", True)
+    assert config.mpiexec_args == ("--bind-to", "none") and config.mps == "off" and config.timeout == 9.0
+    config, _ = parse_args(["-np", "5", "--mps", "on", "python"], environ=env)
+    assert config.nranks == 5 and config.mps == "on"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [({"MPSRUN_NP": "zero"}, "MPSRUN_NP"), ({"MPSRUN_TAG_OUTPUT": "maybe"}, "MPSRUN_TAG_OUTPUT must be 1 or 0"),
+     ({"MPSRUN_MPS": "sometimes"}, "MPSRUN_MPS must be one of")],
+)
+def test_bad_environment_values_are_usage_errors(env, message):
+    """A malformed MPSRUN_ variable is reported by name."""
+    with pytest.raises(ConfigError, match=message):
+        parse_args(["python"], environ=env)
+
+
+BAD_COMMAND_LINES = [
+    (["-np", "0", "python"], "must be a positive integer"),
+    (["-np", "-1", "python"], "must be a positive integer"),
+    (["-np", "abc", "python"], "must be a positive integer"),
+    (["-np", "2"], "no command given"),
+    (["--frobnicate", "python"], "unrecognized arguments: --frobnicate"),
+    (["--thread-percentage", "0", "python"], "--thread-percentage: value must be an integer from 1 to 100"),
+    (["--thread-percentage", "101", "python"], "--thread-percentage: value must be an integer from 1 to 100"),
+    (["--thread-percentage", "abc", "python"], "--thread-percentage: value must be an integer from 1 to 100"),
+    (["--mem-limit", "12Q", "python"], "--mem-limit: value must be a size"),
+    (["--timeout", "-5", "python"], "positive number of seconds"),
+    (["--timeout", "nan", "python"], "positive number of seconds"),
+    (["--grace", "-1", "python"], "positive number of seconds"),
+    (["--priority", "2", "python"], "--priority: value must be 0"),
+    (["--gpus", "zero", "python"], "not a GPU index"),
+    (["--gpus", "0,,1", "python"], "comma-separated"),
+    (["--map-by", "socket", "python"], "invalid choice"),
+    (["--mps", "maybe", "python"], "invalid choice"),
+    (["-v", "-q", "python"], "cannot be used together"),
+    (["-np"], "expected one argument"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_COMMAND_LINES)
+def test_bad_command_lines_exit_2_with_one_line(argv, message, capsys, no_gpu):
+    """Each bad command line gives exit 2 and exactly one line on stderr naming the problem."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mpsrun: error: ") and message in err
+    assert list(no_gpu.iterdir()) == [no_gpu / "bin"]  # nothing was created
+
+
+def test_help_and_version(capsys):
+    """--help shows the worked examples and the exit codes; --version the version; no args is a usage error."""
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "mpsrun -np 4 python sim.py" in out and "exit status:" in out and "124" in out
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("mpsrun ")
+    assert main([]) == 2

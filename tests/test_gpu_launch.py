@@ -1,0 +1,59 @@
+"""GPU tier: the mpsrun command with the real MPS daemon, CuPy ranks and the real mpiexec (Open MPI there)."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+PROBE = Path(__file__).resolve().parent / "programs" / "gpu_probe.py"
+
+
+def mpsrun(*args, timeout=300, env=None):
+    return subprocess.run([sys.executable, "-m", "mpsrun", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def probes(stdout):
+    return sorted((json.loads(line.split("PROBE ", 1)[1]) for line in stdout.splitlines() if "PROBE " in line),
+                  key=lambda p: p["rank"])
+
+
+@pytest.mark.parametrize("launcher", ["mpiexec", "local"])
+def test_four_cupy_ranks_are_verified_mps_clients(launcher):
+    """mpsrun -np 4 with CuPy ranks: every rank is verified as an MPS client; auto gives each 25%."""
+    if launcher == "mpiexec" and shutil.which("mpiexec") is None:
+        pytest.skip("no mpiexec")
+    out = mpsrun("-np", 4, "--mps", "on", "--launcher", launcher, "--thread-percentage", "auto", "-v",
+                 sys.executable, PROBE, "--seconds", "4")
+    assert out.returncode == 0, out.stderr
+    seen = probes(out.stdout)
+    assert [p["rank"] for p in seen] == [0, 1, 2, 3]
+    for probe in seen:
+        assert probe["ok"]
+        assert probe["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+        assert probe["env"]["CUDA_VISIBLE_DEVICES"].startswith("GPU-")
+        if launcher == "mpiexec":
+            assert probe["size"] == probe["total"] == 4
+    assert "4 of 4 rank(s) verified as MPS clients (0-3)" in out.stderr
+
+
+def test_mps_off_runs_without_a_daemon():
+    """--mps off: the ranks run (time-sliced) and no MPS client check or daemon is involved."""
+    out = mpsrun("-np", 2, "--mps", "off", "--launcher", "local", "-v", sys.executable, PROBE, "--seconds", "1")
+    assert out.returncode == 0, out.stderr
+    assert all(p["ok"] and p["env"]["CUDA_MPS_PIPE_DIRECTORY"] is None for p in probes(out.stdout))
+    assert "MPS off" in out.stderr and "verified as MPS clients" not in out.stderr
+
+
+def test_rank_pointed_elsewhere_is_caught(tmp_path):
+    """A rank that points CUDA_MPS_PIPE_DIRECTORY elsewhere is named, and --mps on fails with exit 3."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = mpsrun("-np", 2, "--mps", "on", "--launcher", "local", "--grace", "2",
+                 "env", f"CUDA_MPS_PIPE_DIRECTORY={elsewhere}", sys.executable, PROBE, "--seconds", "20")
+    assert out.returncode == 3, out.stderr
+    assert "uses GPU 0 without MPS" in out.stderr and "rank 0 (pid" in out.stderr

@@ -1,0 +1,222 @@
+"""Integration tests: the mpsrun command end to end, against the fake MPS daemon and fake NVML.
+
+Every test runs the real CLI in a subprocess; the fake_gpu fixture then checks that no
+process of the job (rank, daemon, server) survived and that no session directory is left.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FAKECUDA, TESTS
+
+PROBE = TESTS / "programs" / "mpi_probe.py"
+
+
+def mpsrun(*args, timeout=60, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "mpsrun", *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def reports(directory):
+    return {int(p.stem): json.loads(p.read_text()) for p in Path(directory).glob("*.json")}
+
+
+def fake_rank(*args):
+    return [sys.executable, str(FAKECUDA), *args]
+
+
+def test_local_ranks_get_their_variables_and_are_mps_clients(fake_gpu, short_tmp):
+    """-np 4 on one GPU: RANK 0..3, WORLD_SIZE 4, the GPU's UUID, our pipe dir, auto = 25%; all verified."""
+    out = mpsrun("-np", 4, "--launcher", "local", "--thread-percentage", "auto", "-v",
+                 *fake_rank("--report-dir", short_tmp, "--hold", "1"))
+    assert out.returncode == 0, out.stderr
+    seen = reports(short_tmp)
+    assert sorted(seen) == [0, 1, 2, 3]
+    pipes = {r["env"]["CUDA_MPS_PIPE_DIRECTORY"] for r in seen.values()}
+    assert len(pipes) == 1
+    for rank, report in seen.items():
+        env = report["env"]
+        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (str(rank), str(rank),
+                                                                                                "4", "4")
+        assert env["CUDA_VISIBLE_DEVICES"] == fake_gpu.uuids[0]
+        assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+        assert report["mps"] is True
+    assert "4 of 4 rank(s) verified as MPS clients (0-3)" in out.stderr
+
+
+@pytest.mark.parametrize("fake_gpu", [2], indirect=True)
+@pytest.mark.parametrize(("policy", "expected"), [("block", [0, 0, 1, 1]), ("round-robin", [0, 1, 0, 1])])
+def test_ranks_are_placed_across_gpus(fake_gpu, short_tmp, policy, expected):
+    """With two GPUs, --map-by block and round-robin put ranks on the expected GPUs, each with its daemon."""
+    out = mpsrun("-np", 4, "--launcher", "local", "--map-by", policy, *fake_rank("--report-dir", short_tmp))
+    assert out.returncode == 0, out.stderr
+    seen = reports(short_tmp)
+    assert [fake_gpu.uuids.index(seen[r]["uuid"]) for r in range(4)] == expected
+    assert all(report["mps"] for report in seen.values())
+    pipes = {seen[r]["env"]["CUDA_MPS_PIPE_DIRECTORY"] for r in range(4)}
+    assert len(pipes) == 2
+
+
+def test_first_failing_rank_sets_the_exit_code(fake_gpu, short_tmp):
+    """Rank 2 exits 7: mpsrun exits 7, names rank 2, and the other ranks are detached and stopped."""
+    start = time.monotonic()
+    out = mpsrun("-np", 4, "--launcher", "local", "--tag-output", "--grace", "2",
+                 *fake_rank("--hold", "60", "--fail-rank", "2", "--exit", "7"))
+    assert out.returncode == 7
+    assert "rank 2 (pid" in out.stderr and "exited with code 7 first" in out.stderr
+    assert time.monotonic() - start < 30
+    # The survivors were MPS clients: terminate_client came first, so they saw the MPS error.
+    assert out.stderr.count("cudaErrorMpsClientTerminated") >= 1
+
+
+def test_rank_killed_by_signal_gives_128_plus_n(fake_gpu):
+    """A rank killed by SIGKILL makes mpsrun exit 137 and say which rank and signal."""
+    out = mpsrun("-np", 3, "--launcher", "local", *fake_rank("--hold", "60", "--kill-rank", "1"))
+    assert out.returncode == 137
+    assert "rank 1" in out.stderr and "signal 9 (SIGKILL)" in out.stderr
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_to_mpsrun_stops_everything(fake_gpu, short_tmp, sig, code):
+    """SIGINT/SIGTERM to mpsrun reach the ranks; mpsrun exits 128+N and leaves no rank, daemon or directory."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mpsrun", "-np", "3", "--launcher", "local",
+         *fake_rank("--report-dir", str(short_tmp), "--hold", "60")],
+        stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 20
+    while len(reports(short_tmp)) < 3:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == code
+    assert f"received {signal.Signals(sig).name}" in err
+
+
+def test_timeout_ends_the_job_with_124(fake_gpu):
+    """--timeout 1 on ranks that run 60 s ends the job with exit 124 and a message."""
+    start = time.monotonic()
+    out = mpsrun("-np", 2, "--launcher", "local", "--timeout", "1", "--grace", "1", *fake_rank("--hold", "60"))
+    assert out.returncode == 124
+    assert "timeout" in out.stderr
+    assert time.monotonic() - start < 20
+
+
+def test_tag_output_prefixes_whole_lines(fake_gpu):
+    """--tag-output prefixes each line with its rank and never mixes two ranks inside one line."""
+    code = "import os,sys\nfor i in range(200): print('x' * 50, os.environ['RANK'], i)\nsys.stdout.write('tail')"
+    out = mpsrun("-np", 3, "--launcher", "local", "--tag-output", sys.executable, "-c", code)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == 3 * 201
+    for line in lines:
+        rank = line.split("]")[0].removeprefix("[rank ")
+        assert line == f"[rank {rank}] tail" or line.startswith(f"[rank {rank}] {'x' * 50} {rank} ")
+
+
+def test_command_not_found_is_127_and_starts_nothing(fake_gpu):
+    """A command that does not exist gives 127 with one line, before any daemon starts."""
+    out = mpsrun("-np", 2, "no-such-program-xyz")
+    assert out.returncode == 127
+    assert out.stderr == "mpsrun: error: no-such-program-xyz: command not found\n"
+
+
+def test_unknown_gpu_is_a_usage_error(fake_gpu):
+    """--gpus 7 on a one-GPU machine exits 2 with the visible GPUs named."""
+    out = mpsrun("-np", 2, "--gpus", "7", sys.executable, "-c", "pass")
+    assert out.returncode == 2
+    assert "GPU 7 is not visible" in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_wrong_length_percentage_list_is_refused(fake_gpu):
+    """A per-rank percentage list of the wrong length exits 2 before anything starts."""
+    out = mpsrun("-np", 3, "--thread-percentage", "10,20", sys.executable, "-c", "pass")
+    assert out.returncode == 2 and "lists 2 values but there are 3 ranks" in out.stderr
+
+
+def test_mps_on_without_driver_is_a_setup_failure(no_gpu):
+    """--mps on where there is no NVIDIA driver exits 3 saying why."""
+    out = mpsrun("--mps", "on", sys.executable, "-c", "pass")
+    assert out.returncode == 3
+    assert "MPS is required (mps='on') but unavailable: no usable NVIDIA driver" in out.stderr
+
+
+def test_mps_auto_without_driver_runs_the_ranks(no_gpu):
+    """--mps auto where there is no driver runs the ranks without MPS and says so once."""
+    out = mpsrun("-np", 2, "--launcher", "local", sys.executable, "-c", "import os; print(os.environ['RANK'])")
+    assert out.returncode == 0
+    assert sorted(out.stdout.split()) == ["0", "1"]
+    assert out.stderr.count("running without MPS") == 1
+
+
+def test_mps_off_starts_no_daemon(fake_gpu, short_tmp):
+    """--mps off pins GPUs but starts no daemon: ranks have no pipe directory and are not MPS clients."""
+    out = mpsrun("-np", 2, "--mps", "off", "--launcher", "local", *fake_rank("--report-dir", short_tmp))
+    assert out.returncode == 0, out.stderr
+    for report in reports(short_tmp).values():
+        assert report["mps"] is False and "CUDA_MPS_PIPE_DIRECTORY" not in report["env"]
+        assert report["env"]["CUDA_VISIBLE_DEVICES"] == fake_gpu.uuids[0]
+
+
+@pytest.mark.parametrize(("mode", "code"), [("on", 3), ("auto", 0)])
+def test_rank_that_misses_the_daemon_is_reported(fake_gpu, short_tmp, mode, code):
+    """A rank pointing its pipe directory elsewhere runs without MPS: an error with --mps on, a warning with auto."""
+    elsewhere = short_tmp / "elsewhere"
+    elsewhere.mkdir()
+    command = ["env", f"CUDA_MPS_PIPE_DIRECTORY={elsewhere}", *fake_rank("--hold", "4")]
+    out = mpsrun("-np", 2, "--launcher", "local", "--mps", mode, "--grace", "1", *command)
+    assert out.returncode == code, out.stderr
+    assert "uses GPU 0 without MPS" in out.stderr
+    assert "rank 0 (pid" in out.stderr and "rank 1 (pid" in out.stderr
+
+
+def test_keep_logs_keeps_the_session(fake_gpu):
+    """--keep-logs leaves the session directory with the daemon log and says where it is."""
+    out = mpsrun("--keep-logs", "--launcher", "local", sys.executable, "-c", "pass")
+    assert out.returncode == 0
+    [root] = fake_gpu.session_dirs()
+    assert (root / "gpu0" / "log" / "control.log").stat().st_size > 0
+    assert f"kept session logs in {root}" in out.stderr
+    shutil.rmtree(root)
+
+
+def _mpiexec():
+    return shutil.which("mpiexec", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]))
+
+
+@pytest.mark.mpiexec
+def test_mpiexec_backend_gives_mpi4py_the_world(fake_gpu):
+    """--launcher mpiexec: mpi4py sees size N, each rank its rank, local rank and GPU variables."""
+    if _mpiexec() is None:
+        pytest.skip("no mpiexec")
+    pytest.importorskip("mpi4py")
+    out = mpsrun("-np", 3, "--launcher", "mpiexec", "--mpiexec", _mpiexec(), sys.executable, PROBE, timeout=120)
+    assert out.returncode == 0, out.stderr
+    probes = [json.loads(line.split("PROBE ", 1)[1]) for line in out.stdout.splitlines() if "PROBE " in line]
+    assert sorted(p["rank"] for p in probes) == [0, 1, 2]
+    for probe in probes:
+        assert probe["size"] == 3 and probe["sum"] == 6
+        env = probe["env"]
+        assert env["RANK"] == env["LOCAL_RANK"] == str(probe["rank"]) and env["WORLD_SIZE"] == "3"
+        assert env["CUDA_VISIBLE_DEVICES"] == fake_gpu.uuids[0] and env["CUDA_MPS_PIPE_DIRECTORY"]
+
+
+@pytest.mark.mpiexec
+def test_mpiexec_backend_propagates_failure(fake_gpu, monkeypatch):
+    """Under mpiexec, a rank exiting 7 makes mpsrun fail with 7 and say so."""
+    if _mpiexec() is None:
+        pytest.skip("no mpiexec")
+    pytest.importorskip("mpi4py")
+    monkeypatch.setenv("PROBE_EXIT_RANK", "1")
+    out = mpsrun("-np", 2, "--launcher", "mpiexec", "--mpiexec", _mpiexec(), sys.executable, PROBE, timeout=120)
+    assert out.returncode == 7, out.stderr
+    assert "mpiexec exited with code 7" in out.stderr
