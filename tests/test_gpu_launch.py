@@ -17,20 +17,20 @@ def mpsrun(*args, timeout=300, env=None):
                           timeout=timeout, env=env)
 
 
-def probes(stdout):
-    return sorted((json.loads(line.split("PROBE ", 1)[1]) for line in stdout.splitlines() if "PROBE " in line),
-                  key=lambda p: p["rank"])
+def probes(directory):
+    return sorted((json.loads(p.read_text()) for p in Path(directory).glob("*.json")), key=lambda p: p["rank"])
 
 
 @pytest.mark.parametrize("launcher", ["mpiexec", "local"])
-def test_four_cupy_ranks_are_verified_mps_clients(launcher):
+def test_four_cupy_ranks_are_verified_mps_clients(launcher, tmp_path, monkeypatch):
     """mpsrun -np 4 with CuPy ranks: every rank is verified as an MPS client; auto gives each 25%."""
     if launcher == "mpiexec" and shutil.which("mpiexec") is None:
         pytest.skip("no mpiexec")
+    monkeypatch.setenv("PROBE_DIR", str(tmp_path))
     out = mpsrun("-np", 4, "--mps", "on", "--launcher", launcher, "--thread-percentage", "auto", "-v",
                  sys.executable, PROBE, "--seconds", "4")
     assert out.returncode == 0, out.stderr
-    seen = probes(out.stdout)
+    seen = probes(tmp_path)
     assert [p["rank"] for p in seen] == [0, 1, 2, 3]
     for probe in seen:
         assert probe["ok"]
@@ -41,11 +41,13 @@ def test_four_cupy_ranks_are_verified_mps_clients(launcher):
     assert "4 of 4 rank(s) verified as MPS clients (0-3)" in out.stderr
 
 
-def test_mps_off_runs_without_a_daemon():
+def test_mps_off_runs_without_a_daemon(tmp_path, monkeypatch):
     """--mps off: the ranks run (time-sliced) and no MPS client check or daemon is involved."""
+    monkeypatch.setenv("PROBE_DIR", str(tmp_path))
     out = mpsrun("-np", 2, "--mps", "off", "--launcher", "local", "-v", sys.executable, PROBE, "--seconds", "1")
     assert out.returncode == 0, out.stderr
-    assert all(p["ok"] and p["env"]["CUDA_MPS_PIPE_DIRECTORY"] is None for p in probes(out.stdout))
+    seen = probes(tmp_path)
+    assert len(seen) == 2 and all(p["ok"] and p["env"]["CUDA_MPS_PIPE_DIRECTORY"] is None for p in seen)
     assert "MPS off" in out.stderr and "verified as MPS clients" not in out.stderr
 
 

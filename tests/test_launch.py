@@ -194,14 +194,15 @@ def _mpiexec():
 
 
 @pytest.mark.mpiexec
-def test_mpiexec_backend_gives_mpi4py_the_world(fake_gpu):
+def test_mpiexec_backend_gives_mpi4py_the_world(fake_gpu, short_tmp, monkeypatch):
     """--launcher mpiexec: mpi4py sees size N, each rank its rank, local rank and GPU variables."""
     if _mpiexec() is None:
         pytest.skip("no mpiexec")
     pytest.importorskip("mpi4py")
+    monkeypatch.setenv("PROBE_DIR", str(short_tmp))
     out = mpsrun("-np", 3, "--launcher", "mpiexec", "--mpiexec", _mpiexec(), sys.executable, PROBE, timeout=120)
     assert out.returncode == 0, out.stderr
-    probes = [json.loads(line.split("PROBE ", 1)[1]) for line in out.stdout.splitlines() if "PROBE " in line]
+    probes = list(reports(short_tmp).values())
     assert sorted(p["rank"] for p in probes) == [0, 1, 2]
     for probe in probes:
         assert probe["size"] == 3 and probe["sum"] == 6

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Everything we check on the GPU test machine, in one run (logs under $OUT).
+# Usage there: OUT=/some/dir bash tools/gpu_check.sh
+set -u -o pipefail
+OUT=${OUT:-/tmp/mpsrun-gpu-check}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} MPSRUN_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+{
+  nvidia-smi -L; nvidia-smi --query-gpu=compute_mode,driver_version --format=csv
+  command -v nvidia-cuda-mps-control mpiexec; mpiexec --version | head -2
+} 2>&1 | tee "$OUT/machine.log"
+python3 -m pytest -m gpu -v -p no:cacheprovider -o addopts="" --timeout 300 tests 2>&1 | tee "$OUT/gpu-tier.log"
+gpu_rc=$?
+python3 -m pytest -q -p no:cacheprovider -m "not gpu" tests 2>&1 | tail -5 | tee "$OUT/cpu-tiers.log"
+{
+  echo "== mpsrun -np 4 -v python examples/sim.py"; python3 -m mpsrun -np 4 -v python3 examples/sim.py; echo "rc=$?"
+  echo "== examples/pool.py"; python3 examples/pool.py; echo "rc=$?"
+  echo "== leftover MPS processes:"; ps -eo pid,ppid,stat,cmd | grep -E "nvidia-cuda-mps" | grep -v grep || echo none
+  echo "== leftover session dirs:"; ls -la /tmp/mpsrun-0 2>/dev/null || echo none
+} 2>&1 | tee "$OUT/examples.log"
+exit $gpu_rc
