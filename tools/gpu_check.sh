@@ -5,7 +5,6 @@ set -u -o pipefail
 OUT=${OUT:-/tmp/mpsrun-gpu-check}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} MPSRUN_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 {
   nvidia-smi -L; nvidia-smi --query-gpu=compute_mode,driver_version --format=csv
   command -v nvidia-cuda-mps-control mpiexec; mpiexec --version | head -2
