@@ -191,7 +191,7 @@ class Job:
 
     def run(self) -> JobResult:
         config = self.config
-        resolve_command(config.command)
+        self.program = resolve_command(config.command)
         backend, mpiexec = choose_launcher(config)
         session = Session(
             gpus=list(config.gpus) if config.gpus is not None else "all",
@@ -267,7 +267,9 @@ class Job:
                 mpiexec,
                 flavour,
                 config.nranks,
-                [sys.executable, "-m", "mpsrun.rank", "--", *config.command],
+                # The program by absolute path: Open MPI puts its own bin directory first on the
+                # ranks' PATH, so "python3" could name another interpreter there.
+                [sys.executable, "-m", "mpsrun.rank", "--", self.program, *config.command[1:]],
                 extra,
                 cores=psutil.cpu_count(logical=False),
             )

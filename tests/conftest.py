@@ -167,11 +167,16 @@ def fake_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
 
 @pytest.fixture
 def no_gpu(monkeypatch: pytest.MonkeyPatch, short_tmp: Path) -> Path:
-    """A machine with no NVIDIA driver and no MPS control program."""
+    """A machine with no NVIDIA driver and no MPS control program (also for child processes).
+
+    PATH holds only an empty directory (tests start Python by absolute path), so a real
+    nvidia-cuda-mps-control or mpiexec on a GPU machine stays out of sight.
+    """
     monkeypatch.setenv("MPSRUN_FAKE_NVML", str(short_tmp / "absent"))
     monkeypatch.setitem(sys.modules, "pynvml", _load_fake_pynvml())
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(FAKE_NVML), os.environ.get("PYTHONPATH")])))
     empty_bin = short_tmp / "bin"
     empty_bin.mkdir()
-    monkeypatch.setenv("PATH", f"{empty_bin}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    monkeypatch.setenv("PATH", str(empty_bin))
     monkeypatch.setenv("MPSRUN_TMPDIR", str(short_tmp))
     return short_tmp

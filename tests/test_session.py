@@ -256,9 +256,9 @@ def test_on_without_driver_raises(no_gpu):
         pass
 
 
-def test_auto_without_control_program(fake_gpu, monkeypatch, caplog):
+def test_auto_without_control_program(fake_gpu, monkeypatch, caplog, short_tmp):
     """With a driver but no nvidia-cuda-mps-control, auto runs without MPS but still pins the GPU."""
-    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.setenv("PATH", str(short_tmp))
     with caplog.at_level(logging.WARNING, logger="mpsrun"), mps_session() as session:
         assert session.env() == {"CUDA_VISIBLE_DEVICES": fake_gpu.uuids[0]}
     assert "nvidia-cuda-mps-control is not on PATH" in caplog.text
