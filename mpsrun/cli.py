@@ -51,6 +51,11 @@ examples:
   mpsrun -np 4 --launcher mpiexec --mpiexec-arg=--bind-to=none python sim.py
                                            run the ranks through the real mpiexec (mpi4py sees size 4)
 
+subcommands:
+  mpsrun bench [--ranks 1,2,4,8,16] [--json] [--plot FILE.png]
+                                           measure time-sliced vs MPS vs one process on this GPU
+  (a program that is itself called "bench" runs as: mpsrun -- bench)
+
 exit status:
   0     every rank succeeded
   N     otherwise the exit code of the rank that failed first (killed by signal S: 128+S)
@@ -320,6 +325,10 @@ def _print_error(message: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mpsrun`` command; returns the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["bench"]:  # a program named "bench" runs as: mpsrun -- bench
+        from mpsrun import bench
+
+        return bench.main(args[1:])
     if args[:1] in (["-h"], ["--help"]) or not args:
         build_parser().print_help(sys.stdout if args else sys.stderr)
         return 0 if args else EXIT_USAGE

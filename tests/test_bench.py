@@ -1,0 +1,45 @@
+"""Unit tests of mpsrun bench's arithmetic and options; the GPU tier runs it for real."""
+
+import subprocess
+import sys
+
+import pytest
+
+from mpsrun.bench import BenchRow, _rank_list, format_table, main
+
+META = {"gpu": "H100", "driver": "580", "cuda": "13.0", "kernel": "k", "launches_per_rank": 20, "repeats": 3}
+
+
+def test_ratios_and_table():
+    """Speedup is time-sliced/MPS, efficiency one-process/MPS, and the table shows both per row."""
+    row = BenchRow(8, {"timesliced": 2.0, "mps": 0.5, "reference": 0.4}, {})
+    assert row.speedup == 4.0 and row.efficiency == pytest.approx(0.8)
+    table = format_table([row], META)
+    assert "    8       2.000s    0.500s       0.400s    4.00x        0.80" in table
+    assert table.splitlines()[0].startswith("GPU: H100 (driver 580, CUDA 13.0)")
+
+
+@pytest.mark.parametrize("bad", ["0", "a", "1,,2", ""])
+def test_rank_list_rejects_bad_values(bad):
+    """--ranks takes positive integers only."""
+    with pytest.raises(Exception, match="positive integers"):
+        _rank_list(bad)
+
+
+def test_bench_option_errors_exit_2(capsys):
+    """A bad bench option is a usage error (argparse exit 2)."""
+    with pytest.raises(SystemExit) as info:
+        main(["--ranks", "x"])
+    assert info.value.code == 2
+
+
+@pytest.mark.gpu
+def test_bench_prints_its_table():
+    """GPU tier: mpsrun bench runs every mode and prints the table with speedup and efficiency."""
+    out = subprocess.run([sys.executable, "-m", "mpsrun", "bench", "--ranks", "1,4", "--repeats", "1"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[1].split()[:2] == ["ranks", "time-sliced"]
+    assert [line.split()[0] for line in lines[2:4]] == ["1", "4"]
+    print(out.stdout)
