@@ -223,6 +223,52 @@ def main() -> int:
         server = [used[p] for p in session.daemons[0].server_pids if p in used]
         for c in clients:
             c.wait()
+    # Per-rank thread percentages, and the example simulation with and without MPS.
+    for launcher in ("local", "mpiexec"):
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "mpsrun",
+                "-v",
+                "--mps",
+                "on",
+                "-np",
+                "2",
+                "--launcher",
+                launcher,
+                "--thread-percentage",
+                "25,75",
+                sys.executable,
+                str(REPO / "examples" / "per_rank_limits.py"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        results[f"per_rank_limits_{launcher}"] = {
+            "exit": out.returncode,
+            "stdout": out.stdout,
+            "stderr": out.stderr[-1500:],
+        }
+    for mps in ("on", "off"):
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "mpsrun",
+                "--mps",
+                mps,
+                "-np",
+                "8",
+                sys.executable,
+                str(REPO / "examples" / "sim.py"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        results[f"sim_np8_mps_{mps}"] = {"exit": out.returncode, "stdout": out.stdout, "stderr": out.stderr[-1500:]}
     results["memory_mib"] = {
         "per_client": [v / 2**20 if v else None for v in per_client],
         "server": [v / 2**20 for v in server],

@@ -32,7 +32,7 @@ KERNEL((blocks,), (threads,), (out, cupy.int32(1000)))  # compile and warm up
 cupy.cuda.Device().synchronize()
 time.sleep(rank * 2.0)
 start = time.perf_counter()
-KERNEL((blocks,), (threads,), (out, cupy.int32(200_000)))
+KERNEL((blocks,), (threads,), (out, cupy.int32(4_000_000)))
 cupy.cuda.Device().synchronize()
 elapsed = time.perf_counter() - start
 cap = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "none")

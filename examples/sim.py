@@ -63,6 +63,9 @@ def main() -> int:
     rank = comm.rank if comm else int(os.environ.get("RANK", "0"))
     size = comm.size if comm else int(os.environ.get("WORLD_SIZE", "1"))
     xp, device = array_module()
+    estimate(xp, 2, args.batch, seed=rank)  # warm-up: CuPy compiles its kernels on first use
+    if comm is not None:
+        comm.Barrier()
     start = time.perf_counter()
     inside, drawn = estimate(xp, args.batches, args.batch, seed=1234 + rank)
     seconds = time.perf_counter() - start
