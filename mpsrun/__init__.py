@@ -7,6 +7,8 @@ Public API::
         ...  # workers started here are MPS clients of this session's server
 """
 
+from typing import TYPE_CHECKING, Any
+
 from mpsrun.errors import (
     CommandNotFoundError,
     ConfigError,
@@ -22,7 +24,20 @@ from mpsrun.errors import (
     TeardownError,
     UnsafeDirectoryError,
 )
-from mpsrun.session import Session, mps_session
+
+if TYPE_CHECKING:
+    from mpsrun.session import Session, mps_session
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: the in-rank shim (python -m mpsrun.rank) starts once per
+    # rank and should not pay for NVML, psutil and the session machinery.
+    if name in ("Session", "mps_session"):
+        from mpsrun import session
+
+        return getattr(session, name)
+    raise AttributeError(f"module 'mpsrun' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 

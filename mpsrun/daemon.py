@@ -379,10 +379,18 @@ class ControlDaemon:
                     f"the daemon did not take {command!r} (it stored {stored!r})", command=command, reply=stored
                 )
 
-    def start_server(self, uid: int | None = None, timeout: float = 30.0) -> int:
-        """Start this user's server now (not lazily at the first client) and wait for ACTIVE."""
+    def start_server(self, uid: int | None = None, timeout: float = 30.0, wait: bool = True) -> int | None:
+        """Start this user's server now (not lazily at the first client); by default wait for ACTIVE.
+
+        With ``wait=False`` only the request is sent (the daemon queues clients that come
+        before the server is ready); call :meth:`wait_active` later.
+        """
         uid = os.getuid() if uid is None else uid
         self.command(f"start_server -uid {uid}")
+        return self.wait_active(timeout) if wait else None
+
+    def wait_active(self, timeout: float = 30.0) -> int:
+        """Poll until this daemon's server reports ACTIVE; return its pid."""
         deadline = time.monotonic() + timeout
         status: ServerStatus | None = None
         for delay in _backoff():

@@ -6,6 +6,7 @@ command lines or exits the interpreter.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -13,6 +14,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -177,6 +179,7 @@ class Job:
     """One run of a :class:`JobConfig`; see :func:`run_job`."""
 
     def __init__(self, config: JobConfig, note: Callable[[str], None] | None = None) -> None:
+        self.started = time.monotonic()
         self.config = config
         self.note = note or (lambda text: print(f"mpsrun: {text}", file=sys.stderr, flush=True))
 
@@ -213,7 +216,12 @@ class Job:
         if percentages and len(percentages) == len(plan):
             session.thread_percentage = max(percentages)  # the daemon's cap; ranks tighten it
         result: JobResult | None = None
-        session.start()
+        flavour = None
+        if backend == "mpiexec":  # asked while the daemons start: `mpiexec --version` takes a while
+            assert mpiexec is not None
+            flavour = concurrent.futures.ThreadPoolExecutor(1).submit(mpi.detect_flavour, mpiexec)
+        session.start(wait_active=False)  # daemons answer; servers come up while the ranks start
+        log.info(f"mpsrun: daemons ready after {time.monotonic() - self.started:.3f} s")
         try:
             gpu_envs = [session.env(i) for i in range(len(session.gpus))] or [{}]
             envs = rank_environments(plan, gpu_envs)
@@ -221,7 +229,7 @@ class Job:
             self._describe_plan(plan, session)
             job_dir = Path(tempfile.mkdtemp(prefix="mpsrun-job-"))
             try:
-                result, watch = self._run_backend(backend, mpiexec, session, envs, job_dir)
+                result, watch = self._run_backend(backend, mpiexec, flavour, session, envs, job_dir)
             finally:
                 shutil.rmtree(job_dir, ignore_errors=True)
             if watch is not None:
@@ -239,6 +247,7 @@ class Job:
         finally:
             try:
                 session.close()
+                log.info(f"mpsrun: torn down after {time.monotonic() - self.started:.3f} s")
             except TeardownError as exc:  # reported, never hiding the job's own outcome
                 self.note(str(exc))
                 if result is not None and result.exit_code == EXIT_OK:
@@ -247,7 +256,13 @@ class Job:
         return result
 
     def _run_backend(
-        self, backend: str, mpiexec: str | None, session: Session, envs: list[dict[str, str]], job_dir: Path
+        self,
+        backend: str,
+        mpiexec: str | None,
+        flavour_future: concurrent.futures.Future[str] | None,
+        session: Session,
+        envs: list[dict[str, str]],
+        job_dir: Path,
     ) -> tuple[JobResult, ClientWatch | None]:
         config = self.config
         base_env = dict(os.environ)
@@ -259,7 +274,7 @@ class Job:
             plan_file.write_text(json.dumps({"ranks": envs}))
             ranks_dir = job_dir / "ranks"
             ranks_dir.mkdir()
-            flavour = mpi.detect_flavour(mpiexec)
+            flavour = flavour_future.result() if flavour_future is not None else mpi.detect_flavour(mpiexec)
             extra = list(config.mpiexec_args)
             if config.tag_output:
                 extra.insert(0, "--tag-output" if flavour == "openmpi" else "-prepend-rank")
@@ -282,6 +297,7 @@ class Job:
             grace=config.grace,
             timeout=config.timeout,
             before_stop=session.detach_clients if session.enabled else None,
+            after_start=session.wait_active if session.enabled else None,
             note=self.note,
         )
         watch = None
@@ -292,7 +308,9 @@ class Job:
                 rank_pids = lambda: _read_rank_pids(job_dir / "ranks")  # noqa: E731
             watch = ClientWatch(session, rank_pids, required=config.mps == "on")
             supervisor.check = watch.check
+        log.info(f"mpsrun: starting ranks after {time.monotonic() - self.started:.3f} s")
         result = supervisor.run()
+        log.info(f"mpsrun: ranks done after {time.monotonic() - self.started:.3f} s")
         if backend == "mpiexec" and result.cause == "rank-failed" and result.first_failure is not None:
             result.message = f"mpiexec {result.first_failure.describe().split(') ', 1)[1]}"
         return result, watch

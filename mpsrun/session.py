@@ -42,6 +42,7 @@ SESSION_VARIABLES = (
     "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
     "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
     "CUDA_MPS_CLIENT_PRIORITY",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
     "MPSRUN_SESSION_DIR",
 )
 
@@ -117,6 +118,7 @@ class Session:
         self.disabled_reason: str | None = None
         self.teardown_errors: list[BaseException] = []
         self._saved_env: dict[str, str | None] | None = None
+        self._user_max_connections: str | None = None
         self._owner_pid: int | None = None
         self._state = "new"
 
@@ -140,6 +142,7 @@ class Session:
         """
         if self._state != "new":
             return self
+        self._user_max_connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
         found = self._find_gpus()
         self.gpus = found or []
         if self.mps == "off":
@@ -164,8 +167,14 @@ class Session:
         self._state = "resolved"
         return self
 
-    def start(self) -> Session:
-        """Start the daemons and wait until each GPU's server is ACTIVE."""
+    def start(self, wait_active: bool = True) -> Session:
+        """Start the daemons and wait until each GPU's server is ACTIVE.
+
+        ``wait_active=False`` returns once every daemon answers and has its settings, with
+        the servers still starting (clients that connect meanwhile are queued by the
+        daemon); call :meth:`wait_active` before relying on them. The launcher does this
+        to start the ranks while the servers come up.
+        """
         self.resolve()
         if self._state != "resolved":
             raise MPSError(f"this session is {self._state}; make a new one with mps_session()")
@@ -173,7 +182,7 @@ class Session:
         self._owner_pid = os.getpid()
         try:
             if self.disabled_reason is None:
-                self._start_daemons()
+                self._start_daemons(wait_active)
                 self.enabled = True
             else:
                 log.warning("mpsrun: running without MPS: %s", self.disabled_reason)
@@ -187,7 +196,12 @@ class Session:
         self._state = "running"
         return self
 
-    def _start_daemons(self) -> None:
+    def wait_active(self) -> None:
+        """Wait (with ``start_timeout``) until every server of the session is ACTIVE."""
+        for daemon in self.daemons:
+            daemon.wait_active(timeout=self.start_timeout)
+
+    def _start_daemons(self, wait_active: bool) -> None:
         self.dirs = SessionDirs.create(self.base, [g.index for g in self.gpus])
         self.dirs.write_info(
             {
@@ -206,14 +220,14 @@ class Session:
             self.daemons.append(daemon)
             daemon.start(timeout=self.start_timeout)
             daemon.set_defaults(self.thread_percentage, self.mem_limit)
-            daemon.start_server(timeout=self.start_timeout)
+            daemon.start_server(timeout=self.start_timeout, wait=wait_active)
 
     def _export(self, env: Mapping[str, str]) -> None:
         self._saved_env = {name: os.environ.get(name) for name in SESSION_VARIABLES}
         for name in SESSION_VARIABLES:
             if name in env:
                 os.environ[name] = env[name]
-            elif self.enabled:
+            elif self.enabled and name != "CUDA_DEVICE_MAX_CONNECTIONS":  # the user's own choice stays
                 os.environ.pop(name, None)  # a stale MPS setting must not leak into our workers
 
     # -- using ----------------------------------------------------------------------------
@@ -246,6 +260,11 @@ class Session:
             env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={self.mem_limit}"
         if self.priority is not None:
             env["CUDA_MPS_CLIENT_PRIORITY"] = str(self.priority)
+        if self._user_max_connections is None:
+            # Each hardware work queue of a client costs the MPS server resources: with the
+            # default (2 per client) an H100 refused clients beyond a few dozen, with 1 it
+            # served 64; kernel throughput was the same (docs/benchmarks.md).
+            env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
         return env
 
     def clients(self) -> set[int]:

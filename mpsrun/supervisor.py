@@ -121,6 +121,9 @@ class Supervisor:
             (the session uses it to ``terminate_client`` connected MPS clients).
         check: called now and then while ranks run; a returned message fails the job
             (exit 3) and a ``None`` means all is well.
+        after_start: called once every rank is started (the launcher waits there for
+            the MPS servers, which come up while the ranks start); raising fails the job
+            (exit 3) with its message.
         note: where one-line messages go (default: stderr).
     """
 
@@ -133,6 +136,7 @@ class Supervisor:
         timeout: float | None = None,
         before_stop: Callable[[list[int]], object] | None = None,
         check: Callable[[], str | None] | None = None,
+        after_start: Callable[[], None] | None = None,
         check_interval: tuple[float, float] = (0.2, 2.0),
         note: Callable[[str], None] | None = None,
         stdout: IO[bytes] | None = None,
@@ -144,6 +148,7 @@ class Supervisor:
         self.timeout = timeout
         self.before_stop = before_stop
         self.check = check
+        self.after_start = after_start
         self.check_interval = check_interval
         self.note = note or (lambda text: print(f"mpsrun: {text}", file=sys.stderr, flush=True))
         self.stdout = stdout or sys.stdout.buffer
@@ -273,6 +278,12 @@ class Supervisor:
         interrupted: int | None = None
         timed_out = False
         check_failed: str | None = None
+        if self.after_start is not None:
+            try:
+                self.after_start()
+            except Exception as exc:
+                check_failed = str(exc)
+                self._begin_stop()
         next_check, interval = start + self.check_interval[0], self.check_interval[0]
         while True:
             for done in self._reap():

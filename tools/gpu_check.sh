@@ -6,7 +6,7 @@ OUT=${OUT:-/tmp/mpsrun-gpu-check}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} MPSRUN_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
 if [ "${1:-}" = study ]; then
-  python3 benchmarks/study.py "$OUT" 2>&1 | tee "$OUT/study.log"
+  python3 benchmarks/study.py "$OUT" "${@:2}" 2>&1 | tee "$OUT/study.log"
   exit $?
 fi
 {
