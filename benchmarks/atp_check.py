@@ -37,6 +37,27 @@ def client_ms(env):
 results = {}
 base = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_MPS_")}
 results["no_mps"] = client_ms(base)
+if sys.argv[1:] == ["hand"]:
+    # MPS started by hand, as NVIDIA's guide does it: does the cap work there?
+    import tempfile
+    import time
+
+    for flag in ("-d", "-f"):
+        tmp = tempfile.mkdtemp(prefix="atp", dir="/tmp")
+        env = {**base, "CUDA_MPS_PIPE_DIRECTORY": tmp, "CUDA_MPS_LOG_DIRECTORY": tmp}
+        daemon = subprocess.Popen(["nvidia-cuda-mps-control", flag], env=env, stdout=subprocess.DEVNULL)
+        while subprocess.run(["nvidia-cuda-mps-control"], input="get_server_list\n", env=env,
+                             capture_output=True).returncode != 0:
+            time.sleep(0.01)
+        for pct in (None, 25):
+            extra = {} if pct is None else {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(pct)}
+            results[f"hand {flag} client={pct}"] = client_ms({**env, **extra})
+        for cmd in ("get_server_list", "quit"):
+            results[f"hand {flag} {cmd}"] = subprocess.run(["nvidia-cuda-mps-control"], input=cmd + "\n", env=env,
+                                                           capture_output=True, text=True).stdout.strip()
+        daemon.wait(timeout=30)
+    print(json.dumps(results, indent=1))
+    raise SystemExit(0)
 for default in (None, 25):
     with mps_session(gpu=0, mps="on", thread_percentage=default, export=False) as session:
         env = {**base, **session.env()}
