@@ -47,7 +47,7 @@ if sys.argv[1:] == ["hand"]:
         env = {**base, "CUDA_MPS_PIPE_DIRECTORY": tmp, "CUDA_MPS_LOG_DIRECTORY": tmp}
         daemon = subprocess.Popen(["nvidia-cuda-mps-control", flag], env=env, stdout=subprocess.DEVNULL)
         while subprocess.run(["nvidia-cuda-mps-control"], input="get_server_list\n", env=env,
-                             capture_output=True).returncode != 0:
+                             capture_output=True, text=True).returncode != 0:
             time.sleep(0.01)
         for pct in (None, 25):
             extra = {} if pct is None else {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(pct)}

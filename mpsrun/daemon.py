@@ -33,6 +33,7 @@ __all__ = [
     "ControlDaemon",
     "PsEntry",
     "ServerStatus",
+    "diagnose_log",
     "find_control_executable",
     "parse_pid_list",
     "parse_ps",
@@ -119,6 +120,29 @@ def parse_ps(reply: str) -> list[PsEntry]:
             )
         )
     return rows
+
+
+_LOG_FINDINGS = (
+    (
+        re.compile(r"Maximum number of clients \((\d+)\) reached"),
+        "the MPS server refused clients: maximum number of clients ({0}) reached; use fewer ranks per GPU or more GPUs",
+    ),
+    (
+        re.compile(r"encountered a fatal GPU error"),
+        "a client hit a fatal GPU error: the MPS server tore down every client with work in flight, "
+        "so other ranks may have failed with it",
+    ),
+)
+
+
+def diagnose_log(text: str) -> list[str]:
+    """Plain-language findings from an MPS control/server log (each at most once)."""
+    findings = []
+    for pattern, message in _LOG_FINDINGS:
+        match = pattern.search(text)
+        if match:
+            findings.append(message.format(*match.groups()))
+    return findings
 
 
 def _as_float(text: str) -> float | None:

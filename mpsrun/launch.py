@@ -15,6 +15,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import psutil
 
 from mpsrun import gpus as gpu_info
 from mpsrun import mpi
+from mpsrun.daemon import diagnose_log
 from mpsrun.errors import CommandNotFoundError, ConfigError, DaemonError, GPUError, TeardownError
 from mpsrun.placement import RankPlan, ThreadSpec, plan_ranks, rank_environments
 from mpsrun.session import Session
@@ -169,10 +171,22 @@ def _ranges(values: Sequence[int]) -> str:
     return ",".join(parts) or "none"
 
 
-def _mps_related(session: Session, result: JobResult) -> bool:
-    if any(not d.alive for d in session.daemons):
-        return True
-    return any("fatal" in d.log_tail(50).lower() or "error" in d.log_tail(50).lower() for d in session.daemons)
+#: Clients an MPS server accepts on Volta and later (documented; the H100 with driver 580
+#: logged "Maximum number of clients (48) reached" for the 49th).
+MPS_CLIENT_LIMIT = 48
+
+
+def _report_mps_failure(session: Session, note: Callable[[str], None]) -> None:
+    """Say what the MPS logs tell about a failed job; the log tail when a daemon died."""
+    for daemon in session.daemons:
+        try:
+            text = daemon.log_file.read_text(errors="replace")
+        except OSError:
+            continue
+        for finding in diagnose_log(text):
+            note(finding)
+        if not daemon.alive:
+            note(f"the MPS control daemon stopped; its log ({daemon.log_file}) ends:\n{daemon.log_tail(10)}")
 
 
 class Job:
@@ -212,6 +226,13 @@ class Job:
             config.mem_limit,
             config.priority,
         )
+        crowded = {gpu: n for gpu, n in Counter(p.gpu for p in plan).items() if n > MPS_CLIENT_LIMIT}
+        for gpu, n in crowded.items():
+            if session.mps != "off" and session.disabled_reason is None:
+                log.warning(
+                    f"mpsrun: warning: {n} ranks share GPU {gpu}, but an MPS server accepts at most "
+                    f"{MPS_CLIENT_LIMIT} clients on Volta and later GPUs; use more GPUs or fewer ranks"
+                )
         percentages = [p.thread_percentage for p in plan if p.thread_percentage is not None]
         if percentages and len(percentages) == len(plan):
             session.thread_percentage = max(percentages)  # the daemon's cap; ranks tighten it
@@ -239,11 +260,8 @@ class Job:
                 )
             if result.exit_code != 0:
                 self.note(result.message)
-                if session.enabled and _mps_related(session, result):
-                    for daemon in session.daemons:
-                        tail = daemon.log_tail(10)
-                        if tail:
-                            self.note(f"MPS log ({daemon.log_file}):\n{tail}")
+                if session.enabled:
+                    _report_mps_failure(session, self.note)
         finally:
             try:
                 session.close()

@@ -30,3 +30,19 @@ def test_ps_rows_found_by_header():
     assert [(r.pid, r.server_pid) for r in rows] == [(8216, 8176), (8217, 8176)]
     assert rows[0].device == "GPU-5ecd2ecb-5789-2238" and rows[1].name == "./solver -i in.dat"
     assert parse_ps("") == [] and parse_ps("Server not found") == []
+
+
+def test_log_diagnosis_from_recorded_h100_logs():
+    """The client-limit refusal and the fatal-fault teardown, as the H100 logged them, are recognised."""
+    from pathlib import Path
+
+    from mpsrun.daemon import diagnose_log
+
+    data = Path(__file__).parent / "data" / "h100"
+    limit = (data.parent.parent.parent / "benchmarks" / "results" / "h100-scale64-control.log").read_text()
+    assert diagnose_log(limit) == [
+        "the MPS server refused clients: maximum number of clients (48) reached; use fewer ranks per GPU or more GPUs"
+    ]
+    fault = (data / "daemon_stdout.txt").read_text()
+    assert diagnose_log(fault)[0].startswith("a client hit a fatal GPU error")
+    assert diagnose_log("[2026-11-22 07:57:47.634 Control  8100] Starting control daemon") == []

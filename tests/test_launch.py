@@ -221,3 +221,19 @@ def test_mpiexec_backend_propagates_failure(fake_gpu, monkeypatch):
     out = mpsrun("-np", 2, "--launcher", "mpiexec", "--mpiexec", _mpiexec(), sys.executable, PROBE, timeout=120)
     assert out.returncode == 7, out.stderr
     assert "mpiexec exited with code 7" in out.stderr
+
+
+def test_client_limit_refusal_is_explained(fake_gpu):
+    """When the server refuses a client (its limit), mpsrun's summary says so in plain words."""
+    fake_gpu.daemon_env(FAKE_MPS_MAX_CLIENTS="2")
+    out = mpsrun("-np", 3, "--launcher", "local", "--grace", "1", *fake_rank("--hold", "20"))
+    assert out.returncode == 1
+    assert "cudaErrorDevicesUnavailable" in out.stderr
+    assert "the MPS server refused clients: maximum number of clients (2) reached" in out.stderr
+
+
+def test_more_ranks_than_the_client_limit_warns_first(fake_gpu):
+    """Asking for more ranks on one GPU than an MPS server accepts (48) is warned about up front."""
+    out = mpsrun("-np", 49, "--launcher", "local", "true")
+    assert out.returncode == 0
+    assert "49 ranks share GPU 0, but an MPS server accepts at most 48 clients" in out.stderr

@@ -18,7 +18,8 @@ the daemon. Fault injection for tests, through the daemon's environment:
 * ``FAKE_MPS_START_FAIL=1``: the daemon prints an error and exits 1 at once;
 * ``FAKE_MPS_NO_ANSWER=1``: the daemon runs but never opens its socket;
 * ``FAKE_MPS_QUIT_HANG=1``: ``quit`` never returns (the daemon ignores SIGTERM too);
-* ``FAKE_MPS_INIT_POLLS=N``: a new server answers INITIALIZING N times first.
+* ``FAKE_MPS_INIT_POLLS=N``: a new server answers INITIALIZING N times first;
+* ``FAKE_MPS_MAX_CLIENTS=N``: the server's client limit (48, as recorded on the H100).
 """
 
 from __future__ import annotations
@@ -257,6 +258,10 @@ def dispatch(state: State, cmd: str, args: list[str]) -> str:
             return "refused"
         pid = int(args[0])
         server = state.ensure_server()
+        if len(state.live_clients()) >= int(os.environ.get("FAKE_MPS_MAX_CLIENTS", "48")):
+            # Recorded on the H100 (driver 580) for the 49th client.
+            state.server_log(f"Failed to accept new client. Maximum number of clients ({len(state.clients)}) reached.")
+            return "busy"
         state.clients[pid] = "ok"
         state.log(f"NEW CLIENT {pid} from user {os.getuid()}: Server {server} already exists")
         return f"ok {server} {state.uuid}"

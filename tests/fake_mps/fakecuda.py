@@ -31,8 +31,8 @@ class Context:
         self.pid = os.getpid()
         self.pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps")
         reply = send(f"__client_connect {self.pid}", self.pipe, timeout=5)
-        if reply is not None and reply.startswith("not_ready"):
-            raise SystemExit(_fail("cudaErrorMpsServerNotReady"))
+        if reply is not None and reply.startswith("busy"):
+            raise SystemExit(_fail("cudaErrorDevicesUnavailable: CUDA-capable device(s) is/are busy or unavailable"))
         if reply is not None and reply.startswith("ok"):
             _, server, uuid = reply.split()
             self.mps, self.server, self.uuid = True, int(server), uuid
