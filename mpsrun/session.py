@@ -42,7 +42,6 @@ SESSION_VARIABLES = (
     "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
     "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
     "CUDA_MPS_CLIENT_PRIORITY",
-    "CUDA_DEVICE_MAX_CONNECTIONS",
     "MPSRUN_SESSION_DIR",
 )
 
@@ -118,7 +117,6 @@ class Session:
         self.disabled_reason: str | None = None
         self.teardown_errors: list[BaseException] = []
         self._saved_env: dict[str, str | None] | None = None
-        self._user_max_connections: str | None = None
         self._owner_pid: int | None = None
         self._state = "new"
 
@@ -142,7 +140,6 @@ class Session:
         """
         if self._state != "new":
             return self
-        self._user_max_connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
         found = self._find_gpus()
         self.gpus = found or []
         if self.mps == "off":
@@ -227,7 +224,7 @@ class Session:
         for name in SESSION_VARIABLES:
             if name in env:
                 os.environ[name] = env[name]
-            elif self.enabled and name != "CUDA_DEVICE_MAX_CONNECTIONS":  # the user's own choice stays
+            elif self.enabled:
                 os.environ.pop(name, None)  # a stale MPS setting must not leak into our workers
 
     # -- using ----------------------------------------------------------------------------
@@ -260,11 +257,6 @@ class Session:
             env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={self.mem_limit}"
         if self.priority is not None:
             env["CUDA_MPS_CLIENT_PRIORITY"] = str(self.priority)
-        if self._user_max_connections is None:
-            # Each hardware work queue of a client costs the MPS server resources: with the
-            # default (2 per client) an H100 refused clients beyond a few dozen, with 1 it
-            # served 64; kernel throughput was the same (docs/benchmarks.md).
-            env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
         return env
 
     def clients(self) -> set[int]:

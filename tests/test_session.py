@@ -59,7 +59,6 @@ def test_env_and_export(fake_gpu, short_tmp, monkeypatch):
         assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
         assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4G"
         assert "CUDA_MPS_CLIENT_PRIORITY" not in env
-        assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"  # lets an MPS server take more clients
         for name, value in env.items():
             assert os.environ[name] == value
         assert "CUDA_MPS_CLIENT_PRIORITY" not in os.environ  # a stale setting does not leak
@@ -82,15 +81,6 @@ def _spawned_worker(seconds):
     ctx = fakecuda.init()
     ctx.kernel()
     return os.getpid(), ctx.mps
-
-
-def test_user_max_connections_is_kept(fake_gpu, monkeypatch):
-    """A CUDA_DEVICE_MAX_CONNECTIONS the user set is left alone (mpsrun's default is 1)."""
-    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "4")
-    with mps_session(gpu=0) as session:
-        assert "CUDA_DEVICE_MAX_CONNECTIONS" not in session.env()
-        assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "4"
-    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "4"
 
 
 def test_start_without_waiting_then_wait_active(fake_gpu):
