@@ -2,7 +2,8 @@
 
     python benchmarks/study.py OUTDIR [SECTION ...]
 
-SECTION is any of table, hand, overhead, teardown, scale, limits, memory (default: all).
+SECTION is any of table, hand, overhead, teardown, scale, limits, memory (default: these),
+or scale2 (two GPUs).
 Writes OUTDIR/study.json. Every figure is a median of repeats after warm-up, and the
 figures a ratio is made of are measured side by side in the same run.
 """
@@ -149,6 +150,16 @@ class Study:
                                "wall_s": time.perf_counter() - start, "stderr_tail": out.stderr[-1500:]}
         say(f"scale: {results['scale_64']}")
 
+    def scale2(self) -> None:
+        """P6 on two GPUs: 48 ranks per GPU (the MPS client limit), each verified."""
+        start = time.perf_counter()
+        out = run(mpsrun("-v", "--mps", "on", "-np", 96, "--gpus", "all", "--launcher", "local", sys.executable, PROBE,
+                         "--seconds", 10))
+        found = re.search(r"(\d+) of (\d+) rank\(s\) verified[^\n]*", out.stderr)
+        results["scale_96_two_gpus"] = {"exit": out.returncode, "verified": found.group(0) if found else None,
+                                        "wall_s": time.perf_counter() - start, "stderr_tail": out.stderr[-1500:]}
+        say(f"scale2: {results['scale_96_two_gpus']}")
+
     def limits(self) -> None:
         """Per-rank thread percentages, --mem-limit failing one rank only, and the example with and without MPS."""
         example = REPO / "examples" / "per_rank_limits.py"
@@ -200,8 +211,8 @@ class Study:
 def main() -> int:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "study-out")
     out.mkdir(parents=True, exist_ok=True)
-    order = ["table", "hand", "overhead", "teardown", "scale", "limits", "memory"]
-    chosen = [name for name in order if name in (sys.argv[2:] or order)]
+    order = ["table", "hand", "overhead", "teardown", "scale", "limits", "memory", "scale2"]
+    chosen = [name for name in order if name in (sys.argv[2:] or order[:-1])]
     study = Study()
     for name in chosen:
         getattr(study, name)()

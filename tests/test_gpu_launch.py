@@ -59,3 +59,25 @@ def test_rank_pointed_elsewhere_is_caught(tmp_path):
                  "env", f"CUDA_MPS_PIPE_DIRECTORY={elsewhere}", sys.executable, PROBE, "--seconds", "20")
     assert out.returncode == 3, out.stderr
     assert "uses GPU 0 without MPS" in out.stderr and "rank 0 (pid" in out.stderr
+
+
+def test_two_gpus_get_a_daemon_each(tmp_path, monkeypatch):
+    """With two GPUs, --gpus all --map-by block puts ranks 0-1 on one GPU and 2-3 on the other, each GPU
+    with its own daemon, and every rank is verified as a client of its GPU's server."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    count = pynvml.nvmlDeviceGetCount()
+    pynvml.nvmlShutdown()
+    if count < 2:
+        pytest.skip("needs two GPUs")
+    monkeypatch.setenv("PROBE_DIR", str(tmp_path))
+    out = mpsrun("-np", 4, "--gpus", "all", "--mps", "on", "--launcher", "local", "-v",
+                 sys.executable, PROBE, "--seconds", "4")
+    assert out.returncode == 0, out.stderr
+    seen = probes(tmp_path)
+    gpus = [p["env"]["CUDA_VISIBLE_DEVICES"] for p in seen]
+    pipes = [p["env"]["CUDA_MPS_PIPE_DIRECTORY"] for p in seen]
+    assert gpus[0] == gpus[1] != gpus[2] == gpus[3]
+    assert pipes[0] == pipes[1] != pipes[2] == pipes[3]
+    assert "4 of 4 rank(s) verified as MPS clients (0-3)" in out.stderr
