@@ -56,7 +56,22 @@ class BenchRow:
 
 
 def _mpsrun(ranks: int, mps: str, worker: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", "mpsrun", "-q", "-np", str(ranks), "--launcher", "local", "--mps", mps, *worker]
+    # One GPU: the comparison is N ranks sharing a GPU.
+    return [
+        sys.executable,
+        "-m",
+        "mpsrun",
+        "-q",
+        "-np",
+        str(ranks),
+        "--gpus",
+        "0",
+        "--launcher",
+        "local",
+        "--mps",
+        mps,
+        *worker,
+    ]
 
 
 def measure(

@@ -27,7 +27,7 @@ def test_four_cupy_ranks_are_verified_mps_clients(launcher, tmp_path, monkeypatc
     if launcher == "mpiexec" and shutil.which("mpiexec") is None:
         pytest.skip("no mpiexec")
     monkeypatch.setenv("PROBE_DIR", str(tmp_path))
-    out = mpsrun("-np", 4, "--mps", "on", "--launcher", launcher, "--thread-percentage", "auto", "-v",
+    out = mpsrun("-np", 4, "--gpus", "0", "--mps", "on", "--launcher", launcher, "--thread-percentage", "auto", "-v",
                  sys.executable, PROBE, "--seconds", "4")
     assert out.returncode == 0, out.stderr
     seen = probes(tmp_path)
