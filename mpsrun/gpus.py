@@ -19,6 +19,7 @@ __all__ = [
     "GPU",
     "DriverInfo",
     "compute_pids",
+    "compute_processes",
     "driver_info",
     "list_gpus",
     "parse_visible_devices",
@@ -178,18 +179,31 @@ def select_gpus(requested: Sequence[int | str] | None, visible: Sequence[GPU]) -
     return chosen
 
 
-def compute_pids(uuid: str) -> set[int]:
-    """PIDs of processes holding a CUDA context on the GPU (plain and MPS clients)."""
+def compute_processes(uuid: str) -> dict[int, bool]:
+    """Processes holding a CUDA context on the GPU: ``{pid: is_mps_client}``.
+
+    NVML lists MPS clients (type ``M+C``) both as compute processes and as MPS compute
+    processes, and the MPS server and plain CUDA processes (type ``C``) only as compute
+    processes (recorded on an H100 and on two H200s).
+    """
     with _nvml() as nvml:
         handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
-        pids: set[int] = set()
-        queries = ["nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetMPSComputeRunningProcesses"]
-        for name in queries:
+        found: dict[int, bool] = {}
+        for name, is_mps in (
+            ("nvmlDeviceGetComputeRunningProcesses", False),
+            ("nvmlDeviceGetMPSComputeRunningProcesses", True),
+        ):
             query = getattr(nvml, name, None)
             if query is None:
                 continue
             try:
-                pids.update(int(p.pid) for p in query(handle))
+                for process in query(handle):
+                    found[int(process.pid)] = found.get(int(process.pid), False) or is_mps
             except nvml.NVMLError_NotSupported:
                 continue
-        return pids
+        return found
+
+
+def compute_pids(uuid: str) -> set[int]:
+    """PIDs of processes holding a CUDA context on the GPU (plain and MPS clients)."""
+    return set(compute_processes(uuid))

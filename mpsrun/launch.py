@@ -134,15 +134,18 @@ class ClientWatch:
                     f"; its log ends: {tail.splitlines()[-1]}" if tail else ""
                 )
             try:
+                # NVML first, clients second: a process NVML shows as connected is in the list by then.
+                contexts = gpu_info.compute_processes(gpu.uuid)
                 clients = daemon.clients()
-                using = gpu_info.compute_pids(gpu.uuid) - set(daemon.server_pids)
             except (DaemonError, GPUError) as exc:
                 log.debug("client check skipped: %s", exc)
                 continue
-            for pid in sorted(using & pids.keys()):
+            self.verified.update(pids[pid] for pid in clients & pids.keys())
+            # A silent fallback shows as a plain context (type C), never as an MPS client (M+C).
+            plain = {pid for pid, is_mps in contexts.items() if not is_mps} - set(daemon.server_pids)
+            for pid in sorted(plain & pids.keys()):
                 rank = pids[pid]
                 if pid in clients:
-                    self.verified.add(rank)
                     self._suspects.pop(pid, None)
                     continue
                 self._suspects[pid] = self._suspects.get(pid, 0) + 1

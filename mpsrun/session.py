@@ -300,9 +300,11 @@ class Session:
         wanted = set(pids)
         verified: list[int] = []
         for gpu, daemon in zip(self.gpus, self.daemons, strict=True):
+            # NVML first, clients second: a process NVML shows as connected is in the list by then.
+            contexts = gpu_info.compute_processes(gpu.uuid)
             clients = daemon.clients()
-            using = gpu_info.compute_pids(gpu.uuid) - set(daemon.server_pids)
-            strays = sorted((wanted & using) - clients)
+            plain = {pid for pid, is_mps in contexts.items() if not is_mps} - set(daemon.server_pids)
+            strays = sorted((wanted & plain) - clients)
             if strays:
                 raise NotMPSClientError(
                     f"process(es) {strays} use GPU {gpu.index} ({gpu.uuid}) without MPS: they are not clients "
