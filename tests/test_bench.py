@@ -43,3 +43,14 @@ def test_bench_prints_its_table():
     assert lines[1].split()[:2] == ["ranks", "time-sliced"]
     assert [line.split()[0] for line in lines[2:4]] == ["1", "4"]
     print(out.stdout)
+
+
+def test_plot_writes_a_png(tmp_path):
+    """--plot draws the three curves into a PNG file (when matplotlib is installed)."""
+    pytest.importorskip("matplotlib")
+    from mpsrun.bench import plot
+
+    rows = [BenchRow(n, {"timesliced": 0.16 * n, "mps": 0.16, "reference": 0.16}, {}) for n in (1, 2, 4)]
+    target = tmp_path / "bench.png"
+    plot(rows, str(target))
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
