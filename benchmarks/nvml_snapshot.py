@@ -13,9 +13,10 @@ import pynvml
 
 out, n = Path(sys.argv[1]), int(sys.argv[2])
 probe = Path(__file__).resolve().parent.parent / "tests" / "programs" / "gpu_probe.py"
-job = subprocess.Popen([sys.executable, "-m", "mpsrun", "-v", "--keep-logs", "--mps", "auto", "-np", str(n), "--gpus",
-                        "all", "--launcher", "local", "--tag-output", sys.executable, str(probe), "--seconds", "12"],
-                       stdout=open(out / "job.out", "w"), stderr=open(out / "job.err", "w"))
+argv = [sys.executable, "-m", "mpsrun", "-v", "--keep-logs", "--mps", "auto", "-np", str(n), "--gpus", "all",
+        "--launcher", "local", "--tag-output", sys.executable, str(probe), "--seconds", "12"]
+job_out, job_err = open(out / "job.out", "w"), open(out / "job.err", "w")  # noqa: SIM115 - live until the job ends
+job = subprocess.Popen(argv, stdout=job_out, stderr=job_err)
 snapshots = []
 time.sleep(8)
 pynvml.nvmlInit()
@@ -31,6 +32,8 @@ for _ in range(3):
     snapshots.append({"nvml": snap, "ps": ps})
     time.sleep(1)
 job.wait()
+job_out.close()
+job_err.close()
 for d in Path("/tmp/mpsrun-0").glob("s*/gpu*/log/control.log"):
     (out / f"{d.parts[-4]}-{d.parts[-3]}.log").write_text(d.read_text())
 (out / "snapshots.json").write_text(json.dumps(snapshots, indent=1))

@@ -7,7 +7,14 @@ import re
 
 from mpsrun.errors import ConfigError
 
-__all__ = ["MPS_MODES", "parse_mem_limit", "parse_mps_mode", "parse_priority", "parse_thread_percentage"]
+__all__ = [
+    "MPS_MODES",
+    "client_variables",
+    "parse_mem_limit",
+    "parse_mps_mode",
+    "parse_priority",
+    "parse_thread_percentage",
+]
 
 MPS_MODES = ("auto", "on", "off")
 _MEM = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
@@ -71,3 +78,18 @@ def parse_mps_mode(value: object, setting: str = "mps") -> str:
     if text not in MPS_MODES:
         raise ConfigError(f"{setting} must be one of auto, on, off, not {value!r}", setting=setting, value=value)
     return text
+
+
+def client_variables(thread_percentage: int | None, mem_limit: str | None, priority: int | None) -> dict[str, str]:
+    """The MPS client variables for these (validated) limits; unset limits are left out.
+
+    The memory limit names device 0: mpsrun gives every client exactly one GPU.
+    """
+    env: dict[str, str] = {}
+    if thread_percentage is not None:
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(thread_percentage)
+    if mem_limit is not None:
+        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={mem_limit}"
+    if priority is not None:
+        env["CUDA_MPS_CLIENT_PRIORITY"] = str(priority)
+    return env

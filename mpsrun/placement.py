@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 
 from mpsrun.errors import ConfigError
-from mpsrun.limits import parse_mem_limit, parse_priority, parse_thread_percentage
+from mpsrun.limits import client_variables, parse_mem_limit, parse_priority, parse_thread_percentage
 
 __all__ = ["MAP_POLICIES", "RankPlan", "parse_thread_spec", "plan_ranks", "rank_environments"]
 
@@ -106,12 +106,7 @@ def rank_environments(plan: Sequence[RankPlan], gpu_envs: Sequence[Mapping[str, 
         gpu_env = gpu_envs[entry.gpu]
         env = dict(gpu_env)
         if "CUDA_MPS_PIPE_DIRECTORY" in gpu_env:
-            if entry.thread_percentage is not None:
-                env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(entry.thread_percentage)
-            if entry.mem_limit is not None:
-                env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={entry.mem_limit}"
-            if entry.priority is not None:
-                env["CUDA_MPS_CLIENT_PRIORITY"] = str(entry.priority)
+            env.update(client_variables(entry.thread_percentage, entry.mem_limit, entry.priority))
         env.update(
             RANK=str(entry.rank),
             LOCAL_RANK=str(entry.rank),

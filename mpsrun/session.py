@@ -27,7 +27,7 @@ from mpsrun.errors import (
     TeardownError,
 )
 from mpsrun.gpus import GPU
-from mpsrun.limits import parse_mem_limit, parse_mps_mode, parse_priority, parse_thread_percentage
+from mpsrun.limits import client_variables, parse_mem_limit, parse_mps_mode, parse_priority, parse_thread_percentage
 from mpsrun.paths import SessionDirs, base_directory, validate_base
 
 __all__ = ["Session", "mps_session"]
@@ -251,12 +251,7 @@ class Session:
         env["CUDA_MPS_PIPE_DIRECTORY"] = str(daemon.pipe_dir)
         env["CUDA_MPS_LOG_DIRECTORY"] = str(daemon.log_dir)
         env["MPSRUN_SESSION_DIR"] = str(self.dirs.root)
-        if self.thread_percentage is not None:
-            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.thread_percentage)
-        if self.mem_limit is not None:
-            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={self.mem_limit}"
-        if self.priority is not None:
-            env["CUDA_MPS_CLIENT_PRIORITY"] = str(self.priority)
+        env.update(client_variables(self.thread_percentage, self.mem_limit, self.priority))
         return env
 
     def clients(self) -> set[int]:
