@@ -54,7 +54,8 @@ examples:
 subcommands:
   mpsrun bench [--ranks 1,2,4,8,16] [--json] [--plot FILE.png]
                                            measure time-sliced vs MPS vs one process on this GPU
-  (a program that is itself called "bench" runs as: mpsrun -- bench)
+  mpsrun doctor [--json]                   can MPS work here, and if not, why not (exit 0 if it can)
+  (a program that is itself called "bench" or "doctor" runs as: mpsrun -- bench)
 
 exit status:
   0     every rank succeeded
@@ -329,6 +330,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from mpsrun import bench
 
         return bench.main(args[1:])
+    if args[:1] == ["doctor"]:
+        from mpsrun import doctor
+
+        return doctor.main(args[1:])
     if args[:1] in (["-h"], ["--help"]) or not args:
         build_parser().print_help(sys.stdout if args else sys.stderr)
         return 0 if args else EXIT_USAGE

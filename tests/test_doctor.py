@@ -1,0 +1,62 @@
+"""mpsrun doctor: the verdict, the table and the JSON, on a machine without a driver and on the fake GPU."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def doctor(*args):
+    return subprocess.run([sys.executable, "-m", "mpsrun", "doctor", *args], capture_output=True, text=True,
+                          timeout=180)
+
+
+def test_no_driver_is_said_plainly(no_gpu):
+    """On a CPU-only machine doctor exits 3 and says there is no NVIDIA driver and no control program."""
+    out = doctor()
+    assert out.returncode == 3
+    first = out.stdout.splitlines()[0]
+    assert first.startswith("mpsrun doctor: MPS cannot be used here: no usable NVIDIA driver")
+    assert "nvidia-cuda-mps-control is not on PATH" in first
+    assert "driver         none" in out.stdout
+
+
+def test_fake_gpu_is_reported_usable(fake_gpu, monkeypatch):
+    """With a driver, a GPU and the control program, doctor exits 0 and lists the GPU and settings."""
+    monkeypatch.setenv("MPSRUN_TMPDIR", str(fake_gpu.tmpdir))
+    out = doctor()
+    assert out.returncode == 0, out.stdout
+    lines = out.stdout.splitlines()
+    assert lines[0] == "mpsrun doctor: MPS can be used here"
+    assert any(line.startswith("GPU 0") and fake_gpu.uuids[0] in line and "compute mode Default" in line
+               for line in lines)
+    assert f"MPSRUN_TMPDIR={fake_gpu.tmpdir}" in out.stdout
+    report = json.loads(doctor("--json").stdout)
+    assert report["usable"] is True and report["gpus"][0]["uuid"] == fake_gpu.uuids[0]
+    assert report["control_executable"].endswith("nvidia-cuda-mps-control")
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [("compute_mode", 2, "compute mode Prohibited"),
+                                                         ("mig", 1, "MIG enabled")])
+def test_unusable_gpu_is_explained(fake_gpu, field, value, message):
+    """A GPU in Prohibited mode or with MIG on makes doctor exit 3 with the reason."""
+    gpus = json.loads(Path(fake_gpu.nvml_dir, "gpus.json").read_text())
+    gpus[0][field] = value
+    Path(fake_gpu.nvml_dir, "gpus.json").write_text(json.dumps(gpus))
+    out = doctor()
+    assert out.returncode == 3
+    assert "no visible GPU can run MPS" in out.stdout.splitlines()[0] and message in out.stdout
+
+
+def test_our_own_daemon_is_recognised(fake_gpu):
+    """Inside a running session, doctor lists the session's MPS processes as the mpsrun session's."""
+    from mpsrun import mps_session
+
+    with mps_session() as session:
+        report = json.loads(doctor("--json").stdout)
+        pids = {p["pid"]: p for p in report["mps_processes"]}
+        # The fake daemon runs as a script named nvidia-cuda-mps-control, so its process name matches.
+        entry = pids[session.daemons[0].pid]
+        assert entry["mpsrun"] and entry["mine"] and entry["pipe_dir"] == str(session.daemons[0].pipe_dir)

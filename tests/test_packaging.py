@@ -1,0 +1,76 @@
+"""Packaging: the conda recipe agrees with pyproject.toml; pip install . and the wheel work in fresh venvs."""
+
+import re
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+import mpsrun
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+RECIPE = (ROOT / "conda" / "meta.yaml").read_text()
+
+
+def _requirement(text):
+    """('name', 'constraint') with names normalised and spaces removed."""
+    match = re.match(r"\s*([A-Za-z0-9_.\-]+)\s*(.*)$", text)
+    return match.group(1).lower().replace("_", "-"), match.group(2).replace(" ", "")
+
+
+def _recipe_section(name):
+    block = RECIPE.split(f"\n  {name}:\n", 1)[1]
+    lines = []
+    for line in block.splitlines():
+        if not line.startswith("    - "):
+            break
+        lines.append(line[len("    - "):])
+    return lines
+
+
+def test_recipe_version_matches_the_package():
+    """The conda recipe's version is the package's single version."""
+    assert re.search(r'{% set version = "([^"]+)" %}', RECIPE).group(1) == mpsrun.__version__
+
+
+def test_recipe_run_requirements_match_pyproject():
+    """The recipe's run requirements are exactly pyproject's dependencies (plus python), same bounds."""
+    recipe = dict(_requirement(r) for r in _recipe_section("run"))
+    assert recipe.pop("python") == ">=" + PYPROJECT["project"]["requires-python"].removeprefix(">=")
+    assert recipe == dict(_requirement(r) for r in PYPROJECT["project"]["dependencies"])
+
+
+def test_recipe_tests_the_command_and_the_import():
+    """The recipe's own tests run the command line and import the package."""
+    assert "mpsrun --help" in RECIPE and re.search(r"imports:\s*\n\s*- mpsrun", RECIPE)
+    assert "noarch: python" in RECIPE
+
+
+@pytest.mark.parametrize("how", ["source", "wheel"])
+def test_install_into_a_fresh_venv(tmp_path, how):
+    """`pip install .` and the built wheel each give a working `mpsrun` command in a fresh venv."""
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    python = env_dir / "bin" / "python"
+    target = str(ROOT)
+    if how == "wheel":
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"),
+                        str(ROOT)], check=True, timeout=600)
+        [wheel] = (tmp_path / "dist").glob("mpsrun-*.whl")
+        target = str(wheel)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", target], check=True, timeout=600)
+    version = subprocess.run([str(env_dir / "bin" / "mpsrun"), "--version"], capture_output=True, text=True,
+                             check=True, cwd=tmp_path)
+    assert version.stdout.strip() == f"mpsrun {mpsrun.__version__}"
+    typed = subprocess.run([str(python), "-c", "import mpsrun, pathlib; "
+                            "print((pathlib.Path(mpsrun.__file__).parent / 'py.typed').exists())"],
+                           capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert typed.stdout.strip() == "True"
