@@ -54,7 +54,7 @@ def test_the_python_example_runs(fake_gpu):
     try:
         from pool import work
 
-        exec(compile(code, "README.md", "exec"), {"work": work, "__name__": "readme"})
+        exec(compile(code, "README.md", "exec"), {"work": work, "__name__": "readme"})  # noqa: S102 - the README example
     finally:
         sys.path.remove(str(ROOT / "examples"))
 
