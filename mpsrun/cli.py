@@ -55,7 +55,9 @@ subcommands:
   mpsrun bench [--ranks 1,2,4,8,16] [--json] [--plot FILE.png]
                                            measure time-sliced vs MPS vs one process on this GPU
   mpsrun doctor [--json]                   can MPS work here, and if not, why not (exit 0 if it can)
-  (a program that is itself called "bench" or "doctor" runs as: mpsrun -- bench)
+  mpsrun status [--json]                   this user's sessions on this node (owner, daemons, age)
+  mpsrun cleanup [--force SESSION]         stop and remove stale sessions (owner gone); never others'
+  (a program called "bench", "doctor", "status" or "cleanup" runs as: mpsrun -- bench)
 
 exit status:
   0     every rank succeeded
@@ -334,6 +336,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from mpsrun import doctor
 
         return doctor.main(args[1:])
+    if args[:1] in (["status"], ["cleanup"]):
+        from mpsrun import registry
+
+        return registry.main(args[1:], args[0])
     if args[:1] in (["-h"], ["--help"]) or not args:
         build_parser().print_help(sys.stdout if args else sys.stderr)
         return 0 if args else EXIT_USAGE

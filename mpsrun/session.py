@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 
 from mpsrun import gpus as gpu_info
+from mpsrun import registry
 from mpsrun.daemon import ControlDaemon, find_control_executable
 from mpsrun.errors import (
     ConfigError,
@@ -199,23 +200,36 @@ class Session:
             daemon.wait_active(timeout=self.start_timeout)
 
     def _start_daemons(self, wait_active: bool) -> None:
+        with contextlib.suppress(Exception):  # best effort: what a killed earlier run left behind
+            for session_id, what in registry.cleanup(self.base):
+                log.info("mpsrun: stale session %s %s", session_id, what)
         self.dirs = SessionDirs.create(self.base, [g.index for g in self.gpus])
-        self.dirs.write_info(
-            {
-                "pid": os.getpid(),
-                "create_time": psutil.Process().create_time(),
-                "uid": os.getuid(),
-                "started": time.time(),
-                "gpus": [g.uuid for g in self.gpus],
-                "argv": sys.argv,
-            }
-        )
+        info: dict[str, Any] = {
+            "pid": os.getpid(),
+            "create_time": psutil.Process().create_time(),
+            "uid": os.getuid(),
+            "started": time.time(),
+            "gpus": [g.uuid for g in self.gpus],
+            "argv": sys.argv,
+            "daemons": [],
+        }
+        self.dirs.write_info(info)
         for gpu in self.gpus:
             daemon = ControlDaemon(
                 gpu_uuid=gpu.uuid, pipe_dir=self.dirs.pipe_dir(gpu.index), log_dir=self.dirs.log_dir(gpu.index)
             )
             self.daemons.append(daemon)
             daemon.start(timeout=self.start_timeout)
+            assert daemon.pid is not None
+            info["daemons"].append(
+                {
+                    "gpu": gpu.uuid,
+                    "pid": daemon.pid,
+                    "create_time": psutil.Process(daemon.pid).create_time(),
+                    "pipe_dir": str(daemon.pipe_dir),
+                }
+            )
+            self.dirs.write_info(info)  # so `mpsrun cleanup` can stop it if we die
             daemon.set_defaults(self.thread_percentage, self.mem_limit)
             daemon.start_server(timeout=self.start_timeout, wait=wait_active)
 

@@ -1,0 +1,273 @@
+"""Reliability on the fake machine: the fault matrix, stale sessions, security, arguments, load.
+
+After every test the fake_gpu fixture checks that no process of the job survived (ranks,
+daemons, servers, even reparented ones) and that no session directory is left.
+"""
+
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import FAKE_MPS, FAKECUDA
+
+from mpsrun import UnsafeDirectoryError, mps_session
+from mpsrun.paths import SessionDirs
+
+
+def mpsrun(*args, timeout=60, **kwargs):
+    return subprocess.run([sys.executable, "-m", "mpsrun", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, **kwargs)
+
+
+def fake_rank(*args):
+    return [sys.executable, str(FAKECUDA), *args]
+
+
+def wait_for(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def test_segfaulting_rank_gives_139(fake_gpu):
+    """A rank killed by SIGSEGV makes mpsrun exit 139 and name the signal."""
+    code = "import os, signal, sys; os.environ['RANK'] == '1' and os.kill(os.getpid(), signal.SIGSEGV)"
+    out = mpsrun("-np", 2, "--launcher", "local", sys.executable, "-c", code)
+    assert out.returncode == 139
+    assert "rank 1" in out.stderr and "SIGSEGV" in out.stderr
+
+
+def test_mpsrun_sigkilled_takes_daemon_and_ranks_with_it_and_cleanup_removes_the_rest(fake_gpu, short_tmp):
+    """SIGKILL to mpsrun: the daemon and ranks die with it (parent-death signal); status shows the stale
+    session and cleanup removes it."""
+    job = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "local",
+                            *fake_rank("--report-dir", str(short_tmp), "--hold", "60")], stderr=subprocess.DEVNULL)
+    wait_for(lambda: len(list(short_tmp.glob("*.json"))) == 2)
+    [root] = fake_gpu.session_dirs()
+    daemon_pid = json.loads((root / "session.json").read_text())["daemons"][0]["pid"]
+    job.kill()
+    job.wait()
+    wait_for(lambda: not psutil.pid_exists(daemon_pid) or psutil.Process(daemon_pid).status() == "zombie")
+    wait_for(lambda: not fake_gpu.orphans())
+    status = json.loads(mpsrun("status", "--json").stdout)
+    assert [(s["session"], s["stale"]) for s in status] == [(root.name, True)]
+    out = mpsrun("cleanup")
+    assert out.returncode == 0 and f"{root.name}: removed" in out.stdout
+    assert not root.exists()
+
+
+def _orphan_session(fake_gpu):
+    """A session whose owner is gone but whose daemon still runs (it lost its parent-death signal)."""
+    dirs = SessionDirs.create(fake_gpu.tmpdir, [0])
+    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(dirs.pipe_dir(0)), "CUDA_VISIBLE_DEVICES": fake_gpu.uuids[0]}
+    log = open(dirs.control_log(0), "wb")
+    daemon = subprocess.Popen([str(fake_gpu.bin_dir / "nvidia-cuda-mps-control"), "-f"], env=env, stdout=log,
+                              start_new_session=True)
+    log.close()
+    wait_for(lambda: (dirs.pipe_dir(0) / "control").exists())
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dirs.write_info({"pid": gone.pid, "create_time": 1.0, "uid": os.getuid(), "started": time.time(),
+                     "daemons": [{"gpu": fake_gpu.uuids[0], "pid": daemon.pid,
+                                  "create_time": psutil.Process(daemon.pid).create_time(),
+                                  "pipe_dir": str(dirs.pipe_dir(0))}]})
+    return dirs, daemon
+
+
+def test_cleanup_stops_an_orphaned_daemon_by_pid_and_start_time(fake_gpu):
+    """cleanup stops a stale session's still-running daemon (verified by pid and start time) and removes it."""
+    dirs, daemon = _orphan_session(fake_gpu)
+    assert "GONE" in mpsrun("status").stdout
+    out = mpsrun("cleanup")
+    assert "1 daemon(s) stopped" in out.stdout, out.stdout
+    assert daemon.wait(timeout=10) is not None
+    assert not dirs.root.exists()
+
+
+def test_next_session_removes_what_a_killed_run_left(fake_gpu):
+    """Starting a session first cleans up this user's stale sessions (the 'next run' of the fault matrix)."""
+    dirs, daemon = _orphan_session(fake_gpu)
+    with mps_session():
+        assert not dirs.root.exists()
+        assert daemon.wait(timeout=10) is not None
+
+
+def test_live_session_is_left_alone_unless_forced(fake_gpu):
+    """cleanup never touches a live session; --force with its name stops and removes it."""
+    session = mps_session().start()
+    try:
+        out = mpsrun("cleanup")
+        assert out.stdout.strip() == "mpsrun cleanup: nothing to clean up"
+        assert session.dirs.root.exists() and session.daemons[0].alive
+        out = mpsrun("cleanup", "--force", session.dirs.session_id)
+        assert f"{session.dirs.session_id}: removed (forced" in out.stdout
+        wait_for(lambda: not session.daemons[0].alive)
+        assert not session.dirs.root.exists()
+    finally:
+        session.close()
+
+
+def test_daemon_killed_under_a_running_job(fake_gpu, short_tmp):
+    """Killing the daemon under a running job fails the job and the summary says the daemon stopped."""
+    job = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "local", "--grace", "1",
+                            *fake_rank("--report-dir", str(short_tmp), "--hold", "60")],
+                           stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: len(list(short_tmp.glob("*.json"))) == 2)
+    [root] = fake_gpu.session_dirs()
+    daemon_pid = json.loads((root / "session.json").read_text())["daemons"][0]["pid"]
+    os.killpg(daemon_pid, signal.SIGKILL)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode != 0
+    assert "MPS control daemon" in err and ("died under the job" in err or "stopped" in err)
+
+
+@pytest.mark.parametrize("launcher", ["local", "mpiexec"])
+def test_awkward_arguments_reach_the_rank_intact(fake_gpu, launcher):
+    """Spaces, quotes, ;, $(...), globs and non-UTF-8 bytes reach the rank unchanged: no shell anywhere."""
+    if launcher == "mpiexec" and shutil.which("mpiexec", path=os.path.dirname(sys.executable)) is None:
+        pytest.skip("no mpiexec")
+    awkward = ["a b", '"quoted"', "it's", "x;y", "$(touch /tmp/mpsrun-pwned)", "*", "\\n", os.fsdecode(b"caf\xe9")]
+    code = "import os, sys; sys.stdout.buffer.write(repr([os.fsencode(a) for a in sys.argv[1:]]).encode())"
+    args = ["-np", "1", "--launcher", launcher]
+    if launcher == "mpiexec":
+        args += ["--mpiexec", shutil.which("mpiexec", path=os.path.dirname(sys.executable))]
+    out = subprocess.run([sys.executable, "-m", "mpsrun", *args, sys.executable, "-c", code, *awkward],
+                         capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.decode() == repr([os.fsencode(a) for a in awkward])
+    assert not Path("/tmp/mpsrun-pwned").exists()
+
+
+def test_two_jobs_at_once_on_the_same_gpu_each_get_their_own_daemon(fake_gpu, short_tmp):
+    """Two mpsrun jobs on one GPU at the same time: separate daemons and directories, both succeed."""
+    reports = [short_tmp / "a", short_tmp / "b"]
+    for directory in reports:
+        directory.mkdir()
+    jobs = [subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "local",
+                              *fake_rank("--report-dir", str(d), "--hold", "2")]) for d in reports]
+    assert [job.wait(timeout=60) for job in jobs] == [0, 0]
+    pipes = [{json.loads(p.read_text())["env"]["CUDA_MPS_PIPE_DIRECTORY"] for p in d.glob("*.json")} for d in reports]
+    assert len(pipes[0]) == len(pipes[1]) == 1 and pipes[0] != pipes[1]
+
+
+def test_hundred_sessions_leak_nothing(fake_gpu):
+    """100 back-to-back sessions in one process leave no file descriptor, thread, child or directory."""
+    def snapshot():
+        children = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+        return len(os.listdir("/proc/self/fd")), threading.active_count(), len(children)
+
+    with mps_session():  # warm-up: first imports, the user root directory
+        pass
+    before = snapshot()
+    for _ in range(100):
+        with mps_session() as session:
+            assert session.enabled
+    assert snapshot() == before
+    assert fake_gpu.session_dirs() == []
+
+
+OTHER_USER = "mpsrun-other"
+
+
+@pytest.fixture(scope="session")
+def other_user(tmp_path_factory):
+    """A second local user and a Python it can run with mpsrun installed (made here as root; else skipped).
+
+    Our own interpreter may live under /root, which other users cannot enter, so the other
+    user gets a virtual environment of its own, made from a system Python, outside /root.
+    """
+    if os.geteuid() != 0 or shutil.which("useradd") is None:
+        pytest.skip("needs root and useradd to create a second user")
+    try:
+        pwd.getpwnam(OTHER_USER)
+    except KeyError:
+        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER_USER], check=True)
+    base = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.access(p, os.X_OK)), None)
+    if base is None:
+        pytest.skip("no system Python for the second user")
+    env_dir = Path(tempfile.mkdtemp(prefix="mpsrun-other-venv-", dir="/tmp"))
+    os.chmod(env_dir, 0o755)
+    made = subprocess.run([base, "-m", "venv", str(env_dir)], capture_output=True)
+    python = env_dir / "bin" / "python"
+    if made.returncode == 0:
+        made = subprocess.run([str(python), "-m", "pip", "install", "-q", str(Path(__file__).parent.parent)],
+                              capture_output=True, timeout=600)
+    check = subprocess.run([str(python), "-c", "import mpsrun.registry"], user=OTHER_USER, capture_output=True,
+                           cwd="/tmp")
+    if made.returncode != 0 or check.returncode != 0:
+        shutil.rmtree(env_dir, ignore_errors=True)
+        pytest.skip(f"could not give {OTHER_USER} a Python with mpsrun: {(made.stderr or check.stderr)[-300:]!r}")
+    yield pwd.getpwnam(OTHER_USER), str(python)
+    shutil.rmtree(env_dir, ignore_errors=True)
+
+
+def test_another_user_cannot_reach_the_session(fake_gpu, other_user):
+    """Another user can neither list the pipe directory, nor connect to the control socket, nor read the log."""
+    with mps_session() as session:
+        pipe, log = session.daemons[0].pipe_dir, session.daemons[0].log_file
+        probe = (
+            "import os, socket, sys\n"
+            "results = []\n"
+            f"for attempt in (lambda: os.listdir({str(pipe)!r}), lambda: open({str(log)!r}).read(),\n"
+            f"                lambda: socket.socket(socket.AF_UNIX).connect({str(pipe / 'control')!r})):\n"
+            "    try:\n"
+            "        attempt(); results.append('ALLOWED')\n"
+            "    except PermissionError:\n"
+            "        results.append('denied')\n"
+            "print(results)\n"
+        )
+        out = subprocess.run([other_user[1], "-c", probe], user=OTHER_USER, capture_output=True, text=True,
+                             cwd="/tmp", timeout=30)
+        assert out.stdout.strip() == "['denied', 'denied', 'denied']", out.stderr
+        assert session.daemons[0].alive
+
+
+def test_another_users_cleanup_does_not_touch_our_session(fake_gpu, other_user):
+    """mpsrun cleanup --force run by another user, naming our session, leaves it alone."""
+    os.chmod(fake_gpu.root, 0o755)
+    os.chmod(fake_gpu.tmpdir, 0o1777)  # a shared base, like /tmp
+    with mps_session() as session:
+        env = {"PATH": os.environ["PATH"], "MPSRUN_TMPDIR": str(fake_gpu.tmpdir)}
+        out = subprocess.run([other_user[1], "-m", "mpsrun", "cleanup", "--force", session.dirs.session_id],
+                             user=OTHER_USER, capture_output=True, text=True, cwd="/tmp", env=env, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "nothing to clean up" in out.stdout
+        assert session.dirs.root.exists() and session.daemons[0].alive
+    shutil.rmtree(fake_gpu.tmpdir / f"mpsrun-{other_user[0].pw_uid}", ignore_errors=True)
+
+
+def test_user_root_owned_by_another_user_is_refused(fake_gpu, other_user):
+    """A pre-existing mpsrun-<uid> directory owned by someone else is refused (it could be a trap)."""
+    root = fake_gpu.tmpdir / f"mpsrun-{os.getuid()}"
+    root.mkdir(mode=0o700)
+    os.chown(root, other_user[0].pw_uid, other_user[0].pw_gid)
+    try:
+        with pytest.raises(UnsafeDirectoryError, match=f"owned by uid {other_user[0].pw_uid}"), mps_session():
+            pass
+    finally:
+        root.rmdir()
+
+
+def test_control_socket_itself_is_open_but_the_directory_guards_it(fake_gpu):
+    """The daemon makes its socket world-accessible (as NVIDIA's does); the session directory is 0700."""
+    with mps_session() as session:
+        pipe = session.daemons[0].pipe_dir
+        assert (session.dirs.root.stat().st_mode & 0o777) == 0o700
+        assert (pipe.stat().st_mode & 0o777) == 0o700
+        with socket.socket(socket.AF_UNIX) as conn:  # we, the owner, can connect
+            conn.connect(str(pipe / "control"))
+
+
+_ = FAKE_MPS
