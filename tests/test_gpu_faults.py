@@ -9,6 +9,8 @@ import os
 import signal
 import subprocess
 import sys
+import shutil
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -42,8 +44,7 @@ BUSY = (
 def job(tmp_path):
     """Runs mpsrun on CuPy ranks with a private MPSRUN_TMPDIR and a tag; checks nothing is left afterwards."""
     tag = uuid.uuid4().hex
-    base = tmp_path / "b"
-    base.mkdir(mode=0o700)
+    base = Path(tempfile.mkdtemp(prefix="gf", dir="/tmp"))  # short: MPS socket paths are limited
     env = {**os.environ, "MPSRUN_TMPDIR": str(base), "MPSRUN_TEST_TAG": tag}
     script = tmp_path / "busy.py"
     script.write_text(BUSY)
@@ -73,6 +74,7 @@ def job(tmp_path):
     assert not left, f"left behind: {left}"
     sessions = list((base / f"mpsrun-{os.getuid()}").glob("s*")) if (base / f"mpsrun-{os.getuid()}").exists() else []
     assert sessions == [], f"session directories left: {sessions}"
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def wait_ready(proc, count=3, timeout=120):
