@@ -145,6 +145,20 @@ def diagnose_log(text: str) -> list[str]:
     return findings
 
 
+_TORN_DOWN = re.compile(r"Client \{PID: (\d+), Context ID: \d+\} on device \d+ to be torn down")
+
+
+def torn_down_clients(text: str) -> list[int]:
+    """PIDs of the clients an MPS server tore down after a fatal GPU fault (from its log).
+
+    The log does not tell reliably which client caused the fault (recorded on an H100, it
+    named a bystander as the one that "encountered" it; NVIDIA documents that the error is
+    reported to all clients without saying which one generated it), so only the victims
+    are read.
+    """
+    return sorted({int(pid) for pid in _TORN_DOWN.findall(text)})
+
+
 def _as_float(text: str) -> float | None:
     try:
         return float(text)

@@ -24,7 +24,7 @@ import psutil
 
 from mpsrun import gpus as gpu_info
 from mpsrun import mpi
-from mpsrun.daemon import diagnose_log
+from mpsrun.daemon import diagnose_log, torn_down_clients
 from mpsrun.errors import CommandNotFoundError, ConfigError, DaemonError, GPUError, TeardownError
 from mpsrun.placement import RankPlan, ThreadSpec, plan_ranks, rank_environments
 from mpsrun.session import Session
@@ -112,6 +112,7 @@ class ClientWatch:
         self.rank_pids = rank_pids
         self.required = required
         self.verified: set[int] = set()
+        self.seen: dict[int, int] = {}  # every rank pid (and descendant) seen: pid -> rank
         self._suspects: dict[int, int] = {}
         self._warned: set[int] = set()
 
@@ -126,6 +127,7 @@ class ClientWatch:
 
     def check(self) -> str | None:
         pids = self._with_descendants()
+        self.seen.update(pids)
         strays: list[str] = []
         for position, (gpu, daemon) in enumerate(zip(self.session.gpus, self.session.daemons, strict=True)):
             if not daemon.alive:
@@ -179,7 +181,7 @@ def _ranges(values: Sequence[int]) -> str:
 MPS_CLIENT_LIMIT = 48
 
 
-def _report_mps_failure(session: Session, note: Callable[[str], None]) -> None:
+def _report_mps_failure(session: Session, rank_of: dict[int, int], note: Callable[[str], None]) -> None:
     """Say what the MPS logs tell about a failed job; the log tail when a daemon died."""
     for daemon in session.daemons:
         try:
@@ -188,6 +190,12 @@ def _report_mps_failure(session: Session, note: Callable[[str], None]) -> None:
             continue
         for finding in diagnose_log(text):
             note(finding)
+        victims = [rank_of[pid] for pid in torn_down_clients(text) if pid in rank_of]
+        if victims:
+            note(
+                f"rank(s) {_ranges(sorted(set(victims)))} were torn down by the MPS server after the fatal GPU fault "
+                "(MPS does not say which client caused it; the first rank to fail is reported above)"
+            )
         if not daemon.alive:
             note(f"the MPS control daemon stopped; its log ({daemon.log_file}) ends:\n{daemon.log_tail(10)}")
 
@@ -264,7 +272,7 @@ class Job:
             if result.exit_code != 0:
                 self.note(result.message)
                 if session.enabled:
-                    _report_mps_failure(session, self.note)
+                    _report_mps_failure(session, watch.seen if watch is not None else {}, self.note)
         finally:
             try:
                 session.close()
@@ -331,6 +339,8 @@ class Job:
             supervisor.check = watch.check
         log.info(f"mpsrun: starting ranks after {time.monotonic() - self.started:.3f} s")
         result = supervisor.run()
+        if watch is not None:
+            watch.seen.update(rank_pids())  # ranks that ended before any check, for the failure summary
         log.info(f"mpsrun: ranks done after {time.monotonic() - self.started:.3f} s")
         if backend == "mpiexec" and result.cause == "rank-failed" and result.first_failure is not None:
             result.message = f"mpiexec {result.first_failure.describe().split(') ', 1)[1]}"

@@ -46,3 +46,14 @@ def test_log_diagnosis_from_recorded_h100_logs():
     fault = (data / "daemon_stdout.txt").read_text()
     assert diagnose_log(fault)[0].startswith("a client hit a fatal GPU error")
     assert diagnose_log("[2026-11-22 07:57:47.634 Control  8100] Starting control daemon") == []
+
+
+def test_torn_down_clients_from_the_recorded_fault():
+    """The clients torn down after the recorded H100 fault are read from the server log."""
+    from pathlib import Path
+
+    from mpsrun.daemon import torn_down_clients
+
+    log = (Path(__file__).parent / "data" / "h100" / "daemon_stdout.txt").read_text()
+    assert torn_down_clients(log) == [8315, 8336]
+    assert torn_down_clients("nothing here") == []

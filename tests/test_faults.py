@@ -49,6 +49,16 @@ def test_segfaulting_rank_gives_139(fake_gpu):
     assert "rank 1" in out.stderr and "SIGSEGV" in out.stderr
 
 
+def test_fatal_gpu_fault_reports_the_torn_down_ranks(fake_gpu):
+    """One rank's fatal GPU fault tears down every client; mpsrun names the first rank to fail, says what the
+    MPS log shows, and lists the ranks the server tore down."""
+    out = mpsrun("-np", 3, "--launcher", "local", "--grace", "1", *fake_rank("--hold", "20", "--fault-rank", "1"))
+    assert out.returncode == 1
+    assert "cudaErrorIllegalAddress" in out.stderr
+    assert "a client hit a fatal GPU error" in out.stderr
+    assert "rank(s) 0-2 were torn down by the MPS server after the fatal GPU fault" in out.stderr
+
+
 def test_mpsrun_sigkilled_takes_daemon_and_ranks_with_it_and_cleanup_removes_the_rest(fake_gpu, short_tmp):
     """SIGKILL to mpsrun: the daemon and ranks die with it (parent-death signal); status shows the stale
     session and cleanup removes it."""

@@ -6,10 +6,10 @@ process of the job, no MPS daemon or server of the job and no session directory.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
-import shutil
 import tempfile
 import time
 import uuid

@@ -277,6 +277,8 @@ def dispatch(state: State, cmd: str, args: list[str]) -> str:
         state.server_log(f"Client {{PID: {pid}, Context: 1}} encountered a fatal GPU error.")
         state.server_log("Server is handling a fatal GPU error.")
         for client in sorted(state.clients):
+            state.server_log(f"Client {{PID: {client}, Context ID: 1}} on device 0 to be torn down")
+        for client in sorted(state.clients):
             state.server_log(f"All clients belonging to error trigging process {client} will be torn down")
         state.server_log("The following client process have a sticky error set:")
         for client in sorted(state.clients):

@@ -88,6 +88,7 @@ def main() -> int:
     parser.add_argument("--fail-rank", type=int, default=None, help="only this rank exits, at once, with --exit")
     parser.add_argument("--kill-rank", type=int, default=None, help="this rank SIGKILLs itself")
     parser.add_argument("--fault", action="store_true", help="trigger a fatal GPU fault")
+    parser.add_argument("--fault-rank", type=int, default=None, help="this rank triggers a fatal GPU fault")
     parser.add_argument("--report", help="write what this process saw to this JSON file")
     parser.add_argument("--report-dir", help="write <RANK>.json here")
     args = parser.parse_args()
@@ -100,7 +101,9 @@ def main() -> int:
                         if k.startswith(("CUDA_", "MPSRUN_")) or k in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
                                                                         "LOCAL_WORLD_SIZE")}}
         Path(report).write_text(json.dumps(info))
-    if args.fault:
+    if args.fault or args.fault_rank == rank:
+        if args.fault_rank is not None:
+            time.sleep(0.5)  # the other ranks are clients with work in flight by then
         ctx.fault()
     if args.kill_rank == rank:
         os.kill(os.getpid(), 9)
