@@ -3,6 +3,8 @@
 import sys
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from mpsrun.cli import build_parser, main, parse_args, split_argv
 from mpsrun.errors import ConfigError
@@ -111,3 +113,29 @@ def test_help_and_version(capsys):
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.startswith("mpsrun ")
     assert main([]) == 2
+
+
+_WORDS = st.sampled_from(["-np", "-n", "--gpus", "--map-by", "--thread-percentage", "--mem-limit", "--priority",
+                          "--mps", "--launcher", "--timeout", "--grace", "--tag-output", "--keep-logs", "-v", "-q",
+                          "-m", "--", "python", "x.py", "0", "4", "-1", "auto", "12Q", "all", "on", "block"])
+
+
+@given(st.lists(st.one_of(_WORDS, st.text(max_size=12)), max_size=10))
+def test_parser_only_ever_gives_a_config_or_a_usage_error(argv):
+    """Whatever the command line, parsing gives a JobConfig or a ConfigError (exit 2), never a crash."""
+    try:
+        config, _ = parse_args(argv, environ={})
+    except ConfigError:
+        return
+    except SystemExit as exc:  # -h/--help or --version somewhere in the options
+        assert exc.code == 0
+        return
+    assert config.command and config.nranks >= 1
+
+
+@given(st.lists(st.one_of(_WORDS, st.text(max_size=12)), max_size=10))
+def test_split_leaves_the_command_untouched(argv):
+    """The command is the unchanged tail of the command line; options come only from before it."""
+    options, command = split_argv(argv, build_parser())
+    assert argv[len(argv) - len(command):] == command
+    assert len(options) <= len(argv) - len(command)

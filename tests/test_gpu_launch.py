@@ -81,3 +81,20 @@ def test_two_gpus_get_a_daemon_each(tmp_path, monkeypatch):
     assert gpus[0] == gpus[1] != gpus[2] == gpus[3]
     assert pipes[0] == pipes[1] != pipes[2] == pipes[3]
     assert "4 of 4 rank(s) verified as MPS clients (0-3)" in out.stderr
+
+
+def test_two_jobs_at_once_on_one_gpu(tmp_path):
+    """Two mpsrun jobs on GPU 0 at the same time: each its own daemon, both finish, all ranks verified."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    jobs = []
+    for directory in dirs:
+        directory.mkdir()
+        env = {**os.environ, "PROBE_DIR": str(directory)}
+        jobs.append(subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--gpus", "0", "--mps", "on",
+                                      "--launcher", "local", "-v", sys.executable, str(PROBE), "--seconds", "5"],
+                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    errors = [job.communicate(timeout=300)[1] for job in jobs]
+    assert [job.returncode for job in jobs] == [0, 0], errors
+    assert all("2 of 2 rank(s) verified as MPS clients" in err for err in errors)
+    pipes = [{p["env"]["CUDA_MPS_PIPE_DIRECTORY"] for p in probes(d)} for d in dirs]
+    assert len(pipes[0]) == len(pipes[1]) == 1 and pipes[0] != pipes[1]
