@@ -1,6 +1,7 @@
 """GPU tier: the mpsrun command with the real MPS daemon, CuPy ranks and the real mpiexec (Open MPI there)."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
