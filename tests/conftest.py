@@ -38,6 +38,10 @@ def real_gpu_available() -> tuple[bool, str]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("pytest_mpi"):
+        for item in items:
+            if item.get_closest_marker("mpi"):
+                item.add_marker(pytest.mark.skip(reason="pytest-mpi is not installed"))
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return
