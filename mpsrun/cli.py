@@ -50,6 +50,8 @@ examples:
   mpsrun -np 4 --mps off python sim.py     the same job without MPS (the time-sliced baseline)
   mpsrun -np 4 --launcher mpiexec --mpiexec-arg=--bind-to=none python sim.py
                                            run the ranks through the real mpiexec (mpi4py sees size 4)
+  srun -n 8 mpsrun --per-node python sim.py
+                                           under srun or mpiexec: one MPS session per node for its local ranks
 
 subcommands:
   mpsrun bench [--ranks 1,2,4,8,16] [--json] [--plot FILE.png]
@@ -224,6 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="wait this long after SIGTERM before SIGKILL when stopping ranks (default 5)",
     )
     add("--keep-logs", action="store_true", default=False, help="keep the session directory with the MPS logs")
+    add(
+        "--per-node",
+        action="store_true",
+        default=False,
+        help="this process is ONE rank started by srun or mpiexec: share the node's MPS daemons with the other "
+        "local ranks (the first starts them, the last stops them)",
+    )
     add("-v", "--verbose", action="store_true", default=False, help="say what mpsrun does (placement, checks)")
     add("-q", "--quiet", action="store_true", default=False, help="only errors")
     add("--version", action="version", version=f"mpsrun {__version__}")
@@ -316,6 +325,7 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
         grace=args.grace,
         keep_logs=args.keep_logs,
         verbose=args.verbose,
+        per_node=args.per_node,
     )
     level = logging.DEBUG if args.verbose else logging.ERROR if args.quiet else logging.WARNING
     return config, level
@@ -353,7 +363,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
     logging.getLogger("mpsrun").setLevel(level)
     try:
-        result = run_job(config)
+        if config.per_node:
+            from mpsrun.pernode import run_per_node
+
+            result = run_per_node(config)
+        else:
+            result = run_job(config)
     except CommandNotFoundError as exc:
         _print_error(str(exc))
         return EXIT_NOT_FOUND

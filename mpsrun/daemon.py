@@ -207,6 +207,9 @@ class ControlDaemon:
     executable: str = CONTROL_EXECUTABLE
     base_env: Mapping[str, str] | None = None
     command_timeout: float = 10.0
+    #: Per-node sessions: the daemon serves every local rank, so it must not die with the
+    #: rank that happened to start it; `mpsrun cleanup` finds it if all of them are killed.
+    outlive_parent: bool = False
     _process: subprocess.Popen[bytes] | None = attrs.field(default=None, init=False)
     _servers: dict[int, float] = attrs.field(factory=dict, init=False)  # pid -> create time
 
@@ -261,7 +264,7 @@ class ControlDaemon:
                     env=self.env,
                     cwd=self.log_dir,
                     start_new_session=True,
-                    preexec_fn=_set_parent_death_signal,
+                    preexec_fn=None if self.outlive_parent else _set_parent_death_signal,
                 )
             except OSError as exc:
                 raise DaemonStartError(f"cannot start {executable}: {exc.strerror}", command="-f") from exc

@@ -71,6 +71,7 @@ class JobConfig:
     grace: float = 5.0
     keep_logs: bool = False
     verbose: bool = False
+    per_node: bool = False
 
 
 def choose_launcher(config: JobConfig) -> tuple[str, str | None]:

@@ -79,7 +79,8 @@ def check_private_dir(path: Path) -> None:
     )
 
 
-def _make_user_root(base: Path) -> Path:
+def make_user_root(base: Path) -> Path:
+    """This user's private root under ``base``, made 0700 if missing, refused if unsafe."""
     if not base.is_dir():
         raise ConfigError(
             f"session directory base {base} does not exist or is not a directory; set MPSRUN_TMPDIR",
@@ -121,8 +122,20 @@ class SessionDirs:
     def create(cls, base: Path, gpu_indices: list[int]) -> SessionDirs:
         """Make a fresh private session directory with a pipe and log directory per GPU."""
         validate_base(base)
-        user = _make_user_root(base)
+        user = make_user_root(base)
         root = Path(tempfile.mkdtemp(prefix="s", dir=user))  # mode 0700, unique, atomic
+        dirs = cls(root=root)
+        for index in gpu_indices:
+            for path in (dirs.pipe_dir(index), dirs.log_dir(index)):
+                path.mkdir(mode=0o700, parents=True)
+        return dirs
+
+    @classmethod
+    def create_named(cls, base: Path, name: str, gpu_indices: list[int]) -> SessionDirs:
+        """Like :meth:`create`, with a name every local rank of a job can compute (per-node mode)."""
+        validate_base(base)
+        root = make_user_root(base) / name
+        root.mkdir(mode=0o700)
         dirs = cls(root=root)
         for index in gpu_indices:
             for path in (dirs.pipe_dir(index), dirs.log_dir(index)):

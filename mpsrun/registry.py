@@ -28,7 +28,7 @@ from mpsrun.daemon import find_control_executable, parse_pid_list
 from mpsrun.errors import MPSUnavailableError
 from mpsrun.paths import base_directory, user_root
 
-__all__ = ["DaemonRecord", "SessionRecord", "cleanup", "list_sessions", "main"]
+__all__ = ["DaemonRecord", "SessionRecord", "cleanup", "list_sessions", "main", "stop_daemon"]
 
 #: A directory without session.json is a session still being made for this long.
 _GRACE_WITHOUT_INFO = 60.0
@@ -87,7 +87,9 @@ def _read(root: Path) -> SessionRecord | None:
         except OSError:
             return None
         return SessionRecord(root, {}, owner_alive=young, daemons=[])
-    owner = _matching_process(info.get("pid"), info.get("create_time"))
+    owners = [(info.get("pid"), info.get("create_time"))]
+    owners += [(h.get("pid"), h.get("create_time")) for h in info.get("holders", [])]  # per-node sessions
+    owner = next((p for p in (_matching_process(*o) for o in owners) if p is not None), None)
     daemons = [
         DaemonRecord(
             gpu=d.get("gpu", "?"),
@@ -114,7 +116,8 @@ def list_sessions(base: Path | None = None) -> list[SessionRecord]:
     return [record for record in records if record is not None]
 
 
-def _stop_daemon(record: DaemonRecord, timeout: float = 5.0) -> None:
+def stop_daemon(record: DaemonRecord, timeout: float = 5.0) -> None:
+    """Stop a daemon we did not start ourselves: quit, then its process group, verified by start time."""
     proc = _matching_process(record.pid, record.create_time)
     if proc is None:
         return
@@ -156,7 +159,7 @@ def cleanup(base: Path | None = None, force: Sequence[str] = (), dry_run: bool =
         alive = [d for d in record.daemons if d.alive]
         if not dry_run:
             for daemon in alive:
-                _stop_daemon(daemon)
+                stop_daemon(daemon)
             shutil.rmtree(record.root, ignore_errors=True)
         what = f"{action} ({'forced, ' if forced and not record.stale else ''}owner "
         what += f"{record.info.get('pid', '?')} {'alive' if record.owner_alive else 'gone'}"

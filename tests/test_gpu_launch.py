@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,26 @@ def test_two_jobs_at_once_on_one_gpu(tmp_path):
     assert all("2 of 2 rank(s) verified as MPS clients" in err for err in errors)
     pipes = [{p["env"]["CUDA_MPS_PIPE_DIRECTORY"] for p in probes(d)} for d in dirs]
     assert len(pipes[0]) == len(pipes[1]) == 1 and pipes[0] != pipes[1]
+
+
+def test_per_node_under_mpirun(tmp_path, monkeypatch):
+    """mpirun -np 4 mpsrun --per-node: one daemon for the node, every rank verified, daemon gone after the last."""
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("no mpirun")
+    monkeypatch.setenv("PROBE_DIR", str(tmp_path))
+    base = Path(tempfile.mkdtemp(prefix="pn", dir="/tmp"))
+    env = {**os.environ, "MPSRUN_TMPDIR": str(base)}
+    out = subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "4", sys.executable, "-m",
+                          "mpsrun", "--per-node", "-v", "--mps", "on", sys.executable, str(PROBE), "--seconds", "4"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = probes(tmp_path)
+    assert [p["rank"] for p in seen] == [0, 1, 2, 3]
+    assert len({p["env"]["CUDA_MPS_PIPE_DIRECTORY"] for p in seen}) == 1
+    assert out.stderr.count("started this node's MPS daemons") == 1
+    assert out.stderr.count("verified as an MPS client") == 4
+    assert out.stderr.count("last local rank out") == 1
+    root = base / f"mpsrun-{os.getuid()}"
+    assert not root.exists() or list(root.iterdir()) == []
+    shutil.rmtree(base, ignore_errors=True)

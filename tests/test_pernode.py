@@ -1,0 +1,115 @@
+"""Per-node mode on simulated nodes: one daemon per node, waits, teardown only after the last local rank.
+
+Each simulated node has its own node-local directory (MPSRUN_TMPDIR) and name (MPSRUN_NODE_ID);
+the ranks are started the way srun starts them (SLURM_* variables), each as its own mpsrun.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FAKECUDA
+
+from mpsrun.pernode import job_key, local_placement
+
+
+def start_rank(node_dir, node, local, global_rank, per_node, *args, job="77"):
+    env = {**os.environ, "MPSRUN_TMPDIR": str(node_dir), "MPSRUN_NODE_ID": node, "SLURM_JOB_ID": job,
+           "SLURM_STEP_ID": "0", "SLURM_LOCALID": str(local), "SLURM_PROCID": str(global_rank),
+           "SLURM_NTASKS_PER_NODE": str(per_node)}
+    return subprocess.Popen([sys.executable, "-m", "mpsrun", "--per-node", "--mps", "on", sys.executable,
+                             str(FAKECUDA), *args], env=env, stderr=subprocess.PIPE, text=True)
+
+
+def node_dirs(fake_gpu, names):
+    dirs = {}
+    for name in names:
+        path = fake_gpu.tmpdir / name
+        path.mkdir(mode=0o700)
+        dirs[name] = path
+    return dirs
+
+
+def leftovers(path):
+    root = path / f"mpsrun-{os.getuid()}"
+    return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+
+def test_job_key_and_local_placement():
+    """The job key comes from Slurm, else the MPI launcher; local ranks map to GPUs by block or round-robin."""
+    assert job_key({"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "2"}) == "slurm-5.2"
+    assert job_key({"PMIX_NAMESPACE": "ns"}) == "PMIX_NAMESPACE-ns"
+    assert job_key({}).startswith("ppid-")
+    assert local_placement({"SLURM_LOCALID": "3", "SLURM_NTASKS_PER_NODE": "4"}, 2, "block") == (3, 1)
+    assert local_placement({"OMPI_COMM_WORLD_LOCAL_RANK": "3"}, 2, "block") == (3, 1)  # size unknown: round-robin
+    with pytest.raises(Exception, match="no local-rank variable"):
+        local_placement({}, 1, "block")
+
+
+def test_two_nodes_one_daemon_each_and_teardown_after_the_last_rank(fake_gpu, short_tmp):
+    """4 ranks on 2 simulated nodes: each node's ranks share one server; a node's daemon outlives its early
+    ranks (the slow rank keeps working) and is gone, with its directory, after the last one."""
+    dirs = node_dirs(fake_gpu, ["A", "B"])
+    ranks = []
+    for global_rank in range(4):
+        node = "AB"[global_rank // 2]
+        hold = "4" if global_rank % 2 else "0.5"  # local rank 1 outlives local rank 0 by seconds
+        ranks.append(start_rank(dirs[node], node, global_rank % 2, global_rank, 2,
+                                "--report-dir", str(short_tmp), "--hold", hold))
+    errors = [proc.communicate(timeout=120)[1] for proc in ranks]
+    assert [proc.returncode for proc in ranks] == [0, 0, 0, 0], errors
+    seen = {int(p.stem): json.loads(p.read_text()) for p in short_tmp.glob("*.json")}
+    assert sorted(seen) == [0, 1, 2, 3]
+    assert all(report["mps"] for report in seen.values())
+    assert seen[0]["server"] == seen[1]["server"] != seen[2]["server"] == seen[3]["server"]
+    assert seen[0]["env"]["CUDA_MPS_PIPE_DIRECTORY"] == seen[1]["env"]["CUDA_MPS_PIPE_DIRECTORY"]
+    assert leftovers(dirs["A"]) == [] and leftovers(dirs["B"]) == []
+
+
+def test_a_killed_rank_still_releases_its_reference(fake_gpu, short_tmp):
+    """A local rank whose mpsrun is SIGKILLed is pruned (pid and start time): the last live rank tears down."""
+    [node] = node_dirs(fake_gpu, ["A"]).values()
+    first = start_rank(node, "A", 0, 0, 2, "--report-dir", str(short_tmp), "--hold", "30")
+    second = start_rank(node, "A", 1, 1, 2, "--report-dir", str(short_tmp), "--hold", "3")
+    deadline = time.monotonic() + 30
+    while len(list(short_tmp.glob("*.json"))) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    first.send_signal(signal.SIGKILL)
+    first.communicate(timeout=30)
+    assert second.wait(timeout=60) == 0, second.stderr.read()
+    second.stderr.close()
+    assert leftovers(node) == []
+
+
+def test_per_node_without_launcher_variables_is_a_setup_error(fake_gpu, monkeypatch):
+    """--per-node outside srun/mpiexec (no local-rank variable) fails with exit 3 and says why."""
+    for name in ("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    out = subprocess.run([sys.executable, "-m", "mpsrun", "--per-node", sys.executable, "-c", "pass"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3 and "no local-rank variable" in out.stderr
+    assert leftovers(Path(os.environ["MPSRUN_TMPDIR"])) == []
+
+
+@pytest.mark.mpiexec
+def test_per_node_under_a_real_mpiexec(fake_gpu, short_tmp):
+    """mpiexec -n 3 mpsrun --per-node: the three local ranks share one daemon; nothing is left afterwards."""
+    import shutil
+
+    mpiexec = shutil.which("mpiexec", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]))
+    if mpiexec is None:
+        pytest.skip("no mpiexec")
+    out = subprocess.run([mpiexec, "-n", "3", sys.executable, "-m", "mpsrun", "--per-node", "--mps", "on",
+                          sys.executable, str(FAKECUDA), "--report-dir", str(short_tmp), "--hold", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    seen = [json.loads(p.read_text()) for p in short_tmp.glob("*.json")]
+    assert len(seen) == 3 and all(r["mps"] for r in seen)
+    assert len({r["server"] for r in seen}) == 1
+    assert leftovers(Path(os.environ["MPSRUN_TMPDIR"])) == []
