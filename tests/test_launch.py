@@ -176,7 +176,10 @@ def test_rank_that_misses_the_daemon_is_reported(fake_gpu, short_tmp, mode, code
     out = mpsrun("-np", 2, "--launcher", "local", "--mps", mode, "--grace", "1", *command)
     assert out.returncode == code, out.stderr
     assert "uses GPU 0 without MPS" in out.stderr
-    assert "rank 0 (pid" in out.stderr and "rank 1 (pid" in out.stderr
+    if mode == "auto":  # the job goes on, so both ranks are found and named
+        assert "rank 0 (pid" in out.stderr and "rank 1 (pid" in out.stderr
+    else:  # the first one found stops the job
+        assert "rank 0 (pid" in out.stderr or "rank 1 (pid" in out.stderr
 
 
 def test_keep_logs_keeps_the_session(fake_gpu):
