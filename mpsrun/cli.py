@@ -227,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--keep-logs", action="store_true", default=False, help="keep the session directory with the MPS logs")
     add(
+        "--hosts",
+        default=None,
+        metavar="A,B",
+        help="run over these hosts through mpiexec, one MPS session per host (each rank via --per-node)",
+    )
+    add("--hostfile", default=None, metavar="FILE", help="like --hosts, from the MPI launcher's host file")
+    add(
         "--per-node",
         action="store_true",
         default=False,
@@ -326,6 +333,8 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
         keep_logs=args.keep_logs,
         verbose=args.verbose,
         per_node=args.per_node,
+        hosts=tuple(h.strip() for h in args.hosts.split(",") if h.strip()) if args.hosts else (),
+        hostfile=args.hostfile,
     )
     level = logging.DEBUG if args.verbose else logging.ERROR if args.quiet else logging.WARNING
     return config, level

@@ -72,6 +72,8 @@ class JobConfig:
     keep_logs: bool = False
     verbose: bool = False
     per_node: bool = False
+    hosts: tuple[str, ...] = ()
+    hostfile: str | None = None
 
 
 def choose_launcher(config: JobConfig) -> tuple[str, str | None]:
@@ -221,6 +223,8 @@ class Job:
     def run(self) -> JobResult:
         config = self.config
         self.program = resolve_command(config.command)
+        if config.hosts or config.hostfile:
+            return self._run_multi_host()
         backend, mpiexec = choose_launcher(config)
         session = Session(
             gpus=list(config.gpus) if config.gpus is not None else "all",
@@ -283,6 +287,52 @@ class Job:
                 if result is not None and result.exit_code == EXIT_OK:
                     result = JobResult(EXIT_SETUP, "teardown-failed", str(exc))
         assert result is not None
+        return result
+
+    def _run_multi_host(self) -> JobResult:
+        """mpiexec over the hosts, each rank through ``mpsrun --per-node``: one MPS session per host."""
+        config = self.config
+        if config.launcher == "local":
+            raise ConfigError("--hosts/--hostfile need the mpiexec launcher", setting="--launcher")
+        if isinstance(config.thread_percentage, list):
+            raise ConfigError(
+                "--hosts: per-rank percentage lists are not supported; give one value or auto",
+                setting="--thread-percentage",
+            )
+        mpiexec = mpi.find_mpiexec(config.mpiexec)
+        if mpiexec is None:
+            raise ConfigError("--hosts/--hostfile: no mpiexec or mpirun on PATH", setting="--hosts")
+        flavour = mpi.detect_flavour(mpiexec)
+        forwarded = ["--per-node", "--mps", config.mps, "--map-by", config.map_by, "--grace", str(config.grace)]
+        if config.gpus is not None:
+            forwarded += ["--gpus", ",".join(map(str, config.gpus))]
+        for option, value in (
+            ("--thread-percentage", config.thread_percentage),
+            ("--mem-limit", config.mem_limit),
+            ("--priority", config.priority),
+        ):
+            if value is not None:
+                forwarded += [option, str(value)]
+        if config.verbose:
+            forwarded.append("-v")
+        extra = [*mpi.host_arguments(flavour, config.hosts, config.hostfile), *config.mpiexec_args]
+        if config.tag_output:
+            extra.insert(0, "--tag-output" if flavour == "openmpi" else "-prepend-rank")
+        argv = mpi.mpiexec_command(
+            mpiexec,
+            flavour,
+            config.nranks,
+            [sys.executable, "-m", "mpsrun", *forwarded, "--", self.program, *config.command[1:]],
+            extra,
+            cores=psutil.cpu_count(logical=False),
+        )
+        log.info(f"mpsrun: {flavour} mpiexec over hosts: {' '.join(argv)}")
+        result = Supervisor(
+            [RankSpec(0, argv, dict(os.environ))], grace=config.grace, timeout=config.timeout, note=self.note
+        ).run()
+        if result.cause == "rank-failed" and result.first_failure is not None:
+            result.message = f"mpiexec {result.first_failure.describe().split(') ', 1)[1]}"
+            self.note(result.message)
         return result
 
     def _run_backend(

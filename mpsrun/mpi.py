@@ -10,7 +10,15 @@ from collections.abc import Sequence
 
 from mpsrun.errors import ConfigError
 
-__all__ = ["FLAVOURS", "detect_flavour", "find_mpiexec", "flavour_of_version", "mpi4py_available", "mpiexec_command"]
+__all__ = [
+    "FLAVOURS",
+    "detect_flavour",
+    "find_mpiexec",
+    "flavour_of_version",
+    "host_arguments",
+    "mpi4py_available",
+    "mpiexec_command",
+]
 
 FLAVOURS = ("openmpi", "mpich", "intel", "unknown")
 
@@ -85,3 +93,16 @@ def mpiexec_command(
         if (cores is None or nranks > cores) and "--oversubscribe" not in extra_args:
             argv.append("--oversubscribe")
     return [*argv, *extra_args, *rank_command]
+
+
+def host_arguments(flavour: str, hosts: Sequence[str] = (), hostfile: str | None = None) -> list[str]:
+    """The flavour's way to name the hosts: Open MPI ``--host``/``--hostfile``, MPICH/Intel ``-hosts``/``-f``."""
+    if flavour == "openmpi":
+        return ["--hostfile", hostfile] if hostfile else ["--host", ",".join(hosts)]
+    if flavour in ("mpich", "intel"):
+        return ["-f", hostfile] if hostfile else ["-hosts", ",".join(hosts)]
+    raise ConfigError(
+        "--hosts/--hostfile: cannot tell how this mpiexec takes hosts (not Open MPI, MPICH or Intel MPI); "
+        "pass them with --mpiexec-arg",
+        setting="--hosts",
+    )

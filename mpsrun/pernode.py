@@ -199,10 +199,13 @@ def run_per_node(config: Any, environ: Mapping[str, str] | None = None) -> JobRe
     chosen = gpu_info.select_gpus(list(config.gpus) if config.gpus is not None else None, visible)
     local, position = local_placement(env, len(chosen), config.map_by)
     session = NodeSession(base_directory(env), job_key(env), env.get("MPSRUN_NODE_ID") or socket.gethostname())
-    settings = {
-        "thread_percentage": config.thread_percentage if isinstance(config.thread_percentage, int) else None,
-        "mem_limit": config.mem_limit,
-    }
+    percentage = config.thread_percentage
+    if percentage == "auto":  # 100 divided by the local ranks sharing each GPU, when the launcher says how many
+        size = _first_int(env, _LOCAL_SIZE_VARIABLES)
+        percentage = max(1, 100 * len(chosen) // size) if size else None
+    elif not isinstance(percentage, int):
+        percentage = None
+    settings = {"thread_percentage": percentage, "mem_limit": config.mem_limit}
     info = session.join(chosen, settings, timeout=60.0)
     try:
         daemon = info["daemons"][position]
@@ -214,7 +217,6 @@ def run_per_node(config: Any, environ: Mapping[str, str] | None = None) -> JobRe
             "MPSRUN_SESSION_DIR": str(session.root),
             "LOCAL_RANK": str(local),
         }
-        percentage = config.thread_percentage if isinstance(config.thread_percentage, int) else None
         rank_env.update(client_variables(percentage, config.mem_limit, config.priority))
         rank = int(env.get("SLURM_PROCID") or _first_int(env, mpi.RANK_VARIABLES) or local)
         rank_env.setdefault("RANK", str(rank))

@@ -113,3 +113,32 @@ def test_per_node_under_a_real_mpiexec(fake_gpu, short_tmp):
     assert len(seen) == 3 and all(r["mps"] for r in seen)
     assert len({r["server"] for r in seen}) == 1
     assert leftovers(Path(os.environ["MPSRUN_TMPDIR"])) == []
+
+
+@pytest.mark.mpiexec
+def test_hosts_run_through_mpiexec_with_a_session_per_host(fake_gpu, short_tmp):
+    """mpsrun -np 3 --hosts localhost: mpiexec over the hosts, every rank through --per-node, one daemon per host."""
+    import shutil
+
+    mpiexec = shutil.which("mpiexec", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]))
+    if mpiexec is None:
+        pytest.skip("no mpiexec")
+    out = subprocess.run([sys.executable, "-m", "mpsrun", "-np", "3", "--hosts", "localhost", "--mpiexec", mpiexec,
+                          "--mps", "on", "--thread-percentage", "auto", sys.executable, str(FAKECUDA),
+                          "--report-dir", str(short_tmp), "--hold", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    seen = [json.loads(p.read_text()) for p in short_tmp.glob("*.json")]
+    assert len(seen) == 3 and all(r["mps"] for r in seen) and len({r["server"] for r in seen}) == 1
+    assert {r["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] for r in seen} == {"33"}
+    assert leftovers(Path(os.environ["MPSRUN_TMPDIR"])) == []
+
+
+def test_host_arguments_per_flavour():
+    """Hosts are passed the way each MPI flavour takes them; an unknown flavour is a usage error."""
+    from mpsrun.errors import ConfigError
+    from mpsrun.mpi import host_arguments
+
+    assert host_arguments("openmpi", ["a", "b"]) == ["--host", "a,b"]
+    assert host_arguments("mpich", hostfile="hf") == ["-f", "hf"]
+    with pytest.raises(ConfigError, match="cannot tell how this mpiexec takes hosts"):
+        host_arguments("unknown", ["a"])
