@@ -43,7 +43,13 @@ __all__ = ["job_key", "local_placement", "run_per_node"]
 log = logging.getLogger("mpsrun")
 
 _JOB_VARIABLES = ("PMIX_NAMESPACE", "OMPI_MCA_orte_ess_jobid", "OMPI_MCA_ess_base_jobid", "PMI_JOBID")
-_LOCAL_SIZE_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PALS_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+_LOCAL_SIZE_VARIABLES = (
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "MPI_LOCALNRANKS",
+    "PALS_LOCAL_SIZE",
+    "SLURM_STEP_TASKS_PER_NODE",
+    "SLURM_NTASKS_PER_NODE",
+)
 
 
 def job_key(env: Mapping[str, str]) -> str:
