@@ -317,7 +317,7 @@ class Job:
             forwarded.append("-v")
         extra = [*mpi.host_arguments(flavour, config.hosts, config.hostfile), *config.mpiexec_args]
         if config.tag_output:
-            extra.insert(0, "--tag-output" if flavour == "openmpi" else "-prepend-rank")
+            extra.insert(0, mpi.tag_output_argument(flavour))
         argv = mpi.mpiexec_command(
             mpiexec,
             flavour,
@@ -357,7 +357,7 @@ class Job:
             flavour = flavour_future.result() if flavour_future is not None else mpi.detect_flavour(mpiexec)
             extra = list(config.mpiexec_args)
             if config.tag_output:
-                extra.insert(0, "--tag-output" if flavour == "openmpi" else "-prepend-rank")
+                extra.insert(0, mpi.tag_output_argument(flavour))
             argv = mpi.mpiexec_command(
                 mpiexec,
                 flavour,

@@ -18,6 +18,7 @@ __all__ = [
     "host_arguments",
     "mpi4py_available",
     "mpiexec_command",
+    "tag_output_argument",
 ]
 
 FLAVOURS = ("openmpi", "mpich", "intel", "unknown")
@@ -93,6 +94,11 @@ def mpiexec_command(
         if (cores is None or nranks > cores) and "--oversubscribe" not in extra_args:
             argv.append("--oversubscribe")
     return [*argv, *extra_args, *rank_command]
+
+
+def tag_output_argument(flavour: str) -> str:
+    """The flavour's option that prefixes each output line with its rank."""
+    return "--tag-output" if flavour == "openmpi" else "-prepend-rank"
 
 
 def host_arguments(flavour: str, hosts: Sequence[str] = (), hostfile: str | None = None) -> list[str]:

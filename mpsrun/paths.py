@@ -119,23 +119,19 @@ class SessionDirs:
     root: Path
 
     @classmethod
-    def create(cls, base: Path, gpu_indices: list[int]) -> SessionDirs:
-        """Make a fresh private session directory with a pipe and log directory per GPU."""
+    def create(cls, base: Path, gpu_indices: list[int], name: str | None = None) -> SessionDirs:
+        """Make a private session directory with a pipe and log directory per GPU.
+
+        Without ``name`` the directory gets a fresh random name (made atomically); per-node
+        mode passes the name every local rank of a job computes.
+        """
         validate_base(base)
         user = make_user_root(base)
-        root = Path(tempfile.mkdtemp(prefix="s", dir=user))  # mode 0700, unique, atomic
-        dirs = cls(root=root)
-        for index in gpu_indices:
-            for path in (dirs.pipe_dir(index), dirs.log_dir(index)):
-                path.mkdir(mode=0o700, parents=True)
-        return dirs
-
-    @classmethod
-    def create_named(cls, base: Path, name: str, gpu_indices: list[int]) -> SessionDirs:
-        """Like :meth:`create`, with a name every local rank of a job can compute (per-node mode)."""
-        validate_base(base)
-        root = make_user_root(base) / name
-        root.mkdir(mode=0o700)
+        if name is None:
+            root = Path(tempfile.mkdtemp(prefix="s", dir=user))  # mode 0700, unique, atomic
+        else:
+            root = user / name
+            root.mkdir(mode=0o700)
         dirs = cls(root=root)
         for index in gpu_indices:
             for path in (dirs.pipe_dir(index), dirs.log_dir(index)):

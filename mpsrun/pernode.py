@@ -86,7 +86,7 @@ def _me() -> dict[str, Any]:
 
 
 def _alive(holder: Mapping[str, Any]) -> bool:
-    return registry._matching_process(holder.get("pid"), holder.get("create_time")) is not None
+    return registry.matching_process(holder.get("pid"), holder.get("create_time")) is not None
 
 
 class NodeSession:
@@ -113,7 +113,7 @@ class NodeSession:
     def _start(self, gpus: Sequence[gpu_info.GPU], settings: Mapping[str, Any], timeout: float) -> dict[str, Any]:
         if self.root.exists():  # a previous step's leftovers: nobody holds them (checked by the caller)
             self._teardown(self._read() or {})
-        dirs = SessionDirs.create_named(self.base, self.name, [g.index for g in gpus])
+        dirs = SessionDirs.create(self.base, [g.index for g in gpus], name=self.name)
         info: dict[str, Any] = {
             **_me(),
             "uid": os.getuid(),

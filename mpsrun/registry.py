@@ -34,7 +34,7 @@ __all__ = ["DaemonRecord", "SessionRecord", "cleanup", "list_sessions", "main", 
 _GRACE_WITHOUT_INFO = 60.0
 
 
-def _matching_process(pid: int | None, create_time: float | None) -> psutil.Process | None:
+def matching_process(pid: int | None, create_time: float | None) -> psutil.Process | None:
     """The live, non-zombie process of ours with this pid and start time, if any."""
     if not pid or create_time is None:
         return None
@@ -89,14 +89,14 @@ def _read(root: Path) -> SessionRecord | None:
         return SessionRecord(root, {}, owner_alive=young, daemons=[])
     owners = [(info.get("pid"), info.get("create_time"))]
     owners += [(h.get("pid"), h.get("create_time")) for h in info.get("holders", [])]  # per-node sessions
-    owner = next((p for p in (_matching_process(*o) for o in owners) if p is not None), None)
+    owner = next((p for p in (matching_process(*o) for o in owners) if p is not None), None)
     daemons = [
         DaemonRecord(
             gpu=d.get("gpu", "?"),
             pid=int(d["pid"]),
             create_time=float(d["create_time"]),
             pipe_dir=Path(d["pipe_dir"]),
-            alive=_matching_process(d["pid"], d["create_time"]) is not None,
+            alive=matching_process(d["pid"], d["create_time"]) is not None,
         )
         for d in info.get("daemons", [])
     ]
@@ -118,7 +118,7 @@ def list_sessions(base: Path | None = None) -> list[SessionRecord]:
 
 def stop_daemon(record: DaemonRecord, timeout: float = 5.0) -> None:
     """Stop a daemon we did not start ourselves: quit, then its process group, verified by start time."""
-    proc = _matching_process(record.pid, record.create_time)
+    proc = matching_process(record.pid, record.create_time)
     if proc is None:
         return
     with contextlib.suppress(MPSUnavailableError, OSError, subprocess.TimeoutExpired):
@@ -139,7 +139,7 @@ def stop_daemon(record: DaemonRecord, timeout: float = 5.0) -> None:
             pass
         except psutil.NoSuchProcess:
             return
-        if _matching_process(record.pid, record.create_time) is None:
+        if matching_process(record.pid, record.create_time) is None:
             return
         # The daemon leads its own process group (its servers are in it): verified above by start time.
         with contextlib.suppress(ProcessLookupError, PermissionError):
