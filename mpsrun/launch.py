@@ -315,16 +315,14 @@ class Job:
                 forwarded += [option, str(value)]
         if config.verbose:
             forwarded.append("-v")
-        extra = [*mpi.host_arguments(flavour, config.hosts, config.hostfile), *config.mpiexec_args]
-        if config.tag_output:
-            extra.insert(0, mpi.tag_output_argument(flavour))
         argv = mpi.mpiexec_command(
             mpiexec,
             flavour,
             config.nranks,
             [sys.executable, "-m", "mpsrun", *forwarded, "--", self.program, *config.command[1:]],
-            extra,
+            [*mpi.host_arguments(flavour, config.hosts, config.hostfile), *config.mpiexec_args],
             cores=psutil.cpu_count(logical=False),
+            tag_output=config.tag_output,
         )
         log.info(f"mpsrun: {flavour} mpiexec over hosts: {' '.join(argv)}")
         result = Supervisor(
@@ -355,9 +353,6 @@ class Job:
             ranks_dir = job_dir / "ranks"
             ranks_dir.mkdir()
             flavour = flavour_future.result() if flavour_future is not None else mpi.detect_flavour(mpiexec)
-            extra = list(config.mpiexec_args)
-            if config.tag_output:
-                extra.insert(0, mpi.tag_output_argument(flavour))
             argv = mpi.mpiexec_command(
                 mpiexec,
                 flavour,
@@ -365,8 +360,9 @@ class Job:
                 # The program by absolute path: Open MPI puts its own bin directory first on the
                 # ranks' PATH, so "python3" could name another interpreter there.
                 [sys.executable, "-m", "mpsrun.rank", "--", self.program, *config.command[1:]],
-                extra,
+                config.mpiexec_args,
                 cores=psutil.cpu_count(logical=False),
+                tag_output=config.tag_output,
             )
             log.info(f"mpsrun: {flavour} mpiexec: {' '.join(argv)}")
             env = {**base_env, "MPSRUN_PLAN": str(plan_file), "MPSRUN_RANKS_DIR": str(ranks_dir)}

@@ -6,7 +6,7 @@ import importlib.util
 import os
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from mpsrun.errors import ConfigError
 
@@ -14,6 +14,7 @@ __all__ = [
     "FLAVOURS",
     "detect_flavour",
     "find_mpiexec",
+    "first_int",
     "flavour_of_version",
     "host_arguments",
     "mpi4py_available",
@@ -35,6 +36,15 @@ LOCAL_RANK_VARIABLES = (
 #: Variables for the global rank and the world size, in the order tried.
 RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "PALS_RANKID", "SLURM_PROCID")
 SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+
+
+def first_int(env: Mapping[str, str], names: Sequence[str]) -> int | None:
+    """The first of these variables that holds a whole number."""
+    for name in names:
+        value = env.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return None
 
 
 def find_mpiexec(explicit: str | None = None) -> str | None:
@@ -80,6 +90,7 @@ def mpiexec_command(
     *,
     as_root: bool | None = None,
     cores: int | None = None,
+    tag_output: bool = False,
 ) -> list[str]:
     """The full mpiexec command line, with what the flavour needs added.
 
@@ -93,6 +104,8 @@ def mpiexec_command(
             argv.append("--allow-run-as-root")
         if (cores is None or nranks > cores) and "--oversubscribe" not in extra_args:
             argv.append("--oversubscribe")
+    if tag_output:
+        argv.append(tag_output_argument(flavour))
     return [*argv, *extra_args, *rank_command]
 
 

@@ -62,20 +62,12 @@ def job_key(env: Mapping[str, str]) -> str:
     return f"ppid-{os.getppid()}"  # local ranks of mpiexec share their launcher process on the node
 
 
-def _first_int(env: Mapping[str, str], names: Sequence[str]) -> int | None:
-    for name in names:
-        value = env.get(name, "").strip()
-        if value.isdigit():
-            return int(value)
-    return None
-
-
 def local_placement(env: Mapping[str, str], ngpus: int, policy: str) -> tuple[int, int]:
     """(local rank, GPU position) from the launcher's variables; block needs the local size, else round-robin."""
-    local = _first_int(env, mpi.LOCAL_RANK_VARIABLES)
+    local = mpi.first_int(env, mpi.LOCAL_RANK_VARIABLES)
     if local is None:
         raise MPSError(f"--per-node: no local-rank variable from the launcher ({', '.join(mpi.LOCAL_RANK_VARIABLES)})")
-    size = _first_int(env, _LOCAL_SIZE_VARIABLES)
+    size = mpi.first_int(env, _LOCAL_SIZE_VARIABLES)
     if policy == "block" and size:
         return local, min(ngpus - 1, local * ngpus // size)
     return local, local % ngpus
@@ -207,7 +199,7 @@ def run_per_node(config: Any, environ: Mapping[str, str] | None = None) -> JobRe
     session = NodeSession(base_directory(env), job_key(env), env.get("MPSRUN_NODE_ID") or socket.gethostname())
     percentage = config.thread_percentage
     if percentage == "auto":  # 100 divided by the local ranks sharing each GPU, when the launcher says how many
-        size = _first_int(env, _LOCAL_SIZE_VARIABLES)
+        size = mpi.first_int(env, _LOCAL_SIZE_VARIABLES)
         percentage = max(1, 100 * len(chosen) // size) if size else None
     elif not isinstance(percentage, int):
         percentage = None
@@ -224,7 +216,7 @@ def run_per_node(config: Any, environ: Mapping[str, str] | None = None) -> JobRe
             "LOCAL_RANK": str(local),
         }
         rank_env.update(client_variables(percentage, config.mem_limit, config.priority))
-        rank = int(env.get("SLURM_PROCID") or _first_int(env, mpi.RANK_VARIABLES) or local)
+        rank = int(env.get("SLURM_PROCID") or mpi.first_int(env, mpi.RANK_VARIABLES) or local)
         rank_env.setdefault("RANK", str(rank))
         supervisor = Supervisor(
             [RankSpec(rank, list(config.command), rank_env)],

@@ -16,31 +16,23 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from mpsrun.mpi import LOCAL_RANK_VARIABLES, RANK_VARIABLES, SIZE_VARIABLES
+from mpsrun.mpi import LOCAL_RANK_VARIABLES, RANK_VARIABLES, SIZE_VARIABLES, first_int
 
 EXIT_SETUP = 3
 EXIT_NOT_FOUND = 127
 
 
-def _first(env: Mapping[str, str], names: Sequence[str]) -> int | None:
-    for name in names:
-        value = env.get(name, "").strip()
-        if value.isdigit():
-            return int(value)
-    return None
-
-
 def rank_environment(env: Mapping[str, str], plan: Sequence[Mapping[str, str]]) -> dict[str, str]:
     """The environment for this process: ours plus the plan's entry for our local rank."""
-    local = _first(env, LOCAL_RANK_VARIABLES)
+    local = first_int(env, LOCAL_RANK_VARIABLES)
     if local is None:
         names = ", ".join(LOCAL_RANK_VARIABLES)
         raise LookupError(f"no local-rank variable from the MPI launcher (looked for {names})")
     if local >= len(plan):
         raise LookupError(f"local rank {local} has no entry in mpsrun's plan ({len(plan)} ranks on this node)")
     result = {**env, **plan[local]}
-    rank = _first(env, RANK_VARIABLES)
-    size = _first(env, SIZE_VARIABLES)
+    rank = first_int(env, RANK_VARIABLES)
+    size = first_int(env, SIZE_VARIABLES)
     result["LOCAL_RANK"] = str(local)
     result["RANK"] = str(local if rank is None else rank)
     result["MPSRUN_RANK"] = result["RANK"]

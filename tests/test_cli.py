@@ -139,3 +139,13 @@ def test_split_leaves_the_command_untouched(argv):
     options, command = split_argv(argv, build_parser())
     assert argv[len(argv) - len(command):] == command
     assert len(options) <= len(argv) - len(command)
+
+
+def test_mpiexec_command_per_flavour():
+    """Open MPI as root gets --allow-run-as-root, more ranks than cores --oversubscribe; tags per flavour."""
+    from mpsrun.mpi import mpiexec_command
+
+    argv = mpiexec_command("mpiexec", "openmpi", 8, ["prog"], ["-x", "A"], as_root=True, cores=4, tag_output=True)
+    assert argv == ["mpiexec", "-n", "8", "--allow-run-as-root", "--oversubscribe", "--tag-output", "-x", "A", "prog"]
+    assert mpiexec_command("mpiexec", "mpich", 2, ["prog"], as_root=True, cores=4, tag_output=True) == [
+        "mpiexec", "-n", "2", "-prepend-rank", "prog"]
