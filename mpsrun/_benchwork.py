@@ -68,7 +68,10 @@ def run(sync: Path, iters: int, launches: int, streams: int, ident: str) -> dict
     cuda_streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(streams)] if streams > 1 else []
     (sync / f"ready.{ident}").write_text(str(os.getpid()))
     go = sync / "go"
-    while not go.exists():  # the driver writes it once every process is ready
+    deadline = time.monotonic() + 600
+    while not go.exists():  # the driver writes it once every process is ready; a bounded poll
+        if time.monotonic() > deadline:
+            raise SystemExit("mpsrun bench worker: no start signal from the driver within 600 s")
         time.sleep(0.001)
     start_at = float(go.read_text() or 0)
     while time.time() < start_at:

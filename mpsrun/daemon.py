@@ -20,12 +20,13 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import attrs
 import psutil
 
+from mpsrun import gpus as gpu_info
 from mpsrun.errors import DaemonError, DaemonStartError, DaemonTimeoutError, MPSUnavailableError
 
 __all__ = [
@@ -482,6 +483,20 @@ class ControlDaemon:
         for server in self.server_list():
             result.update(self.client_list(server))
         return result
+
+    def judge_clients(self, pids: Iterable[int]) -> tuple[set[int], set[int]]:
+        """Split ``pids`` into this daemon's clients and processes that missed it.
+
+        Returns (the pids that are clients of our servers, the pids holding a plain CUDA
+        context on our GPU without being one: CUDA's silent fallback). A silent fallback
+        shows in NVML as a plain context (type C), never as an MPS client (M+C); NVML is
+        read before the client list, so a process it shows as connected is listed by then.
+        """
+        wanted = set(pids)
+        contexts = gpu_info.compute_processes(self.gpu_uuid)
+        clients = self.clients()
+        plain = {pid for pid, is_mps in contexts.items() if not is_mps} - set(self.server_pids)
+        return wanted & clients, (wanted & plain) - clients
 
     def ps(self) -> list[PsEntry]:
         """The daemon's clients (``ps``); none when there is no server."""

@@ -22,7 +22,6 @@ from pathlib import Path
 import attrs
 import psutil
 
-from mpsrun import gpus as gpu_info
 from mpsrun import mpi
 from mpsrun.daemon import diagnose_log, torn_down_clients
 from mpsrun.errors import CommandNotFoundError, ConfigError, DaemonError, GPUError, TeardownError
@@ -139,18 +138,13 @@ class ClientWatch:
                     f"; its log ends: {tail.splitlines()[-1]}" if tail else ""
                 )
             try:
-                # NVML first, clients second: a process NVML shows as connected is in the list by then.
-                contexts = gpu_info.compute_processes(gpu.uuid)
-                clients = daemon.clients()
+                clients, missed = daemon.judge_clients(pids)
             except (DaemonError, GPUError) as exc:
                 log.debug("client check skipped: %s", exc)
                 continue
-            self.verified.update(pids[pid] for pid in clients & pids.keys())
-            # A silent fallback shows as a plain context (type C), never as an MPS client (M+C).
-            plain = {pid for pid, is_mps in contexts.items() if not is_mps} - set(daemon.server_pids)
-            for pid in sorted(plain & pids.keys()):
-                rank = pids[pid]
-                if pid in clients:
+            self.verified.update(pids[pid] for pid in clients)
+            for pid, rank in sorted(pids.items()):
+                if pid not in missed:
                     self._suspects.pop(pid, None)
                     continue
                 self._suspects[pid] = self._suspects.get(pid, 0) + 1

@@ -238,12 +238,13 @@ def run_per_node(config: Any, environ: Mapping[str, str] | None = None) -> JobRe
                 with contextlib.suppress(psutil.Error):
                     pids.update(c.pid for c in psutil.Process(proc.pid).children(recursive=True))
             with contextlib.suppress(MPSError):
-                contexts = gpu_info.compute_processes(daemon["gpu"])
-                clients = watcher.clients()
-                verified.update(pids & clients)
-                strays = {p for p, is_mps in contexts.items() if not is_mps} & (pids - clients)
-                if strays and config.mps == "on":
-                    return f"rank {rank} (pid {min(strays)}) uses GPU {position} without MPS"
+                clients, strays = watcher.judge_clients(pids)
+                verified.update(clients)
+                if strays:
+                    message = f"rank {rank} (pid {min(strays)}) uses GPU {position} without MPS"
+                    if config.mps == "on":
+                        return message
+                    log.warning(f"mpsrun: warning: {message}")
             return None
 
         supervisor.check = check

@@ -309,11 +309,8 @@ class Session:
         wanted = set(pids)
         verified: list[int] = []
         for gpu, daemon in zip(self.gpus, self.daemons, strict=True):
-            # NVML first, clients second: a process NVML shows as connected is in the list by then.
-            contexts = gpu_info.compute_processes(gpu.uuid)
-            clients = daemon.clients()
-            plain = {pid for pid, is_mps in contexts.items() if not is_mps} - set(daemon.server_pids)
-            strays = sorted((wanted & plain) - clients)
+            clients, missed = daemon.judge_clients(wanted)
+            strays = sorted(missed)
             if strays:
                 raise NotMPSClientError(
                     f"process(es) {strays} use GPU {gpu.index} ({gpu.uuid}) without MPS: they are not clients "
@@ -321,7 +318,7 @@ class Session:
                     pids=strays,
                     gpu=gpu.uuid,
                 )
-            verified.extend(sorted(wanted & clients))
+            verified.extend(sorted(clients))
         return verified
 
     def status(self) -> dict[str, Any]:
