@@ -1,74 +1,50 @@
-"""The control layer: one supervised ``nvidia-cuda-mps-control`` per GPU.
+"""The control layer: one ``nvidia-cuda-mps-control`` per GPU, and its whole life cycle.
 
-The daemon runs in the foreground (``-f``) as our child, in its own process group,
-with a parent-death signal so it cannot outlive us; in ``-f`` mode it writes the
-control and server log to stdout, which goes to ``control.log``. Commands are sent
-as the real tool's client mode does: one ``nvidia-cuda-mps-control`` call with the
-command on stdin. That client exits 0 even when a command fails (measured), so
-replies are parsed, never trusted by exit code.
+The daemon runs in the foreground (``-f``) in its own process group; in ``-f`` mode it
+writes the control and server log to stdout, which goes to ``control.log``. Commands are
+sent as the real tool's client mode does: one ``nvidia-cuda-mps-control`` call with the
+command on stdin. That client exits 0 even when a command fails (measured), so replies are
+parsed, never trusted by exit code.
+
+One life cycle for every owner: :meth:`ControlDaemon.start` spawns a daemon,
+:meth:`ControlDaemon.record` describes it for ``session.json``, and
+:meth:`ControlDaemon.stop` ends it, whether this process started it or it was
+:meth:`attached <ControlDaemon.attach>` from a record (a reaper, ``mpsrun cleanup``).
+Processes are identified by pid and start time, never by name.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import enum
 import logging
 import os
-import re
 import shutil
 import signal
 import subprocess
-import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import attrs
-import psutil
 
-from mpsrun import gpus as gpu_info
+from mpsrun.deadline import Deadline, poll_until
 from mpsrun.errors import DaemonError, DaemonStartError, DaemonTimeoutError, MPSUnavailableError
+from mpsrun.mpslog import (
+    NO_DAEMON,
+    PsEntry,
+    ServerStatus,
+    is_error_reply,
+    parse_pid_list,
+    parse_ps,
+    parse_server_status,
+)
+from mpsrun.procs import ProcessRef, set_parent_death_signal
+from mpsrun.records import DaemonRecord
 
-__all__ = [
-    "CONTROL_EXECUTABLE",
-    "ControlDaemon",
-    "PsEntry",
-    "ServerStatus",
-    "diagnose_log",
-    "find_control_executable",
-    "parse_pid_list",
-    "parse_ps",
-    "parse_server_status",
-]
+__all__ = ["CONTROL_EXECUTABLE", "ControlDaemon", "find_control_executable"]
 
 log = logging.getLogger(__name__)
 
 CONTROL_EXECUTABLE = "nvidia-cuda-mps-control"
-_NO_DAEMON = "Cannot find MPS control daemon process"
-# Replies the daemon prints instead of a result when a command fails (rc stays 0).
-_ERROR_REPLY = re.compile(
-    r"^(Unknown command|Invalid|Incorrect|Usage|Not enough privilege|Server \d+ not found|.*\bnot found\b"
-    r"|.*\b[Ee]rror\b|.*\bfailed\b)"
-)
-_PR_SET_PDEATHSIG = 1
-
-
-class ServerStatus(enum.Enum):
-    """States an MPS server reports through ``get_server_status``."""
-
-    INITIALIZING = "INITIALIZING"
-    ACTIVE = "ACTIVE"
-    FAULT = "FAULT"
-
-
-@attrs.frozen
-class PsEntry:
-    """One row of the daemon's ``ps`` command: a client or server process."""
-
-    pid: int
-    device: str
-    server_pid: int
-    name: str
 
 
 def find_control_executable(path: str | None = None) -> str:
@@ -82,116 +58,11 @@ def find_control_executable(path: str | None = None) -> str:
     return found
 
 
-def parse_pid_list(reply: str) -> list[int]:
-    """PIDs printed one per line (``get_server_list``, ``get_client_list``)."""
-    return [int(line) for line in reply.split() if line.isdigit()]
-
-
-def parse_server_status(reply: str) -> ServerStatus:
-    """The state in a ``get_server_status`` reply; raise :class:`ValueError` otherwise."""
-    return ServerStatus(reply.strip())
-
-
-def parse_ps(reply: str) -> list[PsEntry]:
-    """Rows of the ``ps`` command (recorded on an H100)::
-
-        PID       ID        SERVER         DEVICE                    NAMESPACE      COMMAND
-        8216      1         8176           GPU-5ecd2ecb-5789-2238    4026531836     /usr/bin/python3
-
-    Columns are found by name in the header, so an added column does not break us.
-    ``Server not found`` (no server) and an empty reply (no clients) give no rows.
-    """
-    lines = [line for line in reply.splitlines() if line.strip()]
-    if not lines or "PID" not in lines[0].split():
-        return []
-    header = lines[0].split()
-    column = {name: i for i, name in enumerate(header)}
-    rows: list[PsEntry] = []
-    for line in lines[1:]:
-        parts = line.split(None, len(header) - 1)
-        if len(parts) < len(header) or not parts[column["PID"]].isdigit():
-            continue
-        server = parts[column["SERVER"]] if "SERVER" in column else ""
-        rows.append(
-            PsEntry(
-                pid=int(parts[column["PID"]]),
-                device=parts[column["DEVICE"]] if "DEVICE" in column else "",
-                server_pid=int(server) if server.isdigit() else 0,
-                name=parts[-1].strip(),
-            )
-        )
-    return rows
-
-
-_LOG_FINDINGS = (
-    (
-        re.compile(r"Maximum number of clients \((\d+)\) reached"),
-        "the MPS server refused clients: maximum number of clients ({0}) reached; use fewer ranks per GPU or more GPUs",
-    ),
-    (
-        re.compile(r"encountered a fatal GPU error"),
-        "a client hit a fatal GPU error: the MPS server tore down every client with work in flight, "
-        "so other ranks may have failed with it",
-    ),
-)
-
-
-def diagnose_log(text: str) -> list[str]:
-    """Plain-language findings from an MPS control/server log (each at most once)."""
-    findings = []
-    for pattern, message in _LOG_FINDINGS:
-        match = pattern.search(text)
-        if match:
-            findings.append(message.format(*match.groups()))
-    return findings
-
-
-_TORN_DOWN = re.compile(r"Client \{PID: (\d+), Context ID: \d+\} on device \d+ to be torn down")
-
-
-def torn_down_clients(text: str) -> list[int]:
-    """PIDs of the clients an MPS server tore down after a fatal GPU fault (from its log).
-
-    The log does not tell reliably which client caused the fault (recorded on an H100, it
-    named a bystander as the one that "encountered" it; NVIDIA documents that the error is
-    reported to all clients without saying which one generated it), so only the victims
-    are read.
-    """
-    return sorted({int(pid) for pid in _TORN_DOWN.findall(text)})
-
-
 def _as_float(text: str) -> float | None:
     try:
         return float(text)
     except ValueError:
         return None
-
-
-def _set_parent_death_signal() -> None:  # pragma: no cover - runs in the child before exec
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-def _wait_gone(proc: psutil.Process, timeout: float) -> bool:
-    """Poll until ``proc`` has exited; a zombie (exited, not yet reaped by its parent) counts."""
-    deadline = time.monotonic() + timeout
-    for delay in _backoff():
-        try:
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(delay)
-    return False  # pragma: no cover
-
-
-def _backoff(first: float = 0.002, factor: float = 1.5, cap: float = 0.05) -> Iterator[float]:
-    delay = first
-    while True:
-        yield delay
-        delay = min(cap, delay * factor)
 
 
 @attrs.define(eq=False)
@@ -208,11 +79,18 @@ class ControlDaemon:
     executable: str = CONTROL_EXECUTABLE
     base_env: Mapping[str, str] | None = None
     command_timeout: float = 10.0
-    #: Per-node sessions: the daemon serves every local rank, so it must not die with the
-    #: rank that happened to start it; `mpsrun cleanup` finds it if all of them are killed.
-    outlive_parent: bool = False
-    _process: subprocess.Popen[bytes] | None = attrs.field(default=None, init=False)
-    _servers: dict[int, float] = attrs.field(factory=dict, init=False)  # pid -> create time
+    process: ProcessRef | None = None
+    _popen: subprocess.Popen[bytes] | None = attrs.field(default=None, init=False)
+    _servers: dict[int, ProcessRef] = attrs.field(factory=dict, init=False)
+
+    @classmethod
+    def attach(cls, record: DaemonRecord, executable: str = CONTROL_EXECUTABLE) -> ControlDaemon:
+        """The daemon a record names, to command or stop it (it may be another process's child)."""
+        return cls(record.gpu, Path(record.pipe_dir), Path(record.log_dir), executable, process=record.process)
+
+    def record(self) -> DaemonRecord:
+        assert self.process is not None, "the daemon has not been started"
+        return DaemonRecord(self.gpu_uuid, self.process, str(self.pipe_dir), str(self.log_dir))
 
     @property
     def env(self) -> dict[str, str]:
@@ -229,11 +107,13 @@ class ControlDaemon:
 
     @property
     def pid(self) -> int | None:
-        return None if self._process is None else self._process.pid
+        return None if self.process is None else self.process.pid
 
     @property
     def alive(self) -> bool:
-        return self._process is not None and self._process.poll() is None
+        if self._popen is not None:
+            return self._popen.poll() is None
+        return self.process is not None and self.process.alive()
 
     @property
     def server_pids(self) -> list[int]:
@@ -249,27 +129,26 @@ class ControlDaemon:
 
     # -- life cycle -------------------------------------------------------------------
 
-    def start(self, timeout: float = 30.0) -> None:
-        """Spawn the daemon and wait (with a deadline) until it answers a command."""
-        if self._process is not None:
+    def start(self, timeout: float = 30.0, parent_death: bool = True) -> None:
+        """Spawn the daemon and wait (with a deadline) until it answers a command.
+
+        ``parent_death``: the daemon gets SIGKILL when the thread that starts it ends.
+        Only the main thread should ask for it; the session's reaper covers the rest.
+        """
+        if self.process is not None:
             raise DaemonError("this daemon was already started")
-        executable = shutil.which(self.executable, path=self.env.get("PATH")) or self.executable
-        self.executable = executable
+        self.executable = shutil.which(self.executable, path=self.env.get("PATH")) or self.executable
         with open(self.log_file, "ab") as log_out:
             try:
-                self._process = subprocess.Popen(
-                    [executable, "-f"],
-                    stdin=subprocess.DEVNULL,
-                    stdout=log_out,
-                    stderr=subprocess.STDOUT,
-                    env=self.env,
-                    cwd=self.log_dir,
-                    start_new_session=True,
-                    preexec_fn=None if self.outlive_parent else _set_parent_death_signal,
+                self._popen = subprocess.Popen(
+                    [self.executable, "-f"], stdin=subprocess.DEVNULL, stdout=log_out, stderr=subprocess.STDOUT,
+                    env=self.env, cwd=self.log_dir, start_new_session=True,
+                    preexec_fn=set_parent_death_signal if parent_death else None,
                 )
             except OSError as exc:
-                raise DaemonStartError(f"cannot start {executable}: {exc.strerror}", command="-f") from exc
-        log.debug("started MPS control daemon pid %d for %s", self._process.pid, self.gpu_uuid)
+                raise DaemonStartError(f"cannot start {self.executable}: {exc.strerror}", command="-f") from exc
+        self.process = ProcessRef.of(self._popen.pid) or ProcessRef(self._popen.pid, -1)
+        log.debug("started MPS control daemon pid %d for %s", self._popen.pid, self.gpu_uuid)
         try:
             self.wait_ready(timeout)
         except BaseException:
@@ -278,30 +157,30 @@ class ControlDaemon:
 
     def wait_ready(self, timeout: float) -> None:
         """Poll until the daemon answers ``get_server_list``; never a fixed sleep."""
-        deadline = time.monotonic() + timeout
+        deadline = Deadline(timeout)
         socket = self.pipe_dir / "control"
-        for delay in _backoff():
+
+        def answers() -> bool | None:
             self._check_running("while starting")
             if socket.exists():
-                result = self._run_client("get_server_list", max(0.1, deadline - time.monotonic()))
-                if result.returncode == 0:
-                    return
-            if time.monotonic() + delay > deadline:
-                raise DaemonTimeoutError(
-                    f"MPS control daemon did not answer within {timeout:g} s; log: {self.log_file}",
-                    command="get_server_list",
-                    log_tail=self.log_tail(),
-                )
-            time.sleep(delay)
+                with contextlib.suppress(DaemonError):
+                    self.command("get_server_list", timeout=max(0.1, deadline.remaining()))
+                    return True
+            return None
+
+        if not poll_until(answers, deadline):
+            raise DaemonTimeoutError(
+                f"MPS control daemon did not answer within {timeout:g} s (its log: {self.log_tail(1) or 'empty'})",
+                command="get_server_list",
+                log_tail=self.log_tail(),
+            )
 
     def _check_running(self, doing: str) -> None:
-        if self._process is None:
-            raise DaemonError("the daemon has not been started")
-        code = self._process.poll()
-        if code is not None:
+        if not self.alive:
+            code = self._popen.returncode if self._popen is not None else None
             tail = self.log_tail()
             raise DaemonStartError(
-                f"MPS control daemon exited with code {code} {doing}"
+                f"MPS control daemon exited{'' if code is None else f' with code {code}'} {doing}"
                 + (f"; last log line: {tail.splitlines()[-1]}" if tail else ""),
                 log_tail=tail,
             )
@@ -313,52 +192,52 @@ class ControlDaemon:
         daemon's own process group gets SIGTERM, then SIGKILL. Finally every server we
         saw is checked to be gone (by pid and start time; never by name).
         """
-        process = self._process
-        if process is None:
+        if self.process is None:
             return
-        deadline = time.monotonic() + timeout
-        if process.poll() is None:
+        deadline = Deadline(timeout)
+        if self.alive:
             with contextlib.suppress(DaemonError):
                 self.server_list()  # remember every server, to check they are gone afterwards
             try:
-                self.command("quit", timeout=max(0.1, deadline - time.monotonic()))
+                self.command("quit", timeout=max(0.1, deadline.remaining()))
             except DaemonError as exc:
                 log.debug("quit failed: %s", exc)
-            try:
-                process.wait(timeout=max(0.05, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("MPS control daemon %d did not quit in %g s; terminating it", process.pid, timeout)
-                self._signal_group(process, signal.SIGTERM)
-                try:
-                    process.wait(timeout=grace)
-                except subprocess.TimeoutExpired:
-                    self._signal_group(process, signal.SIGKILL)
-                    process.wait()
+            if not self._wait_exit(deadline.remaining()):
+                log.warning("MPS control daemon %d did not quit in %g s; terminating it", self.process.pid, timeout)
+                for sig in (signal.SIGTERM, signal.SIGKILL):
+                    self._signal_group(sig)
+                    if self._wait_exit(grace):
+                        break
         self._reap_servers(grace)
 
-    @staticmethod
-    def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
-        # The daemon is not reaped yet, so its pid (= its group id) cannot have been reused.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, sig)
+    def _wait_exit(self, seconds: float) -> bool:
+        if self._popen is not None:
+            try:
+                self._popen.wait(timeout=max(0.01, seconds))
+            except subprocess.TimeoutExpired:
+                return False
+            return True
+        return bool(poll_until(lambda: (not self.alive) or None, Deadline(seconds)))
+
+    def _signal_group(self, sig: int) -> None:
+        if self._popen is not None and self._popen.returncode is None:
+            # Our child and not yet reaped: its pid (= its group id) cannot have been reused.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._popen.pid, sig)
+        elif self.process is not None:
+            self.process.signal_group(sig)
 
     def _reap_servers(self, grace: float) -> None:
         """Check every server we saw is gone (a zombie counts as gone); SIGKILL one by pid if not."""
         survivors: list[int] = []
-        for pid, created in self._servers.items():
-            try:
-                proc = psutil.Process(pid)
-                if abs(proc.create_time() - created) > 0.01:
-                    continue  # the pid now belongs to someone else
-            except psutil.NoSuchProcess:
+        for server in self._servers.values():
+            gone = lambda s=server: (not s.alive()) or None  # noqa: E731
+            if poll_until(gone, Deadline(grace)):
                 continue
-            if _wait_gone(proc, grace):
-                continue
-            log.warning("MPS server %d outlived its daemon; killing it", pid)
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.kill()
-            if not _wait_gone(proc, grace):
-                survivors.append(pid)
+            log.warning("MPS server %d outlived its daemon; killing it", server.pid)
+            server.signal(signal.SIGKILL)
+            if not poll_until(gone, Deadline(grace)):
+                survivors.append(server.pid)
         if survivors:
             raise DaemonError(f"MPS server process(es) {survivors} survived the daemon's shutdown")
 
@@ -388,15 +267,15 @@ class ControlDaemon:
         """Send one control command and return its reply; raise :class:`DaemonError` on failure."""
         result = self._run_client(text, self.command_timeout if timeout is None else timeout)
         reply = (result.stdout + result.stderr).strip()
-        if result.returncode != 0 or reply.startswith(_NO_DAEMON):
+        if result.returncode != 0 or reply.startswith(NO_DAEMON):
             raise DaemonError(
                 f"MPS control command {text!r} failed: {reply or f'exit code {result.returncode}'}",
                 command=text,
                 reply=reply,
                 log_tail=self.log_tail(),
             )
-        first = reply.splitlines()[0] if reply else ""
-        if _ERROR_REPLY.match(first):
+        if is_error_reply(reply):
+            first = reply.splitlines()[0]
             raise DaemonError(f"MPS control command {text!r} failed: {first}", command=text, reply=reply)
         return reply
 
@@ -433,36 +312,35 @@ class ControlDaemon:
 
     def wait_active(self, timeout: float = 30.0) -> int:
         """Poll until this daemon's server reports ACTIVE; return its pid."""
-        deadline = time.monotonic() + timeout
-        status: ServerStatus | None = None
-        for delay in _backoff():
+        seen: list[ServerStatus] = []
+
+        def active() -> int | None:
             self._check_running("while starting its server")
             servers = self.server_list()
-            if servers:
-                status = self.server_status(servers[0])
-                if status is ServerStatus.ACTIVE:
-                    return servers[0]
-                if status is ServerStatus.FAULT:
-                    raise DaemonError(
-                        f"MPS server {servers[0]} is in FAULT state", command="get_server_status", reply="FAULT"
-                    )
-            if time.monotonic() + delay > deadline:
-                raise DaemonTimeoutError(
-                    f"MPS server did not become ACTIVE within {timeout:g} s (last state: "
-                    f"{status.value if status else 'no server'}); log: {self.log_file}",
-                    command="get_server_status",
-                    log_tail=self.log_tail(),
-                )
-            time.sleep(delay)
-        raise AssertionError("unreachable")  # pragma: no cover
+            if not servers:
+                return None
+            seen.append(self.server_status(servers[0]))
+            if seen[-1] is ServerStatus.FAULT:
+                raise DaemonError(f"MPS server {servers[0]} is in FAULT state", command="get_server_status",
+                                  reply="FAULT")
+            return servers[0] if seen[-1] is ServerStatus.ACTIVE else None
+
+        server = poll_until(active, Deadline(timeout))
+        if server is None:
+            raise DaemonTimeoutError(
+                f"MPS server did not become ACTIVE within {timeout:g} s (last state: "
+                f"{seen[-1].value if seen else 'no server'}); log: {self.log_file}",
+                command="get_server_status",
+                log_tail=self.log_tail(),
+            )
+        return server
 
     def server_list(self) -> list[int]:
         """PIDs of this daemon's servers (also remembered for the shutdown check)."""
         pids = parse_pid_list(self.command("get_server_list"))
         for pid in pids:
-            if pid not in self._servers:
-                with contextlib.suppress(psutil.Error):
-                    self._servers[pid] = psutil.Process(pid).create_time()
+            if pid not in self._servers and (server := ProcessRef.of(pid)) is not None:
+                self._servers[pid] = server
         return pids
 
     def server_status(self, server_pid: int) -> ServerStatus:
@@ -483,20 +361,6 @@ class ControlDaemon:
         for server in self.server_list():
             result.update(self.client_list(server))
         return result
-
-    def judge_clients(self, pids: Iterable[int]) -> tuple[set[int], set[int]]:
-        """Split ``pids`` into this daemon's clients and processes that missed it.
-
-        Returns (the pids that are clients of our servers, the pids holding a plain CUDA
-        context on our GPU without being one: CUDA's silent fallback). A silent fallback
-        shows in NVML as a plain context (type C), never as an MPS client (M+C); NVML is
-        read before the client list, so a process it shows as connected is listed by then.
-        """
-        wanted = set(pids)
-        contexts = gpu_info.compute_processes(self.gpu_uuid)
-        clients = self.clients()
-        plain = {pid for pid, is_mps in contexts.items() if not is_mps} - set(self.server_pids)
-        return wanted & clients, (wanted & plain) - clients
 
     def ps(self) -> list[PsEntry]:
         """The daemon's clients (``ps``); none when there is no server."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from mpsrun.exitcodes import ExitCode
+
 __all__ = [
     "CommandNotFoundError",
     "ConfigError",
@@ -33,7 +35,13 @@ def _rebuild(cls: type[MPSError], kwargs: dict[str, Any]) -> MPSError:
 
 
 class MPSError(Exception):
-    """Base class of every error mpsrun raises."""
+    """Base class of every error mpsrun raises.
+
+    ``exit_code`` is what the ``mpsrun`` command exits with for it (see
+    :mod:`mpsrun.exitcodes`): 2 for a usage error, 127 for a missing command, 3 otherwise.
+    """
+
+    exit_code: int = ExitCode.SETUP
 
     def __init__(self, message: str, **data: Any) -> None:
         super().__init__(message)
@@ -55,6 +63,7 @@ class ConfigError(MPSError, ValueError):
     Attributes: ``setting`` (the option or argument name) and ``value``.
     """
 
+    exit_code = ExitCode.USAGE
     setting: str
     value: Any
 
@@ -90,6 +99,8 @@ class NoDriverError(GPUError):
 
 class GPUNotFoundError(MPSError, ValueError):
     """A requested GPU is not visible. Attributes: ``requested`` and ``visible``."""
+
+    exit_code = ExitCode.USAGE
 
     requested: Any
     visible: list[str]
@@ -155,6 +166,8 @@ class TeardownError(MPSError, RuntimeError):
 
 class CommandNotFoundError(MPSError, FileNotFoundError):
     """The command to run as the ranks does not exist. Attribute: ``command``."""
+
+    exit_code = ExitCode.NOT_FOUND
 
     command: str
 

@@ -1,41 +1,66 @@
-"""Validation of the MPS limits a user can ask for. Pure functions, no I/O."""
+"""Validation of the MPS limits a user can ask for, and the client variables they become.
+
+Pure functions, no I/O. Each value is validated once, where it enters (the command line,
+an ``MPSRUN_*`` variable or an ``mps_session()`` argument); the typed result travels on.
+"""
 
 from __future__ import annotations
 
-import math
 import re
 
 from mpsrun.errors import ConfigError
 
 __all__ = [
     "MPS_MODES",
+    "ThreadSpec",
     "client_variables",
     "parse_mem_limit",
     "parse_mps_mode",
     "parse_priority",
     "parse_thread_percentage",
+    "parse_thread_spec",
 ]
 
 MPS_MODES = ("auto", "on", "off")
-_MEM = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
+#: ``None`` (no cap), one percentage for every rank, ``"auto"``, or one per rank.
+ThreadSpec = None | int | str | tuple[int, ...]
+_MEM = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
 _SCALE_MIB = {"": 1 / (1 << 20), "K": 1 / 1024, "M": 1, "G": 1024, "T": 1 << 20}
+_MAX_MIB = 1 << 30  # 1024 TiB: anything larger is a typo, not a limit
+
+
+def _whole(text: str) -> int | None:
+    text = text.strip()
+    return int(text) if text.isascii() and text.isdigit() else None
 
 
 def parse_thread_percentage(value: object, setting: str = "thread_percentage") -> int:
-    """An active-thread percentage: an integer from 1 to 100."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{setting} must be an integer from 1 to 100, not {value!r}", setting=setting, value=value)
-    try:
-        number = float(str(value).strip()) if isinstance(value, str) else float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        number = math.nan
-    if not number.is_integer() or not 1 <= number <= 100:
+    """An active-thread percentage: a whole number from 1 to 100."""
+    number = value if isinstance(value, int) and not isinstance(value, bool) else None
+    if isinstance(value, str):
+        number = _whole(value)
+    if number is None or not 1 <= number <= 100:
         raise ConfigError(
-            f"{setting} must be an integer from 1 to 100 (percent of the GPU's SMs), not {value!r}",
+            f"{setting} must be a whole number from 1 to 100 (percent of the GPU's SMs), not {value!r}",
             setting=setting,
             value=value,
         )
-    return int(number)
+    return number
+
+
+def parse_thread_spec(value: object, setting: str = "--thread-percentage") -> ThreadSpec:
+    """``auto``, ``P`` or ``P0,P1,...`` (one per rank), as text or as Python values."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if isinstance(value, str) and "," in value:
+        return tuple(parse_thread_percentage(part, setting=setting) for part in value.split(","))
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ConfigError(f"{setting} lists no value", setting=setting, value=value)
+        return tuple(parse_thread_percentage(part, setting=setting) for part in value)
+    return parse_thread_percentage(value, setting=setting)
 
 
 def parse_mem_limit(value: object, setting: str = "mem_limit") -> str:
@@ -44,20 +69,16 @@ def parse_mem_limit(value: object, setting: str = "mem_limit") -> str:
     Accepts ``4G``, ``4GiB``, ``512M``, ``1.5G`` or a number of bytes; MPS wants whole
     megabytes or gigabytes, so fractions are converted to megabytes.
     """
-    if isinstance(value, bool):
-        match = None
-    elif isinstance(value, int):
-        match = _MEM.match(str(value))
-    else:
-        match = _MEM.match(value) if isinstance(value, str) else None
+    text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+    match = _MEM.match(text) if isinstance(text, str) else None
     if match is None:
         raise ConfigError(
             f"{setting} must be a size such as 4G, 512M or 1.5G, not {value!r}", setting=setting, value=value
         )
     number, unit = float(match.group(1)), match.group(2).upper()
     mib = number * _SCALE_MIB[unit]
-    if mib < 1:
-        raise ConfigError(f"{setting} must be at least 1M, not {value!r}", setting=setting, value=value)
+    if not 1 <= mib <= _MAX_MIB:
+        raise ConfigError(f"{setting} must be between 1M and 1024T, not {value!r}", setting=setting, value=value)
     if unit in ("G", "T") and (number * (1024 if unit == "T" else 1)).is_integer():
         return f"{int(mib // 1024)}G"
     return f"{int(mib)}M"
@@ -74,7 +95,7 @@ def parse_priority(value: object, setting: str = "priority") -> int:
 
 def parse_mps_mode(value: object, setting: str = "mps") -> str:
     """``auto`` (MPS when possible), ``on`` (MPS or fail) or ``off``."""
-    text = str(value).strip().lower() if isinstance(value, str) else None
+    text = value.strip().lower() if isinstance(value, str) else None
     if text not in MPS_MODES:
         raise ConfigError(f"{setting} must be one of auto, on, off, not {value!r}", setting=setting, value=value)
     return text

@@ -1,4 +1,4 @@
-"""The MPI launcher backend's knowledge of MPI: finding mpiexec, its flavour, its command line."""
+"""What mpsrun knows of MPI launchers: finding mpiexec, telling its flavour, building its command line."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import importlib.util
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from mpsrun.errors import ConfigError
 
@@ -14,37 +14,13 @@ __all__ = [
     "FLAVOURS",
     "detect_flavour",
     "find_mpiexec",
-    "first_int",
     "flavour_of_version",
     "host_arguments",
     "mpi4py_available",
     "mpiexec_command",
-    "tag_output_argument",
 ]
 
 FLAVOURS = ("openmpi", "mpich", "intel", "unknown")
-
-#: Variables MPI launchers set for a process's rank on its node, in the order tried.
-LOCAL_RANK_VARIABLES = (
-    "OMPI_COMM_WORLD_LOCAL_RANK",  # Open MPI
-    "MPI_LOCALRANKID",  # MPICH (Hydra), Intel MPI
-    "PMI_LOCAL_RANK",
-    "PALS_LOCAL_RANKID",  # Cray PALS
-    "MV2_COMM_WORLD_LOCAL_RANK",  # MVAPICH2
-    "SLURM_LOCALID",  # srun
-)
-#: Variables for the global rank and the world size, in the order tried.
-RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "PALS_RANKID", "SLURM_PROCID")
-SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
-
-
-def first_int(env: Mapping[str, str], names: Sequence[str]) -> int | None:
-    """The first of these variables that holds a whole number."""
-    for name in names:
-        value = env.get(name, "").strip()
-        if value.isdigit():
-            return int(value)
-    return None
 
 
 def find_mpiexec(explicit: str | None = None) -> str | None:
@@ -90,12 +66,13 @@ def mpiexec_command(
     *,
     as_root: bool | None = None,
     cores: int | None = None,
-    tag_output: bool = False,
+    export: Sequence[str] = (),
 ) -> list[str]:
     """The full mpiexec command line, with what the flavour needs added.
 
     Open MPI refuses to run as root without ``--allow-run-as-root`` and refuses more
-    ranks than slots (cores) without ``--oversubscribe``.
+    ranks than slots (cores) without ``--oversubscribe``; it passes a variable to ranks on
+    other hosts only when named with ``-x`` (``export``). Hydra passes the whole environment.
     """
     as_root = (os.geteuid() == 0) if as_root is None else as_root
     argv = [mpiexec, "-n", str(nranks)]
@@ -104,14 +81,9 @@ def mpiexec_command(
             argv.append("--allow-run-as-root")
         if (cores is None or nranks > cores) and "--oversubscribe" not in extra_args:
             argv.append("--oversubscribe")
-    if tag_output:
-        argv.append(tag_output_argument(flavour))
+        for name in export:
+            argv += ["-x", name]
     return [*argv, *extra_args, *rank_command]
-
-
-def tag_output_argument(flavour: str) -> str:
-    """The flavour's option that prefixes each output line with its rank."""
-    return "--tag-output" if flavour == "openmpi" else "-prepend-rank"
 
 
 def host_arguments(flavour: str, hosts: Sequence[str] = (), hostfile: str | None = None) -> list[str]:

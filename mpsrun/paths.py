@@ -1,33 +1,45 @@
-"""Private per-session directories: where they go, how they are checked, made and removed.
+"""Private per-session directories: where they go, how they are checked, made, locked and removed.
 
 Layout (one object holds every path, as submitit does)::
 
     <base>/mpsrun-<uid>/            base: $MPSRUN_TMPDIR, else $XDG_RUNTIME_DIR, else /tmp
-        <session id>/               mode 0700, random name, made atomically
-            session.json            who owns the session (pid, start time)
+        <session id>/               mode 0700: a random name, or j<hash> for a node session
+            session.json            the typed record (mpsrun.records)
+            control                 the controller's socket (ranks report here)
+            output.lock             taken around long tagged output lines
             gpu<N>/pipe/            CUDA_MPS_PIPE_DIRECTORY of GPU N's daemon
             gpu<N>/log/             CUDA_MPS_LOG_DIRECTORY (control.log lives here)
 
-The pipe directory holds UNIX sockets, whose paths Linux limits to 107 bytes, so
-paths are kept short and checked before anything starts.
+Every file a job makes lives in its session directory. The pipe directory holds UNIX
+sockets, whose paths Linux limits to 107 bytes, so paths are kept short and checked first.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import attrs
+import filelock
 
-from mpsrun.errors import ConfigError, UnsafeDirectoryError
+from mpsrun.deadline import Deadline, poll_until
+from mpsrun.errors import ConfigError, MPSError, UnsafeDirectoryError
 
-__all__ = ["SOCKET_PATH_MAX", "SessionDirs", "base_directory", "check_private_dir", "user_root"]
+__all__ = [
+    "SOCKET_PATH_MAX",
+    "SessionDirs",
+    "base_directory",
+    "check_private_dir",
+    "make_user_root",
+    "user_root",
+    "user_root_lock",
+    "validate_base",
+]
 
 #: Longest UNIX socket path (``sun_path`` is 108 bytes including the terminating NUL).
 SOCKET_PATH_MAX = 107
@@ -112,6 +124,23 @@ def validate_base(base: Path) -> None:
         )
 
 
+@contextlib.contextmanager
+def user_root_lock(base: Path, timeout: float = 60.0) -> Iterator[Path]:
+    """Hold this user's lock on the session root under ``base`` (node sessions start and end under it).
+
+    The lock is on the root directory itself, which outlives every session, so no lock
+    file is ever left behind.
+    """
+    root = make_user_root(base)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        if not poll_until(lambda: filelock.lock_descriptor(fd, blocking=False) or None, Deadline(timeout)):
+            raise MPSError(f"another mpsrun of yours held the lock on {root} for more than {timeout:g} s")
+        yield root
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
 @attrs.define
 class SessionDirs:
     """Every path of one session. Create with :meth:`create`; remove with :meth:`remove`."""
@@ -122,8 +151,8 @@ class SessionDirs:
     def create(cls, base: Path, gpu_indices: list[int], name: str | None = None) -> SessionDirs:
         """Make a private session directory with a pipe and log directory per GPU.
 
-        Without ``name`` the directory gets a fresh random name (made atomically); per-node
-        mode passes the name every local rank of a job computes.
+        Without ``name`` the directory gets a fresh random name (made atomically); a node
+        session passes the name every local rank of a job computes.
         """
         validate_base(base)
         user = make_user_root(base)
@@ -143,8 +172,16 @@ class SessionDirs:
         return self.root.name
 
     @property
-    def info_file(self) -> Path:
+    def record_file(self) -> Path:
         return self.root / "session.json"
+
+    @property
+    def control_socket(self) -> Path:
+        return self.root / "control"
+
+    @property
+    def output_lock(self) -> Path:
+        return self.root / "output.lock"
 
     def gpu_dir(self, index: int) -> Path:
         return self.root / f"gpu{index}"
@@ -157,11 +194,6 @@ class SessionDirs:
 
     def control_log(self, index: int) -> Path:
         return self.log_dir(index) / "control.log"
-
-    def write_info(self, info: Mapping[str, object]) -> None:
-        tmp = self.info_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(info, indent=1, sort_keys=True))
-        tmp.replace(self.info_file)
 
     def remove(self) -> None:
         """Delete the session directory and everything in it (sockets included)."""

@@ -1,258 +1,109 @@
 """Per-node mode: ``srun -n 8 mpsrun --per-node python sim.py`` (or under ``mpiexec -n 8``).
 
-Every process is one rank. On each node the first local rank to take the node's file lock
-starts that node's MPS daemons (one per GPU) and waits for their servers while holding
-the lock, so the other local ranks, queued on the lock, find a ready session. Each rank
-registers itself (pid and start time) in the session's ``session.json``, runs its command,
-and unregisters; the last one out stops the daemons and removes the directory. Holders that
-died are pruned by pid and start time, so a killed rank still releases its reference.
+Every process the batch system or MPI launcher starts is one rank, run by a rank
+supervisor. The local ranks of one job step on one node share that node's MPS session,
+owned by a node keeper (:mod:`mpsrun.keeper`): the first local rank starts it, under this
+user's lock on the session root, and every rank joins it through its socket. The keeper
+welcomes each rank with its environment, applies fail-fast to the node's ranks (or relays
+to the job's controller under ``mpsrun --hosts``), and when the last of them is gone, however
+it died, stops the daemons and removes the node's session before that rank may exit.
 
-The lock and the session are keyed by the job and step (``SLURM_JOB_ID.SLURM_STEP_ID``, else
-the MPI launcher's job id, else the local launcher process) and by the node, under the
-node-local session directory (``$MPSRUN_TMPDIR``). ``MPSRUN_NODE_ID`` overrides the node's
-name: tests use it, with a separate ``MPSRUN_TMPDIR``, to simulate several nodes on one machine.
+The session is named after the job step (``SLURM_JOB_ID.SLURM_STEP_ID``, else the MPI job,
+else the launcher process) and the node (``MPSRUN_NODE_ID`` overrides the host name; tests
+use it, with separate ``MPSRUN_TMPDIR`` directories, to simulate several nodes on one machine).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import logging
 import os
+import select
 import socket
+import subprocess
 import sys
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import filelock
-import psutil
+from mpsrun import registry
+from mpsrun.deadline import Deadline
+from mpsrun.errors import ConfigError, MPSError
+from mpsrun.launchers import RankIdentity, identity_from_env, job_key
+from mpsrun.options import JobConfig, to_argv
+from mpsrun.paths import base_directory, user_root, user_root_lock, validate_base
+from mpsrun.protocol import Link, connect
+from mpsrun.rank import greet, run_rank
 
-from mpsrun import gpus as gpu_info
-from mpsrun import mpi, registry
-from mpsrun.daemon import ControlDaemon, find_control_executable
-from mpsrun.errors import DaemonTimeoutError, MPSError
-from mpsrun.limits import client_variables
-from mpsrun.paths import SessionDirs, base_directory, make_user_root, user_root, validate_base
-from mpsrun.supervisor import JobResult, RankSpec, Supervisor
+__all__ = ["node_session_name", "run_per_node"]
 
-__all__ = ["job_key", "local_placement", "run_per_node"]
-
-log = logging.getLogger("mpsrun")
-
-_JOB_VARIABLES = ("PMIX_NAMESPACE", "OMPI_MCA_orte_ess_jobid", "OMPI_MCA_ess_base_jobid", "PMI_JOBID")
-_LOCAL_SIZE_VARIABLES = (
-    "OMPI_COMM_WORLD_LOCAL_SIZE",
-    "MPI_LOCALNRANKS",
-    "PALS_LOCAL_SIZE",
-    "SLURM_STEP_TASKS_PER_NODE",
-    "SLURM_NTASKS_PER_NODE",
-)
+KEEPER_START_TIMEOUT = 120.0
+JOIN_ATTEMPTS = 3  # a keeper may close just as a late rank arrives; the rank then starts a new one
 
 
-def job_key(env: Mapping[str, str]) -> str:
-    """What all local ranks of one job step share: Slurm's job and step, the MPI job, or the launching process."""
-    if env.get("SLURM_JOB_ID"):
-        return f"slurm-{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '0')}"
-    for name in _JOB_VARIABLES:
-        if env.get(name):
-            return f"{name}-{env[name]}"
-    return f"ppid-{os.getppid()}"  # local ranks of mpiexec share their launcher process on the node
+def node_session_name(env: Mapping[str, str]) -> str:
+    node = env.get("MPSRUN_NODE_ID") or socket.gethostname()
+    return "j" + hashlib.sha256(f"{node}:{job_key(env)}".encode()).hexdigest()[:8]
 
 
-def local_placement(env: Mapping[str, str], ngpus: int, policy: str) -> tuple[int, int]:
-    """(local rank, GPU position) from the launcher's variables; block needs the local size, else round-robin."""
-    local = mpi.first_int(env, mpi.LOCAL_RANK_VARIABLES)
-    if local is None:
-        raise MPSError(f"--per-node: no local-rank variable from the launcher ({', '.join(mpi.LOCAL_RANK_VARIABLES)})")
-    size = mpi.first_int(env, _LOCAL_SIZE_VARIABLES)
-    if policy == "block" and size:
-        return local, min(ngpus - 1, local * ngpus // size)
-    return local, local % ngpus
+def _start_keeper(base: Path, name: str, config: JobConfig) -> None:
+    """Start the node keeper and wait until it answers or says why it cannot."""
+    request = {"name": name, "base": str(base), "argv": to_argv(config),
+               "upstream": os.environ.get("MPSRUN_CONTROL"), "token": os.environ.get("MPSRUN_CONTROL_TOKEN", "")}
+    keeper = subprocess.Popen([sys.executable, "-m", "mpsrun.keeper"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    assert keeper.stdin is not None and keeper.stdout is not None
+    keeper.stdin.write(json.dumps(request).encode())
+    keeper.stdin.close()
+    keeper.wait()  # it forks into the background at once and says ready on the pipe
+    deadline = Deadline(KEEPER_START_TIMEOUT)
+    ready, _, _ = select.select([keeper.stdout], [], [], deadline.remaining())
+    answer = keeper.stdout.readline().decode(errors="replace").strip() if ready else ""
+    keeper.stdout.close()
+    if answer != "ready":
+        code, _, message = answer.partition(" ")
+        error = ConfigError if code == "2" else MPSError
+        raise error(message or f"this node's session did not start within {KEEPER_START_TIMEOUT:g} s")
 
 
-def _me() -> dict[str, Any]:
-    return {"pid": os.getpid(), "create_time": psutil.Process().create_time()}
-
-
-def _alive(holder: Mapping[str, Any]) -> bool:
-    return registry.matching_process(holder.get("pid"), holder.get("create_time")) is not None
-
-
-class NodeSession:
-    """This node's shared session for one job step."""
-
-    def __init__(self, base: Path, key: str, node: str) -> None:
-        digest = hashlib.sha256(f"{node}:{key}".encode()).hexdigest()[:8]
-        self.base = base
-        self.name = f"j{digest}"
-        self.root = user_root(base) / self.name
-        self.lock = filelock.FileLock(str(user_root(base) / f"{self.name}.lock"))
-        self.info_file = self.root / "session.json"
-
-    def _read(self) -> dict[str, Any] | None:
+def _join_node(base: Path, name: str, config: JobConfig) -> tuple[Link, dict[str, Any] | None]:
+    with user_root_lock(base):
+        address = f"unix:{user_root(base) / name / 'control'}"
         try:
-            info: dict[str, Any] = json.loads(self.info_file.read_text())
-            return info
-        except (OSError, ValueError):
-            return None
-
-    def _write(self, info: dict[str, Any]) -> None:
-        SessionDirs(root=self.root).write_info(info)
-
-    def _start(self, gpus: Sequence[gpu_info.GPU], settings: Mapping[str, Any], timeout: float) -> dict[str, Any]:
-        if self.root.exists():  # a previous step's leftovers: nobody holds them (checked by the caller)
-            self._teardown(self._read() or {})
-        dirs = SessionDirs.create(self.base, [g.index for g in gpus], name=self.name)
-        info: dict[str, Any] = {
-            **_me(),
-            "uid": os.getuid(),
-            "started": time.time(),
-            "per_node": True,
-            "holders": [],
-            "daemons": [],
-            "gpus": [g.uuid for g in gpus],
-        }
-        self._write(info)
-        try:
-            for gpu in gpus:
-                daemon = ControlDaemon(
-                    gpu_uuid=gpu.uuid,
-                    pipe_dir=dirs.pipe_dir(gpu.index),
-                    log_dir=dirs.log_dir(gpu.index),
-                    outlive_parent=True,
-                )
-                daemon.start(timeout=timeout)
-                assert daemon.pid is not None
-                info["daemons"].append(
-                    {
-                        "gpu": gpu.uuid,
-                        "pid": daemon.pid,
-                        "pipe_dir": str(daemon.pipe_dir),
-                        "log_dir": str(daemon.log_dir),
-                        "create_time": psutil.Process(daemon.pid).create_time(),
-                    }
-                )
-                self._write(info)
-                daemon.set_defaults(settings.get("thread_percentage"), settings.get("mem_limit"))
-                daemon.start_server(timeout=timeout)
-        except BaseException:
-            self._teardown(info)
-            raise
-        return info
-
-    def _teardown(self, info: Mapping[str, Any]) -> None:
-        for entry in info.get("daemons", []):
-            registry.stop_daemon(
-                registry.DaemonRecord(
-                    gpu=entry["gpu"],
-                    pid=entry["pid"],
-                    create_time=entry["create_time"],
-                    pipe_dir=Path(entry["pipe_dir"]),
-                    alive=True,
-                )
-            )
-        SessionDirs(root=self.root).remove()
-
-    def join(self, gpus: Sequence[gpu_info.GPU], settings: Mapping[str, Any], timeout: float) -> dict[str, Any]:
-        """Register this process; the first local rank starts the daemons (others wait on the lock)."""
-        validate_base(self.base)
-        make_user_root(self.base)  # 0700 and checked, before filelock would make it with default modes
-        try:
-            with self.lock.acquire(timeout=timeout):
-                info = self._read()
-                holders = [h for h in (info or {}).get("holders", []) if _alive(h)]
-                if info is None or not holders:
-                    info = self._start(gpus, settings, timeout)
-                    log.info("mpsrun: started this node's MPS daemons (%s)", self.root)
-                info["holders"] = [*holders, _me()]
-                self._write(info)
-                return info
-        except filelock.Timeout:
-            raise DaemonTimeoutError(f"--per-node: this node's session was not ready within {timeout:g} s") from None
-
-    def leave(self) -> bool:
-        """Unregister; the last live holder stops the daemons and removes everything. True if it did."""
-        with self.lock:
-            info = self._read() or {}
-            me = _me()
-            holders = [h for h in info.get("holders", []) if _alive(h) and h["pid"] != me["pid"]]
-            if holders:
-                info["holders"] = holders
-                self._write(info)
-                return False
-            self._teardown(info)
-            with contextlib.suppress(OSError):
-                os.unlink(self.lock.lock_file)  # nothing may be left behind on the node
-            return True
+            return connect(address), None
+        except OSError:
+            pass  # no keeper: ours to start
+        if (user_root(base) / name).exists():  # a keeper that died left it
+            registry.reap(user_root(base) / name, locked=True)
+        _start_keeper(base, name, config)
+        return connect(address), None
 
 
-def run_per_node(config: Any, environ: Mapping[str, str] | None = None) -> JobResult:
-    """Run ``config.command`` as this process's rank, sharing the node's MPS session."""
-    env = dict(os.environ if environ is None else environ)
-    find_control_executable()
-    visible = gpu_info.visible_gpus(env)
-    chosen = gpu_info.select_gpus(list(config.gpus) if config.gpus is not None else None, visible)
-    local, position = local_placement(env, len(chosen), config.map_by)
-    session = NodeSession(base_directory(env), job_key(env), env.get("MPSRUN_NODE_ID") or socket.gethostname())
-    percentage = config.thread_percentage
-    if percentage == "auto":  # 100 divided by the local ranks sharing each GPU, when the launcher says how many
-        size = mpi.first_int(env, _LOCAL_SIZE_VARIABLES)
-        percentage = max(1, 100 * len(chosen) // size) if size else None
-    elif not isinstance(percentage, int):
-        percentage = None
-    settings = {"thread_percentage": percentage, "mem_limit": config.mem_limit}
-    info = session.join(chosen, settings, timeout=60.0)
-    try:
-        daemon = info["daemons"][position]
-        rank_env = {
-            **env,
-            "CUDA_VISIBLE_DEVICES": daemon["gpu"],
-            "CUDA_MPS_PIPE_DIRECTORY": daemon["pipe_dir"],
-            "CUDA_MPS_LOG_DIRECTORY": daemon["log_dir"],
-            "MPSRUN_SESSION_DIR": str(session.root),
-            "LOCAL_RANK": str(local),
-        }
-        rank_env.update(client_variables(percentage, config.mem_limit, config.priority))
-        rank = int(env.get("SLURM_PROCID") or mpi.first_int(env, mpi.RANK_VARIABLES) or local)
-        rank_env.setdefault("RANK", str(rank))
-        supervisor = Supervisor(
-            [RankSpec(rank, list(config.command), rank_env)],
-            tag_output=config.tag_output,
-            grace=config.grace,
-            timeout=config.timeout,
-        )
-        watcher = ControlDaemon(
-            gpu_uuid=daemon["gpu"],
-            pipe_dir=Path(daemon["pipe_dir"]),
-            log_dir=Path(daemon["log_dir"]),
-            executable=find_control_executable(),
-        )
-        verified: set[int] = set()
+def run_per_node(config: JobConfig, environ: Mapping[str, str] | None = None) -> int:
+    """Run ``config.command`` as this process's rank, in the node's shared session; the rank's exit code."""
+    env = os.environ if environ is None else environ
+    identity: RankIdentity | None = identity_from_env(env)
+    if identity is None:
+        raise MPSError("--per-node: no local-rank variable from the launcher (OMPI_COMM_WORLD_LOCAL_RANK, "
+                       "MPI_LOCALRANKID, SLURM_LOCALID, ...): start mpsrun --per-node with srun or mpiexec")
+    if config.nranks is not None and identity.world_size is not None and config.nranks != identity.world_size:
+        raise ConfigError(f"--per-node: -np {config.nranks}, but the launcher started {identity.world_size} ranks",
+                          setting="-np", value=config.nranks)
+    if identity.world_size is None and config.nranks is not None:
+        identity = RankIdentity(identity.rank, identity.local_rank, config.nranks, identity.local_world_size)
+    base = base_directory(env)
+    validate_base(base)
+    name = node_session_name(env)
+    settings = " ".join(to_argv(config))
+    rank = identity.rank
 
-        def check() -> str | None:
-            pids = {p.pid for p in supervisor.procs.values()}
-            for proc in list(supervisor.procs.values()):
-                with contextlib.suppress(psutil.Error):
-                    pids.update(c.pid for c in psutil.Process(proc.pid).children(recursive=True))
-            with contextlib.suppress(MPSError):
-                clients, strays = watcher.judge_clients(pids)
-                verified.update(clients)
-                if strays:
-                    message = f"rank {rank} (pid {min(strays)}) uses GPU {position} without MPS"
-                    if config.mps == "on":
-                        return message
-                    log.warning(f"mpsrun: warning: {message}")
-            return None
+    def join(hello: Mapping[str, Any]) -> tuple[Link, dict[str, Any] | None]:
+        for _ in range(JOIN_ATTEMPTS):
+            link, _ = _join_node(base, name, config)
+            answer = greet(link, {**hello, "settings": settings})
+            if answer is not None:
+                return link, answer
+            link.close()
+        raise MPSError(f"--per-node: this node's session kept closing before rank {rank} could join")
 
-        supervisor.check = check
-        result = supervisor.run()
-        log.info(f"mpsrun: rank {rank} {'verified' if verified else 'not seen'} as an MPS client")
-        if result.exit_code != 0:
-            print(f"mpsrun: {result.message}", file=sys.stderr, flush=True)
-        return result
-    finally:
-        if session.leave():
-            log.info("mpsrun: last local rank out: stopped this node's MPS daemons")
+    return run_rank(config.command, identity, join, token=name)

@@ -1,119 +1,169 @@
-"""Rank placement: which GPU and which MPS limits each rank gets. Pure functions, no I/O.
+"""Placement: which GPU and limits each rank gets, and the one function that builds its environment.
 
-:func:`plan_ranks` is checked before anything starts; :func:`rank_environments` turns
-the plan plus each GPU's session variables into one environment dict per rank.
+Pure functions, no I/O. Every path (local ranks, ranks under mpiexec, per-node ranks,
+``mps_session().env()``) gets its variables from :func:`rank_environment`.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 
 from mpsrun.errors import ConfigError
-from mpsrun.limits import client_variables, parse_mem_limit, parse_priority, parse_thread_percentage
+from mpsrun.launchers import RankIdentity
+from mpsrun.limits import client_variables
+from mpsrun.options import JobConfig
 
-__all__ = ["MAP_POLICIES", "RankPlan", "parse_thread_spec", "plan_ranks", "rank_environments"]
+__all__ = [
+    "MANAGED_VARIABLES",
+    "GpuTarget",
+    "RankPlan",
+    "gpu_of_rank",
+    "plan_job",
+    "plan_rank",
+    "rank_environment",
+    "ranks_on_gpus",
+    "welcome",
+]
 
-MAP_POLICIES = ("block", "round-robin")
-ThreadSpec = None | str | int | Sequence[int]
+#: Variables mpsrun owns in a rank: a stale value from the caller's environment is never passed on.
+MANAGED_VARIABLES = (
+    "CUDA_MPS_PIPE_DIRECTORY",
+    "CUDA_MPS_LOG_DIRECTORY",
+    "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+    "CUDA_MPS_CLIENT_PRIORITY",
+    "MPSRUN_SESSION_DIR",
+)
+
+
+@attrs.frozen
+class GpuTarget:
+    """A GPU as a rank reaches it: its UUID and, under MPS, its daemon's directories."""
+
+    uuid: str
+    pipe_dir: str | None = None
+    log_dir: str | None = None
+    session_dir: str | None = None
 
 
 @attrs.frozen
 class RankPlan:
-    """Where one rank runs: its GPU (position in the session's GPU list) and its limits."""
+    """Where one rank runs: its GPU (position in the session's list) and its limits."""
 
     rank: int
     gpu: int
-    thread_percentage: int | None
-    mem_limit: str | None
-    priority: int | None
+    thread_percentage: int | None = None
+    mem_limit: str | None = None
+    priority: int | None = None
 
 
-def parse_thread_spec(text: str, setting: str = "--thread-percentage") -> ThreadSpec:
-    """``--thread-percentage`` text: ``auto``, ``P`` or ``P0,P1,...`` (one per rank)."""
-    text = text.strip()
-    if text.lower() == "auto":
-        return "auto"
-    parts = [part.strip() for part in text.split(",")]
-    values = [parse_thread_percentage(part, setting=setting) for part in parts]
-    return values[0] if len(values) == 1 else values
-
-
-def gpu_of_rank(rank: int, nranks: int, ngpus: int, policy: str) -> int:
-    """``block``: contiguous, even chunks of ranks per GPU; ``round-robin``: rank modulo GPUs."""
-    if policy == "block":
-        return rank * ngpus // nranks
-    return rank % ngpus
-
-
-def plan_ranks(
-    nranks: int,
-    ngpus: int,
-    policy: str = "block",
-    thread_percentage: ThreadSpec = None,
-    mem_limit: str | None = None,
-    priority: int | None = None,
-) -> list[RankPlan]:
-    """Place ``nranks`` ranks on ``ngpus`` GPUs; reject impossible requests with ConfigError.
-
-    ``thread_percentage`` is None (no cap), an int for every rank, ``"auto"`` (100 divided
-    by the number of ranks sharing that GPU) or a list with one value per rank.
-    """
-    if isinstance(nranks, bool) or not isinstance(nranks, int) or nranks < 1:
-        raise ConfigError(f"the number of ranks must be a positive integer, not {nranks!r}", setting="-np")
-    if ngpus < 1:
-        raise ConfigError("there is no GPU to place ranks on", setting="--gpus")
-    if policy not in MAP_POLICIES:
-        raise ConfigError(f"--map-by must be block or round-robin, not {policy!r}", setting="--map-by", value=policy)
-    gpus = [gpu_of_rank(rank, nranks, ngpus, policy) for rank in range(nranks)]
-    sharing = Counter(gpus)
-    if thread_percentage is None:
-        percentages: list[int | None] = [None] * nranks
-    elif thread_percentage == "auto":
-        percentages = [max(1, 100 // sharing[gpu]) for gpu in gpus]
-    elif isinstance(thread_percentage, (int, str)):
-        percentages = [parse_thread_percentage(thread_percentage, setting="--thread-percentage")] * nranks
-    else:
-        values = list(thread_percentage)
-        if len(values) != nranks:
-            raise ConfigError(
-                f"--thread-percentage lists {len(values)} values but there are {nranks} ranks; "
-                "give one value per rank, a single value, or auto",
-                setting="--thread-percentage",
-                value=values,
-            )
-        percentages = [parse_thread_percentage(v, setting="--thread-percentage") for v in values]
-    limit = None if mem_limit is None else parse_mem_limit(mem_limit, setting="--mem-limit")
-    level = None if priority is None else parse_priority(priority, setting="--priority")
-    return [
-        RankPlan(rank=rank, gpu=gpus[rank], thread_percentage=percentages[rank], mem_limit=limit, priority=level)
-        for rank in range(nranks)
-    ]
-
-
-def rank_environments(plan: Sequence[RankPlan], gpu_envs: Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
-    """One environment dict per rank: its GPU's session variables, its limits, its rank variables.
-
-    ``gpu_envs[i]`` holds GPU i's variables from the session (``CUDA_VISIBLE_DEVICES``
-    and, under MPS, the pipe and log directories); limits are set only under MPS.
-    """
-    world = len(plan)
-    local_world = str(world)  # one node: every rank is local
-    envs: list[dict[str, str]] = []
-    for entry in plan:
-        gpu_env = gpu_envs[entry.gpu]
-        env = dict(gpu_env)
-        if "CUDA_MPS_PIPE_DIRECTORY" in gpu_env:
-            env.update(client_variables(entry.thread_percentage, entry.mem_limit, entry.priority))
-        env.update(
-            RANK=str(entry.rank),
-            LOCAL_RANK=str(entry.rank),
-            WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=local_world,
-            MPSRUN_RANK=str(entry.rank),
-            MPSRUN_GPU=str(entry.gpu),
+def gpu_of_rank(local_rank: int, local_size: int | None, ngpus: int, policy: str) -> int:
+    """``block``: even runs of consecutive ranks per GPU; ``round-robin``: rank modulo GPUs."""
+    if ngpus == 1:
+        return 0
+    if policy == "round-robin":
+        return local_rank % ngpus
+    if local_size is None:
+        raise ConfigError(
+            "--map-by block needs the number of ranks on this node, and the launcher does not say it; "
+            "use --map-by round-robin",
+            setting="--map-by",
         )
-        envs.append(env)
-    return envs
+    return min(ngpus - 1, local_rank * ngpus // local_size)
+
+
+def _sharing(gpu: int, local_size: int | None, ngpus: int, policy: str) -> int:
+    if local_size is None:
+        raise ConfigError(
+            "--thread-percentage auto needs the number of ranks on this node, and the launcher does not say it; "
+            "give a percentage",
+            setting="--thread-percentage",
+        )
+    return sum(gpu_of_rank(r, local_size, ngpus, policy) == gpu for r in range(local_size))
+
+
+def _percentage(config: JobConfig, identity: RankIdentity, gpu: int, ngpus: int) -> int | None:
+    spec = config.thread_percentage
+    if spec is None or isinstance(spec, int):
+        return spec
+    if spec == "auto":
+        return max(1, 100 // _sharing(gpu, identity.local_world_size, ngpus, config.map_by))
+    assert isinstance(spec, tuple)
+    world = identity.world_size
+    if (world is not None and len(spec) != world) or identity.rank >= len(spec):
+        raise ConfigError(
+            f"--thread-percentage lists {len(spec)} values but there are {world if world else 'more'} ranks; "
+            "give one value per rank, a single value, or auto",
+            setting="--thread-percentage",
+            value=spec,
+        )
+    return spec[identity.rank]
+
+
+def plan_rank(identity: RankIdentity, ngpus: int, config: JobConfig) -> RankPlan:
+    """One rank's GPU and limits; raises ConfigError for what cannot be honoured."""
+    if ngpus < 1:
+        return RankPlan(identity.rank, 0, None, config.mem_limit, config.priority)
+    gpu = gpu_of_rank(identity.local_rank, identity.local_world_size, ngpus, config.map_by)
+    return RankPlan(identity.rank, gpu, _percentage(config, identity, gpu, ngpus), config.mem_limit, config.priority)
+
+
+def plan_job(nranks: int, ngpus: int, config: JobConfig) -> list[RankPlan]:
+    """Every rank of a one-node job (all ranks local), checked before anything starts."""
+    return [plan_rank(RankIdentity(r, r, nranks, nranks), ngpus, config) for r in range(nranks)]
+
+
+def rank_environment(
+    target: GpuTarget | None, plan: RankPlan | None, identity: RankIdentity | None = None
+) -> dict[str, str]:
+    """The variables mpsrun gives one rank or worker.
+
+    ``target`` is its GPU (None: no GPU known, e.g. no driver); its MPS limits apply only
+    when the GPU has a daemon; ``identity`` adds the rank variables (``RANK``,
+    ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` where known).
+    """
+    env: dict[str, str] = {}
+    if target is not None:
+        env["CUDA_VISIBLE_DEVICES"] = target.uuid
+        if target.pipe_dir is not None:
+            env["CUDA_MPS_PIPE_DIRECTORY"] = target.pipe_dir
+            env["CUDA_MPS_LOG_DIRECTORY"] = target.log_dir or target.pipe_dir
+            if target.session_dir is not None:
+                env["MPSRUN_SESSION_DIR"] = target.session_dir
+            if plan is not None:
+                env.update(client_variables(plan.thread_percentage, plan.mem_limit, plan.priority))
+    if identity is not None:
+        if plan is not None and target is not None:
+            env["MPSRUN_GPU"] = str(plan.gpu)
+        env.update(RANK=str(identity.rank), LOCAL_RANK=str(identity.local_rank), MPSRUN_RANK=str(identity.rank))
+        if identity.world_size is not None:
+            env["WORLD_SIZE"] = str(identity.world_size)
+        if identity.local_world_size is not None:
+            env["LOCAL_WORLD_SIZE"] = str(identity.local_world_size)
+    return env
+
+
+def ranks_on_gpus(plans: Sequence[RankPlan]) -> dict[int, int]:
+    """GPU position -> number of ranks placed on it."""
+    counts: dict[int, int] = {}
+    for plan in plans:
+        counts[plan.gpu] = counts.get(plan.gpu, 0) + 1
+    return counts
+
+
+def welcome(
+    identity: RankIdentity, config: JobConfig, ngpus: int, target_of: Callable[[int], GpuTarget | None],
+    output_lock: str | None = None,
+) -> dict[str, Any]:
+    """What a rank's supervisor is told when it says hello: the rank's variables and how to run it."""
+    plan = plan_rank(identity, ngpus, config)
+    return {
+        "env": rank_environment(target_of(plan.gpu) if ngpus else None, plan, identity),
+        "managed": list(MANAGED_VARIABLES),
+        "tag": config.tag_output,
+        "grace": config.grace,
+        "output_lock": output_lock,
+    }

@@ -1,10 +1,10 @@
-"""This user's sessions on this node: ``mpsrun status`` and ``mpsrun cleanup``.
+"""This user's sessions on this node: ``mpsrun status``, ``mpsrun cleanup``, and the reaper's work.
 
-Every session directory holds ``session.json``: the owning process (pid and start time)
-and each GPU's daemon (pid and start time). A session whose owner is gone is stale (its
-owner was SIGKILLed, or the node rebooted mid-job). Cleanup stops a stale session's
-daemons, identified by pid AND start time AND uid (never by name, never another user's),
-and removes the directory. A live session is left alone unless ``--force`` names it.
+Every session directory holds ``session.json`` (:mod:`mpsrun.records`): its owner, its
+daemons and its local ranks, each by pid and start time. A session whose owner is gone is
+stale. :func:`reap` ends what a stale session's record names (daemons by ``quit`` then by
+signals to their verified process group, rank process groups by SIGKILL) and removes the
+directory; never by name, never another user's.
 """
 
 from __future__ import annotations
@@ -15,59 +15,41 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import attrs
-import psutil
 
-from mpsrun.daemon import find_control_executable, parse_pid_list
-from mpsrun.errors import MPSUnavailableError
-from mpsrun.paths import base_directory, user_root
+from mpsrun.daemon import CONTROL_EXECUTABLE, ControlDaemon, find_control_executable
+from mpsrun.deadline import Deadline, poll_until
+from mpsrun.errors import DaemonError, MPSError, MPSUnavailableError
+from mpsrun.paths import base_directory, user_root, user_root_lock
+from mpsrun.records import RecordError, SessionRecord
 
-__all__ = ["DaemonRecord", "SessionRecord", "cleanup", "list_sessions", "main", "stop_daemon"]
+__all__ = ["SessionState", "cleanup", "list_sessions", "main", "reap"]
 
-#: A directory without session.json is a session still being made for this long.
-_GRACE_WITHOUT_INFO = 60.0
-
-
-def matching_process(pid: int | None, create_time: float | None) -> psutil.Process | None:
-    """The live, non-zombie process of ours with this pid and start time, if any."""
-    if not pid or create_time is None:
-        return None
-    try:
-        proc = psutil.Process(pid)
-        if abs(proc.create_time() - create_time) > 0.01 or proc.uids().real != os.getuid():
-            return None
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return proc
-    except psutil.Error:
-        return None
+#: A directory without a record is a session still being made for this long.
+_GRACE_WITHOUT_RECORD = 60.0
 
 
 @attrs.frozen
-class DaemonRecord:
-    gpu: str
-    pid: int
-    create_time: float
-    pipe_dir: Path
-    alive: bool
-
-
-@attrs.frozen
-class SessionRecord:
+class SessionState:
     root: Path
-    info: dict[str, Any]
-    owner_alive: bool
-    daemons: list[DaemonRecord]
+    record: SessionRecord | None
+    problem: str = ""  # why there is no record
 
     @property
     def session_id(self) -> str:
         return self.root.name
+
+    @property
+    def owner_alive(self) -> bool:
+        if self.record is None:
+            with contextlib.suppress(OSError):
+                return time.time() - self.root.stat().st_mtime < _GRACE_WITHOUT_RECORD  # still being made
+            return False
+        return self.record.owner.alive()
 
     @property
     def stale(self) -> bool:
@@ -75,35 +57,21 @@ class SessionRecord:
 
     @property
     def age(self) -> float:
-        return time.time() - float(self.info.get("started", self.root.stat().st_mtime))
+        if self.record is not None:
+            return time.time() - self.record.started
+        with contextlib.suppress(OSError):
+            return time.time() - self.root.stat().st_mtime
+        return 0.0
 
 
-def _read(root: Path) -> SessionRecord | None:
+def read_state(root: Path) -> SessionState:
     try:
-        info = json.loads((root / "session.json").read_text())
-    except (OSError, ValueError):
-        try:
-            young = time.time() - root.stat().st_mtime < _GRACE_WITHOUT_INFO
-        except OSError:
-            return None
-        return SessionRecord(root, {}, owner_alive=young, daemons=[])
-    owners = [(info.get("pid"), info.get("create_time"))]
-    owners += [(h.get("pid"), h.get("create_time")) for h in info.get("holders", [])]  # per-node sessions
-    owner = next((p for p in (matching_process(*o) for o in owners) if p is not None), None)
-    daemons = [
-        DaemonRecord(
-            gpu=d.get("gpu", "?"),
-            pid=int(d["pid"]),
-            create_time=float(d["create_time"]),
-            pipe_dir=Path(d["pipe_dir"]),
-            alive=matching_process(d["pid"], d["create_time"]) is not None,
-        )
-        for d in info.get("daemons", [])
-    ]
-    return SessionRecord(root, info, owner_alive=owner is not None, daemons=daemons)
+        return SessionState(root, SessionRecord.read(root / "session.json"))
+    except RecordError as exc:
+        return SessionState(root, None, str(exc))
 
 
-def list_sessions(base: Path | None = None) -> list[SessionRecord]:
+def list_sessions(base: Path | None = None) -> list[SessionState]:
     """This user's session directories under ``base`` (default: where new sessions go)."""
     root = user_root(base or base_directory())
     try:
@@ -112,84 +80,108 @@ def list_sessions(base: Path | None = None) -> list[SessionRecord]:
         entries = sorted(root.iterdir())
     except OSError:  # e.g. a base directory we may not enter: then we have no sessions there
         return []
-    records = [_read(entry) for entry in entries if entry.is_dir() and not entry.is_symlink()]
-    return [record for record in records if record is not None]
+    return [read_state(entry) for entry in entries if entry.is_dir() and not entry.is_symlink()]
 
 
-def stop_daemon(record: DaemonRecord, timeout: float = 5.0) -> None:
-    """Stop a daemon we did not start ourselves: quit, then its process group, verified by start time."""
-    proc = matching_process(record.pid, record.create_time)
-    if proc is None:
-        return
-    with contextlib.suppress(MPSUnavailableError, OSError, subprocess.TimeoutExpired):
-        subprocess.run(
-            [find_control_executable()],
-            input="quit\n",
-            env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(record.pipe_dir)},
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            proc.wait(timeout=timeout if sig == signal.SIGTERM else 0.1)
-            return
-        except psutil.TimeoutExpired:
-            pass
-        except psutil.NoSuchProcess:
-            return
-        if matching_process(record.pid, record.create_time) is None:
-            return
-        # The daemon leads its own process group (its servers are in it): verified above by start time.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(record.pid, sig)
-    with contextlib.suppress(psutil.Error):
-        proc.wait(timeout=timeout)
+def _stop_daemons(record: SessionRecord) -> int:
+    try:
+        executable = find_control_executable()
+    except MPSUnavailableError:
+        executable = CONTROL_EXECUTABLE
+    stopped = 0
+    for entry in record.daemons:
+        if entry.process.alive():
+            with contextlib.suppress(DaemonError):
+                ControlDaemon.attach(entry, executable).stop(timeout=5.0, grace=2.0)
+            stopped += 1
+    return stopped
 
 
-def cleanup(base: Path | None = None, force: Sequence[str] = (), dry_run: bool = False) -> list[tuple[str, str]]:
+def reap(root: Path, force: bool = False, keep_logs: bool | None = None, lock_timeout: float = 60.0,
+         locked: bool = False) -> str | None:
+    """End what a session whose owner is gone left behind, and remove it; what was done, or None.
+
+    A live owner's session is left alone unless ``force``. Runs under the user's lock (taken
+    here unless the caller holds it: ``locked``), so the reaper, ``cleanup``, node keepers
+    and new sessions never work on one directory at once.
+    """
+    lock = contextlib.nullcontext() if locked else user_root_lock(root.parent.parent, lock_timeout)
+    with lock:
+        if not root.is_dir() or root.is_symlink():
+            return None
+        state = read_state(root)
+        record = state.record
+        if not force and record is not None:
+            poll_until(lambda: (not record.owner.alive()) or None, Deadline(5.0))  # a dying owner
+        forced = state.owner_alive
+        if forced and not force:
+            return None
+        stopped = _stop_daemons(record) if record is not None else 0
+        for rank in record.ranks if record is not None else ():
+            rank.signal_group(signal.SIGKILL)
+        keep = record.keep_logs if keep_logs is None and record is not None else bool(keep_logs)
+        if not keep:
+            shutil.rmtree(root, ignore_errors=True)
+    owner = f"owner {record.owner.pid}" if record is not None else f"no record ({state.problem})"
+    return f"{'kept' if keep else 'removed'} ({'forced, ' if forced else ''}{owner}, {stopped} daemon(s) stopped)"
+
+
+def cleanup(base: Path | None = None, force: Sequence[str] = (), dry_run: bool = False,
+            lock_timeout: float = 60.0) -> list[tuple[str, str]]:
     """Stop and remove stale sessions (and those named in ``force``); return (session, what was done)."""
     done = []
-    for record in list_sessions(base):
-        forced = record.session_id in force
-        if not record.stale and not forced:
+    for state in list_sessions(base):
+        named = state.session_id in force
+        if not state.stale and not named:
             continue
-        action = "would remove" if dry_run else "removed"
-        alive = [d for d in record.daemons if d.alive]
-        if not dry_run:
-            for daemon in alive:
-                stop_daemon(daemon)
-            shutil.rmtree(record.root, ignore_errors=True)
-        what = f"{action} ({'forced, ' if forced and not record.stale else ''}owner "
-        what += f"{record.info.get('pid', '?')} {'alive' if record.owner_alive else 'gone'}"
-        what += f", {len(alive)} daemon(s) stopped)" if alive and not dry_run else ")"
-        done.append((record.session_id, what))
+        if dry_run:
+            done.append((state.session_id, "would remove"))
+            continue
+        what = reap(state.root, force=named, keep_logs=False, lock_timeout=lock_timeout)
+        if what is not None:
+            done.append((state.session_id, what))
     return done
-
-
-def _servers(daemon: DaemonRecord) -> str:
-    if not daemon.alive:
-        return "-"
-    try:
-        out = subprocess.run(
-            [find_control_executable()],
-            input="get_server_list\n",
-            env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(daemon.pipe_dir)},
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=False,
-        )
-    except (MPSUnavailableError, OSError, subprocess.TimeoutExpired):
-        return "?"
-    return ",".join(str(p) for p in parse_pid_list(out.stdout)) or "none"
 
 
 def _age(seconds: float) -> str:
     minutes, secs = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def _as_json(state: SessionState) -> dict[str, object]:
+    record = state.record
+    return {
+        "session": state.session_id,
+        "directory": str(state.root),
+        "kind": record.kind if record else None,
+        "owner_pid": record.owner.pid if record else None,
+        "owner_alive": state.owner_alive,
+        "age_s": round(state.age, 1),
+        "stale": state.stale,
+        "problem": state.problem or None,
+        "daemons": [{"gpu": d.gpu, "pid": d.process.pid, "alive": d.process.alive()} for d in record.daemons]
+        if record
+        else [],
+        "ranks": [r.pid for r in record.ranks if r.alive()] if record else [],
+    }
+
+
+def _print_status(states: Sequence[SessionState]) -> None:
+    if not states:
+        print("mpsrun status: no sessions")
+        return
+    print(f"{'SESSION':<11} {'KIND':<5} {'OWNER':<14} {'AGE':>7}  {'DAEMONS (pid state)':<28} DIRECTORY")
+    for state in states:
+        record = state.record
+        owner = f"{record.owner.pid} {'alive' if state.owner_alive else 'GONE'}" if record else "unreadable"
+        daemons = "; ".join(f"{d.process.pid} {'up' if d.process.alive() else 'gone'}" for d in record.daemons) \
+            if record else state.problem
+        kind = record.kind if record else "?"
+        print(f"{state.session_id:<11} {kind:<5} {owner:<14} {_age(state.age):>7}  {daemons or '-':<28} {state.root}")
+    stale = sum(state.stale for state in states)
+    if stale:
+        print(f"{stale} stale session(s): run `mpsrun cleanup`")
 
 
 def main(argv: Sequence[str], command: str) -> int:
@@ -200,53 +192,24 @@ def main(argv: Sequence[str], command: str) -> int:
         parser.add_argument("--json", action="store_true", help="print JSON")
     else:
         parser.description = "Stop and remove this user's stale sessions (owner gone); never another user's."
-        parser.add_argument(
-            "--force",
-            action="append",
-            default=[],
-            metavar="SESSION",
-            help="also stop and remove this live session (repeatable)",
-        )
+        parser.add_argument("--force", action="append", default=[], metavar="SESSION",
+                            help="also stop and remove this live session (repeatable)")
         parser.add_argument("--dry-run", action="store_true", help="say what would be done")
     args = parser.parse_args(argv)
     if command == "cleanup":
-        done = cleanup(args.tmpdir, args.force, args.dry_run)
+        try:
+            done = cleanup(args.tmpdir, args.force, args.dry_run)
+        except MPSError as exc:
+            print(f"mpsrun cleanup: error: {exc}")
+            return exc.exit_code
         for session, what in done:
             print(f"{session}: {what}")
         if not done:
             print("mpsrun cleanup: nothing to clean up")
         return 0
-    records = list_sessions(args.tmpdir)
+    states = list_sessions(args.tmpdir)
     if args.json:
-        print(
-            json.dumps(
-                [
-                    {
-                        "session": r.session_id,
-                        "directory": str(r.root),
-                        "owner_pid": r.info.get("pid"),
-                        "owner_alive": r.owner_alive,
-                        "age_s": round(r.age, 1),
-                        "stale": r.stale,
-                        "daemons": [
-                            {"gpu": d.gpu, "pid": d.pid, "alive": d.alive, "servers": _servers(d)} for d in r.daemons
-                        ],
-                    }
-                    for r in records
-                ],
-                indent=1,
-            )
-        )
-        return 0
-    if not records:
-        print("mpsrun status: no sessions")
-        return 0
-    print(f"{'SESSION':<11} {'OWNER':<14} {'AGE':>7}  {'DAEMONS (pid state servers)':<40} DIRECTORY")
-    for r in records:
-        owner = f"{r.info.get('pid', '?')} {'alive' if r.owner_alive else 'GONE'}"
-        daemons = "; ".join(f"{d.pid} {'up' if d.alive else 'gone'} {_servers(d)}" for d in r.daemons) or "-"
-        print(f"{r.session_id:<11} {owner:<14} {_age(r.age):>7}  {daemons:<40} {r.root}")
-    stale = sum(r.stale for r in records)
-    if stale:
-        print(f"{stale} stale session(s): run `mpsrun cleanup`")
+        print(json.dumps([_as_json(s) for s in states], indent=1))
+    else:
+        _print_status(states)
     return 0

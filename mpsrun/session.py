@@ -1,4 +1,10 @@
-"""``mps_session()``: a private MPS control daemon per GPU for the duration of a ``with`` block."""
+"""``mps_session()``: a private MPS control daemon per GPU for the duration of a ``with`` block.
+
+The same :class:`Session` is the one daemon life cycle of every path: the ``mpsrun``
+launcher and node keepers start one too. Starting makes the private directory, writes
+the typed record, starts the reaper, then the daemons; closing stops the daemons, tells
+the reaper, and removes the directory.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ import inspect
 import logging
 import os
 import sys
-import time
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -18,33 +24,42 @@ import psutil
 from mpsrun import gpus as gpu_info
 from mpsrun import registry
 from mpsrun.daemon import ControlDaemon, find_control_executable
-from mpsrun.errors import (
-    ConfigError,
-    DaemonError,
-    MPSError,
-    MPSUnavailableError,
-    NoDriverError,
-    NotMPSClientError,
-    TeardownError,
-)
+from mpsrun.errors import ConfigError, DaemonError, MPSError, MPSUnavailableError, NoDriverError, TeardownError
 from mpsrun.gpus import GPU
-from mpsrun.limits import client_variables, parse_mem_limit, parse_mps_mode, parse_priority, parse_thread_percentage
+from mpsrun.limits import parse_mem_limit, parse_mps_mode, parse_priority, parse_thread_percentage
 from mpsrun.paths import SessionDirs, base_directory, validate_base
+from mpsrun.placement import MANAGED_VARIABLES, GpuTarget, RankPlan, rank_environment
+from mpsrun.procs import ProcessRef
+from mpsrun.reaper import Reaper
+from mpsrun.records import SessionRecord
+from mpsrun.watch import ClientWatcher
 
 __all__ = ["Session", "mps_session"]
 
 log = logging.getLogger("mpsrun")
 
-#: Variables a session may set in a worker's environment.
-SESSION_VARIABLES = (
-    "CUDA_VISIBLE_DEVICES",
-    "CUDA_MPS_PIPE_DIRECTORY",
-    "CUDA_MPS_LOG_DIRECTORY",
-    "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
-    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
-    "CUDA_MPS_CLIENT_PRIORITY",
-    "MPSRUN_SESSION_DIR",
-)
+#: Variables a session may set in a worker's environment (restored on close when exported).
+SESSION_VARIABLES = ("CUDA_VISIBLE_DEVICES", *MANAGED_VARIABLES)
+
+
+def _requested_gpus(gpu: int | str | None, gpus: Sequence[int | str] | str | None) -> list[int | str] | None:
+    if gpu is not None and gpus is not None:
+        raise ConfigError("give gpu= or gpus=, not both", setting="gpus", value=(gpu, gpus))
+    if gpus == "all":
+        return None
+    if isinstance(gpus, str):
+        return [part.strip() for part in gpus.split(",") if part.strip()]
+    if gpus is not None:
+        if not list(gpus):
+            raise ConfigError("gpus= must name at least one GPU", setting="gpus", value=gpus)
+        return list(gpus)
+    return [0 if gpu is None else gpu]
+
+
+def _positive(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
+        raise ConfigError(f"{name} must be a positive number of seconds, not {value!r}", setting=name)
+    return float(value)
 
 
 class Session:
@@ -85,52 +100,30 @@ class Session:
         start_timeout: float = 30.0,
         stop_timeout: float = 10.0,
     ) -> None:
-        if gpu is not None and gpus is not None:
-            raise ConfigError("give gpu= or gpus=, not both", setting="gpus", value=(gpu, gpus))
-        if gpus == "all":
-            self._requested: list[int | str] | None = None
-        elif isinstance(gpus, str):
-            self._requested = [part.strip() for part in gpus.split(",") if part.strip()]
-        elif gpus is not None:
-            self._requested = list(gpus)
-            if not self._requested:
-                raise ConfigError("gpus= must name at least one GPU", setting="gpus", value=gpus)
-        else:
-            self._requested = [0 if gpu is None else gpu]
+        self._requested = _requested_gpus(gpu, gpus)
         self.mps = parse_mps_mode(mps)
         self.thread_percentage = None if thread_percentage is None else parse_thread_percentage(thread_percentage)
         self.mem_limit = None if mem_limit is None else parse_mem_limit(mem_limit)
         self.priority = None if priority is None else parse_priority(priority)
         self.base = Path(tmpdir) if tmpdir is not None else base_directory()
         validate_base(self.base)
-        for name, value in (("start_timeout", start_timeout), ("stop_timeout", stop_timeout)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"{name} must be a positive number of seconds, not {value!r}", setting=name)
+        self.start_timeout = _positive("start_timeout", start_timeout)
+        self.stop_timeout = _positive("stop_timeout", stop_timeout)
         self.keep_logs = bool(keep_logs)
         self.export = export
-        self.start_timeout = float(start_timeout)
-        self.stop_timeout = float(stop_timeout)
-
         self.gpus: list[GPU] = []
         self.daemons: list[ControlDaemon] = []
         self.dirs: SessionDirs | None = None
+        self.record: SessionRecord | None = None
         self.enabled = False
         self.disabled_reason: str | None = None
         self.teardown_errors: list[BaseException] = []
+        self._reaper: Reaper | None = None
         self._saved_env: dict[str, str | None] | None = None
         self._owner_pid: int | None = None
         self._state = "new"
 
     # -- starting -------------------------------------------------------------------------
-
-    def _find_gpus(self) -> list[GPU] | None:
-        """The session's GPUs, or None when there is no driver (reason in disabled_reason)."""
-        try:
-            visible = gpu_info.visible_gpus()
-        except NoDriverError as exc:
-            self.disabled_reason = exc.message
-            return None
-        return gpu_info.select_gpus(self._requested, visible)
 
     def resolve(self) -> Session:
         """Find the session's GPUs and decide whether MPS will run; starts nothing.
@@ -141,19 +134,20 @@ class Session:
         """
         if self._state != "new":
             return self
-        found = self._find_gpus()
-        self.gpus = found or []
+        try:
+            self.gpus = gpu_info.select_gpus(self._requested, gpu_info.visible_gpus())
+        except NoDriverError as exc:
+            self.disabled_reason = exc.message
         if self.mps == "off":
             self.disabled_reason = "MPS is off (mps='off')"
-        elif found is not None:
+        elif self.disabled_reason is None:
             try:
                 find_control_executable()
             except MPSUnavailableError as exc:
                 self.disabled_reason = exc.message
         if self.disabled_reason is not None and self.mps == "on":
             raise MPSUnavailableError(
-                f"MPS is required (mps='on') but unavailable: {self.disabled_reason}",
-                reason=self.disabled_reason,
+                f"MPS is required (mps='on') but unavailable: {self.disabled_reason}", reason=self.disabled_reason
             )
         if self.export is True and len(self.gpus) > 1:
             raise ConfigError(
@@ -165,13 +159,14 @@ class Session:
         self._state = "resolved"
         return self
 
-    def start(self, wait_active: bool = True) -> Session:
+    def start(self, wait_active: bool = True, kind: str = "api", name: str | None = None) -> Session:
         """Start the daemons and wait until each GPU's server is ACTIVE.
 
         ``wait_active=False`` returns once every daemon answers and has its settings, with
         the servers still starting (clients that connect meanwhile are queued by the
-        daemon); call :meth:`wait_active` before relying on them. The launcher does this
-        to start the ranks while the servers come up.
+        daemon); call :meth:`wait_active` before relying on them. The launcher (``kind``
+        ``"job"``) and node keepers (``"node"``, with a fixed ``name``) always get a
+        directory, for their control socket, even without MPS.
         """
         self.resolve()
         if self._state != "resolved":
@@ -179,12 +174,14 @@ class Session:
         self._state = "starting"
         self._owner_pid = os.getpid()
         try:
+            if self.disabled_reason is None or kind != "api":
+                self._make_directory(kind, name)
             if self.disabled_reason is None:
                 self._start_daemons(wait_active)
                 self.enabled = True
             else:
                 log.warning("mpsrun: running without MPS: %s", self.disabled_reason)
-            if self.export is not False and len(self.gpus) <= 1:
+            if self.export is not False and len(self.gpus) <= 1 and kind == "api":
                 self._export(self.env())
         except BaseException:
             self._state = "failed"
@@ -194,44 +191,41 @@ class Session:
         self._state = "running"
         return self
 
+    def _make_directory(self, kind: str, name: str | None) -> None:
+        with contextlib.suppress(Exception):  # best effort, never waiting: what a killed earlier run left
+            for session_id, what in registry.cleanup(self.base, lock_timeout=0):
+                log.info("mpsrun: stale session %s %s", session_id, what)
+        self.dirs = SessionDirs.create(self.base, [g.index for g in self.gpus], name=name)
+        self.record = SessionRecord.new(kind, gpus=tuple(g.uuid for g in self.gpus), argv=tuple(sys.argv),
+                                        keep_logs=self.keep_logs)
+        self.record.write(self.dirs.record_file)
+        self._reaper = Reaper(self.dirs.root)
+
+    def _start_daemons(self, wait_active: bool) -> None:
+        assert self.dirs is not None and self.record is not None
+        main_thread = threading.current_thread() is threading.main_thread()
+        for gpu in self.gpus:
+            daemon = ControlDaemon(gpu.uuid, self.dirs.pipe_dir(gpu.index), self.dirs.log_dir(gpu.index))
+            self.daemons.append(daemon)
+            daemon.start(timeout=self.start_timeout, parent_death=main_thread)
+            self._update(self.record.with_daemon(daemon.record()))  # before anything else can fail
+            daemon.set_defaults(self.thread_percentage, self.mem_limit)
+            daemon.start_server(timeout=self.start_timeout, wait=wait_active)
+
+    def _update(self, record: SessionRecord) -> None:
+        assert self.dirs is not None
+        self.record = record
+        record.write(self.dirs.record_file)
+
+    def add_rank(self, rank: ProcessRef) -> None:
+        """Record a local rank's process group, so a reaper can end it if we die."""
+        if self.record is not None and self._state == "running":
+            self._update(self.record.with_rank(rank))
+
     def wait_active(self) -> None:
         """Wait (with ``start_timeout``) until every server of the session is ACTIVE."""
         for daemon in self.daemons:
             daemon.wait_active(timeout=self.start_timeout)
-
-    def _start_daemons(self, wait_active: bool) -> None:
-        with contextlib.suppress(Exception):  # best effort: what a killed earlier run left behind
-            for session_id, what in registry.cleanup(self.base):
-                log.info("mpsrun: stale session %s %s", session_id, what)
-        self.dirs = SessionDirs.create(self.base, [g.index for g in self.gpus])
-        info: dict[str, Any] = {
-            "pid": os.getpid(),
-            "create_time": psutil.Process().create_time(),
-            "uid": os.getuid(),
-            "started": time.time(),
-            "gpus": [g.uuid for g in self.gpus],
-            "argv": sys.argv,
-            "daemons": [],
-        }
-        self.dirs.write_info(info)
-        for gpu in self.gpus:
-            daemon = ControlDaemon(
-                gpu_uuid=gpu.uuid, pipe_dir=self.dirs.pipe_dir(gpu.index), log_dir=self.dirs.log_dir(gpu.index)
-            )
-            self.daemons.append(daemon)
-            daemon.start(timeout=self.start_timeout)
-            assert daemon.pid is not None
-            info["daemons"].append(
-                {
-                    "gpu": gpu.uuid,
-                    "pid": daemon.pid,
-                    "create_time": psutil.Process(daemon.pid).create_time(),
-                    "pipe_dir": str(daemon.pipe_dir),
-                }
-            )
-            self.dirs.write_info(info)  # so `mpsrun cleanup` can stop it if we die
-            daemon.set_defaults(self.thread_percentage, self.mem_limit)
-            daemon.start_server(timeout=self.start_timeout, wait=wait_active)
 
     def _export(self, env: Mapping[str, str]) -> None:
         self._saved_env = {name: os.environ.get(name) for name in SESSION_VARIABLES}
@@ -252,21 +246,22 @@ class Session:
             raise ConfigError(f"rank must be a non-negative integer, not {rank!r}", setting="rank", value=rank)
         return rank % len(self.gpus)
 
+    def target(self, position: int) -> GpuTarget:
+        """How a worker reaches the session's GPU at ``position``: its UUID and, under MPS, its daemon."""
+        gpu = self.gpus[position]
+        if not self.enabled:
+            return GpuTarget(gpu.uuid)
+        assert self.dirs is not None
+        daemon = self.daemons[position]
+        return GpuTarget(gpu.uuid, str(daemon.pipe_dir), str(daemon.log_dir), str(self.dirs.root))
+
     def env(self, rank: int | None = None) -> dict[str, str]:
         """Variables a worker needs to use this session (GPU ``rank % len(gpus)``)."""
         if not self.gpus:
             return {}
         position = self._gpu_position(rank)
-        env = {"CUDA_VISIBLE_DEVICES": self.gpus[position].uuid}
-        if not self.enabled:
-            return env
-        assert self.dirs is not None
-        daemon = self.daemons[position]
-        env["CUDA_MPS_PIPE_DIRECTORY"] = str(daemon.pipe_dir)
-        env["CUDA_MPS_LOG_DIRECTORY"] = str(daemon.log_dir)
-        env["MPSRUN_SESSION_DIR"] = str(self.dirs.root)
-        env.update(client_variables(self.thread_percentage, self.mem_limit, self.priority))
-        return env
+        plan = RankPlan(0, position, self.thread_percentage, self.mem_limit, self.priority)
+        return rank_environment(self.target(position), plan)
 
     def clients(self) -> set[int]:
         """PIDs connected as clients to any of this session's servers."""
@@ -306,20 +301,7 @@ class Session:
             return []
         if pids is None:
             pids = [child.pid for child in psutil.Process().children(recursive=True)]
-        wanted = set(pids)
-        verified: list[int] = []
-        for gpu, daemon in zip(self.gpus, self.daemons, strict=True):
-            clients, missed = daemon.judge_clients(wanted)
-            strays = sorted(missed)
-            if strays:
-                raise NotMPSClientError(
-                    f"process(es) {strays} use GPU {gpu.index} ({gpu.uuid}) without MPS: they are not clients "
-                    f"of this session's server (check CUDA_MPS_PIPE_DIRECTORY={daemon.pipe_dir})",
-                    pids=strays,
-                    gpu=gpu.uuid,
-                )
-            verified.extend(sorted(clients))
-        return verified
+        return ClientWatcher(self.gpus, self.daemons).verify(pids)
 
     def status(self) -> dict[str, Any]:
         """A snapshot: directories, and per GPU the daemon, its servers and clients."""
@@ -330,18 +312,15 @@ class Session:
             "directory": str(self.dirs.root) if self.dirs else None,
             "gpus": [],
         }
-        for gpu, daemon in zip(self.gpus, self.daemons, strict=True):
+        for gpu, daemon in zip(self.gpus, self.daemons, strict=False):
             entry: dict[str, Any] = {"index": gpu.index, "uuid": gpu.uuid, "daemon_pid": daemon.pid}
             entry["daemon_alive"] = daemon.alive
-            servers: dict[int, str] = {}
-            clients: dict[int, list[int]] = {}
+            entry["servers"], entry["clients"] = {}, {}
             if daemon.alive:
                 with contextlib.suppress(DaemonError):
                     for server in daemon.server_list():
-                        servers[server] = daemon.server_status(server).value
-                        clients[server] = daemon.client_list(server)
-            entry["servers"] = servers
-            entry["clients"] = clients
+                        entry["servers"][server] = daemon.server_status(server).value
+                        entry["clients"][server] = daemon.client_list(server)
             report["gpus"].append(entry)
         return report
 
@@ -369,6 +348,9 @@ class Session:
                     self.dirs.remove()
                 except OSError as exc:
                     errors.append(exc)
+        if self._reaper is not None:
+            self._reaper.release()
+            self._reaper = None
         return errors
 
     def close(self) -> None:

@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mpsrun.cli import build_parser, main, parse_args, split_argv
+from mpsrun.cli import main
 from mpsrun.errors import ConfigError
+from mpsrun.options import JobConfig, build_parser, options, parse_args, split_argv, to_argv
 
 
 @pytest.mark.parametrize(
@@ -30,7 +31,7 @@ def test_options_end_at_first_command_word(argv, options, command):
 
 def test_full_parse_builds_config():
     """Every option lands in the job configuration with its parsed type."""
-    config, _ = parse_args(
+    config = parse_args(
         ["-np", "4", "--gpus", "0,GPU-ab", "--map-by", "round-robin", "--thread-percentage", "10,20,30,40",
          "--mem-limit", "1.5G", "--priority", "1", "--mps", "on", "--launcher", "local", "--mpiexec-arg",
          "--bind-to=none", "--mpiexec-arg=-x", "--tag-output", "--timeout", "30", "--grace", "0", "--keep-logs",
@@ -39,7 +40,7 @@ def test_full_parse_builds_config():
     )
     assert config.command == ("python", "x.py") and config.nranks == 4
     assert config.gpus == (0, "GPU-ab") and config.map_by == "round-robin"
-    assert config.thread_percentage == [10, 20, 30, 40] and config.mem_limit == "1536M"
+    assert config.thread_percentage == (10, 20, 30, 40) and config.mem_limit == "1536M"
     assert config.priority == 1 and config.mps == "on" and config.launcher == "local"
     assert config.mpiexec_args == ("--bind-to=none", "-x")
     assert config.tag_output and config.timeout == 30.0 and config.grace == 0.0 and config.keep_logs
@@ -47,7 +48,7 @@ def test_full_parse_builds_config():
 
 def test_module_form_runs_python_m():
     """-m MODULE becomes `python -m MODULE args` with this interpreter."""
-    config, _ = parse_args(["-m", "pkg.mod", "--flag"], environ={})
+    config = parse_args(["-m", "pkg.mod", "--flag"], environ={})
     assert config.command == (sys.executable, "-m", "pkg.mod", "--flag")
 
 
@@ -55,10 +56,10 @@ def test_environment_fallbacks_and_precedence():
     """MPSRUN_<NAME> variables set options; the command line wins over them."""
     env = {"MPSRUN_NP": "3", "MPSRUN_THREAD_PERCENTAGE": "auto", "MPSRUN_TAG_OUTPUT": "yes",
            "MPSRUN_MPIEXEC_ARG": "--bind-to none", "MPSRUN_MPS": "off", "MPSRUN_TIMEOUT": "9"}
-    config, _ = parse_args(["python"], environ=env)
+    config = parse_args(["python"], environ=env)
     assert (config.nranks, config.thread_percentage, config.tag_output) == (3, "auto", True)
     assert config.mpiexec_args == ("--bind-to", "none") and config.mps == "off" and config.timeout == 9.0
-    config, _ = parse_args(["-np", "5", "--mps", "on", "python"], environ=env)
+    config = parse_args(["-np", "5", "--mps", "on", "python"], environ=env)
     assert config.nranks == 5 and config.mps == "on"
 
 
@@ -74,21 +75,24 @@ def test_bad_environment_values_are_usage_errors(env, message):
 
 
 BAD_COMMAND_LINES = [
-    (["-np", "0", "python"], "must be a positive integer"),
-    (["-np", "-1", "python"], "must be a positive integer"),
-    (["-np", "abc", "python"], "must be a positive integer"),
+    (["-np", "0", "python"], "must be a whole number from 1"),
+    (["-np", "-1", "python"], "must be a whole number from 1"),
+    (["-np", "abc", "python"], "must be a whole number from 1"),
+    (["-np", "99999999999999999999", "python"], "must be a whole number from 1"),
     (["-np", "2"], "no command given"),
     (["--frobnicate", "python"], "unrecognized arguments: --frobnicate"),
-    (["--thread-percentage", "0", "python"], "--thread-percentage: value must be an integer from 1 to 100"),
-    (["--thread-percentage", "101", "python"], "--thread-percentage: value must be an integer from 1 to 100"),
-    (["--thread-percentage", "abc", "python"], "--thread-percentage: value must be an integer from 1 to 100"),
+    (["--thread-percentage", "0", "python"], "--thread-percentage: value must be a whole number from 1 to 100"),
+    (["--thread-percentage", "101", "python"], "--thread-percentage: value must be a whole number from 1 to 100"),
+    (["--thread-percentage", "abc", "python"], "--thread-percentage: value must be a whole number from 1 to 100"),
     (["--mem-limit", "12Q", "python"], "--mem-limit: value must be a size"),
     (["--timeout", "-5", "python"], "positive number of seconds"),
     (["--timeout", "nan", "python"], "positive number of seconds"),
-    (["--grace", "-1", "python"], "positive number of seconds"),
+    (["--grace", "-1", "python"], "must be a number of seconds"),
     (["--priority", "2", "python"], "--priority: value must be 0"),
-    (["--gpus", "zero", "python"], "not a GPU index"),
+    (["--gpus", "zero", "python"], "GPU indices or GPU- UUIDs"),
     (["--gpus", "0,,1", "python"], "comma-separated"),
+    (["--gpus", "GPU-", "python"], "GPU indices or GPU- UUIDs"),
+    (["--hosts", ",,,", "python"], "must name at least one host"),
     (["--map-by", "socket", "python"], "invalid choice"),
     (["--mps", "maybe", "python"], "invalid choice"),
     (["-v", "-q", "python"], "cannot be used together"),
@@ -109,7 +113,8 @@ def test_help_and_version(capsys):
     """--help shows the worked examples and the exit codes; --version the version; no args is a usage error."""
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert "mpsrun -np 4 python sim.py" in out and "exit status:" in out and "124" in out
+    assert "mpsrun -np 4 python sim.py" in out and "exit status" in out and "124" in out
+    assert "%%" not in out and "25% of the SMs" in out
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.startswith("mpsrun ")
     assert main([]) == 2
@@ -124,13 +129,13 @@ _WORDS = st.sampled_from(["-np", "-n", "--gpus", "--map-by", "--thread-percentag
 def test_parser_only_ever_gives_a_config_or_a_usage_error(argv):
     """Whatever the command line, parsing gives a JobConfig or a ConfigError (exit 2), never a crash."""
     try:
-        config, _ = parse_args(argv, environ={})
+        config = parse_args(argv, environ={})
     except ConfigError:
         return
     except SystemExit as exc:  # -h/--help or --version somewhere in the options
         assert exc.code == 0
         return
-    assert config.command and config.nranks >= 1
+    assert config.command and config.ranks >= 1
 
 
 @given(st.lists(st.one_of(_WORDS, st.text(max_size=12)), max_size=10))
@@ -142,10 +147,35 @@ def test_split_leaves_the_command_untouched(argv):
 
 
 def test_mpiexec_command_per_flavour():
-    """Open MPI as root gets --allow-run-as-root, more ranks than cores --oversubscribe; tags per flavour."""
+    """Open MPI as root gets --allow-run-as-root, more ranks than cores --oversubscribe, -x per exported variable."""
     from mpsrun.mpi import mpiexec_command
 
-    argv = mpiexec_command("mpiexec", "openmpi", 8, ["prog"], ["-x", "A"], as_root=True, cores=4, tag_output=True)
-    assert argv == ["mpiexec", "-n", "8", "--allow-run-as-root", "--oversubscribe", "--tag-output", "-x", "A", "prog"]
-    assert mpiexec_command("mpiexec", "mpich", 2, ["prog"], as_root=True, cores=4, tag_output=True) == [
-        "mpiexec", "-n", "2", "-prepend-rank", "prog"]
+    argv = mpiexec_command("mpiexec", "openmpi", 8, ["prog"], ["-x", "A"], as_root=True, cores=4, export=["B"])
+    assert argv == ["mpiexec", "-n", "8", "--allow-run-as-root", "--oversubscribe", "-x", "B", "-x", "A", "prog"]
+    assert mpiexec_command("mpiexec", "mpich", 2, ["prog"], as_root=True, cores=4, export=["B"]) == [
+        "mpiexec", "-n", "2", "prog"]
+
+
+def test_every_option_is_declared_once_with_its_variable():
+    """Each option's MPSRUN_ variable comes from its last spelling, and the parser knows every declared flag."""
+    declared = options()
+    assert declared["nranks"].variable == "MPSRUN_NP" and declared["mpiexec_args"].variable == "MPSRUN_MPIEXEC_ARG"
+    flags = {flag for action in build_parser()._actions for flag in action.option_strings}
+    assert all(set(spec.flags) <= flags for spec in declared.values())
+
+
+def test_forwarded_options_round_trip():
+    """What is passed on to per-node ranks parses back to the same job settings (the launcher's own are dropped)."""
+    config = parse_args(["-np", "4", "--gpus", "0,GPU-ab", "--thread-percentage", "10,20,30,40", "--mem-limit", "2G",
+                         "--grace", "0", "--tag-output", "--mps", "on", "--launcher", "mpiexec", "-v", "prog"],
+                        environ={})
+    again = parse_args([*to_argv(config), "prog"], environ={})
+    assert again == JobConfig(command=("prog",), nranks=4, gpus=(0, "GPU-ab"), thread_percentage=(10, 20, 30, 40),
+                              mem_limit="2G", grace=0.0, tag_output=True, mps="on", verbose=True)
+
+
+def test_command_line_wins_over_a_bad_variable():
+    """A malformed MPSRUN_NP does not fail a command line that sets -np (the command line wins)."""
+    assert parse_args(["-np", "3", "prog"], environ={"MPSRUN_NP": "abc"}).nranks == 3
+    with pytest.raises(ConfigError, match="MPSRUN_MPIEXEC_ARG"):
+        parse_args(["prog"], environ={"MPSRUN_MPIEXEC_ARG": "--foo 'bar"})

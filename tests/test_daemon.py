@@ -9,8 +9,9 @@ import time
 import psutil
 import pytest
 
-from mpsrun.daemon import ControlDaemon, ServerStatus
+from mpsrun.daemon import ControlDaemon
 from mpsrun.errors import DaemonError, DaemonStartError, DaemonTimeoutError
+from mpsrun.mpslog import ServerStatus
 from mpsrun.paths import SessionDirs
 
 

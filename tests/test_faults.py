@@ -23,6 +23,8 @@ from conftest import FAKE_MPS, FAKECUDA
 
 from mpsrun import UnsafeDirectoryError, mps_session
 from mpsrun.paths import SessionDirs
+from mpsrun.procs import ProcessRef
+from mpsrun.records import DaemonRecord, SessionRecord
 
 
 def mpsrun(*args, timeout=60, **kwargs):
@@ -59,27 +61,24 @@ def test_fatal_gpu_fault_reports_the_torn_down_ranks(fake_gpu):
     assert "rank(s) 0-2 were torn down by the MPS server after the fatal GPU fault" in out.stderr
 
 
-def test_mpsrun_sigkilled_takes_daemon_and_ranks_with_it_and_cleanup_removes_the_rest(fake_gpu, short_tmp):
-    """SIGKILL to mpsrun: the daemon and ranks die with it (parent-death signal); status shows the stale
-    session and cleanup removes it."""
-    job = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "local",
+def test_mpsrun_sigkilled_leaves_nothing_behind(fake_gpu, short_tmp):
+    """SIGKILL to mpsrun: the daemon dies with it (parent-death signal), the rank supervisors stop their ranks
+    (their controller is gone), and the session's reaper removes the directory: nothing is left, no cleanup needed."""
+    job = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "local", "--grace", "1",
                             *fake_rank("--report-dir", str(short_tmp), "--hold", "60")], stderr=subprocess.DEVNULL)
     wait_for(lambda: len(list(short_tmp.glob("*.json"))) == 2)
     [root] = fake_gpu.session_dirs()
-    daemon_pid = json.loads((root / "session.json").read_text())["daemons"][0]["pid"]
+    daemon_pid = json.loads((root / "session.json").read_text())["daemons"][0]["process"]["pid"]
     job.kill()
     job.wait()
     wait_for(lambda: not psutil.pid_exists(daemon_pid) or psutil.Process(daemon_pid).status() == "zombie")
     wait_for(lambda: not fake_gpu.orphans())
-    status = json.loads(mpsrun("status", "--json").stdout)
-    assert [(s["session"], s["stale"]) for s in status] == [(root.name, True)]
-    out = mpsrun("cleanup")
-    assert out.returncode == 0 and f"{root.name}: removed" in out.stdout
-    assert not root.exists()
+    wait_for(lambda: not root.exists())
+    assert json.loads(mpsrun("status", "--json").stdout) == []
 
 
 def _orphan_session(fake_gpu):
-    """A session whose owner is gone but whose daemon still runs (it lost its parent-death signal)."""
+    """A session whose owner is gone but whose daemon still runs (no parent-death signal, no reaper)."""
     dirs = SessionDirs.create(fake_gpu.tmpdir, [0])
     env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(dirs.pipe_dir(0)), "CUDA_VISIBLE_DEVICES": fake_gpu.uuids[0]}
     log = open(dirs.control_log(0), "wb")
@@ -89,10 +88,9 @@ def _orphan_session(fake_gpu):
     wait_for(lambda: (dirs.pipe_dir(0) / "control").exists())
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    dirs.write_info({"pid": gone.pid, "create_time": 1.0, "uid": os.getuid(), "started": time.time(),
-                     "daemons": [{"gpu": fake_gpu.uuids[0], "pid": daemon.pid,
-                                  "create_time": psutil.Process(daemon.pid).create_time(),
-                                  "pipe_dir": str(dirs.pipe_dir(0))}]})
+    SessionRecord(kind="job", owner=ProcessRef(gone.pid, 1), uid=os.getuid(), started=time.time(),
+                  daemons=(DaemonRecord(fake_gpu.uuids[0], ProcessRef.of(daemon.pid), str(dirs.pipe_dir(0)),
+                                        str(dirs.log_dir(0))),)).write(dirs.record_file)
     return dirs, daemon
 
 
@@ -136,7 +134,7 @@ def test_daemon_killed_under_a_running_job(fake_gpu, short_tmp):
                            stderr=subprocess.PIPE, text=True)
     wait_for(lambda: len(list(short_tmp.glob("*.json"))) == 2)
     [root] = fake_gpu.session_dirs()
-    daemon_pid = json.loads((root / "session.json").read_text())["daemons"][0]["pid"]
+    daemon_pid = json.loads((root / "session.json").read_text())["daemons"][0]["process"]["pid"]
     os.killpg(daemon_pid, signal.SIGKILL)
     _, err = job.communicate(timeout=60)
     assert job.returncode != 0

@@ -5,19 +5,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mpsrun.errors import ConfigError
-from mpsrun.limits import parse_mem_limit, parse_mps_mode, parse_priority, parse_thread_percentage
+from mpsrun.limits import parse_mem_limit, parse_mps_mode, parse_priority, parse_thread_percentage, parse_thread_spec
 
 
-@pytest.mark.parametrize(("value", "expected"), [(1, 1), (100, 100), ("25", 25), (" 50 ", 50), (50.0, 50)])
+@pytest.mark.parametrize(("value", "expected"), [(1, 1), (100, 100), ("25", 25), (" 50 ", 50)])
 def test_thread_percentage_accepts_whole_numbers_1_to_100(value, expected):
     """Integers (or integer strings) from 1 to 100 are accepted as ints."""
     assert parse_thread_percentage(value) == expected
 
 
-@pytest.mark.parametrize("value", [0, 101, -5, "abc", "", 12.5, None, True, "1e3"])
+@pytest.mark.parametrize("value", [0, 101, -5, "abc", "", 12.5, 50.0, None, True, "1e2", "\u0663", "+5"])
 def test_thread_percentage_rejects_everything_else(value):
-    """Out-of-range, fractional, boolean and non-numeric values raise ConfigError naming the setting."""
-    with pytest.raises(ConfigError, match="thread_percentage must be an integer from 1 to 100") as info:
+    """Out-of-range, fractional, float, boolean, non-ASCII and non-numeric values raise ConfigError naming the setting."""
+    with pytest.raises(ConfigError, match="thread_percentage must be a whole number from 1 to 100") as info:
         parse_thread_percentage(value)
     assert isinstance(info.value, ValueError)
     assert info.value.setting == "thread_percentage"
@@ -33,7 +33,8 @@ def test_mem_limit_normalises_to_the_form_mps_takes(value, expected):
     assert parse_mem_limit(value) == expected
 
 
-@pytest.mark.parametrize("value", ["12Q", "", "G", "-1G", "0M", "100", "1.5", None, True, 3.5, "4 G B"])
+@pytest.mark.parametrize("value", ["12Q", "", "G", "-1G", "0M", "100", "1.5", None, True, 3.5, "4 G B",
+                                   "99999999999999999999999T"])
 def test_mem_limit_rejects_malformed_sizes(value):
     """Unknown units, missing numbers, sizes under 1M and non-strings raise ConfigError."""
     with pytest.raises(ConfigError, match="mem_limit"):
@@ -76,3 +77,13 @@ def test_priority_and_mode():
     for bad in ("yes", 1, None):
         with pytest.raises(ConfigError, match="mps must be one of"):
             parse_mps_mode(bad)
+
+
+def test_thread_spec_text_and_values():
+    """--thread-percentage: auto, one value, or one per rank (text or Python values), validated once into a type."""
+    assert parse_thread_spec("AUTO") == "auto" and parse_thread_spec("25") == 25
+    assert parse_thread_spec("10, 20") == (10, 20) and parse_thread_spec([10, 20]) == (10, 20)
+    assert parse_thread_spec(None) is None
+    for bad in ("10,x", "10,,20", [], "0"):
+        with pytest.raises(ConfigError):
+            parse_thread_spec(bad)

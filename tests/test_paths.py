@@ -25,8 +25,7 @@ def test_create_makes_private_per_gpu_dirs_and_remove_deletes_them(short_tmp):
     for index in (0, 3):
         assert dirs.pipe_dir(index).is_dir() and dirs.log_dir(index).is_dir()
         assert len(os.fsencode(dirs.pipe_dir(index) / "control_privileged")) <= SOCKET_PATH_MAX
-    dirs.write_info({"pid": 1})
-    assert dirs.info_file.read_text().startswith("{")
+    assert dirs.record_file.parent == dirs.root and dirs.control_socket.parent == dirs.root
     other = SessionDirs.create(short_tmp, [0])
     assert other.root != dirs.root
     dirs.remove()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import FAKECUDA
 
-from mpsrun.pernode import job_key, local_placement
+from mpsrun.launchers import RankIdentity, identity_from_env, job_key, slurm_tasks_on_node
 
 
 def start_rank(node_dir, node, local, global_rank, per_node, *args, job="77"):
@@ -40,15 +40,19 @@ def leftovers(path):
     return sorted(p.name for p in root.iterdir()) if root.exists() else []
 
 
-def test_job_key_and_local_placement():
-    """The job key comes from Slurm, else the MPI launcher; local ranks map to GPUs by block or round-robin."""
+def test_job_key_and_identity_from_launcher_variables():
+    """The job key comes from Slurm, else the MPI job, else the launcher process; a rank's place comes from the
+    launcher's variables (Slurm's compressed task counts included)."""
     assert job_key({"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "2"}) == "slurm-5.2"
     assert job_key({"PMIX_NAMESPACE": "ns"}) == "PMIX_NAMESPACE-ns"
+    assert job_key({"MPSRUN_JOB_ID": "abc"}) == "MPSRUN_JOB_ID-abc"
     assert job_key({}).startswith("ppid-")
-    assert local_placement({"SLURM_LOCALID": "3", "SLURM_NTASKS_PER_NODE": "4"}, 2, "block") == (3, 1)
-    assert local_placement({"OMPI_COMM_WORLD_LOCAL_RANK": "3"}, 2, "block") == (3, 1)  # size unknown: round-robin
-    with pytest.raises(Exception, match="no local-rank variable"):
-        local_placement({}, 1, "block")
+    assert identity_from_env({"SLURM_LOCALID": "3", "SLURM_PROCID": "7", "SLURM_NTASKS": "8",
+                              "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_NODEID": "1"}) == RankIdentity(7, 3, 8, 4)
+    assert identity_from_env({"MPI_LOCALRANKID": "1", "PMI_RANK": "1", "PMI_SIZE": "3", "MPI_LOCALNRANKS": "3"}) == \
+        RankIdentity(1, 1, 3, 3)
+    assert slurm_tasks_on_node({"SLURM_TASKS_PER_NODE": "3,2(x2)", "SLURM_NODEID": "2"}) == 2
+    assert identity_from_env({"PMI_RANK": "0"}) is None
 
 
 def test_two_nodes_one_daemon_each_and_teardown_after_the_last_rank(fake_gpu, short_tmp):
@@ -71,19 +75,21 @@ def test_two_nodes_one_daemon_each_and_teardown_after_the_last_rank(fake_gpu, sh
     assert leftovers(dirs["A"]) == [] and leftovers(dirs["B"]) == []
 
 
-def test_a_killed_rank_still_releases_its_reference(fake_gpu, short_tmp):
-    """A local rank whose mpsrun is SIGKILLed is pruned (pid and start time): the last live rank tears down."""
+def test_a_killed_rank_supervisor_stops_the_node_and_leaves_nothing(fake_gpu, short_tmp):
+    """A local rank whose mpsrun --per-node is SIGKILLed is noticed by the node keeper (its connection drops):
+    the other local rank is stopped (137, the summary names rank 0), and the daemon and directory are gone."""
     [node] = node_dirs(fake_gpu, ["A"]).values()
     first = start_rank(node, "A", 0, 0, 2, "--report-dir", str(short_tmp), "--hold", "30")
-    second = start_rank(node, "A", 1, 1, 2, "--report-dir", str(short_tmp), "--hold", "3")
+    second = start_rank(node, "A", 1, 1, 2, "--report-dir", str(short_tmp), "--hold", "30")
     deadline = time.monotonic() + 30
     while len(list(short_tmp.glob("*.json"))) < 2:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     first.send_signal(signal.SIGKILL)
     first.communicate(timeout=30)
-    assert second.wait(timeout=60) == 0, second.stderr.read()
-    second.stderr.close()
+    _, err = second.communicate(timeout=60)
+    assert second.returncode == 137, err
+    assert "rank 0 (pid" in err and "ended without reporting" in err
     assert leftovers(node) == []
 
 

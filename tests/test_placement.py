@@ -1,12 +1,17 @@
-"""Unit tests: rank placement and per-rank environments (pure functions)."""
+"""Unit tests: rank placement and the one function that builds a rank's environment (pure functions)."""
 
 import pytest
 
 from mpsrun.errors import ConfigError
-from mpsrun.placement import parse_thread_spec, plan_ranks, rank_environments
+from mpsrun.launchers import RankIdentity
+from mpsrun.options import JobConfig
+from mpsrun.placement import GpuTarget, RankPlan, plan_job, plan_rank, rank_environment, welcome
 
-MPS_GPU = [{"CUDA_VISIBLE_DEVICES": "GPU-a", "CUDA_MPS_PIPE_DIRECTORY": "/p/a"},
-           {"CUDA_VISIBLE_DEVICES": "GPU-b", "CUDA_MPS_PIPE_DIRECTORY": "/p/b"}]
+MPS_GPUS = [GpuTarget("GPU-a", "/p/a", "/l/a", "/s"), GpuTarget("GPU-b", "/p/b", "/l/b", "/s")]
+
+
+def config(**fields):
+    return JobConfig(command=("x",), **fields)
 
 
 @pytest.mark.parametrize(
@@ -16,49 +21,56 @@ MPS_GPU = [{"CUDA_VISIBLE_DEVICES": "GPU-a", "CUDA_MPS_PIPE_DIRECTORY": "/p/a"},
 )
 def test_gpu_of_each_rank(n, g, policy, expected):
     """block gives contiguous even chunks per GPU; round-robin deals ranks out in turn."""
-    assert [p.gpu for p in plan_ranks(n, g, policy)] == expected
+    assert [p.gpu for p in plan_job(n, g, config(map_by=policy))] == expected
 
 
 def test_auto_thread_percentage_divides_each_gpu():
-    """auto gives 100 / (ranks sharing that GPU), at least 1."""
-    assert [p.thread_percentage for p in plan_ranks(5, 2, "block", "auto")] == [33, 33, 33, 50, 50]
-    assert {p.thread_percentage for p in plan_ranks(300, 1, "block", "auto")} == {1}
+    """auto gives 100 / (ranks sharing that GPU), at least 1, by the same formula on every path."""
+    assert [p.thread_percentage for p in plan_job(5, 2, config(thread_percentage="auto"))] == [33, 33, 33, 50, 50]
+    assert {p.thread_percentage for p in plan_job(300, 1, config(thread_percentage="auto"))} == {1}
+    # a per-node rank: 3 local ranks of a 6-rank job share one GPU
+    node_rank = RankIdentity(rank=4, local_rank=1, world_size=6, local_world_size=3)
+    assert plan_rank(node_rank, 1, config(thread_percentage="auto")).thread_percentage == 33
 
 
 def test_per_rank_list_and_single_value():
-    """A list gives each rank its own value; a single value applies to all."""
-    assert [p.thread_percentage for p in plan_ranks(3, 1, "block", [10, 20, 30])] == [10, 20, 30]
-    assert {p.thread_percentage for p in plan_ranks(3, 1, "block", 40)} == {40}
+    """A list gives each rank its own value (by global rank); a single value applies to all."""
+    assert [p.thread_percentage for p in plan_job(3, 1, config(thread_percentage=(10, 20, 30)))] == [10, 20, 30]
+    assert {p.thread_percentage for p in plan_job(3, 1, config(thread_percentage=40))} == {40}
+    node_rank = RankIdentity(rank=3, local_rank=0, world_size=4, local_world_size=2)
+    assert plan_rank(node_rank, 1, config(thread_percentage=(1, 2, 3, 4))).thread_percentage == 4
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [({"nranks": 0}, "positive integer"), ({"nranks": True}, "positive integer"), ({"ngpus": 0}, "no GPU"),
-     ({"policy": "socket"}, "block or round-robin"), ({"thread_percentage": [10, 20]}, "lists 2 values but there are 3"),
-     ({"thread_percentage": [10, 200, 5]}, "from 1 to 100"), ({"mem_limit": "12Q"}, "--mem-limit"),
-     ({"priority": 3}, "--priority")],
+    ("identity", "fields", "message"),
+    [(RankIdentity(0, 0, 3, 3), {"thread_percentage": (10, 20)}, "lists 2 values but there are 3"),
+     (RankIdentity(0, 0, None, None), {"thread_percentage": "auto", "map_by": "round-robin"},
+      "auto needs the number of ranks on this node"),
+     (RankIdentity(0, 0, None, None), {"map_by": "block"}, "block needs the number of ranks on this node")],
 )
-def test_impossible_requests_are_refused(kwargs, message):
-    """Wrong counts, policies, list lengths and limits raise ConfigError before anything starts."""
-    args = {"nranks": 3, "ngpus": 1, "policy": "block", **kwargs}
+def test_what_cannot_be_honoured_is_refused(identity, fields, message):
+    """A list of the wrong length, or auto/block without the node's rank count, raises ConfigError (never dropped)."""
     with pytest.raises(ConfigError, match=message):
-        plan_ranks(args.pop("nranks"), args.pop("ngpus"), args.pop("policy"), **args)
+        plan_rank(identity, 2, config(**fields))
 
 
-def test_rank_environments_carry_gpu_limits_and_rank_variables():
-    """Each rank gets its GPU's session variables, its limits (only under MPS) and rank variables."""
-    plan = plan_ranks(2, 2, "block", [30, 70], "2G", 1)
-    envs = rank_environments(plan, MPS_GPU)
-    assert envs[1] == {**MPS_GPU[1], "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "70", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=2G",
-                       "CUDA_MPS_CLIENT_PRIORITY": "1", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2",
-                       "LOCAL_WORLD_SIZE": "2", "MPSRUN_RANK": "1", "MPSRUN_GPU": "1"}
-    no_mps = rank_environments(plan, [{"CUDA_VISIBLE_DEVICES": "GPU-a"}, {"CUDA_VISIBLE_DEVICES": "GPU-b"}])
-    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in no_mps[0]
+def test_rank_environment_carries_gpu_limits_and_rank_variables():
+    """A rank gets its GPU's daemon variables, its limits (only under MPS) and its rank variables."""
+    plan = RankPlan(rank=1, gpu=1, thread_percentage=70, mem_limit="2G", priority=1)
+    env = rank_environment(MPS_GPUS[1], plan, RankIdentity(1, 1, 2, 2))
+    assert env == {"CUDA_VISIBLE_DEVICES": "GPU-b", "CUDA_MPS_PIPE_DIRECTORY": "/p/b", "CUDA_MPS_LOG_DIRECTORY": "/l/b",
+                   "MPSRUN_SESSION_DIR": "/s", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "70",
+                   "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=2G", "CUDA_MPS_CLIENT_PRIORITY": "1", "MPSRUN_GPU": "1",
+                   "RANK": "1", "LOCAL_RANK": "1", "MPSRUN_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    no_mps = rank_environment(GpuTarget("GPU-a"), plan, RankIdentity(1, 1, 2, 2))
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in no_mps and no_mps["CUDA_VISIBLE_DEVICES"] == "GPU-a"
+    assert rank_environment(None, None, RankIdentity(0, 0, None, None)) == {
+        "RANK": "0", "LOCAL_RANK": "0", "MPSRUN_RANK": "0"}
 
 
-def test_thread_spec_text():
-    """--thread-percentage text: auto, one value, or a list."""
-    assert parse_thread_spec("AUTO") == "auto" and parse_thread_spec("25") == 25
-    assert parse_thread_spec("10, 20") == [10, 20]
-    with pytest.raises(ConfigError):
-        parse_thread_spec("10,x")
+def test_welcome_tells_the_supervisor_everything():
+    """The welcome holds the rank's variables, what mpsrun manages (stale values are dropped), tagging and grace."""
+    answer = welcome(RankIdentity(3, 3, 4, 4), config(tag_output=True, grace=2.0), 2, lambda gpu: MPS_GPUS[gpu])
+    assert answer["env"]["CUDA_VISIBLE_DEVICES"] == "GPU-b" and answer["env"]["RANK"] == "3"
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in answer["managed"]
+    assert answer["tag"] is True and answer["grace"] == 2.0

@@ -43,7 +43,7 @@ def test_session_starts_active_and_leaves_nothing(fake_gpu):
         assert list(entry["servers"].values()) == ["ACTIVE"]
         root = Path(status["directory"])
         assert (root.stat().st_mode & 0o777) == 0o700
-        assert json.loads((root / "session.json").read_text())["pid"] == os.getpid()
+        assert json.loads((root / "session.json").read_text())["owner"]["pid"] == os.getpid()
         pids = [entry["daemon_pid"], *entry["servers"]]
     assert not root.exists()
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
@@ -220,7 +220,7 @@ def test_unknown_gpu_is_refused_before_anything_starts(fake_gpu):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"thread_percentage": 0}, "thread_percentage must be an integer from 1 to 100"),
+        ({"thread_percentage": 0}, "thread_percentage must be a whole number from 1 to 100"),
         ({"thread_percentage": 101}, "thread_percentage"),
         ({"mem_limit": "12Q"}, "mem_limit must be a size"),
         ({"priority": 5}, "priority must be 0"),

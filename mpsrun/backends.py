@@ -1,0 +1,149 @@
+"""Backends: how a job's rank supervisors get started. Everything after that is the controller's.
+
+Every rank runs under a rank supervisor (:mod:`mpsrun.rank`) that reports to the job's
+controller, so the backends differ only in what they start:
+
+* ``local``: one supervisor per rank, started by mpsrun itself;
+* ``mpiexec``: one ``mpiexec`` that starts the supervisors (mpi4py sees the whole world);
+* ``hosts``: one ``mpiexec`` over several hosts, every rank through ``mpsrun --per-node``,
+  so each host's node keeper owns that host's MPS daemons and relays to the controller.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import attrs
+import psutil
+
+from mpsrun import mpi
+from mpsrun.errors import ConfigError
+from mpsrun.options import JobConfig, to_argv
+from mpsrun.procs import pidfd, set_parent_death_signal
+
+__all__ = ["Backend", "HostsBackend", "LaunchSpec", "Launched", "LocalBackend", "MpiexecBackend", "choose_backend"]
+
+SHIM = (sys.executable, "-m", "mpsrun.rank")
+
+
+@attrs.frozen
+class LaunchSpec:
+    """A process to start, and the ranks it is responsible for."""
+
+    name: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    ranks: tuple[int, ...]
+    stdin: bool = False
+
+
+class Launched:
+    """A started process, in its own session, watched through a pidfd; it gets SIGTERM if we die."""
+
+    def __init__(self, spec: LaunchSpec) -> None:
+        self.spec = spec
+        self.popen = subprocess.Popen(
+            list(spec.argv), env=dict(spec.env), stdin=None if spec.stdin else subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=lambda: set_parent_death_signal(signal.SIGTERM),
+        )
+        self.fd = pidfd(self.popen.pid)
+
+    @property
+    def ended(self) -> bool:
+        return self.popen.returncode is not None
+
+    def reap(self) -> int:
+        return self.popen.wait()
+
+    def signal_group(self, sig: int) -> None:
+        if self.popen.poll() is None:  # not reaped: its pid still names its group
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, sig)
+
+
+class Backend(Protocol):
+    name: str
+    #: ``unix``: the ranks reach the controller's socket in the session directory; ``tcp``: over the network.
+    control: str
+    #: False when each host's node keeper starts that host's MPS daemons instead of the controller.
+    owns_daemons: bool
+
+    def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]: ...
+
+
+class LocalBackend:
+    name, control, owns_daemons = "local", "unix", True
+
+    def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]:
+        n = config.ranks
+        return [
+            LaunchSpec(f"rank {r}'s supervisor", (*SHIM, "--rank", str(r), "--local-rank", str(r), "--size", str(n),
+                                                  "--local-size", str(n), "--", program, *config.command[1:]),
+                       env, (r,), stdin=r == 0)
+            for r in range(n)
+        ]
+
+
+class MpiexecBackend:
+    name, control, owns_daemons = "mpiexec", "unix", True
+
+    def __init__(self, mpiexec: str) -> None:
+        self.mpiexec = mpiexec
+        # `mpiexec --version` takes a while: asked while the daemons start.
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        self._flavour = pool.submit(mpi.detect_flavour, mpiexec)
+        pool.shutdown(wait=False)
+
+    @property
+    def flavour(self) -> str:
+        return self._flavour.result()
+
+    def _argv(self, config: JobConfig, rank_command: Sequence[str], extra: Sequence[str] = (),
+              export: Sequence[str] = ()) -> tuple[str, ...]:
+        return tuple(mpi.mpiexec_command(self.mpiexec, self.flavour, config.ranks, rank_command,
+                                         [*extra, *config.mpiexec_args], cores=psutil.cpu_count(logical=False),
+                                         export=export))
+
+    def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]:
+        # The program by absolute path: Open MPI puts its own bin directory first on the ranks' PATH.
+        argv = self._argv(config, [*SHIM, "--", program, *config.command[1:]])
+        return [LaunchSpec("mpiexec", argv, env, tuple(range(config.ranks)), stdin=True)]
+
+
+class HostsBackend(MpiexecBackend):
+    name, control, owns_daemons = "hosts", "tcp", False
+    EXPORT = ("MPSRUN_CONTROL", "MPSRUN_CONTROL_TOKEN", "MPSRUN_JOB_ID")
+
+    def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]:
+        hosts = mpi.host_arguments(self.flavour, config.hosts, config.hostfile)
+        per_node = [sys.executable, "-m", "mpsrun", "--per-node", *to_argv(config), "--", program, *config.command[1:]]
+        argv = self._argv(config, per_node, hosts, export=self.EXPORT)
+        return [LaunchSpec("mpiexec", argv, env, tuple(range(config.ranks)), stdin=True)]
+
+
+def choose_backend(config: JobConfig) -> Backend:
+    """``--hosts``/``--hostfile`` go through mpiexec over the hosts; ``auto`` takes mpiexec when it and mpi4py exist."""
+    if config.hosts or config.hostfile:
+        if config.launcher == "local":
+            raise ConfigError("--hosts/--hostfile need the mpiexec launcher", setting="--launcher")
+        found = mpi.find_mpiexec(config.mpiexec)
+        if found is None:
+            raise ConfigError("--hosts/--hostfile: no mpiexec or mpirun on PATH", setting="--hosts")
+        return HostsBackend(found)
+    if config.launcher == "local":
+        return LocalBackend()
+    found = mpi.find_mpiexec(config.mpiexec)
+    if config.launcher == "mpiexec":
+        if found is None:
+            raise ConfigError("--launcher mpiexec: no mpiexec or mpirun on PATH", setting="--launcher")
+        return MpiexecBackend(found)
+    if found is not None and (config.mpiexec or mpi.mpi4py_available()):
+        return MpiexecBackend(found)
+    return LocalBackend()

@@ -1,0 +1,173 @@
+"""Running a job: check and plan everything, start the session, start the ranks, judge, report, tear down.
+
+The CLI builds a :class:`~mpsrun.options.JobConfig` and calls :func:`run_job`; nothing here
+parses command lines or exits the interpreter. Every backend goes through the same steps;
+only what the backend starts differs (:mod:`mpsrun.backends`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from mpsrun.backends import Backend, choose_backend
+from mpsrun.controller import Controller, Policy
+from mpsrun.errors import CommandNotFoundError, ConfigError, TeardownError
+from mpsrun.exitcodes import ExitCode
+from mpsrun.launchers import RankIdentity
+from mpsrun.options import JobConfig
+from mpsrun.outcome import JobResult
+from mpsrun.placement import plan_job, ranks_on_gpus, welcome
+from mpsrun.protocol import Listener, new_token
+from mpsrun.report import crowding_warnings, mps_report, verified_line
+from mpsrun.session import Session
+from mpsrun.watch import RankWatch
+
+__all__ = ["run_job"]
+
+log = logging.getLogger("mpsrun")
+
+
+def resolve_command(command: tuple[str, ...]) -> str:
+    program = shutil.which(command[0]) if command else None
+    if program is None:
+        raise CommandNotFoundError(f"{command[0] if command else '(none)'}: command not found",
+                                   command=command[0] if command else "")
+    return program
+
+
+class Job:
+    """One run of a :class:`JobConfig`; see :func:`run_job`."""
+
+    def __init__(self, config: JobConfig, note: Callable[[str], None]) -> None:
+        self.config = config
+        self.note = note
+        self.started = time.monotonic()
+
+    def _elapsed(self, what: str) -> None:
+        log.info(f"mpsrun: {what} after {time.monotonic() - self.started:.3f} s")
+
+    def _session(self, backend: Backend) -> Session | None:
+        """The job's MPS session (None where each host's keeper owns its own), checked and planned first."""
+        config = self.config
+        if isinstance(config.thread_percentage, tuple) and len(config.thread_percentage) != config.ranks:
+            raise ConfigError(f"--thread-percentage lists {len(config.thread_percentage)} values but there are "
+                              f"{config.ranks} ranks; give one value per rank, a single value, or auto",
+                              setting="--thread-percentage")
+        if not backend.owns_daemons:
+            return None
+        session = Session(gpus=list(config.gpus) if config.gpus is not None else "all", mem_limit=config.mem_limit,
+                          mps=config.mps, keep_logs=config.keep_logs, export=False).resolve()
+        plans = plan_job(config.ranks, len(session.gpus), config)
+        if session.disabled_reason is None:
+            for line in crowding_warnings(ranks_on_gpus(plans)):
+                log.warning(f"mpsrun: {line}")
+        for plan in plans:
+            gpu = session.gpus[plan.gpu].index if session.gpus else "-"
+            log.info(f"mpsrun: rank {plan.rank}: GPU {gpu}" + (
+                f", {plan.thread_percentage}% of SMs" if plan.thread_percentage else "") + (
+                f", {plan.mem_limit} pinned memory" if plan.mem_limit else ""))
+        percentages = {p.thread_percentage for p in plans}
+        if None not in percentages and session.thread_percentage is None:
+            session.thread_percentage = max(p for p in percentages if p is not None)  # the daemons' default cap
+        return session
+
+    def _welcome(self, session: Session | None, output_lock: str | None) -> Callable[..., dict[str, Any]]:
+        n = self.config.ranks
+
+        def answer(identity: RankIdentity, hello: Mapping[str, Any]) -> dict[str, Any]:
+            # One node: what the launcher did not say, the job knows.
+            identity = RankIdentity(identity.rank, identity.local_rank, identity.world_size or n,
+                                    identity.local_world_size or n)
+            gpus = len(session.gpus) if session else 0
+            return welcome(identity, self.config, gpus, session.target if session else lambda _: None, output_lock)
+
+        return answer
+
+    def run(self) -> JobResult:
+        config = self.config
+        program = resolve_command(config.command)
+        backend = choose_backend(config)
+        session = self._session(backend)
+        if session is not None:
+            session.start(wait_active=False, kind="job")  # the servers come up while the ranks start
+            self._elapsed("daemons ready")
+        try:
+            result = self._run(backend, session, program)
+        finally:
+            failure = self._close(session)
+        if failure and result.exit_code == ExitCode.OK:
+            return JobResult(ExitCode.SETUP, "teardown-failed", failure)
+        return result
+
+    def _run(self, backend: Backend, session: Session | None, program: str) -> JobResult:
+        config = self.config
+        token = new_token()
+        where = f"unix:{session.dirs.control_socket}" if backend.control == "unix" and session and session.dirs \
+            else "tcp"
+        listener = Listener(where)
+        output_lock = None
+        if config.tag_output and backend.name == "local" and session is not None and session.dirs is not None:
+            session.dirs.output_lock.touch(mode=0o600)
+            output_lock = str(session.dirs.output_lock)
+        controller = Controller(listener, token, self._welcome(session, output_lock),
+                                Policy(config.grace, config.timeout, config.mps == "on"), expected=range(config.ranks),
+                                session=session, note=self.note)
+        watch = controller.watch
+        env = {**os.environ, "MPSRUN_CONTROL": listener.address, "MPSRUN_CONTROL_TOKEN": token,
+               "MPSRUN_JOB_ID": token[:16]}
+        try:
+            log.info(f"mpsrun: {backend.name} launcher, MPS {'on' if watch else 'off'}, {config.ranks} rank(s)")
+            controller.launch(backend.specs(config, program, env))
+            self._elapsed("ranks starting")
+            result = controller.run(first=session.wait_active if watch and session else None)
+            self._elapsed("ranks done")
+        finally:
+            listener.close()
+        self._report(result, controller, session, watch)
+        return result
+
+    def _report(self, result: JobResult, controller: Controller, session: Session | None,
+                watch: RankWatch | None) -> None:
+        if watch is not None:
+            log.info(f"mpsrun: {verified_line(watch, self.config.ranks)}")
+        if result.exit_code == ExitCode.OK:
+            return
+        self.note(result.message)
+        rank_of = {s.process.pid: s.rank for s in controller.ranks.values() if s.process is not None}
+        for line in (mps_report(session.daemons, rank_of) if session is not None and session.enabled else []):
+            self.note(line)
+        for line in controller.notes:
+            self.note(line)
+
+    def _close(self, session: Session | None) -> str:
+        """Tear the session down; what failed, if anything (reported, never hiding the job's outcome)."""
+        if session is None:
+            return ""
+        try:
+            session.close()
+        except TeardownError as exc:
+            self.note(str(exc))
+            return str(exc)
+        self._elapsed("torn down")
+        return ""
+
+
+def _stderr_note(text: str) -> None:
+    with contextlib.suppress(OSError):
+        print(f"mpsrun: {text}", file=sys.stderr, flush=True)
+
+
+def run_job(config: JobConfig, note: Callable[[str], None] | None = None) -> JobResult:
+    """Run a job to completion and return how it ended (exit code, cause, message).
+
+    Raises :class:`ConfigError` (usage, exit 2), :class:`CommandNotFoundError` (127) or
+    another :class:`MPSError` (set-up failure, exit 3) before any rank starts.
+    """
+    return Job(config, note or _stderr_note).run()

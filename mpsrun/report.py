@@ -1,0 +1,53 @@
+"""What a job's end says beyond its first failure: MPS log findings and the proof of MPS.
+
+Used by the launcher and by node keepers alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from mpsrun.daemon import ControlDaemon
+from mpsrun.mpslog import diagnose_log, torn_down_clients
+from mpsrun.outcome import ranges
+from mpsrun.watch import RankWatch
+
+__all__ = ["MPS_CLIENT_LIMIT", "crowding_warnings", "mps_report", "verified_line"]
+
+#: Clients an MPS server accepts on Volta and later (documented; the H100 with driver 580
+#: logged "Maximum number of clients (48) reached" for the 49th).
+MPS_CLIENT_LIMIT = 48
+
+
+def mps_report(daemons: Sequence[ControlDaemon], rank_of: Mapping[int, int]) -> list[str]:
+    """What the MPS logs tell about a failed job; the log's end when a daemon died."""
+    lines: list[str] = []
+    for daemon in daemons:
+        try:
+            text = daemon.log_file.read_text(errors="replace")
+        except OSError:
+            continue
+        lines += diagnose_log(text)
+        victims = sorted({rank_of[pid] for pid in torn_down_clients(text) if pid in rank_of})
+        if victims:
+            lines.append(
+                f"rank(s) {ranges(victims)} were torn down by the MPS server after the fatal GPU fault "
+                "(MPS does not say which client caused it; the first rank to fail is reported above)"
+            )
+        if not daemon.alive:
+            lines.append(f"the MPS control daemon stopped; its log ({daemon.log_file}) ends:\n{daemon.log_tail(10)}")
+    return lines
+
+
+def verified_line(watch: RankWatch, ranks: int, where: str = "") -> str:
+    verified = sorted(watch.verified)
+    return f"{where}{len(verified)} of {ranks} rank(s) verified as MPS clients ({ranges(verified)})"
+
+
+def crowding_warnings(per_gpu: Mapping[int, int]) -> list[str]:
+    return [
+        f"warning: {n} ranks share GPU {gpu}, but an MPS server accepts at most {MPS_CLIENT_LIMIT} clients on "
+        "Volta and later GPUs; use more GPUs or fewer ranks"
+        for gpu, n in sorted(per_gpu.items())
+        if n > MPS_CLIENT_LIMIT
+    ]

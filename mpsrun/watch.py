@@ -1,0 +1,134 @@
+"""The one client watcher: are the processes using our GPUs clients of our MPS servers?
+
+CUDA silently runs without MPS when a process cannot reach the daemon. Such a process shows
+in NVML as a plain context (type C), never as an MPS client (M+C). NVML is read before the
+client list, so a process NVML shows as connected is listed by then. ``Session.verify`` looks
+once; the launcher and node keepers look repeatedly through :class:`RankWatch`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+
+import attrs
+import psutil
+
+from mpsrun import gpus as gpu_info
+from mpsrun.daemon import ControlDaemon
+from mpsrun.errors import DaemonError, GPUError, NotMPSClientError
+from mpsrun.gpus import GPU
+
+__all__ = ["ClientWatcher", "Finding", "Look", "RankWatch", "with_descendants"]
+
+log = logging.getLogger("mpsrun")
+
+
+@attrs.frozen
+class Look:
+    """One look at every GPU: who is a client, who holds a plain context (by GPU position), dead daemons."""
+
+    clients: frozenset[int]
+    strays: tuple[tuple[int, int], ...]
+    dead: tuple[int, ...]
+
+
+class ClientWatcher:
+    def __init__(self, gpus: Sequence[GPU], daemons: Sequence[ControlDaemon]) -> None:
+        self.gpus = list(gpus)
+        self.daemons = list(daemons)
+
+    def look(self, pids: Iterable[int]) -> Look:
+        wanted = set(pids)
+        clients: set[int] = set()
+        strays: list[tuple[int, int]] = []
+        dead: list[int] = []
+        for position, (gpu, daemon) in enumerate(zip(self.gpus, self.daemons, strict=True)):
+            if not daemon.alive:
+                dead.append(position)
+                continue
+            contexts = gpu_info.compute_processes(gpu.uuid)
+            served = daemon.clients()
+            plain = {pid for pid, is_mps in contexts.items() if not is_mps} - set(daemon.server_pids)
+            clients |= wanted & served
+            strays += [(pid, position) for pid in sorted((wanted & plain) - served)]
+        return Look(frozenset(clients), tuple(strays), tuple(dead))
+
+    def verify(self, pids: Iterable[int]) -> list[int]:
+        """The pids that are clients; raise :class:`NotMPSClientError` for any that missed MPS."""
+        look = self.look(pids)
+        if look.strays:
+            position = look.strays[0][1]
+            strays = [pid for pid, where in look.strays if where == position]
+            gpu, daemon = self.gpus[position], self.daemons[position]
+            raise NotMPSClientError(
+                f"process(es) {strays} use GPU {gpu.index} ({gpu.uuid}) without MPS: they are not clients "
+                f"of this session's server (check CUDA_MPS_PIPE_DIRECTORY={daemon.pipe_dir})",
+                pids=strays,
+                gpu=gpu.uuid,
+            )
+        return sorted(look.clients)
+
+
+@attrs.frozen
+class Finding:
+    """Something the watch saw; ``fatal`` ends the job (exit 3)."""
+
+    message: str
+    fatal: bool
+    rank: int | None = None
+
+
+def with_descendants(pids: Mapping[int, int]) -> dict[int, int]:
+    """``{pid: rank}`` for the ranks' processes and all their descendants (the same rank)."""
+    result = dict(pids)
+    for pid, rank in pids.items():
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process(pid).children(recursive=True):
+                result.setdefault(child.pid, rank)
+    return result
+
+
+class RankWatch:
+    """Repeated looks during a job: a rank is reported after two looks in a row see it off MPS."""
+
+    def __init__(self, watcher: ClientWatcher, required: bool) -> None:
+        self.watcher = watcher
+        self.required = required
+        self.verified: set[int] = set()
+        self._suspects: dict[int, int] = {}
+        self._reported: set[int] = set()
+
+    def check(self, rank_pids: Mapping[int, int]) -> list[Finding]:
+        pids = with_descendants(rank_pids)
+        try:
+            look = self.watcher.look(pids)
+        except (DaemonError, GPUError) as exc:
+            log.debug("client check skipped: %s", exc)
+            return []
+        findings = [self._dead(position) for position in look.dead]
+        self.verified.update(pids[pid] for pid in look.clients)
+        missed = {pid: position for pid, position in look.strays}
+        self._suspects = {pid: self._suspects.get(pid, 0) + 1 for pid in missed}
+        for pid, count in sorted(self._suspects.items()):
+            rank = pids[pid]
+            if count >= 2 and rank not in self._reported:
+                self._reported.add(rank)
+                findings.append(self._stray(rank, pid, missed[pid]))
+        return findings
+
+    def _dead(self, position: int) -> Finding:
+        daemon = self.watcher.daemons[position]
+        tail = daemon.log_tail(5)
+        last = f"; its log ends: {tail.splitlines()[-1]}" if tail else ""
+        return Finding(f"the MPS control daemon of GPU {self.watcher.gpus[position].index} died under the job{last}",
+                       fatal=True)
+
+    def _stray(self, rank: int, pid: int, position: int) -> Finding:
+        message = (
+            f"rank {rank} (pid {pid}) uses GPU {position} without MPS: not a client of this job's MPS server "
+            "(CUDA silently runs without MPS when it cannot reach the daemon; does the rank change "
+            "CUDA_MPS_PIPE_DIRECTORY?)"
+        )
+        return Finding(message, fatal=self.required, rank=rank)

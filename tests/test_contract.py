@@ -1,0 +1,168 @@
+"""One job contract on every path: the fault matrix, run under each way of starting ranks.
+
+Paths: the local launcher, the mpiexec launcher (MPICH's Hydra from the mpich wheel),
+``mpiexec -n 3 mpsrun --per-node`` and ``mpsrun --hosts localhost``. Each case must give the
+same exit code and the same summary line on every path, and afterwards no rank, daemon,
+server, session directory, lock file or temporary file may be left (the fake_gpu fixture
+checks processes and session directories; this module checks $TMPDIR too).
+"""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import FAKECUDA, TESTS
+
+pytestmark = pytest.mark.mpiexec
+
+PATHS = ["local", "mpiexec", "per-node", "hosts"]
+ABORT = TESTS / "programs" / "mpi_abort.py"
+
+
+def mpiexec():
+    found = shutil.which("mpiexec", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]))
+    if found is None:
+        pytest.skip("no mpiexec")
+    return found
+
+
+def job_argv(path, options, program, ranks=3):
+    """The command line that runs ``program`` as ``ranks`` ranks on ``path``."""
+    mpsrun = [sys.executable, "-m", "mpsrun"]
+    if path == "local":
+        return [*mpsrun, "-np", str(ranks), "--launcher", "local", *options, *program]
+    if path == "mpiexec":
+        return [*mpsrun, "-np", str(ranks), "--launcher", "mpiexec", "--mpiexec", mpiexec(), *options, *program]
+    if path == "per-node":
+        return [mpiexec(), "-n", str(ranks), *mpsrun, "--per-node", *options, *program]
+    return [*mpsrun, "-np", str(ranks), "--hosts", "localhost", "--mpiexec", mpiexec(), *options, *program]
+
+
+@pytest.fixture
+def clean_tmp(monkeypatch, short_tmp):
+    """A private $TMPDIR, checked empty afterwards: every file a job makes lives in its session directory."""
+    tmp = short_tmp / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    yield tmp
+    assert sorted(p.name for p in tmp.iterdir()) == []
+
+
+def settle(fake_gpu, timeout=30.0):
+    """Wait until the job's processes and session directories are gone (the fixture then asserts it)."""
+    deadline = time.monotonic() + timeout
+    while (fake_gpu.orphans() or fake_gpu.session_dirs()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def wait_ready(directory, count=3, timeout=60.0, proc=None):
+    deadline = time.monotonic() + timeout
+    while len(list(Path(directory).glob("*.json"))) < count:
+        assert time.monotonic() < deadline, "the ranks did not start"
+        assert proc is None or proc.poll() is None, proc.communicate()[1]
+        time.sleep(0.05)
+
+
+def fake(*args):
+    return [sys.executable, str(FAKECUDA), *args]
+
+
+SEGV = "import os, signal, time\nif os.environ['RANK'] == '1': os.kill(os.getpid(), signal.SIGSEGV)\ntime.sleep(30)"
+
+#: case -> (options, program, exit code, summary)
+CASES = {
+    "rank-exits-7": ([], fake("--hold", "30", "--fail-rank", "1", "--exit", "7"), 7,
+                     r"rank 1 \(pid \d+\) exited with code 7 first"),
+    "rank-sigkilled": ([], fake("--hold", "30", "--kill-rank", "1"), 137,
+                       r"rank 1 \(pid \d+\) was killed by signal 9 \(SIGKILL\) first"),
+    "rank-segfaults": ([], [sys.executable, "-c", SEGV], 139,
+                       r"rank 1 \(pid \d+\) was killed by signal 11 \(SIGSEGV\) first"),
+    "timeout": (["--timeout", "2"], fake("--hold", "60"), 124, r"timed out after 2 s"),
+    "background-child-holds-stdout": ([], ["sh", "-c", "sleep 300 & exit 0"], 0, None),
+}
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_rank_faults(fake_gpu, clean_tmp, path, case):
+    """A rank that exits 7, is SIGKILLed, segfaults, hangs past --timeout or leaves a child holding stdout: the same
+    exit code (128+N for signals) and the same summary on every path; the other ranks are stopped within --grace."""
+    options, program, code, summary = CASES[case]
+    started = time.monotonic()
+    out = subprocess.run(job_argv(path, ["--grace", "1", *options], program), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == code, out.stderr
+    if summary:
+        assert re.search(summary, out.stderr), out.stderr
+    assert time.monotonic() - started < 25, "the failure did not stop the job"
+    settle(fake_gpu)
+
+
+def _supervisors(job, path):
+    """The processes to signal as 'mpsrun': the launcher, or under --per-node every rank's mpsrun (as srun does)."""
+    if path != "per-node":
+        return [job.pid]
+    return [p.pid for p in psutil.Process(job.pid).children(recursive=True) if "--per-node" in p.cmdline()]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_signals_to_mpsrun(fake_gpu, clean_tmp, short_tmp, path, sig, code):
+    """SIGINT, SIGTERM or SIGHUP to mpsrun (under --per-node: to every rank's mpsrun, as srun sends them) reach the
+    ranks; the job exits 128+N and says it was stopped by that signal."""
+    reports = short_tmp / "reports"
+    reports.mkdir()
+    job = subprocess.Popen(job_argv(path, ["--grace", "1"], fake("--hold", "60", "--report-dir", str(reports))),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_ready(reports, proc=job)
+    for pid in _supervisors(job, path):
+        os.kill(pid, sig)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == code, err
+    assert f"stopped by {signal.Signals(sig).name}" in err, err
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_sigkill_to_mpsrun_leaves_nothing(fake_gpu, clean_tmp, short_tmp, path):
+    """SIGKILL to mpsrun (under --per-node: to one rank's mpsrun; Hydra then kills the rest): the ranks, daemons and
+    servers end and the session directory is removed without anyone running cleanup."""
+    reports = short_tmp / "reports"
+    reports.mkdir()
+    job = subprocess.Popen(job_argv(path, ["--grace", "1"], fake("--hold", "60", "--report-dir", str(reports))),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_ready(reports, proc=job)
+    os.kill(_supervisors(job, path)[0], signal.SIGKILL)
+    assert job.wait(timeout=60) != 0
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_mpi_abort_in_one_rank(fake_gpu, clean_tmp, path):
+    """MPI_Abort(5) in rank 1 of an mpi4py program ends the job with exit 5 on every path (Hydra kills every rank at
+    once; mpsrun reports what it knows) and leaves nothing behind."""
+    pytest.importorskip("mpi4py")
+    out = subprocess.run(job_argv(path, ["--grace", "1"], [sys.executable, str(ABORT)]), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 5, out.stderr
+    assert "MPI_Abort" in out.stderr
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_tagged_partial_lines_are_never_merged(fake_gpu, clean_tmp, path):
+    """--tag-output gives [rank N] on whole lines; a last line without a newline is finished, not run together."""
+    code = "import os, sys; sys.stdout.write('full-' + os.environ['RANK'] + '\\npartial-' + os.environ['RANK'])"
+    out = subprocess.run(job_argv(path, ["--tag-output"], [sys.executable, "-c", code]), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == sorted(
+        [f"[rank {r}] full-{r}" for r in range(3)] + [f"[rank {r}] partial-{r}" for r in range(3)])
+    settle(fake_gpu)
