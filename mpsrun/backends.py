@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import attrs
@@ -25,10 +26,20 @@ import psutil
 
 from mpsrun import mpi
 from mpsrun.errors import ConfigError
+from mpsrun.loop import EventLoop
 from mpsrun.options import JobConfig, to_argv
 from mpsrun.procs import pidfd, set_parent_death_signal
 
-__all__ = ["Backend", "HostsBackend", "LaunchSpec", "Launched", "LocalBackend", "MpiexecBackend", "choose_backend"]
+__all__ = [
+    "Backend",
+    "HostsBackend",
+    "LaunchSpec",
+    "Launched",
+    "Launchers",
+    "LocalBackend",
+    "MpiexecBackend",
+    "choose_backend",
+]
 
 SHIM = (sys.executable, "-m", "mpsrun.rank")
 
@@ -66,6 +77,54 @@ class Launched:
         if self.popen.poll() is None:  # not reaped: its pid still names its group
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.popen.pid, sig)
+
+
+class Launchers:
+    """What a backend started, each watched through its pidfd; ``on_exit`` is called once it has been reaped."""
+
+    def __init__(self, loop: EventLoop, on_exit: Callable[[Launched, int], None]) -> None:
+        self.loop, self.on_exit = loop, on_exit
+        self.started: list[Launched] = []
+        self._winding_down = False
+
+    def launch(self, specs: Sequence[LaunchSpec]) -> None:
+        for spec in specs:
+            started = Launched(spec)
+            self.started.append(started)
+            if started.fd is not None:
+                self.loop.watch(started.fd, functools.partial(self._exited, started))
+            else:  # no pidfds on this kernel: a bounded poll interval
+                self._poll(started)
+
+    @property
+    def ended(self) -> bool:
+        return all(started.ended for started in self.started)
+
+    def _poll(self, started: Launched) -> None:
+        if started.popen.poll() is None:
+            self.loop.after(0.05, lambda: self._poll(started))
+        else:
+            self._exited(started)
+
+    def _exited(self, started: Launched) -> None:
+        if started.fd is not None:
+            self.loop.unwatch(started.fd)
+            os.close(started.fd)
+            started.fd = None
+        self.on_exit(started, started.reap())
+
+    def wind_down(self, grace: float) -> None:
+        """Every rank has ended: the launchers get ``grace`` to exit, then SIGTERM, then SIGKILL."""
+        if self._winding_down or self.ended:
+            return
+        self._winding_down = True
+        grace = max(grace, 0.5)
+        self.loop.after(grace, lambda: self._signal(signal.SIGTERM))
+        self.loop.after(2 * grace, lambda: self._signal(signal.SIGKILL))
+
+    def _signal(self, sig: int) -> None:
+        for started in self.started:
+            started.signal_group(sig)
 
 
 class Backend(Protocol):

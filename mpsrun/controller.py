@@ -1,7 +1,7 @@
 """The controller: one job contract, applied to ranks wherever and however they were started.
 
-Rank supervisors (and, for jobs over several hosts, node keepers relaying for theirs)
-connect to the controller's socket. The controller welcomes each rank with its
+Rank supervisors (and, for jobs over several hosts, node keepers relaying for theirs) join
+through :class:`~mpsrun.ranks.RankTable`. The controller welcomes each rank with its
 environment, watches that the ranks are MPS clients, and applies fail-fast to every path
 alike: at the first failure, ``terminate_client`` for connected ranks, SIGTERM, ``--grace``,
 SIGKILL, then the launcher processes. The first failure decides the exit code (128+N for a
@@ -11,9 +11,6 @@ multi-host job) relays events up and carries out what comes down instead of judg
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import os
 import signal
 import socket
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -21,21 +18,23 @@ from typing import Any
 
 import attrs
 
-from mpsrun.backends import Launched, LaunchSpec
+from mpsrun.backends import Launched, Launchers, LaunchSpec
 from mpsrun.errors import MPSError
 from mpsrun.exitcodes import ExitCode, describe_returncode, exit_code_of, signal_name
 from mpsrun.launchers import RankIdentity
-from mpsrun.loop import EventLoop
+from mpsrun.loop import EventLoop, Timer
 from mpsrun.outcome import JobResult, Judge, RankEnd, ranges
-from mpsrun.procs import ProcessRef, kill_group
-from mpsrun.protocol import Link, Listener, token_matches
+from mpsrun.protocol import Link, Listener
+from mpsrun.ranks import RankState, RankTable
 from mpsrun.session import Session
 from mpsrun.watch import ClientWatcher, Finding, RankWatch, with_descendants
 
-__all__ = ["Controller", "Policy", "RankState"]
+__all__ = ["Controller", "Policy"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 FORWARD_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+KILL_WAIT = 10.0  # after SIGKILL, how long a rank's supervisor gets to report before the rank is given up
+VERDICT_WAIT = 30.0  # how long a relaying node keeper waits for the job's verdicts once its ranks have ended
 Welcome = Callable[[RankIdentity, Mapping[str, Any]], dict[str, Any]]
 
 
@@ -47,15 +46,6 @@ class Policy:
     watch_interval: tuple[float, float] = (0.2, 2.0)
 
 
-@attrs.define(eq=False)
-class RankState:
-    rank: int
-    link: Link | None = None
-    process: ProcessRef | None = None  # set when the rank runs on this host
-    end: RankEnd | None = None
-    verdict_sent: bool = False
-
-
 class Controller:
     """``expected``: the job's ranks (None for a node keeper: whoever joins). ``session``: the MPS
     session of this host's ranks, if this controller owns one (for the client watch and detaching)."""
@@ -63,48 +53,38 @@ class Controller:
     def __init__(self, listener: Listener, token: str, welcome: Welcome, policy: Policy, *,
                  expected: Iterable[int] | None, session: Session | None = None, upstream: Link | None = None,
                  note: Callable[[str], None] = print) -> None:
-        self.listener, self.token, self.welcome, self.policy = listener, token, welcome, policy
+        self.welcome, self.policy, self.session, self.upstream, self.note = welcome, policy, session, upstream, note
         self.expected = None if expected is None else set(expected)
-        self.session, self.upstream, self.note = session, upstream, note
+        self.loop = EventLoop()
+        self.table = RankTable(self.loop, listener, token, self, socket.gethostname())
+        self.launchers = Launchers(self.loop, self._launcher_exited)
         self.watch = RankWatch(ClientWatcher(session.gpus, session.daemons), policy.mps_required) \
             if session is not None and session.enabled else None
-        self.loop = EventLoop()
         self.judge = Judge()
-        self.ranks: dict[int, RankState] = {}
-        self.launched: list[Launched] = []
         self.notes: list[str] = []  # lines for the end of the job (from node keepers)
         self.stopping: int | None = None
-        self.interrupted: int | None = None
-        self.host = socket.gethostname()
+        self.interrupted_by: int | None = None
         self.report_in_verdicts = False  # a node keeper without upstream: its ranks print the summary
-        self.accepting = True  # False while a node keeper closes: a rank that comes now starts a new one
-        self.give_up = False  # a node keeper that no rank ever joined
         self.before_last_verdict: Callable[[], list[str]] | None = None
-        self._kill_timer: Any = None
+        self.give_up = False  # a node keeper that no rank ever joined
+        self._kill_timer: Timer | None = None
         self._watch_every = policy.watch_interval[0]
         self._summary_pending = False
-        self._winding_down = False
         self._detached = False
-        self._upstream_fd = -1
 
-    # -- running ------------------------------------------------------------------------------
+    @property
+    def ranks(self) -> dict[int, RankState]:
+        return self.table.ranks
 
     def launch(self, specs: Sequence[LaunchSpec]) -> None:
-        for spec in specs:
-            started = Launched(spec)
-            self.launched.append(started)
-            if started.fd is not None:
-                self.loop.watch(started.fd, functools.partial(self._launcher_exited, started))
-            else:  # no pidfds on this kernel: a bounded poll interval
-                self._poll_launcher(started)
+        self.launchers.launch(specs)
 
     def run(self, first: Callable[[], object] | None = None) -> JobResult:
         """Run the job to its end; ``first`` runs once the loop handles signals (it may raise MPSError)."""
         with self.loop.signals((*STOP_SIGNALS, *FORWARD_SIGNALS), self._on_signal):
-            self.loop.watch(self.listener.fileno(), self._accept)
             if self.upstream is not None:
-                self._upstream_fd = self.upstream.fileno()
-                self.loop.watch(self._upstream_fd, self._on_upstream)
+                upstream_fd = self.upstream.fileno()
+                self.loop.watch(upstream_fd, lambda: self._on_upstream(upstream_fd))
             elif self.policy.timeout is not None:
                 self.loop.after(self.policy.timeout, self._timed_out)
             if self.watch is not None:
@@ -125,66 +105,14 @@ class Controller:
         if self.give_up:
             return True
         if self.expected is not None:
-            ranks = all(r in self.ranks and self.ranks[r].end is not None for r in self.expected)
-            return ranks and all(started.ended for started in self.launched)
+            return self.table.ended(self.expected) and self.launchers.ended
         return bool(self.ranks) and all(s.end is not None and s.verdict_sent for s in self.ranks.values())
 
-    def live(self) -> list[RankState]:
-        return [s for s in self.ranks.values() if s.end is None]
+    # -- what the ranks say (mpsrun.ranks.RankEvents) ---------------------------------------------
 
-    def local_pids(self) -> dict[int, int]:
-        """``{pid: rank}`` for the live ranks on this host."""
-        return {s.process.pid: s.rank for s in self.live() if s.process is not None}
-
-    # -- links ----------------------------------------------------------------------------------
-
-    def _accept(self) -> None:
-        link = self.listener.accept()
-        if link is not None:
-            fd = link.fileno()
-            self.loop.watch(fd, lambda: self._on_link(link, fd))
-
-    def _on_link(self, link: Link, fd: int) -> None:
-        messages = link.receive()
-        if messages is None:
-            self.loop.unwatch(fd)
-            self._link_lost(link)
-            return
-        for message in messages:
-            kind = message.get("type")
-            if not link.peer and kind != "hello":
-                link.close()  # a peer must say who it is first
-                return
-            handler = {"hello": self._hello, "started": self._started, "exited": self._exited,
-                       "interrupted": self._interrupted, "finding": self._relayed_finding,
-                       "note": self._relayed_note}.get(str(kind))
-            if handler is not None:
-                handler(link, message)
-
-    def _hello(self, link: Link, message: Mapping[str, Any]) -> None:
-        if not token_matches(message.get("token"), self.token):
-            link.close()
-            return
-        if not self.accepting:
-            link.send("refuse", retry=True)
-            link.close()
-            return
-        if message.get("role") == "node":  # a node keeper relaying for its ranks
-            link.peer = {"role": "node", "node": message.get("node")}
-            link.send("welcome")
-            return
-        try:
-            identity = RankIdentity.from_json(message.get("identity") or {})
-        except ValueError as exc:
-            link.send("refuse", exit_code=ExitCode.SETUP, message=f"mpsrun: bad hello: {exc}")
-            link.close()
-            return
-        link.peer = {"role": "rank", "rank": identity.rank}
-        self._welcome(link, identity, message)
-
-    def _welcome(self, link: Link, identity: RankIdentity, message: Mapping[str, Any]) -> None:
-        rank = identity.rank
-        known = self.ranks.get(rank)
+    def admit(self, link: Link, identity: RankIdentity, hello: Mapping[str, Any]) -> None:
+        """Welcome a rank with its environment, or refuse it (the refusal is then its end)."""
+        rank, known = identity.rank, self.ranks.get(identity.rank)
         refusal: tuple[int, str] | None = None
         if known is not None:
             refusal = (ExitCode.SETUP, f"rank {rank} is already part of this job")
@@ -194,83 +122,62 @@ class Controller:
             refusal = (self.judge.exit_code(), "")
         if refusal is None:
             try:
-                answer = self.welcome(identity, message)
+                link.send("welcome", **self.welcome(identity, hello))
+                self.ranks[rank] = RankState(rank, link)
+                return
             except MPSError as exc:
                 refusal = (exc.exit_code, f"mpsrun: error: {exc}")
-        state = known or RankState(rank, link)
-        self.ranks[rank] = state
-        if refusal is None:
-            link.send("welcome", **answer)
-            return
         link.send("refuse", exit_code=refusal[0], message=refusal[1])
         link.close()
         if known is None:
-            state.verdict_sent = True  # the refusal was its verdict
-            self._rank_ended(state, RankEnd(rank, None, refusal[0], refusal[1].removeprefix("mpsrun: error: ")))
+            state = self.ranks[rank] = RankState(rank, link, verdict_sent=True)  # the refusal was its verdict
+            self.rank_ended(state, RankEnd(rank, None, refusal[0], refusal[1].removeprefix("mpsrun: error: ")))
 
-    def _state_of(self, link: Link, message: Mapping[str, Any]) -> RankState | None:
-        rank = link.peer.get("rank") if link.peer.get("role") == "rank" else message.get("rank")
-        if not isinstance(rank, int):
-            return None
-        if link.peer.get("role") == "node" and rank not in self.ranks:
-            self.ranks[rank] = RankState(rank, link)  # a rank a node keeper welcomed
-        return self.ranks.get(rank)
-
-    def _started(self, link: Link, message: Mapping[str, Any]) -> None:
-        state = self._state_of(link, message)
-        if state is None:
-            return
-        pid, start = message.get("pid"), message.get("start")
-        if message.get("host") == self.host and isinstance(pid, int) and isinstance(start, int):
-            state.process = ProcessRef(pid, start)
-            if self.session is not None:
-                self.session.add_rank(state.process)
+    def rank_started(self, state: RankState, message: Mapping[str, Any]) -> None:
+        if state.process is not None and self.session is not None:
+            self.session.add_rank(state.process)
         if self.upstream is not None:
             self.upstream.send("started", **{**message, "rank": state.rank})
         if self.stopping is not None:  # started while the job was already stopping
             self._signal(self.stopping, [state])
 
-    def _exited(self, link: Link, message: Mapping[str, Any]) -> None:
-        state = self._state_of(link, message)
-        returncode = message.get("returncode")
-        if state is None or state.end is not None or not isinstance(returncode, int):
-            return
-        pid = state.process.pid if state.process is not None else message.get("pid")
-        self._rank_ended(state, RankEnd(state.rank, pid, returncode, str(message.get("reason") or "")))
-
-    def _link_lost(self, link: Link) -> None:
-        if link is self.upstream:
-            return
-        for state in [s for s in self.live() if s.link is link]:
-            if state.process is not None:  # its leader died with its supervisor; end what it left
-                kill_group(state.process.pid, signal.SIGKILL)
-            pid = state.process.pid if state.process is not None else None
-            self._rank_ended(state, RankEnd(state.rank, pid, None, "its supervisor is gone"))
-
-    # -- decisions ------------------------------------------------------------------------------
-
-    def _rank_ended(self, state: RankState, end: RankEnd) -> None:
+    def rank_ended(self, state: RankState, end: RankEnd) -> None:
         state.end = end
         if self.upstream is not None:
             self.upstream.send("exited", rank=end.rank, pid=end.pid, returncode=end.returncode, reason=end.reason)
+            if not self.table.live():  # the job's controller answers at once; should it not, the node must close
+                self.loop.after(VERDICT_WAIT, self._verdicts_overdue)
             return
         if self.judge.rank_ended(end):
             self._summary_pending = True
             self.stop(signal.SIGTERM)
         self._verdict(state)
-        if self.expected is not None and all(r in self.ranks and self.ranks[r].end for r in self.expected):
-            self._wind_down()
+        if self.expected is not None and self.table.ended(self.expected):
+            self.launchers.wind_down(self.policy.grace)
+
+    def interrupted(self, sig: int) -> None:
+        """A rank's supervisor got a stopping signal from outside (srun, mpiexec): the job was interrupted."""
+        self._on_signal(sig)
+
+    def relayed(self, kind: str, message: Mapping[str, Any]) -> None:
+        if kind == "note":
+            self.notes.append(str(message.get("text")))
+            return
+        self._finding(Finding(str(message.get("message")), bool(message.get("fatal"))))
+        if isinstance(message.get("code"), int) and self.judge.cause == "check-failed":
+            self.judge.code = message["code"]
+
+    # -- decisions --------------------------------------------------------------------------------
 
     def _verdict(self, state: RankState, code: int | None = None, lines: Sequence[str] = ()) -> None:
         if state.verdict_sent:
             return
         state.verdict_sent = True
-        end = state.end
         if code is None:
-            own = exit_code_of(end.returncode) if end is not None and end.returncode is not None else ExitCode.OK
+            own = exit_code_of(state.end.returncode) if state.end and state.end.returncode is not None else 0
             code = self.judge.exit_code() if self.judge.failed else own
         lines = list(lines)
-        if self.report_in_verdicts and self._summary_pending and state.link is not None and not state.link.closed:
+        if self.report_in_verdicts and self._summary_pending and state.link is not None and state.link.usable:
             lines.insert(0, self.judge.message)
             self._summary_pending = False
         closing = self.before_last_verdict
@@ -294,17 +201,27 @@ class Controller:
             return
         self.stopping = sig
         self._detach_once()
-        self._signal(sig, self.live())
+        self._signal(sig, self.table.live())
         if self._kill_timer is not None:
             self._kill_timer.cancel()
-        self._kill_timer = self.loop.after(self.policy.grace, lambda: self._signal(signal.SIGKILL, self.live()))
+        self._kill_timer = self.loop.after(self.policy.grace, self._kill)
+
+    def _kill(self) -> None:
+        """``--grace`` is over: SIGKILL; a rank that still does not report after that is given up as lost."""
+        self._signal(signal.SIGKILL, self.table.live())
+        self.loop.after(KILL_WAIT, self._abandon)
+
+    def _abandon(self) -> None:
+        for state in self.table.live():
+            pid = state.process.pid if state.process is not None else None
+            self.rank_ended(state, RankEnd(state.rank, pid, None, "no word from it after SIGKILL"))
 
     def _detach_once(self) -> None:
         if self.watch is None or self.session is None or self._detached:
             return
         self._detached = True
         try:
-            self.session.detach_clients(list(with_descendants(self.local_pids())))
+            self.session.detach_clients(list(with_descendants(self.table.local_pids())))
         except MPSError as exc:  # stopping must go on
             self.note(f"could not detach ranks from MPS before stopping them: {exc}")
 
@@ -313,7 +230,7 @@ class Controller:
         for state in states:
             if state.end is not None:
                 continue
-            if state.link is not None and not state.link.closed:
+            if state.link is not None and state.link.usable:
                 by_link.setdefault(state.link, []).append(state.rank)
             elif state.process is not None:
                 state.process.signal_group(sig)
@@ -322,25 +239,19 @@ class Controller:
 
     # -- events -----------------------------------------------------------------------------------
 
-    def _interrupted(self, link: Link, message: Mapping[str, Any]) -> None:
-        """A rank's supervisor got a stopping signal from outside (srun, mpiexec): the job was interrupted."""
-        sig = message.get("signal")
-        if isinstance(sig, int) and sig in STOP_SIGNALS:
-            self._on_signal(sig)
-
     def _on_signal(self, sig: int) -> None:
         if sig in FORWARD_SIGNALS:
-            self._signal(sig, self.live())
+            self._signal(sig, self.table.live())
         elif self.upstream is not None:  # the job's controller decides; the ranks here get the signal now
             self.upstream.send("interrupted", signal=sig)
-            self._signal(sig, self.live())
-        elif self.interrupted is not None and sig == signal.SIGINT:
+            self._signal(sig, self.table.live())
+        elif self.interrupted_by is not None and sig == signal.SIGINT:
             self.note("second interrupt: killing the ranks now")
-            self._signal(signal.SIGKILL, self.live())
-        elif self.interrupted is None:
-            self.interrupted = sig
+            self._signal(signal.SIGKILL, self.table.live())
+        elif self.interrupted_by is None:
+            self.interrupted_by = sig
             self.note(f"received {signal_name(sig)}; stopping the ranks")
-            if self.upstream is None and self.judge.decide("signal", 128 + sig, f"stopped by {signal_name(sig)}"):
+            if self.judge.decide("signal", 128 + sig, f"stopped by {signal_name(sig)}"):
                 self._summary_pending = True
             self.stop(sig, restart=True)
 
@@ -352,9 +263,9 @@ class Controller:
         self.stop(signal.SIGTERM)
 
     def _check(self) -> None:
-        if self.watch is None or self.stopping is not None or not self.accepting:
+        if self.watch is None or self.stopping is not None or not self.table.accepting:
             return
-        for finding in self.watch.check(self.local_pids()):
+        for finding in self.watch.check(self.table.local_pids()):
             self._finding(finding)
         self._watch_every = min(self._watch_every * 2, self.policy.watch_interval[1])
         self.loop.after(self._watch_every, self._check)
@@ -367,30 +278,7 @@ class Controller:
         else:
             self.note(f"warning: {finding.message}")
 
-    def _relayed_finding(self, link: Link, message: Mapping[str, Any]) -> None:
-        code = message.get("code")
-        self._finding(Finding(str(message.get("message")), bool(message.get("fatal"))))
-        if isinstance(code, int) and self.judge.cause == "check-failed":
-            self.judge.code = code
-
-    def _relayed_note(self, link: Link, message: Mapping[str, Any]) -> None:
-        self.notes.append(str(message.get("text")))
-
-    # -- launchers --------------------------------------------------------------------------------
-
-    def _poll_launcher(self, started: Launched) -> None:
-        if started.popen.poll() is None:
-            self.loop.after(0.05, lambda: self._poll_launcher(started))
-        else:
-            self._launcher_exited(started)
-
-    def _launcher_exited(self, started: Launched) -> None:
-        if started.fd is not None:
-            self.loop.unwatch(started.fd)
-            with contextlib.suppress(OSError):
-                os.close(started.fd)
-            started.fd = None
-        returncode = started.reap()
+    def _launcher_exited(self, started: Launched, returncode: int) -> None:
         name = started.spec.name
         self.judge.launcher_ended(name, returncode)
         missing = [r for r in started.spec.ranks if r not in self.ranks]
@@ -405,32 +293,21 @@ class Controller:
             self.fail("launcher-failed", exit_code_of(returncode),
                       f"{name} {describe_returncode(returncode)} while rank(s) {ranges([s.rank for s in running])} ran")
 
-    def _wind_down(self) -> None:
-        """Every rank has ended: the launchers get ``--grace`` to exit, then SIGTERM, then SIGKILL."""
-        if self._winding_down or all(started.ended for started in self.launched):
-            return
-        self._winding_down = True
+    # -- upstream (a node keeper in a multi-host job) ---------------------------------------------
 
-        def signal_launchers(sig: int) -> None:
-            for started in self.launched:
-                started.signal_group(sig)
+    def _verdicts_overdue(self) -> None:
+        for state in self.ranks.values():
+            if state.end is not None and not state.verdict_sent:
+                self._verdict(state)
 
-        grace = max(self.policy.grace, 0.5)
-        self.loop.after(grace, lambda: signal_launchers(signal.SIGTERM))
-        self.loop.after(2 * grace, lambda: signal_launchers(signal.SIGKILL))
-
-    # -- upstream (a node keeper in a multi-host job) ------------------------------------------------
-
-    def _on_upstream(self) -> None:
+    def _on_upstream(self, fd: int) -> None:
         assert self.upstream is not None
         messages = self.upstream.receive()
         if messages is None:
-            self.loop.unwatch(self._upstream_fd)
+            self.loop.unwatch(fd)
             self.upstream = None
             self.fail("setup", ExitCode.SETUP, "lost the job's controller")
-            for state in self.ranks.values():
-                if state.end is not None:
-                    self._verdict(state)
+            self._verdicts_overdue()
             return
         for message in messages:
             ranks = message.get("ranks")

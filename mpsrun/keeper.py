@@ -91,7 +91,7 @@ class NodeKeeper:
         if self.closed:
             return []
         self.closed = True
-        self.controller.accepting = False
+        self.controller.table.accepting = False
         lines = self._closing_lines()
         with user_root_lock(self.base):  # no rank may join a keeper that is closing
             self.listener.close()

@@ -160,6 +160,11 @@ class JobConfig:
                                    help="end the job after this long (exit 124)")
     grace: float = option("--grace", default=5.0, parse=_seconds(True), metavar="SECONDS", forward=True,
                           help="wait this long after SIGTERM before SIGKILL when stopping ranks (default 5)")
+    mpi4py_abort: str = option(
+        "--mpi4py-abort", default="on", choices=("on", "off"), forward=True,
+        help="on (default): a Python rank runs through mpi4py's runner (python -m mpi4py) when mpi4py is installed, "
+        "so an uncaught exception or sys.exit(N) aborts the MPI job instead of hanging in MPI_Finalize; "
+        "off: run the command as given")
     keep_logs: bool = option("--keep-logs", default=False, forward=True,
                              help="keep the session directory with the MPS logs")
     hosts: tuple[str, ...] = option("--hosts", default=(), parse=_hosts, metavar="A,B", render=_joined,

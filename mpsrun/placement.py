@@ -165,5 +165,6 @@ def welcome(
         "managed": list(MANAGED_VARIABLES),
         "tag": config.tag_output,
         "grace": config.grace,
+        "mpi4py_abort": config.mpi4py_abort == "on",
         "output_lock": output_lock,
     }

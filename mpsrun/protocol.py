@@ -36,24 +36,33 @@ def token_matches(offered: object, token: str) -> bool:
 
 
 class Link:
-    """One connected peer. :meth:`send` and :meth:`receive` never raise: a broken peer is closed."""
+    """One connected peer. :meth:`send` and :meth:`receive` never raise.
+
+    A failed send only marks the link broken: the socket stays open (and registered with
+    whoever waits on it) until :meth:`receive` sees its end, so the loss is always noticed.
+    """
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.closed = False
+        self.broken = False
         self.peer: dict[str, Any] = {}  # what the peer said about itself in its hello
         self._buffer = b""
 
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    @property
+    def usable(self) -> bool:
+        return not (self.closed or self.broken)
+
     def send(self, kind: str, **fields: Any) -> bool:
-        if self.closed:
+        if self.closed or self.broken:
             return False
         try:
             self.sock.sendall(json.dumps({"type": kind, **fields}).encode() + b"\n")
         except OSError:
-            self.close()
+            self.broken = True
             return False
         return True
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import shutil
 import signal
@@ -67,6 +68,7 @@ class RankSupervisor:
         self.fds = list(fds)
         self.grace = float(welcome.get("grace", 5.0))
         self.tag = bool(welcome.get("tag"))
+        self.mpi4py_abort = bool(welcome.get("mpi4py_abort"))
         self.lock = welcome.get("output_lock")
         self.loop = EventLoop()
         self.process: subprocess.Popen[bytes] | None = None
@@ -78,6 +80,8 @@ class RankSupervisor:
         program = shutil.which(self.command[0], path=self.env.get("PATH"))
         if program is None:
             return self._finish(ExitCode.NOT_FOUND, f"{self.command[0]}: command not found")
+        if self.mpi4py_abort:
+            self.command = through_mpi4py(self.command, program)
         try:
             self._spawn(program)
         except OSError as exc:
@@ -187,6 +191,24 @@ class RankSupervisor:
             _say(str(line))
         code = verdict.get("exit_code")
         return code if isinstance(code, int) and 0 <= code <= 255 else exit_code_of(returncode)
+
+
+def through_mpi4py(command: list[str], program: str) -> list[str]:
+    """``python x.py``, ``python -m mod``, ``python -c code`` as ``python -m mpi4py ...`` when mpi4py is there.
+
+    mpi4py's runner calls MPI_Abort for an uncaught exception or ``sys.exit(N)`` (only if the
+    program imported MPI), instead of MPI_Finalize, which waits forever for ranks that never come.
+    Only this interpreter is known to have mpi4py; other commands run as given.
+    """
+    if os.path.realpath(program) != os.path.realpath(sys.executable) or len(command) < 2:
+        return command
+    first = command[1]
+    interpreter_option = first.startswith("-") and first not in ("-m", "-c")  # -u, -X, -: left alone
+    if interpreter_option or command[1:3] == ["-m", "mpi4py"]:
+        return command
+    if importlib.util.find_spec("mpi4py") is None:
+        return command
+    return [command[0], "-m", "mpi4py", *command[1:]]
 
 
 def rank_env(base: Mapping[str, str], welcome: Mapping[str, Any]) -> dict[str, str]:

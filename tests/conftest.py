@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -162,10 +163,11 @@ def fake_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
         leftovers = [p for p in psutil.Process().children(recursive=True) if _ours(p)] + fake.orphans()
         assert not leftovers, f"processes left behind: {[(p.pid, p.cmdline()) for p in leftovers]}"
         assert not fake.session_dirs(), f"session directories left behind: {fake.session_dirs()}"
-    finally:
-        for proc in psutil.Process().children(recursive=True):
+    finally:  # whatever a failed test left: our children, and detached processes of this fake machine
+        for proc in [*psutil.Process().children(recursive=True), *fake.orphans()]:
             if _ours(proc):
-                proc.kill()
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
         shutil.rmtree(root, ignore_errors=True)
 
 

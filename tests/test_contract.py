@@ -152,7 +152,8 @@ def test_mpi_abort_in_one_rank(fake_gpu, clean_tmp, path):
     out = subprocess.run(job_argv(path, ["--grace", "1"], [sys.executable, str(ABORT)]), capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 5, out.stderr
-    assert "MPI_Abort" in out.stderr
+    if path != "per-node":  # there the launcher's own report is all there is
+        assert re.search(r"rank 1 \(pid \d+\) exited with code 5 first|mpiexec exited with code 5", out.stderr)
     settle(fake_gpu)
 
 
