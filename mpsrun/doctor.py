@@ -73,11 +73,38 @@ def _cupy() -> dict[str, Any] | None:
     return {"importable": True, "version": version, "cuda_runtime": runtime}
 
 
-def gather() -> dict[str, Any]:
-    """Everything doctor knows, as plain data (the ``--json`` output)."""
-    problems: list[str] = []  # MPS cannot work
-    warnings: list[str] = []  # it can, with a caveat
-    report: dict[str, Any] = {"problems": problems, "warnings": warnings}
+def _gpu_entry(gpu: gpu_info.GPU, visible: list[gpu_info.GPU], servers: dict[int, dict[str, Any]],
+               warnings: list[str]) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "index": gpu.index,
+        "uuid": gpu.uuid,
+        "name": gpu.name,
+        "memory_gib": round(gpu.memory_total / _GIB, 1),
+        "compute_mode": gpu.compute_mode,
+        "mig": gpu.mig_enabled,
+        "visible": gpu in visible,
+    }
+    try:
+        on_gpu = gpu_info.compute_pids(gpu.uuid)
+    except GPUError:
+        on_gpu = set()
+    foreign = [servers[p] for p in on_gpu if p in servers and not servers[p]["mine"]]
+    entry["foreign_mps_servers"] = [{"pid": s["pid"], "user": s["user"]} for s in foreign]
+    if foreign:
+        warnings.append(
+            f"GPU {gpu.index} has an MPS server of another user ({foreign[0]['user']}): its clients and yours "
+            "would be time-sliced"
+        )
+    entry["usable"] = gpu.compute_mode != "Prohibited" and not gpu.mig_enabled
+    if gpu.compute_mode == "Prohibited":
+        warnings.append(f"GPU {gpu.index} is in compute mode Prohibited: no CUDA context can be made on it")
+    if gpu.mig_enabled:
+        warnings.append(f"GPU {gpu.index} has MIG enabled: mpsrun does not manage MPS on MIG instances yet")
+    return entry
+
+
+def _gpus(report: dict[str, Any], problems: list[str], warnings: list[str]) -> None:
+    """The driver, each GPU, and what keeps MPS from working on them."""
     try:
         driver = gpu_info.driver_info()
         report["driver"] = {"driver_version": driver.driver_version, "cuda_version": driver.cuda_version}
@@ -87,41 +114,16 @@ def gather() -> dict[str, Any]:
         report["driver"] = None
         physical, visible = [], []
         problems.append(str(exc))
-    processes = _mps_processes()
-    report["mps_processes"] = processes
-    servers_by_pid = {p["pid"]: p for p in processes if p["name"] == "nvidia-cuda-mps-server"}
-    report["gpus"] = []
-    for gpu in physical:
-        entry: dict[str, Any] = {
-            "index": gpu.index,
-            "uuid": gpu.uuid,
-            "name": gpu.name,
-            "memory_gib": round(gpu.memory_total / _GIB, 1),
-            "compute_mode": gpu.compute_mode,
-            "mig": gpu.mig_enabled,
-            "visible": gpu in visible,
-        }
-        try:
-            on_gpu = gpu_info.compute_pids(gpu.uuid)
-        except GPUError:
-            on_gpu = set()
-        foreign = [servers_by_pid[p] for p in on_gpu if p in servers_by_pid and not servers_by_pid[p]["mine"]]
-        entry["foreign_mps_servers"] = [{"pid": s["pid"], "user": s["user"]} for s in foreign]
-        if foreign:
-            warnings.append(
-                f"GPU {gpu.index} has an MPS server of another user ({foreign[0]['user']}): its clients and yours "
-                "would be time-sliced"
-            )
-        entry["usable"] = gpu.compute_mode != "Prohibited" and not gpu.mig_enabled
-        if gpu.compute_mode == "Prohibited":
-            warnings.append(f"GPU {gpu.index} is in compute mode Prohibited: no CUDA context can be made on it")
-        if gpu.mig_enabled:
-            warnings.append(f"GPU {gpu.index} has MIG enabled: mpsrun does not manage MPS on MIG instances yet")
-        report["gpus"].append(entry)
+    servers = {p["pid"]: p for p in report["mps_processes"] if p["name"] == "nvidia-cuda-mps-server"}
+    report["gpus"] = [_gpu_entry(gpu, visible, servers, warnings) for gpu in physical]
     if report["driver"] is not None and not visible:
         problems.append("no GPU is visible (check CUDA_VISIBLE_DEVICES)")
     elif visible and not any(g["usable"] for g in report["gpus"] if g["visible"]):
         problems.append("no visible GPU can run MPS (compute mode Prohibited or MIG)")
+
+
+def _software(report: dict[str, Any], problems: list[str]) -> None:
+    """The control program, /dev/shm, MPI launchers, mpi4py and CuPy."""
     try:
         report["control_executable"] = find_control_executable()
     except MPSUnavailableError as exc:
@@ -143,6 +145,15 @@ def gather() -> dict[str, Any]:
     except importlib.metadata.PackageNotFoundError:
         report["mpi4py"] = None
     report["cupy"] = _cupy()
+
+
+def gather() -> dict[str, Any]:
+    """Everything doctor knows, as plain data (the ``--json`` output)."""
+    problems: list[str] = []  # MPS cannot work
+    warnings: list[str] = []  # it can, with a caveat
+    report: dict[str, Any] = {"problems": problems, "warnings": warnings, "mps_processes": _mps_processes()}
+    _gpus(report, problems, warnings)
+    _software(report, problems)
     report["settings"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MPSRUN_")}
     report["usable"] = not problems
     return report
