@@ -165,14 +165,13 @@ class MpiexecBackend:
         return self._flavour.result()
 
     def _argv(self, config: JobConfig, rank_command: Sequence[str], extra: Sequence[str] = (),
-              export: Sequence[str] = ()) -> tuple[str, ...]:
+              export: Sequence[str] = (), cores: int | None = None) -> tuple[str, ...]:
         return tuple(mpi.mpiexec_command(self.mpiexec, self.flavour, config.ranks, rank_command,
-                                         [*extra, *config.mpiexec_args], cores=psutil.cpu_count(logical=False),
-                                         export=export))
+                                         [*extra, *config.mpiexec_args], cores=cores, export=export))
 
     def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]:
         # The program by absolute path: Open MPI puts its own bin directory first on the ranks' PATH.
-        argv = self._argv(config, [*SHIM, "--", program, *config.command[1:]])
+        argv = self._argv(config, [*SHIM, "--", program, *config.command[1:]], cores=psutil.cpu_count(logical=False))
         return [LaunchSpec("mpiexec", argv, env, tuple(range(config.ranks)), stdin=True)]
 
 
@@ -183,7 +182,8 @@ class HostsBackend(MpiexecBackend):
     def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]:
         hosts = mpi.host_arguments(self.flavour, config.hosts, config.hostfile)
         per_node = [sys.executable, "-m", "mpsrun", "--per-node", *to_argv(config), "--", program, *config.command[1:]]
-        argv = self._argv(config, per_node, hosts, export=self.EXPORT)
+        # Open MPI gives each --host one slot: the ranks are spread over them (--oversubscribe).
+        argv = self._argv(config, per_node, hosts, export=self.EXPORT, cores=None if config.hosts else 1 << 20)
         return [LaunchSpec("mpiexec", argv, env, tuple(range(config.ranks)), stdin=True)]
 
 

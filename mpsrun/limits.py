@@ -7,6 +7,7 @@ an ``MPSRUN_*`` variable or an ``mps_session()`` argument); the typed result tra
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from mpsrun.errors import ConfigError
 
@@ -14,9 +15,11 @@ __all__ = [
     "MPS_MODES",
     "ThreadSpec",
     "client_variables",
+    "parse_gpu_request",
     "parse_mem_limit",
     "parse_mps_mode",
     "parse_priority",
+    "parse_seconds",
     "parse_thread_percentage",
     "parse_thread_spec",
 ]
@@ -114,3 +117,25 @@ def client_variables(thread_percentage: int | None, mem_limit: str | None, prior
     if priority is not None:
         env["CUDA_MPS_CLIENT_PRIORITY"] = str(priority)
     return env
+
+
+def parse_gpu_request(gpu: int | str | None, gpus: Sequence[int | str] | str | None) -> list[int | str] | None:
+    """``mps_session(gpu=...)`` or ``gpus=...`` as a list of indices or UUIDs (None: every visible GPU)."""
+    if gpu is not None and gpus is not None:
+        raise ConfigError("give gpu= or gpus=, not both", setting="gpus", value=(gpu, gpus))
+    if gpus == "all":
+        return None
+    if isinstance(gpus, str):
+        return [part.strip() for part in gpus.split(",") if part.strip()]
+    if gpus is not None:
+        if not list(gpus):
+            raise ConfigError("gpus= must name at least one GPU", setting="gpus", value=gpus)
+        return list(gpus)
+    return [0 if gpu is None else gpu]
+
+
+def parse_seconds(value: object, setting: str) -> float:
+    """A positive, finite number of seconds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
+        raise ConfigError(f"{setting} must be a positive number of seconds, not {value!r}", setting=setting)
+    return float(value)

@@ -26,7 +26,14 @@ from mpsrun import registry
 from mpsrun.daemon import ControlDaemon, find_control_executable
 from mpsrun.errors import ConfigError, DaemonError, MPSError, MPSUnavailableError, NoDriverError, TeardownError
 from mpsrun.gpus import GPU
-from mpsrun.limits import parse_mem_limit, parse_mps_mode, parse_priority, parse_thread_percentage
+from mpsrun.limits import (
+    parse_gpu_request,
+    parse_mem_limit,
+    parse_mps_mode,
+    parse_priority,
+    parse_seconds,
+    parse_thread_percentage,
+)
 from mpsrun.paths import SessionDirs, base_directory, validate_base
 from mpsrun.placement import MANAGED_VARIABLES, GpuTarget, RankPlan, rank_environment
 from mpsrun.procs import ProcessRef
@@ -40,26 +47,6 @@ log = logging.getLogger("mpsrun")
 
 #: Variables a session may set in a worker's environment (restored on close when exported).
 SESSION_VARIABLES = ("CUDA_VISIBLE_DEVICES", *MANAGED_VARIABLES)
-
-
-def _requested_gpus(gpu: int | str | None, gpus: Sequence[int | str] | str | None) -> list[int | str] | None:
-    if gpu is not None and gpus is not None:
-        raise ConfigError("give gpu= or gpus=, not both", setting="gpus", value=(gpu, gpus))
-    if gpus == "all":
-        return None
-    if isinstance(gpus, str):
-        return [part.strip() for part in gpus.split(",") if part.strip()]
-    if gpus is not None:
-        if not list(gpus):
-            raise ConfigError("gpus= must name at least one GPU", setting="gpus", value=gpus)
-        return list(gpus)
-    return [0 if gpu is None else gpu]
-
-
-def _positive(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
-        raise ConfigError(f"{name} must be a positive number of seconds, not {value!r}", setting=name)
-    return float(value)
 
 
 class Session:
@@ -100,15 +87,15 @@ class Session:
         start_timeout: float = 30.0,
         stop_timeout: float = 10.0,
     ) -> None:
-        self._requested = _requested_gpus(gpu, gpus)
+        self._requested = parse_gpu_request(gpu, gpus)
         self.mps = parse_mps_mode(mps)
         self.thread_percentage = None if thread_percentage is None else parse_thread_percentage(thread_percentage)
         self.mem_limit = None if mem_limit is None else parse_mem_limit(mem_limit)
         self.priority = None if priority is None else parse_priority(priority)
         self.base = Path(tmpdir) if tmpdir is not None else base_directory()
         validate_base(self.base)
-        self.start_timeout = _positive("start_timeout", start_timeout)
-        self.stop_timeout = _positive("stop_timeout", stop_timeout)
+        self.start_timeout = parse_seconds(start_timeout, "start_timeout")
+        self.stop_timeout = parse_seconds(stop_timeout, "stop_timeout")
         self.keep_logs = bool(keep_logs)
         self.export = export
         self.gpus: list[GPU] = []

@@ -119,9 +119,7 @@ def test_per_node_under_mpirun(tmp_path, monkeypatch):
     seen = probes(tmp_path)
     assert [p["rank"] for p in seen] == [0, 1, 2, 3]
     assert len({p["env"]["CUDA_MPS_PIPE_DIRECTORY"] for p in seen}) == 1
-    assert out.stderr.count("started this node's MPS daemons") == 1
-    assert out.stderr.count("verified as an MPS client") == 4
-    assert out.stderr.count("last local rank out") == 1
+    assert "4 of 4 rank(s) verified as MPS clients (0-3)" in out.stderr  # from the node keeper, once
     root = base / f"mpsrun-{os.getuid()}"
     assert not root.exists() or list(root.iterdir()) == []
     shutil.rmtree(base, ignore_errors=True)
