@@ -123,7 +123,8 @@ class Job:
         env = {**os.environ, "MPSRUN_CONTROL": listener.address, "MPSRUN_CONTROL_TOKEN": token,
                "MPSRUN_JOB_ID": token[:16]}
         try:
-            log.info(f"mpsrun: {backend.name} launcher, MPS {'on' if watch else 'off'}, {config.ranks} rank(s)")
+            mps = "on" if watch else "per host" if not backend.owns_daemons else "off"
+            log.info(f"mpsrun: {backend.name} launcher, MPS {mps}, {config.ranks} rank(s)")
             controller.launch(backend.specs(config, program, env))
             self._elapsed("ranks starting")
             result = controller.run(first=session.wait_active if watch and session else None)
@@ -137,13 +138,13 @@ class Job:
                 watch: RankWatch | None) -> None:
         if watch is not None:
             log.info(f"mpsrun: {verified_line(watch, self.config.ranks)}")
+        for line in controller.notes:  # what each host's node keeper had to say (under --hosts)
+            self.note(line)
         if result.exit_code == ExitCode.OK:
             return
         self.note(result.message)
         rank_of = {s.process.pid: s.rank for s in controller.ranks.values() if s.process is not None}
         for line in (mps_report(session.daemons, rank_of) if session is not None and session.enabled else []):
-            self.note(line)
-        for line in controller.notes:
             self.note(line)
 
     def _close(self, session: Session | None) -> str:
