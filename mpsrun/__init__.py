@@ -10,6 +10,7 @@ Public API::
 from typing import TYPE_CHECKING, Any
 
 from mpsrun.errors import (
+    CommandNotExecutableError,
     CommandNotFoundError,
     ConfigError,
     DaemonError,
@@ -42,6 +43,7 @@ def __getattr__(name: str) -> Any:
 __version__ = "0.1.0"
 
 __all__ = [
+    "CommandNotExecutableError",
     "CommandNotFoundError",
     "ConfigError",
     "DaemonError",

@@ -11,6 +11,7 @@ multi-host job) relays events up and carries out what comes down instead of judg
 
 from __future__ import annotations
 
+import functools
 import signal
 import socket
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -35,6 +36,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 FORWARD_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 KILL_WAIT = 10.0  # after SIGKILL, how long a rank's supervisor gets to report before the rank is given up
 VERDICT_WAIT = 30.0  # how long a relaying node keeper waits for the job's verdicts once its ranks have ended
+LATE_WAIT = 30.0  # how long a node keeper keeps its session for ranks the launcher said would come
 Welcome = Callable[[RankIdentity, Mapping[str, Any]], dict[str, Any]]
 
 
@@ -66,7 +68,8 @@ class Controller:
         self.interrupted_by: int | None = None
         self.report_in_verdicts = False  # a node keeper without upstream: its ranks print the summary
         self.before_last_verdict: Callable[[], list[str]] | None = None
-        self.give_up = False  # a node keeper that no rank ever joined
+        self.expected_count: int | None = None  # a node keeper: how many ranks the launcher put on the node
+        self.give_up = False  # a node keeper that no rank ever joined, or that waited for late ranks in vain
         self._kill_timer: Timer | None = None
         self._watch_every = policy.watch_interval[0]
         self._summary_pending = False
@@ -79,8 +82,11 @@ class Controller:
     def launch(self, specs: Sequence[LaunchSpec]) -> None:
         self.launchers.launch(specs)
 
-    def run(self, first: Callable[[], object] | None = None) -> JobResult:
-        """Run the job to its end; ``first`` runs once the loop handles signals (it may raise MPSError)."""
+    def run(self, first: Callable[[], object] | None = None, pending: Sequence[int] = ()) -> JobResult:
+        """Run the job to its end; ``first`` runs once the loop handles signals (it may raise MPSError).
+
+        ``pending``: stopping signals that arrived before the loop took over (acted on first).
+        """
         with self.loop.signals((*STOP_SIGNALS, *FORWARD_SIGNALS), self._on_signal):
             if self.upstream is not None:
                 upstream_fd = self.upstream.fileno()
@@ -89,6 +95,8 @@ class Controller:
                 self.loop.after(self.policy.timeout, self._timed_out)
             if self.watch is not None:
                 self.loop.after(self._watch_every, self._check)
+            for sig in pending:
+                self.loop.after(0, functools.partial(self._on_signal, sig))
             if first is not None:
                 self.loop.after(0, lambda: self._guarded(first))
             self.loop.run_until(self._done)
@@ -100,13 +108,21 @@ class Controller:
             step()
         except MPSError as exc:
             self.fail("setup", exc.exit_code, str(exc))
+        except OSError as exc:  # a launcher that cannot be started
+            self.fail("setup", ExitCode.SETUP, f"cannot start the ranks: {exc}")
+            self._never_started([r for r in self.expected or () if r not in self.ranks])
+
+    def _never_started(self, ranks: Iterable[int]) -> None:
+        for rank in ranks:
+            self.ranks[rank] = RankState(rank, end=RankEnd(rank, None, None, "never started"), verdict_sent=True)
 
     def _done(self) -> bool:
         if self.give_up:
             return True
         if self.expected is not None:
             return self.table.ended(self.expected) and self.launchers.ended
-        return bool(self.ranks) and all(s.end is not None and s.verdict_sent for s in self.ranks.values())
+        every = len(self.ranks) >= (self.expected_count or 1)
+        return every and all(s.end is not None and s.verdict_sent for s in self.ranks.values())
 
     # -- what the ranks say (mpsrun.ranks.RankEvents) ---------------------------------------------
 
@@ -128,9 +144,9 @@ class Controller:
             except MPSError as exc:
                 refusal = (exc.exit_code, f"mpsrun: error: {exc}")
         link.send("refuse", exit_code=refusal[0], message=refusal[1])
-        link.close()
-        if known is None:
-            state = self.ranks[rank] = RankState(rank, link, verdict_sent=True)  # the refusal was its verdict
+        self.table.close(link)
+        if known is None:  # the refusal is its verdict; its end may still be the node's last
+            state = self.ranks[rank] = RankState(rank, link)
             self.rank_ended(state, RankEnd(rank, None, refusal[0], refusal[1].removeprefix("mpsrun: error: ")))
 
     def rank_started(self, state: RankState, message: Mapping[str, Any]) -> None:
@@ -142,6 +158,9 @@ class Controller:
             self._signal(self.stopping, [state])
 
     def rank_ended(self, state: RankState, end: RankEnd) -> None:
+        if end.returncode != 0 and self.watch is not None and self.stopping is None:
+            for finding in self.watch.dead_daemons():  # the rank failed because its server went away
+                self._finding(finding)
         state.end = end
         if self.upstream is not None:
             self.upstream.send("exited", rank=end.rank, pid=end.pid, returncode=end.returncode, reason=end.reason)
@@ -156,8 +175,13 @@ class Controller:
             self.launchers.wind_down(self.policy.grace)
 
     def interrupted(self, sig: int) -> None:
-        """A rank's supervisor got a stopping signal from outside (srun, mpiexec): the job was interrupted."""
-        self._on_signal(sig)
+        """A rank's supervisor got a stopping signal from outside (srun, mpiexec): the job was interrupted.
+
+        srun and mpiexec send one to every rank: only the first counts (a second Ctrl-C is the
+        user's, at the controller itself).
+        """
+        if self.interrupted_by is None:
+            self._on_signal(sig)
 
     def relayed(self, kind: str, message: Mapping[str, Any]) -> None:
         if kind == "note":
@@ -182,6 +206,9 @@ class Controller:
             self._summary_pending = False
         closing = self.before_last_verdict
         last = closing is not None and all(s.verdict_sent for s in self.ranks.values())
+        if closing is not None and last and len(self.ranks) < (self.expected_count or 0):
+            last = False  # a rank of the node has yet to come: keep the session for it a while
+            self.loop.after(LATE_WAIT, self._late_ranks_overdue)
         if closing is not None and last:
             lines += closing()  # the last rank out waits for the node's teardown
         if state.link is not None:  # ... and, with linger, for this process to end
@@ -287,13 +314,17 @@ class Controller:
             code = exit_code_of(returncode) or ExitCode.SETUP
             self.fail("launcher-failed", code, f"{name} {describe_returncode(returncode)} before rank(s) "
                       f"{ranges(missing)} started")
-            for rank in missing:
-                self.ranks[rank] = RankState(rank, end=RankEnd(rank, None, None, "never started"), verdict_sent=True)
+            self._never_started(missing)
         elif returncode != 0 and running:
             self.fail("launcher-failed", exit_code_of(returncode),
                       f"{name} {describe_returncode(returncode)} while rank(s) {ranges([s.rank for s in running])} ran")
 
     # -- upstream (a node keeper in a multi-host job) ---------------------------------------------
+
+    def _late_ranks_overdue(self) -> None:
+        if self.before_last_verdict is not None and all(s.verdict_sent for s in self.ranks.values()):
+            self.before_last_verdict()
+            self.give_up = True
 
     def _verdicts_overdue(self) -> None:
         for state in self.ranks.values():

@@ -152,7 +152,7 @@ class ControlDaemon:
         try:
             self.wait_ready(timeout)
         except BaseException:
-            self.stop(timeout=2.0)
+            self._end_group(grace=1.0)  # it never answered: no quit to wait for
             raise
 
     def wait_ready(self, timeout: float) -> None:
@@ -204,11 +204,14 @@ class ControlDaemon:
                 log.debug("quit failed: %s", exc)
             if not self._wait_exit(deadline.remaining()):
                 log.warning("MPS control daemon %d did not quit in %g s; terminating it", self.process.pid, timeout)
-                for sig in (signal.SIGTERM, signal.SIGKILL):
-                    self._signal_group(sig)
-                    if self._wait_exit(grace):
-                        break
+                self._end_group(grace)
         self._reap_servers(grace)
+
+    def _end_group(self, grace: float) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            self._signal_group(sig)
+            if self._wait_exit(grace):
+                return
 
     def _wait_exit(self, seconds: float) -> bool:
         if self._popen is not None:

@@ -14,6 +14,7 @@ from typing import Any
 from mpsrun.exitcodes import ExitCode
 
 __all__ = [
+    "CommandNotExecutableError",
     "CommandNotFoundError",
     "ConfigError",
     "DaemonError",
@@ -162,6 +163,16 @@ class TeardownError(MPSError, RuntimeError):
 
     def __init__(self, message: str, *, errors: Sequence[BaseException] = ()) -> None:
         super().__init__(message, errors=list(errors))
+
+
+class CommandNotExecutableError(MPSError, PermissionError):
+    """The command to run as the ranks exists but cannot be executed. Attribute: ``command``."""
+
+    exit_code = ExitCode.NOT_EXECUTABLE
+    command: str
+
+    def __init__(self, message: str, *, command: str = "") -> None:
+        super().__init__(message, command=command)
 
 
 class CommandNotFoundError(MPSError, FileNotFoundError):

@@ -157,7 +157,11 @@ def select_gpus(requested: Sequence[int | str] | None, visible: Sequence[GPU]) -
         if isinstance(item, bool) or not isinstance(item, (int, str)):
             raise ConfigError(f"a GPU is an index or a UUID string, not {item!r}", setting="gpus", value=item)
         if isinstance(item, str) and item.startswith("GPU-"):
-            found = next((g for g in visible if g.uuid.startswith(item)), None)
+            matches = [g for g in visible if g.uuid.startswith(item)]
+            if len(matches) > 1:
+                raise ConfigError(f"GPU {item!r} names {len(matches)} GPUs ({', '.join(g.uuid for g in matches)}); "
+                                  "give more of the UUID", setting="gpus", value=item)
+            found = matches[0] if matches else None
         else:
             try:
                 position = int(item)

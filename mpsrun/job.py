@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -18,12 +17,14 @@ from typing import Any
 
 from mpsrun.backends import Backend, choose_backend
 from mpsrun.controller import Controller, Policy
-from mpsrun.errors import CommandNotFoundError, ConfigError, TeardownError
-from mpsrun.exitcodes import ExitCode
+from mpsrun.errors import CommandNotExecutableError, CommandNotFoundError, ConfigError, TeardownError
+from mpsrun.exitcodes import ExitCode, signal_name
+from mpsrun.interrupts import Interrupts
 from mpsrun.launchers import RankIdentity
 from mpsrun.options import JobConfig
 from mpsrun.outcome import JobResult
-from mpsrun.placement import plan_job, ranks_on_gpus, welcome
+from mpsrun.placement import plan_job, ranks_on_gpus, welcome, without_mps
+from mpsrun.procs import find_program
 from mpsrun.protocol import Listener, new_token
 from mpsrun.report import crowding_warnings, mps_report, verified_line
 from mpsrun.session import Session
@@ -35,10 +36,10 @@ log = logging.getLogger("mpsrun")
 
 
 def resolve_command(command: tuple[str, ...]) -> str:
-    program = shutil.which(command[0]) if command else None
+    program, code, reason = find_program(command[0], None)
     if program is None:
-        raise CommandNotFoundError(f"{command[0] if command else '(none)'}: command not found",
-                                   command=command[0] if command else "")
+        error = CommandNotFoundError if code == ExitCode.NOT_FOUND else CommandNotExecutableError
+        raise error(f"{command[0]}: {reason}", command=command[0])
     return program
 
 
@@ -60,10 +61,15 @@ class Job:
             raise ConfigError(f"--thread-percentage lists {len(config.thread_percentage)} values but there are "
                               f"{config.ranks} ranks; give one value per rank, a single value, or auto",
                               setting="--thread-percentage")
+        if backend.name == "local" and (config.mpiexec or config.mpiexec_args):
+            log.warning("mpsrun: warning: --mpiexec and --mpiexec-arg have no effect with --launcher local")
         if not backend.owns_daemons:
             return None
         session = Session(gpus=list(config.gpus) if config.gpus is not None else "all", mem_limit=config.mem_limit,
-                          mps=config.mps, keep_logs=config.keep_logs, export=False).resolve()
+                          mps=config.mps, keep_logs=config.keep_logs, export=False, quiet=True).resolve()
+        if session.disabled_reason is not None:
+            for line in without_mps(config, session.disabled_reason):
+                log.warning(f"mpsrun: {line}")
         plans = plan_job(config.ranks, len(session.gpus), config)
         if session.disabled_reason is None:
             for line in crowding_warnings(ranks_on_gpus(plans)):
@@ -91,22 +97,28 @@ class Job:
         return answer
 
     def run(self) -> JobResult:
+        """Interrupts before the ranks run undo what was made and raise Interrupted; during teardown they wait."""
         config = self.config
         program = resolve_command(config.command)
         backend = choose_backend(config)
-        session = self._session(backend)
-        if session is not None:
-            session.start(wait_active=False, kind="job")  # the servers come up while the ranks start
-            self._elapsed("daemons ready")
-        try:
-            result = self._run(backend, session, program)
-        finally:
-            failure = self._close(session)
+        with Interrupts() as interrupts:
+            session = self._session(backend)
+            if session is not None:
+                session.start(wait_active=False, kind="job")  # the servers come up while the ranks start
+                self._elapsed("daemons ready")
+            try:
+                result = self._run(backend, session, program, interrupts.received)
+            finally:
+                with interrupts.deferred():
+                    failure = self._close(session)
         if failure and result.exit_code == ExitCode.OK:
             return JobResult(ExitCode.SETUP, "teardown-failed", failure)
+        if interrupts.received and result.exit_code == ExitCode.OK:
+            sig = interrupts.received[0]
+            return JobResult(128 + sig, "signal", f"interrupted by {signal_name(sig)} while ending the job")
         return result
 
-    def _run(self, backend: Backend, session: Session | None, program: str) -> JobResult:
+    def _run(self, backend: Backend, session: Session | None, program: str, pending: list[int]) -> JobResult:
         config = self.config
         token = new_token()
         where = f"unix:{session.dirs.control_socket}" if backend.control == "unix" and session and session.dirs \
@@ -122,12 +134,16 @@ class Job:
         watch = controller.watch
         env = {**os.environ, "MPSRUN_CONTROL": listener.address, "MPSRUN_CONTROL_TOKEN": token,
                "MPSRUN_JOB_ID": token[:16]}
-        try:
+        def start() -> None:  # in the controller's loop, which handles signals from here on
             mps = "on" if watch else "per host" if not backend.owns_daemons else "off"
             log.info(f"mpsrun: {backend.name} launcher, MPS {mps}, {config.ranks} rank(s)")
             controller.launch(backend.specs(config, program, env))
             self._elapsed("ranks starting")
-            result = controller.run(first=session.wait_active if watch and session else None)
+            if watch is not None and session is not None:
+                session.wait_active()
+
+        try:
+            result = controller.run(first=start, pending=list(pending))  # a signal a finalizer swallowed
             self._elapsed("ranks done")
         finally:
             listener.close()
@@ -138,13 +154,12 @@ class Job:
                 watch: RankWatch | None) -> None:
         if watch is not None:
             log.info(f"mpsrun: {verified_line(watch, self.config.ranks)}")
+        if result.exit_code != ExitCode.OK:
+            self.note(result.message)
+            rank_of = {s.process.pid: s.rank for s in controller.ranks.values() if s.process is not None}
+            for line in (mps_report(session.daemons, rank_of) if session is not None and session.enabled else []):
+                self.note(line)
         for line in controller.notes:  # what each host's node keeper had to say (under --hosts)
-            self.note(line)
-        if result.exit_code == ExitCode.OK:
-            return
-        self.note(result.message)
-        rank_of = {s.process.pid: s.rank for s in controller.ranks.values() if s.process is not None}
-        for line in (mps_report(session.daemons, rank_of) if session is not None and session.enabled else []):
             self.note(line)
 
     def _close(self, session: Session | None) -> str:

@@ -29,7 +29,7 @@ from mpsrun.errors import ConfigError, MPSError
 from mpsrun.launchers import RankIdentity
 from mpsrun.options import JobConfig, parse_options
 from mpsrun.paths import user_root_lock
-from mpsrun.placement import welcome
+from mpsrun.placement import welcome, without_mps
 from mpsrun.protocol import Link, Listener, connect
 from mpsrun.report import mps_report, verified_line
 from mpsrun.session import Session
@@ -55,8 +55,11 @@ class NodeKeeper:
         self.session = Session(gpus=list(config.gpus) if config.gpus is not None else "all",
                                thread_percentage=config.thread_percentage
                                if isinstance(config.thread_percentage, int) else None,
-                               mem_limit=config.mem_limit, mps=config.mps, keep_logs=config.keep_logs, export=False)
+                               mem_limit=config.mem_limit, mps=config.mps, keep_logs=config.keep_logs, export=False,
+                               quiet=True)
         self.session.start(wait_active=True, kind="node", name=self.name)
+        reason = self.session.disabled_reason
+        self.notices = without_mps(config, reason) if reason is not None and not config.quiet else []
         assert self.session.dirs is not None
         self.listener = Listener(f"unix:{self.session.dirs.control_socket}")
         upstream = self._upstream() if self.upstream_address else None
@@ -81,10 +84,20 @@ class NodeKeeper:
             raise ConfigError("the ranks on this node see different GPUs (CUDA_VISIBLE_DEVICES "
                               f"{hello.get('devices')!r}, not {self.devices!r}); mpsrun --per-node needs every "
                               "local rank to see the node's GPUs (no per-task GPU binding)", setting="gpus")
-        return welcome(identity, self.config, len(self.session.gpus), self.session.target)
+        if self.controller.expected_count is None:
+            self.controller.expected_count = identity.local_world_size
+        answer = welcome(identity, self.config, len(self.session.gpus), self.session.target)
+        answer["lines"], self.notices = self.notices, []  # said once, by the first rank to join
+        return answer
 
     def _log(self, text: str) -> None:
+        """Into keeper.log, and through one of the node's ranks to the user (the job's controller says its own)."""
         print(f"mpsrun keeper: {text}", file=sys.stderr, flush=True)
+        controller = getattr(self, "controller", None)
+        if controller is not None and controller.upstream is None:
+            for state in sorted(controller.table.live(), key=lambda s: s.rank):
+                if state.link is not None and state.link.send("say", text=text):
+                    return
 
     def close(self) -> list[str]:
         """The last rank is out: what to tell it, after the daemons are stopped and the session is gone."""
@@ -99,6 +112,8 @@ class NodeKeeper:
                 self.session.close()
             except MPSError as exc:
                 lines.append(str(exc))
+        if self.config.keep_logs and self.session.dirs is not None:
+            lines.append(f"kept this node's session logs in {self.session.dirs.root}")
         if self.controller.upstream is not None:
             for line in lines:
                 self.controller.upstream.send("note", text=line)
@@ -155,7 +170,11 @@ def main() -> int:
         code = exc.exit_code if isinstance(exc, MPSError) else 3
         print(f"{code} {exc if isinstance(exc, MPSError) else f'node keeper failed: {exc!r}'}", flush=True)
         return code
-    print("ready", flush=True)
+    try:
+        print("ready", flush=True)
+    except OSError:  # the rank that started us is gone (interrupted): nobody will come
+        keeper.session.close()
+        return 3
     _detach(keeper.session.dirs.root if keeper.session.dirs else None)
     keeper.run()
     return 0

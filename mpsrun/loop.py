@@ -43,7 +43,12 @@ class EventLoop:
         self._wakeup: int | None = None
 
     def watch(self, fd: int, callback: Callable[[], object]) -> None:
-        """Call ``callback()`` whenever ``fd`` is readable (or at its end of file)."""
+        """Call ``callback()`` whenever ``fd`` is readable (or at its end of file).
+
+        A descriptor number still registered belongs to a file closed since: its number was
+        reused, so the old registration is dropped (the kernel dropped it already).
+        """
+        self.unwatch(fd)
         self._selector.register(fd, selectors.EVENT_READ, callback)
 
     def unwatch(self, fd: int) -> None:

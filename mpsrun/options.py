@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import shlex
+import shutil
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -113,6 +115,28 @@ def _hosts(text: str) -> tuple[str, ...]:
     return hosts
 
 
+def _hostfile(text: str) -> str:
+    """A host file: a readable file naming at least one host (``host``, ``host:N`` or ``host slots=N`` lines)."""
+    try:
+        with open(text) as hostfile:
+            lines = [line.split("#", 1)[0].strip() for line in hostfile]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise _problem(f"cannot read host file {text!r}: {getattr(exc, 'strerror', None) or exc}") from None
+    hosts = [line for line in lines if line]
+    if not hosts:
+        raise _problem(f"host file {text!r} names no host")
+    for line in hosts:
+        if not re.fullmatch(r"[A-Za-z0-9._-]+(:\d+)?(\s+(slots|max_slots|max-slots)=\d+)*", line):
+            raise _problem(f"host file {text!r}: {line!r} is not a host line (host, host:N or host slots=N)")
+    return text
+
+
+def _executable(text: str) -> str:
+    if shutil.which(text) is None:
+        raise _problem(f"{text!r} is not an executable")
+    return text
+
+
 def _joined(value: Sequence[Any] | None) -> str:
     return "all" if value is None else ",".join(map(str, value))
 
@@ -148,7 +172,7 @@ class JobConfig:
     launcher: str = option("--launcher", default="auto", choices=LAUNCHERS,
                            help="local: mpsrun starts the ranks; mpiexec: the real MPI launcher does; "
                            "auto: mpiexec when it and mpi4py are installed")
-    mpiexec: str | None = option("--mpiexec", default=None, parse=str, metavar="PATH",
+    mpiexec: str | None = option("--mpiexec", default=None, parse=_executable, metavar="PATH",
                                  help="the mpiexec to use (default: mpiexec on PATH)")
     mpiexec_args: tuple[str, ...] = option(
         "--mpiexec-arg", default=(), parse=str, metavar="ARG", append=True,
@@ -169,7 +193,7 @@ class JobConfig:
                              help="keep the session directory with the MPS logs")
     hosts: tuple[str, ...] = option("--hosts", default=(), parse=_hosts, metavar="A,B", render=_joined,
                                     help="run over these hosts through mpiexec, one MPS session per host")
-    hostfile: str | None = option("--hostfile", default=None, parse=str, metavar="FILE",
+    hostfile: str | None = option("--hostfile", default=None, parse=_hostfile, metavar="FILE",
                                   help="like --hosts, from the MPI launcher's host file")
     per_node: bool = option("--per-node", default=False,
                             help="this process is ONE rank started by srun or mpiexec: share the node's MPS session "

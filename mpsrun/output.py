@@ -4,7 +4,8 @@ Standard library only (the rank shim imports it). Lines are written whole, with 
 each: the kernel keeps a pipe write of up to ``PIPE_BUF`` bytes (and any terminal or file
 write) in one piece, and longer lines take an advisory lock shared by the job's shims. A
 partial line is written when the rank's stream ends (with a newline added), or once it
-grows past ``limit`` bytes, so memory stays bounded whatever the rank prints.
+grows past ``limit`` bytes (1 MiB: a longer line is written in tagged pieces), so memory
+stays bounded whatever the rank prints.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ PIPE_BUF = select.PIPE_BUF
 
 
 class LineTagger:
-    def __init__(self, rank: int, sink: int, lock_path: str | None = None, limit: int = 1 << 16) -> None:
+    def __init__(self, rank: int, sink: int, lock_path: str | None = None, limit: int = 1 << 20) -> None:
         self.prefix = f"[rank {rank}] ".encode()
         self.sink = sink
         self.limit = limit

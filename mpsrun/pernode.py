@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import select
 import socket
 import subprocess
@@ -73,8 +74,11 @@ def _join_node(base: Path, name: str, config: JobConfig) -> tuple[Link, dict[str
             return connect(address), None
         except OSError:
             pass  # no keeper: ours to start
-        if (user_root(base) / name).exists():  # a keeper that died left it
-            registry.reap(user_root(base) / name, locked=True)
+        stale = user_root(base) / name
+        if stale.exists():  # a keeper that died left it (or kept its logs)
+            registry.reap(stale, locked=True)
+            if stale.exists():
+                stale.rename(stale.with_name(f"{name}-{secrets.token_hex(3)}"))
         _start_keeper(base, name, config)
         return connect(address), None
 

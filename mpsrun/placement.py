@@ -26,6 +26,7 @@ __all__ = [
     "rank_environment",
     "ranks_on_gpus",
     "welcome",
+    "without_mps",
 ]
 
 #: Variables mpsrun owns in a rank: a stale value from the caller's environment is never passed on.
@@ -152,6 +153,17 @@ def ranks_on_gpus(plans: Sequence[RankPlan]) -> dict[int, int]:
     for plan in plans:
         counts[plan.gpu] = counts.get(plan.gpu, 0) + 1
     return counts
+
+
+def without_mps(config: JobConfig, reason: str) -> list[str]:
+    """What to say once when the ranks run without MPS: why, and which options then have no effect."""
+    unused = [flag for flag, value in (("--thread-percentage", config.thread_percentage),
+                                       ("--mem-limit", config.mem_limit), ("--priority", config.priority))
+              if value is not None]
+    lines = [f"running without MPS: {reason}"]
+    if unused:
+        lines.append(f"warning: {', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect without MPS")
+    return lines
 
 
 def welcome(

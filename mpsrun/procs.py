@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 __all__ = [
     "ProcessRef",
     "close_all",
+    "find_program",
     "inherited_fds",
     "kill_group",
     "pidfd",
@@ -124,6 +126,16 @@ def inherited_fds() -> list[int]:
                 if os.get_inheritable(fd):
                     found.append(fd)
     return sorted(found)
+
+
+def find_program(name: str, path: str | None) -> tuple[str | None, int, str]:
+    """The program to run for ``name``, or why not, as a shell says it: (None, 127, ...) or (None, 126, ...)."""
+    found = shutil.which(name, path=path)
+    if found is not None:
+        return found, 0, ""
+    if os.sep in name and os.path.lexists(name):
+        return None, 126, "Is a directory" if os.path.isdir(name) else "Permission denied"
+    return None, 127, "command not found"
 
 
 def pidfd(pid: int) -> int | None:

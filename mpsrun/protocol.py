@@ -44,6 +44,7 @@ class Link:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self.fd = sock.fileno()  # kept after close, to stop waiting on it
         self.closed = False
         self.broken = False
         self.peer: dict[str, Any] = {}  # what the peer said about itself in its hello

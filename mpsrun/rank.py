@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import importlib.util
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -31,10 +30,11 @@ from typing import IO, Any
 from mpsrun.deadline import Deadline
 from mpsrun.errors import MPSError
 from mpsrun.exitcodes import ExitCode, exit_code_of
+from mpsrun.interrupts import InterruptionError, Interrupts
 from mpsrun.launchers import RankIdentity, identity_from_env
 from mpsrun.loop import EventLoop
 from mpsrun.output import LineTagger
-from mpsrun.procs import inherited_fds, kill_group, pidfd, set_parent_death_signal, start_ticks
+from mpsrun.procs import close_all, find_program, inherited_fds, kill_group, pidfd, set_parent_death_signal, start_ticks
 from mpsrun.protocol import Link, connect
 
 __all__ = ["CONTROL_VARIABLES", "direct", "greet", "main", "run_rank"]
@@ -77,17 +77,17 @@ class RankSupervisor:
         self.killing = False
 
     def run(self) -> int:
-        program = shutil.which(self.command[0], path=self.env.get("PATH"))
+        program, code, reason = find_program(self.command[0], self.env.get("PATH"))
         if program is None:
-            return self._finish(ExitCode.NOT_FOUND, f"{self.command[0]}: command not found")
+            return self._finish(code, f"{self.command[0]}: {reason}")
         if self.mpi4py_abort:
             self.command = through_mpi4py(self.command, program)
-        try:
-            self._spawn(program)
-        except OSError as exc:
-            code = ExitCode.NOT_FOUND if isinstance(exc, FileNotFoundError) else ExitCode.NOT_EXECUTABLE
-            return self._finish(code, f"{self.command[0]}: {exc.strerror}")
-        with self.loop.signals(FORWARDED, self._on_signal):
+        with self.loop.signals(FORWARDED, self._on_signal):  # a signal from here on reaches the rank
+            try:
+                self._spawn(program)
+            except OSError as exc:
+                code = ExitCode.NOT_FOUND if isinstance(exc, FileNotFoundError) else ExitCode.NOT_EXECUTABLE
+                return self._finish(code, f"{self.command[0]}: {exc.strerror}")
             self.loop.run_until(lambda: self.returncode is not None and not self.streams)
         assert self.returncode is not None
         return self._finish(self.returncode)
@@ -98,6 +98,7 @@ class RankSupervisor:
             self.command, executable=program, env=self.env, stdout=piped, stderr=piped,
             start_new_session=True, pass_fds=self.fds, preexec_fn=set_parent_death_signal,
         )
+        close_all(self.fds)  # the rank has them now; holding them would keep its launcher's connections open
         pid = self.process.pid
         self.link.send("started", rank=self.rank, pid=pid, start=start_ticks(pid), host=socket.gethostname())
         exit_fd = pidfd(pid)
@@ -176,6 +177,8 @@ class RankSupervisor:
         for message in messages:
             if message.get("type") == "signal" and isinstance(message.get("signal"), int):
                 self._signal(message["signal"])
+            elif message.get("type") == "say":  # a node keeper's word for the user
+                _say(str(message.get("text")))
 
     def _finish(self, returncode: int, reason: str = "") -> int:
         self.link.send("exited", rank=self.rank, returncode=returncode, reason=reason)
@@ -250,17 +253,27 @@ def run_rank(command: Sequence[str], identity: RankIdentity, join: Join, token: 
     fields = {"role": "rank", "token": token, "identity": identity.to_json(), "host": socket.gethostname(),
               "shim": os.getpid(), "devices": os.environ.get("CUDA_VISIBLE_DEVICES"), **(hello or {})}
     try:
-        link, answer = join(fields)
-    except (OSError, MPSError) as exc:
+        with Interrupts():
+            link, answer = join(fields)
+    except InterruptionError as exc:
+        _say(f"rank {identity.rank}: {exc} before it started")
+        return exc.exit_code
+    except MPSError as exc:  # the node's session cannot start: said once per node, by its first local rank
+        if identity.local_rank == 0:
+            _say(f"error: {exc}")
+        return exc.exit_code
+    except OSError as exc:
         _say(f"rank {identity.rank}: cannot reach the job's controller: {exc}")
-        return exc.exit_code if isinstance(exc, MPSError) else ExitCode.SETUP
+        return ExitCode.SETUP
     if answer is None or answer["type"] == "refuse":
-        message = (answer or {}).get("message") or "the job's controller went away before this rank started"
-        if message:
+        message = answer.get("message") if answer else "the job's controller went away before this rank started"
+        if message:  # a rank refused because the job is already stopping says nothing
             _say(str(message).removeprefix("mpsrun: "))
         link.close()
         code = (answer or {}).get("exit_code")
         return code if isinstance(code, int) else ExitCode.SETUP
+    for line in answer.get("lines") or ():
+        _say(str(line))
     env = rank_env(os.environ, answer)
     return RankSupervisor(identity, command, env, link, answer, fds).run()
 

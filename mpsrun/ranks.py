@@ -66,19 +66,22 @@ class RankTable:
     def _accept(self) -> None:
         link = self.listener.accept()
         if link is not None:
-            fd = link.fileno()
-            self.loop.watch(fd, lambda: self._on_link(link, fd))
+            self.loop.watch(link.fd, lambda: self._on_link(link))
 
-    def _on_link(self, link: Link, fd: int) -> None:
+    def close(self, link: Link) -> None:
+        self.loop.unwatch(link.fd)
+        link.close()
+
+    def _on_link(self, link: Link) -> None:
         messages = link.receive()
         if messages is None:
-            self.loop.unwatch(fd)
+            self.loop.unwatch(link.fd)
             self._lost(link)
             return
         for message in messages:
             kind = str(message.get("type"))
             if not link.peer and kind != "hello":
-                link.close()  # a peer must say who it is first
+                self.close(link)  # a peer must say who it is first
                 return
             if kind == "hello":
                 self._hello(link, message)
@@ -91,10 +94,10 @@ class RankTable:
 
     def _hello(self, link: Link, message: Mapping[str, Any]) -> None:
         if not token_matches(message.get("token"), self.token):
-            link.close()
+            self.close(link)
         elif not self.accepting:
             link.send("refuse", retry=True)
-            link.close()
+            self.close(link)
         elif message.get("role") == "node":  # a node keeper relaying for its ranks
             link.peer = {"role": "node", "node": message.get("node")}
             link.send("welcome")
@@ -103,7 +106,7 @@ class RankTable:
                 identity = RankIdentity.from_json(message.get("identity") or {})
             except ValueError as exc:
                 link.send("refuse", exit_code=ExitCode.SETUP, message=f"mpsrun: bad hello: {exc}")
-                link.close()
+                self.close(link)
                 return
             link.peer = {"role": "rank", "rank": identity.rank}
             self.events.admit(link, identity, message)

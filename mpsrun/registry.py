@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,6 +55,13 @@ class SessionState:
     @property
     def stale(self) -> bool:
         return not self.owner_alive
+
+    @property
+    def kept(self) -> bool:
+        """Logs kept on request (``--keep-logs``): its owner is gone and nothing of it runs."""
+        record = self.record
+        return record is not None and record.keep_logs and self.stale and not any(
+            d.process.alive() for d in record.daemons)
 
     @property
     def age(self) -> float:
@@ -127,12 +135,15 @@ def reap(root: Path, force: bool = False, keep_logs: bool | None = None, lock_ti
 
 
 def cleanup(base: Path | None = None, force: Sequence[str] = (), dry_run: bool = False,
-            lock_timeout: float = 60.0) -> list[tuple[str, str]]:
-    """Stop and remove stale sessions (and those named in ``force``); return (session, what was done)."""
+            lock_timeout: float = 60.0, remove_kept: bool = True) -> list[tuple[str, str]]:
+    """Stop and remove stale sessions (and those named in ``force``); return (session, what was done).
+
+    Kept logs are removed only when asked (``mpsrun cleanup``), never by a new session.
+    """
     done = []
     for state in list_sessions(base):
         named = state.session_id in force
-        if not state.stale and not named:
+        if (not state.stale and not named) or (state.kept and not remove_kept):
             continue
         if dry_run:
             done.append((state.session_id, "would remove"))
@@ -159,6 +170,7 @@ def _as_json(state: SessionState) -> dict[str, object]:
         "owner_alive": state.owner_alive,
         "age_s": round(state.age, 1),
         "stale": state.stale,
+        "kept": state.kept,
         "problem": state.problem or None,
         "daemons": [{"gpu": d.gpu, "pid": d.process.pid, "alive": d.process.alive()} for d in record.daemons]
         if record
@@ -174,14 +186,18 @@ def _print_status(states: Sequence[SessionState]) -> None:
     print(f"{'SESSION':<11} {'KIND':<5} {'OWNER':<14} {'AGE':>7}  {'DAEMONS (pid state)':<28} DIRECTORY")
     for state in states:
         record = state.record
-        owner = f"{record.owner.pid} {'alive' if state.owner_alive else 'GONE'}" if record else "unreadable"
+        owner = f"{record.owner.pid} {'alive' if state.owner_alive else 'KEPT' if state.kept else 'GONE'}" \
+            if record else "unreadable"
         daemons = "; ".join(f"{d.process.pid} {'up' if d.process.alive() else 'gone'}" for d in record.daemons) \
             if record else state.problem
         kind = record.kind if record else "?"
         print(f"{state.session_id:<11} {kind:<5} {owner:<14} {_age(state.age):>7}  {daemons or '-':<28} {state.root}")
-    stale = sum(state.stale for state in states)
+    stale = sum(state.stale and not state.kept for state in states)
     if stale:
         print(f"{stale} stale session(s): run `mpsrun cleanup`")
+    kept = sum(state.kept for state in states)
+    if kept:
+        print(f"{kept} session(s) with kept logs: `mpsrun cleanup` removes them")
 
 
 def main(argv: Sequence[str], command: str) -> int:
@@ -197,6 +213,10 @@ def main(argv: Sequence[str], command: str) -> int:
         parser.add_argument("--dry-run", action="store_true", help="say what would be done")
     args = parser.parse_args(argv)
     if command == "cleanup":
+        unknown = set(args.force) - {s.session_id for s in list_sessions(args.tmpdir)}
+        if unknown:
+            print(f"mpsrun cleanup: error: no session {', '.join(sorted(unknown))} of yours here", file=sys.stderr)
+            return 2
         try:
             done = cleanup(args.tmpdir, args.force, args.dry_run)
         except MPSError as exc:

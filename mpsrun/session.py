@@ -86,6 +86,7 @@ class Session:
         export: bool | None = None,
         start_timeout: float = 30.0,
         stop_timeout: float = 10.0,
+        quiet: bool = False,
     ) -> None:
         self._requested = parse_gpu_request(gpu, gpus)
         self.mps = parse_mps_mode(mps)
@@ -98,6 +99,7 @@ class Session:
         self.stop_timeout = parse_seconds(stop_timeout, "stop_timeout")
         self.keep_logs = bool(keep_logs)
         self.export = export
+        self.quiet = quiet  # the launcher and node keepers say themselves why MPS is off
         self.gpus: list[GPU] = []
         self.daemons: list[ControlDaemon] = []
         self.dirs: SessionDirs | None = None
@@ -166,7 +168,7 @@ class Session:
             if self.disabled_reason is None:
                 self._start_daemons(wait_active)
                 self.enabled = True
-            else:
+            elif not self.quiet:
                 log.warning("mpsrun: running without MPS: %s", self.disabled_reason)
             if self.export is not False and len(self.gpus) <= 1 and kind == "api":
                 self._export(self.env())
@@ -180,7 +182,7 @@ class Session:
 
     def _make_directory(self, kind: str, name: str | None) -> None:
         with contextlib.suppress(Exception):  # best effort, never waiting: what a killed earlier run left
-            for session_id, what in registry.cleanup(self.base, lock_timeout=0):
+            for session_id, what in registry.cleanup(self.base, lock_timeout=0, remove_kept=False):
                 log.info("mpsrun: stale session %s %s", session_id, what)
         self.dirs = SessionDirs.create(self.base, [g.index for g in self.gpus], name=name)
         self.record = SessionRecord.new(kind, gpus=tuple(g.uuid for g in self.gpus), argv=tuple(sys.argv),

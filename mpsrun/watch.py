@@ -118,6 +118,10 @@ class RankWatch:
                 findings.append(self._stray(rank, pid, missed[pid]))
         return findings
 
+    def dead_daemons(self) -> list[Finding]:
+        """A finding for each daemon of the session that has died (no command is sent)."""
+        return [self._dead(p) for p, daemon in enumerate(self.watcher.daemons) if not daemon.alive]
+
     def _dead(self, position: int) -> Finding:
         daemon = self.watcher.daemons[position]
         tail = daemon.log_tail(5)

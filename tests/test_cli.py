@@ -96,6 +96,10 @@ BAD_COMMAND_LINES = [
     (["--map-by", "socket", "python"], "invalid choice"),
     (["--mps", "maybe", "python"], "invalid choice"),
     (["-v", "-q", "python"], "cannot be used together"),
+    (["--hostfile", "/nonexistent", "python"], "cannot read host file '/nonexistent'"),
+    (["--hostfile", "/dev/null", "python"], "names no host"),
+    (["--hostfile", "/", "python"], "Is a directory"),
+    (["--launcher", "local", "--mpiexec", "/nonexistent", "python"], "is not an executable"),
     (["-np"], "expected one argument"),
 ]
 

@@ -170,3 +170,137 @@ def test_a_leaked_per_node_session_is_cleaned_by_the_next(fake_gpu, short_tmp):
     out = subprocess.run([sys.executable, "-m", "mpsrun", "cleanup"], capture_output=True, text=True, timeout=60)
     assert f"{root.name}: removed" in out.stdout, out.stdout + out.stderr
     settle(fake_gpu)
+
+
+# -- found by an adversarial pass over the README's promises ------------------------------------
+
+
+def test_per_node_ranks_that_end_before_others_join_still_share_one_verdict(fake_gpu):
+    """Per-node ranks that finish before the node's others even join: one node session for all (the keeper waits
+    for the ranks the launcher announced), one exit code (the first failure's), one summary."""
+    out = subprocess.run(job_argv("per-node", [], ["sh", "-c", "exit $((RANK+3))"]), capture_output=True, text=True,
+                         timeout=120)
+    first = re.search(r"rank (\d) \(pid \d+\) exited with code (\d) first", out.stderr)
+    assert first and int(first.group(2)) == int(first.group(1)) + 3, out.stderr
+    assert out.returncode == int(first.group(2)) and out.stderr.count(" first") == 1, out.stderr
+    assert "went away" not in out.stderr
+    settle(fake_gpu)
+
+
+def test_per_node_first_rank_failing_at_once_stops_the_late_ones(fake_gpu):
+    """Rank 0 fails before the others have joined: they are stopped (or refused) at once, not run to their end."""
+    started = time.monotonic()
+    out = subprocess.run(job_argv("per-node", ["--grace", "1"], ["sh", "-c", "[ $RANK = 0 ] && exit 9; sleep 30"],
+                                  ranks=4), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 9, out.stderr
+    assert time.monotonic() - started < 20
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("path", ["local", "mpiexec"])
+def test_twenty_instantly_failing_ranks(fake_gpu, path):
+    """20 ranks that all fail at once: the first failure's code, one line, no traceback (descriptor reuse)."""
+    out = subprocess.run(job_argv(path, [], ["sh", "-c", "exit 3"], ranks=20), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 3, out.stderr
+    assert "Traceback" not in out.stderr and out.stderr.count(" first") == 1, out.stderr
+    settle(fake_gpu)
+
+
+SLOW_CLEANUP = ("import os, signal, sys, time\n"
+                "def stop(*_):\n"
+                "    time.sleep(2); open(os.path.join(os.environ['MARK'], os.environ['RANK']), 'w').close(); sys.exit(0)\n"
+                "signal.signal(signal.SIGINT, stop)\n"
+                "open(os.path.join(os.environ['MARK'], 'ready' + os.environ['RANK']), 'w').close()\n"
+                "time.sleep(60)\n")
+
+
+@pytest.mark.parametrize("path", ["per-node", "mpiexec"])
+def test_one_interrupt_per_rank_is_not_a_second_ctrl_c(fake_gpu, short_tmp, monkeypatch, path):
+    """srun (and Hydra for its mpiexec) hands one SIGINT to every rank: that is one interrupt, so the ranks get
+    their --grace to clean up instead of being killed at once."""
+    monkeypatch.setenv("MARK", str(short_tmp))
+    job = subprocess.Popen(job_argv(path, ["--grace", "10"], [sys.executable, "-c", SLOW_CLEANUP]),
+                           stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(list(short_tmp.glob("ready*"))) < 3:
+        assert time.monotonic() < deadline and job.poll() is None
+        time.sleep(0.05)
+    if path == "per-node":
+        targets = [p.pid for p in psutil.Process(job.pid).children(recursive=True) if "--per-node" in p.cmdline()]
+    else:
+        targets = [p.pid for p in psutil.Process(job.pid).children() if "mpiexec" in p.name()]
+    for pid in targets:
+        os.kill(pid, signal.SIGINT)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 130, err
+    assert sorted(p.name for p in short_tmp.iterdir() if p.name.isdigit()) == ["0", "1", "2"], err
+    assert "second interrupt" not in err
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_file_that_cannot_be_executed_gives_126(fake_gpu, short_tmp, path):
+    """A command that exists but cannot be executed gives 126 (as a shell does), not 127."""
+    script = short_tmp / "noexec.sh"
+    script.write_text("echo hi\n")
+    script.chmod(0o644)
+    out = subprocess.run(job_argv(path, [], [str(script)]), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 126, out.stderr
+    assert "Permission denied" in out.stderr
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_daemon_dying_under_the_job_gives_3(fake_gpu, short_tmp, path):
+    """The MPS daemon killed under running ranks: exit 3 on every path, the summary says the daemon died."""
+    job = subprocess.Popen(job_argv(path, ["--grace", "1"], [sys.executable, str(FAKECUDA), "--hold", "60",
+                                                             "--report-dir", str(short_tmp)]),
+                           stderr=subprocess.PIPE, text=True)
+    wait_ready(short_tmp, proc=job)
+    [root] = fake_gpu.session_dirs()
+    daemon = json.loads((root / "session.json").read_text())["daemons"][0]["process"]["pid"]
+    os.killpg(daemon, signal.SIGKILL)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 3, err
+    assert "MPS control daemon of GPU 0 died under the job" in err
+    settle(fake_gpu)
+
+
+def test_per_node_keeps_logs_and_the_next_job_keeps_them_too(fake_gpu):
+    """--keep-logs under --per-node with instant ranks keeps the node's session and says where; a later job leaves
+    kept logs alone; mpsrun cleanup removes them."""
+    out = subprocess.run(job_argv("per-node", ["--keep-logs"], ["true"]), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    [kept] = fake_gpu.session_dirs()
+    assert f"kept this node's session logs in {kept}" in out.stderr
+    again = subprocess.run(job_argv("local", [], ["true"]), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and fake_gpu.session_dirs() == [kept]
+    cleaned = subprocess.run([sys.executable, "-m", "mpsrun", "cleanup"], capture_output=True, text=True, timeout=60)
+    assert f"{kept.name}: removed" in cleaned.stdout, cleaned.stdout
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("path", ["per-node", "hosts"])
+def test_per_node_says_what_the_keeper_sees(fake_gpu, short_tmp, path):
+    """Under --per-node the node keeper's words reach the user: a rank that misses the daemon under --mps auto is
+    warned about (as under the launcher), through one of the node's ranks."""
+    elsewhere = short_tmp / "elsewhere"
+    elsewhere.mkdir()
+    program = ["sh", "-c", f'if [ $RANK = 2 ]; then export CUDA_MPS_PIPE_DIRECTORY={elsewhere}; fi; '
+                           f'exec {sys.executable} {FAKECUDA} --hold 3']
+    out = subprocess.run(job_argv(path, ["--mps", "auto"], program), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"rank 2 \(pid \d+\) uses GPU 0 without MPS", out.stderr), out.stderr
+    settle(fake_gpu)
+
+
+def test_a_long_tagged_line_stays_one_line(fake_gpu):
+    """--tag-output keeps a 200 kB line as one tagged line (pieces only past 1 MiB)."""
+    code = "import sys; sys.stdout.write('x' * 200000 + '\\n')"
+    out = subprocess.run(job_argv("local", ["--tag-output"], [sys.executable, "-c", code], ranks=2),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert sorted(len(line) for line in out.stdout.splitlines()) == [200009, 200009]
+    settle(fake_gpu)

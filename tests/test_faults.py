@@ -250,8 +250,7 @@ def test_another_users_cleanup_does_not_touch_our_session(fake_gpu, other_user):
         env = {"PATH": os.environ["PATH"], "MPSRUN_TMPDIR": str(fake_gpu.tmpdir)}
         out = subprocess.run([other_user[1], "-m", "mpsrun", "cleanup", "--force", session.dirs.session_id],
                              user=OTHER_USER, capture_output=True, text=True, cwd="/tmp", env=env, timeout=60)
-        assert out.returncode == 0, out.stderr
-        assert "nothing to clean up" in out.stdout
+        assert out.returncode == 2 and "no session" in out.stderr, out.stdout + out.stderr
         assert session.dirs.root.exists() and session.daemons[0].alive
     shutil.rmtree(fake_gpu.tmpdir / f"mpsrun-{other_user[0].pw_uid}", ignore_errors=True)
 
@@ -279,3 +278,41 @@ def test_control_socket_itself_is_open_but_the_directory_guards_it(fake_gpu):
 
 
 _ = FAKE_MPS
+
+
+def test_a_killed_program_using_mps_session_leaves_nothing(fake_gpu):
+    """A Python program SIGKILLed inside `with mps_session()`: its session's reaper stops the daemon and removes the
+    directory, with no cleanup run."""
+    code = ("import sys, time\nfrom mpsrun import mps_session\n"
+            "with mps_session() as s:\n    print(s.dirs.root, flush=True)\n    time.sleep(60)\n")
+    program = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    root = Path(program.stdout.readline().strip())
+    program.stdout.close()
+    assert root.is_dir()
+    program.kill()
+    program.wait()
+    wait_for(lambda: not root.exists() and not fake_gpu.orphans())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("launcher", ["local", "mpiexec"])
+def test_an_interrupt_during_start_up_is_one_line(fake_gpu, sig, launcher):
+    """A signal while the daemon starts (one that never answers): one line, exit 128+N, nothing left."""
+    fake_gpu.daemon_env(FAKE_MPS_NO_ANSWER="1")
+    where = ["--mpiexec", shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"] \
+        if launcher == "mpiexec" else []
+    job = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", launcher, *where, "true"],
+                           stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: fake_gpu.session_dirs())
+    time.sleep(0.3)
+    job.send_signal(sig)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 128 + sig
+    assert err == f"mpsrun: error: interrupted by {signal.Signals(sig).name}\n"
+    wait_for(lambda: not fake_gpu.session_dirs() and not fake_gpu.orphans())
+
+
+def test_cleanup_refuses_a_session_that_is_not_there(fake_gpu):
+    """mpsrun cleanup --force NAME for a session that does not exist says so and exits 2."""
+    out = mpsrun("cleanup", "--force", "s-nope")
+    assert out.returncode == 2 and "no session s-nope of yours here" in out.stderr

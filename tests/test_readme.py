@@ -43,7 +43,7 @@ def test_every_option_in_the_table_exists():
     known = {option for action in build_parser()._actions for option in action.option_strings}
     section = README.split("## The command")[1].split("### Exit status")[0]
     rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
-    named = set(re.findall(r"`(-{1,2}[a-z][a-z-]*)", "".join(rows)))
+    named = set(re.findall(r"`(-{1,2}[a-z][a-z0-9-]*)", "".join(rows)))
     assert named and named <= known, named - known
 
 

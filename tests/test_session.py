@@ -297,3 +297,22 @@ def test_session_cannot_restart_and_close_is_idempotent(fake_gpu):
     session.close()
     with pytest.raises(Exception, match="closed"):
         session.start()
+
+
+def test_a_session_started_in_a_thread_keeps_its_daemon(fake_gpu, short_tmp):
+    """A session started in a worker thread that then ends keeps its daemon (the parent-death signal would follow
+    that thread; the session's reaper covers the process instead): a later worker is an MPS client."""
+    import threading
+
+    holder = {}
+    thread = threading.Thread(target=lambda: holder.setdefault("s", mps_session(gpu=0).start()))
+    thread.start()
+    thread.join()
+    session = holder["s"]
+    try:
+        assert session.daemons[0].alive
+        child = run_client(fake_gpu, short_tmp)
+        assert child["mps"] is True
+    finally:
+        session.close()
+    assert not session.daemons[0].alive and not session.dirs.root.exists()

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import FAKECUDA
@@ -56,5 +57,19 @@ def test_sbatch_job_with_per_node_mpsrun(slurm, fake_gpu, short_tmp):
         env = report["env"]
         assert env["RANK"] == str(rank) and env["CUDA_VISIBLE_DEVICES"] == fake_gpu.uuids[0]
         assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+    root = fake_gpu.tmpdir / f"mpsrun-{os.getuid()}"
+    assert not root.exists() or list(root.iterdir()) == []
+
+
+def test_srun_per_node_failing_rank_stops_the_node(slurm, fake_gpu, short_tmp):
+    """srun -n 3 mpsrun --per-node with rank 1 exiting 7: the node keeper stops the other ranks, srun exits 7 (every
+    rank's mpsrun exits with the job's code), the summary names rank 1 once, and nothing is left on the node."""
+    started = time.monotonic()
+    out = subprocess.run(["srun", "--overcommit", "-n", "3", "--chdir", str(short_tmp), sys.executable, "-m", "mpsrun",
+                          "--per-node", "--grace", "1", sys.executable, str(FAKECUDA), "--hold", "60", "--fail-rank",
+                          "1", "--exit", "7"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 7, out.stderr
+    assert out.stderr.count("exited with code 7 first") == 1 and "rank 1 (pid" in out.stderr, out.stderr
+    assert time.monotonic() - started < 60
     root = fake_gpu.tmpdir / f"mpsrun-{os.getuid()}"
     assert not root.exists() or list(root.iterdir()) == []
