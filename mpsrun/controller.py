@@ -43,7 +43,8 @@ Welcome = Callable[[RankIdentity, Mapping[str, Any]], dict[str, Any]]
 @attrs.frozen
 class Policy:
     grace: float = 5.0
-    timeout: float | None = None
+    timeout: float | None = None  # seconds left of the job's --timeout when the ranks start
+    timeout_total: float | None = None  # the --timeout itself, for the message
     mps_required: bool = False  # --mps on: a rank found without MPS fails the job
     watch_interval: tuple[float, float] = (0.2, 2.0)
 
@@ -283,7 +284,7 @@ class Controller:
             self.stop(sig, restart=True)
 
     def _timed_out(self) -> None:
-        timeout = self.policy.timeout
+        timeout = self.policy.timeout_total or self.policy.timeout
         self.note(f"timeout: the job ran longer than {timeout:g} s; stopping it")
         if self.judge.decide("timeout", ExitCode.TIMEOUT, f"timed out after {timeout:g} s"):
             self._summary_pending = True

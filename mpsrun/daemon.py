@@ -170,7 +170,7 @@ class ControlDaemon:
 
         if not poll_until(answers, deadline):
             raise DaemonTimeoutError(
-                f"MPS control daemon did not answer within {timeout:g} s (its log: {self.log_tail(1) or 'empty'})",
+                f"MPS control daemon did not answer within {timeout:.3g} s (its log: {self.log_tail(1) or 'empty'})",
                 command="get_server_list",
                 log_tail=self.log_tail(),
             )

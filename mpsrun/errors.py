@@ -22,6 +22,7 @@ __all__ = [
     "DaemonTimeoutError",
     "GPUError",
     "GPUNotFoundError",
+    "JobTimeoutError",
     "MPSError",
     "MPSUnavailableError",
     "NoDriverError",
@@ -154,6 +155,16 @@ class NotMPSClientError(MPSError, RuntimeError):
 
     def __init__(self, message: str, *, pids: Sequence[int] = (), gpu: str = "") -> None:
         super().__init__(message, pids=list(pids), gpu=gpu)
+
+
+class JobTimeoutError(MPSError, TimeoutError):
+    """The job's ``--timeout`` passed before its ranks could start (exit 124). Attribute: ``timeout``."""
+
+    exit_code = ExitCode.TIMEOUT
+    timeout: float
+
+    def __init__(self, message: str, *, timeout: float = 0.0) -> None:
+        super().__init__(message, timeout=timeout)
 
 
 class TeardownError(MPSError, RuntimeError):

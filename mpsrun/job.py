@@ -17,7 +17,15 @@ from typing import Any
 
 from mpsrun.backends import Backend, choose_backend
 from mpsrun.controller import Controller, Policy
-from mpsrun.errors import CommandNotExecutableError, CommandNotFoundError, ConfigError, TeardownError
+from mpsrun.deadline import Deadline
+from mpsrun.errors import (
+    CommandNotExecutableError,
+    CommandNotFoundError,
+    ConfigError,
+    DaemonTimeoutError,
+    JobTimeoutError,
+    TeardownError,
+)
 from mpsrun.exitcodes import ExitCode, signal_name
 from mpsrun.interrupts import Interrupts
 from mpsrun.launchers import RankIdentity
@@ -33,6 +41,8 @@ from mpsrun.watch import RankWatch
 __all__ = ["run_job"]
 
 log = logging.getLogger("mpsrun")
+
+START_TIMEOUT = 30.0  # for each daemon to answer and its server to come up
 
 
 def resolve_command(command: tuple[str, ...]) -> str:
@@ -50,6 +60,7 @@ class Job:
         self.config = config
         self.note = note
         self.started = time.monotonic()
+        self.deadline = Deadline(config.timeout)  # --timeout bounds the whole job, start-up included
 
     def _elapsed(self, what: str) -> None:
         log.info(f"mpsrun: {what} after {time.monotonic() - self.started:.3f} s")
@@ -66,7 +77,8 @@ class Job:
         if not backend.owns_daemons:
             return None
         session = Session(gpus=list(config.gpus) if config.gpus is not None else "all", mem_limit=config.mem_limit,
-                          mps=config.mps, keep_logs=config.keep_logs, export=False, quiet=True).resolve()
+                          mps=config.mps, keep_logs=config.keep_logs, export=False, quiet=True,
+                          start_timeout=max(0.1, self.deadline.cap(START_TIMEOUT))).resolve()
         if session.disabled_reason is not None:
             for line in without_mps(config, session.disabled_reason):
                 log.warning(f"mpsrun: {line}")
@@ -104,8 +116,7 @@ class Job:
         with Interrupts() as interrupts:
             session = self._session(backend)
             if session is not None:
-                session.start(wait_active=False, kind="job")  # the servers come up while the ranks start
-                self._elapsed("daemons ready")
+                self._start(session)
             try:
                 result = self._run(backend, session, program, interrupts.received)
             finally:
@@ -118,6 +129,16 @@ class Job:
             return JobResult(128 + sig, "signal", f"interrupted by {signal_name(sig)} while ending the job")
         return result
 
+    def _start(self, session: Session) -> None:
+        try:
+            session.start(wait_active=False, kind="job")  # the servers come up while the ranks start
+        except DaemonTimeoutError as exc:
+            if self.deadline.expired():
+                raise JobTimeoutError(f"timed out after {self.config.timeout:g} s while the MPS daemons started "
+                                      f"({exc})", timeout=self.config.timeout or 0.0) from None
+            raise
+        self._elapsed("daemons ready")
+
     def _run(self, backend: Backend, session: Session | None, program: str, pending: list[int]) -> JobResult:
         config = self.config
         token = new_token()
@@ -128,8 +149,10 @@ class Job:
         if config.tag_output and backend.name == "local" and session is not None and session.dirs is not None:
             session.dirs.output_lock.touch(mode=0o600)
             output_lock = str(session.dirs.output_lock)
-        controller = Controller(listener, token, self._welcome(session, output_lock),
-                                Policy(config.grace, config.timeout, config.mps == "on"), expected=range(config.ranks),
+        policy = Policy(grace=config.grace, timeout=self.deadline.remaining() if config.timeout else None,
+                        timeout_total=config.timeout, mps_required=config.mps == "on")
+        controller = Controller(listener, token, self._welcome(session, output_lock), policy,
+                                expected=range(config.ranks),
                                 session=session, note=self.note)
         watch = controller.watch
         env = {**os.environ, "MPSRUN_CONTROL": listener.address, "MPSRUN_CONTROL_TOKEN": token,

@@ -63,8 +63,8 @@ class NodeKeeper:
         assert self.session.dirs is not None
         self.listener = Listener(f"unix:{self.session.dirs.control_socket}")
         upstream = self._upstream() if self.upstream_address else None
-        self.controller = Controller(self.listener, self.name, self._welcome,
-                                     Policy(config.grace, config.timeout, config.mps == "on"), expected=None,
+        policy = Policy(grace=config.grace, timeout=config.timeout, mps_required=config.mps == "on")
+        self.controller = Controller(self.listener, self.name, self._welcome, policy, expected=None,
                                      session=self.session, upstream=upstream, note=self._log)
         self.controller.report_in_verdicts = upstream is None
         self.controller.before_last_verdict = self.close

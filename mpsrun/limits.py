@@ -15,6 +15,7 @@ __all__ = [
     "MPS_MODES",
     "ThreadSpec",
     "client_variables",
+    "parse_flag",
     "parse_gpu_request",
     "parse_mem_limit",
     "parse_mps_mode",
@@ -123,15 +124,27 @@ def parse_gpu_request(gpu: int | str | None, gpus: Sequence[int | str] | str | N
     """``mps_session(gpu=...)`` or ``gpus=...`` as a list of indices or UUIDs (None: every visible GPU)."""
     if gpu is not None and gpus is not None:
         raise ConfigError("give gpu= or gpus=, not both", setting="gpus", value=(gpu, gpus))
-    if gpus == "all":
+    if isinstance(gpus, str) and gpus.strip().lower() == "all":
         return None
     if isinstance(gpus, str):
-        return [part.strip() for part in gpus.split(",") if part.strip()]
-    if gpus is not None:
-        if not list(gpus):
-            raise ConfigError("gpus= must name at least one GPU", setting="gpus", value=gpus)
-        return list(gpus)
-    return [0 if gpu is None else gpu]
+        chosen: list[int | str] = [part.strip() for part in gpus.split(",") if part.strip()]
+    elif gpus is not None:
+        chosen = list(gpus) if isinstance(gpus, (list, tuple)) else [gpus]  # type: ignore[list-item]
+    else:
+        chosen = [0 if gpu is None else gpu]
+    if not chosen:
+        raise ConfigError(f"gpus= must name at least one GPU, not {gpus!r}", setting="gpus", value=gpus)
+    for item in chosen:
+        if isinstance(item, bool) or not isinstance(item, (int, str)):
+            raise ConfigError(f"a GPU is an index or a UUID string, not {item!r}", setting="gpus", value=item)
+    return chosen
+
+
+def parse_flag(value: object, setting: str) -> bool:
+    """A true/false argument that must really be one (``"no"`` is not false-y enough to guess)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{setting} must be True or False, not {value!r}", setting=setting, value=value)
+    return value
 
 
 def parse_seconds(value: object, setting: str) -> float:

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import stat
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -71,45 +71,109 @@ def longest_socket_path(root: Path) -> int:
     return len(os.fsencode(sample))
 
 
-def check_private_dir(path: Path) -> None:
-    """Refuse a directory that is a symlink, not ours, or writable by others (checked with lstat)."""
-    info = os.lstat(path)
-    if stat.S_ISLNK(info.st_mode):
-        reason = "is a symbolic link"
-    elif not stat.S_ISDIR(info.st_mode):
-        reason = "is not a directory"
-    elif info.st_uid != os.getuid():
-        reason = f"is owned by uid {info.st_uid}, not by you (uid {os.getuid()})"
-    elif info.st_mode & 0o077:
-        reason = f"has mode {stat.S_IMODE(info.st_mode):04o}; it must be private (0700)"
-    else:
-        return
-    raise UnsafeDirectoryError(
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _refuse(path: Path, reason: str) -> UnsafeDirectoryError:
+    return UnsafeDirectoryError(
         f"refusing to use {path}: it {reason}; remove it or set MPSRUN_TMPDIR to a private directory",
         path=str(path),
         reason=reason,
     )
 
 
+def _check_private(info: os.stat_result, path: Path) -> None:
+    if stat.S_ISLNK(info.st_mode):
+        raise _refuse(path, "is a symbolic link")
+    if not stat.S_ISDIR(info.st_mode):
+        raise _refuse(path, "is not a directory")
+    if info.st_uid != os.getuid():
+        raise _refuse(path, f"is owned by uid {info.st_uid}, not by you (uid {os.getuid()})")
+    if info.st_mode & 0o077:
+        raise _refuse(path, f"has mode {stat.S_IMODE(info.st_mode):04o}; it must be private (0700)")
+
+
+def check_private_dir(path: Path) -> None:
+    """Refuse a directory that is a symlink, not ours, or writable by others (checked with lstat)."""
+    _check_private(os.lstat(path), path)
+
+
+def _check_base(info: os.stat_result, base: Path) -> None:
+    """Refuse a base in which another user could move this user's entries."""
+    if info.st_uid not in (0, os.getuid()):
+        raise UnsafeDirectoryError(
+            f"refusing to use {base}: it is owned by uid {info.st_uid}, who could move your sessions; "
+            "set MPSRUN_TMPDIR to a directory of yours", path=str(base), reason="owned by another user")
+    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        raise UnsafeDirectoryError(
+            f"refusing to use {base}: others may write to it and it has no sticky bit (mode "
+            f"{stat.S_IMODE(info.st_mode):04o}), so they could move your sessions; set MPSRUN_TMPDIR",
+            path=str(base), reason="writable by others without the sticky bit")
+
+
+def _open_base(base: Path) -> int:
+    try:
+        fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        raise ConfigError(f"session directory base {base} does not exist or is not a directory; set MPSRUN_TMPDIR",
+                          setting="tmpdir", value=str(base)) from None
+    try:
+        _check_base(os.fstat(fd), base)
+        if not os.access(f"/proc/self/fd/{fd}", os.W_OK | os.X_OK):
+            raise ConfigError(f"cannot create session directories in {base}: not writable; set MPSRUN_TMPDIR to a "
+                              "writable directory", setting="tmpdir", value=str(base))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_private(name: str, parent_fd: int, path: Path, create: bool) -> int:
+    """Open (making it first if asked) a private directory in ``parent_fd`` without following a link, checked."""
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, 0o700, dir_fd=parent_fd)  # an existing one is checked below
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except OSError:
+        _check_private(os.lstat(name, dir_fd=parent_fd), path)  # says why (a link, not a directory)
+        raise
+    try:
+        _check_private(os.fstat(fd), path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _user_root_fd(base: Path) -> int:
+    """This user's private root under ``base``: made 0700 if missing, refused if unsafe; an open descriptor.
+
+    Everything is checked on descriptors, never on a path resolved again later, and the base
+    must not let another user move entries in it, so what was checked is what is used.
+    """
+    base_fd = _open_base(base)
+    try:
+        return _open_private(user_root(base).name, base_fd, user_root(base), create=True)
+    finally:
+        os.close(base_fd)
+
+
 def make_user_root(base: Path) -> Path:
     """This user's private root under ``base``, made 0700 if missing, refused if unsafe."""
-    if not base.is_dir():
-        raise ConfigError(
-            f"session directory base {base} does not exist or is not a directory; set MPSRUN_TMPDIR",
-            setting="tmpdir",
-            value=str(base),
-        )
-    if not os.access(base, os.W_OK | os.X_OK):
-        raise ConfigError(
-            f"cannot create session directories in {base}: not writable; set MPSRUN_TMPDIR to a writable directory",
-            setting="tmpdir",
-            value=str(base),
-        )
-    root = user_root(base)
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(root, 0o700)  # an existing one is checked below
-    check_private_dir(root)
-    return root
+    os.close(_user_root_fd(base))
+    return user_root(base)
+
+
+def _new_directory(root_fd: int) -> str:
+    """Make a directory with a fresh random name in ``root_fd`` (atomically) and return the name."""
+    while True:
+        name = "s" + secrets.token_hex(4)
+        try:
+            os.mkdir(name, 0o700, dir_fd=root_fd)
+        except FileExistsError:
+            continue
+        return name
 
 
 def validate_base(base: Path) -> None:
@@ -131,12 +195,11 @@ def user_root_lock(base: Path, timeout: float = 60.0) -> Iterator[Path]:
     The lock is on the root directory itself, which outlives every session, so no lock
     file is ever left behind.
     """
-    root = make_user_root(base)
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    fd = _user_root_fd(base)
     try:
         if not poll_until(lambda: filelock.lock_descriptor(fd, blocking=False) or None, Deadline(timeout)):
-            raise MPSError(f"another mpsrun of yours held the lock on {root} for more than {timeout:g} s")
-        yield root
+            raise MPSError(f"another mpsrun of yours held the lock on {user_root(base)} for more than {timeout:g} s")
+        yield user_root(base)
     finally:
         os.close(fd)  # closing the descriptor releases the lock
 
@@ -152,20 +215,29 @@ class SessionDirs:
         """Make a private session directory with a pipe and log directory per GPU.
 
         Without ``name`` the directory gets a fresh random name (made atomically); a node
-        session passes the name every local rank of a job computes.
+        session passes the name every local rank of a job computes. Made through directory
+        descriptors from the checked user root down: no path is resolved twice.
         """
         validate_base(base)
-        user = make_user_root(base)
-        if name is None:
-            root = Path(tempfile.mkdtemp(prefix="s", dir=user))  # mode 0700, unique, atomic
-        else:
-            root = user / name
-            root.mkdir(mode=0o700)
-        dirs = cls(root=root)
-        for index in gpu_indices:
-            for path in (dirs.pipe_dir(index), dirs.log_dir(index)):
-                path.mkdir(mode=0o700, parents=True)
-        return dirs
+        root_fd = _user_root_fd(base)
+        try:
+            if name is None:
+                name = _new_directory(root_fd)
+            else:
+                os.mkdir(name, 0o700, dir_fd=root_fd)
+            session_fd = _open_private(name, root_fd, user_root(base) / name, create=False)
+        finally:
+            os.close(root_fd)
+        try:
+            for index in gpu_indices:
+                os.mkdir(f"gpu{index}", 0o700, dir_fd=session_fd)
+                gpu_fd = os.open(f"gpu{index}", _DIR_FLAGS, dir_fd=session_fd)
+                for part in ("pipe", "log"):
+                    os.mkdir(part, 0o700, dir_fd=gpu_fd)
+                os.close(gpu_fd)
+        finally:
+            os.close(session_fd)
+        return cls(root=user_root(base) / name)
 
     @property
     def session_id(self) -> str:
@@ -196,7 +268,10 @@ class SessionDirs:
         return self.log_dir(index) / "control.log"
 
     def remove(self) -> None:
-        """Delete the session directory and everything in it (sockets included)."""
-        shutil.rmtree(self.root, ignore_errors=True)
+        """Delete the session directory and everything in it (sockets included; a link is only unlinked)."""
+        if self.root.is_symlink():
+            self.root.unlink()
+            return
+        shutil.rmtree(self.root, ignore_errors=True)  # descriptor-based on Linux: it never follows a link
         if self.root.exists():
             shutil.rmtree(self.root)  # a second try raises, with the reason

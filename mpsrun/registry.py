@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
+import psutil
 
 from mpsrun.daemon import CONTROL_EXECUTABLE, ControlDaemon, find_control_executable
 from mpsrun.deadline import Deadline, poll_until
@@ -46,10 +47,13 @@ class SessionState:
 
     @property
     def owner_alive(self) -> bool:
-        if self.record is None:
-            with contextlib.suppress(OSError):
-                return time.time() - self.root.stat().st_mtime < _GRACE_WITHOUT_RECORD  # still being made
+        if self.root.is_symlink():
             return False
+        if self.record is None:  # still being made, or something of it still runs
+            with contextlib.suppress(OSError):
+                if time.time() - self.root.stat().st_mtime < _GRACE_WITHOUT_RECORD:
+                    return True
+            return bool(processes_using(self.root))
         return self.record.owner.alive()
 
     @property
@@ -73,10 +77,28 @@ class SessionState:
 
 
 def read_state(root: Path) -> SessionState:
+    if root.is_symlink():
+        return SessionState(root, None, "a symbolic link, not a session directory")
     try:
         return SessionState(root, SessionRecord.read(root / "session.json"))
     except RecordError as exc:
-        return SessionState(root, None, str(exc))
+        return SessionState(root, None, f"unreadable record: {exc}")
+
+
+def processes_using(root: Path) -> list[int]:
+    """This user's live processes whose MPS pipe directory (or session) lies in ``root``: with no readable record,
+    what proves that nothing of the session still runs."""
+    found = []
+    for proc in psutil.process_iter(["pid", "uids"]):
+        try:
+            if proc.info["uids"].real != os.getuid() or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            env = proc.environ()
+        except (psutil.Error, AttributeError):
+            continue
+        if any(str(root) in env.get(name, "") for name in ("CUDA_MPS_PIPE_DIRECTORY", "MPSRUN_SESSION_DIR")):
+            found.append(proc.pid)
+    return found
 
 
 def list_sessions(base: Path | None = None) -> list[SessionState]:
@@ -88,7 +110,7 @@ def list_sessions(base: Path | None = None) -> list[SessionState]:
         entries = sorted(root.iterdir())
     except OSError:  # e.g. a base directory we may not enter: then we have no sessions there
         return []
-    return [read_state(entry) for entry in entries if entry.is_dir() and not entry.is_symlink()]
+    return [read_state(entry) for entry in entries if entry.is_dir() or entry.is_symlink()]
 
 
 def _stop_daemons(record: SessionRecord) -> int:
@@ -115,7 +137,10 @@ def reap(root: Path, force: bool = False, keep_logs: bool | None = None, lock_ti
     """
     lock = contextlib.nullcontext() if locked else user_root_lock(root.parent.parent, lock_timeout)
     with lock:
-        if not root.is_dir() or root.is_symlink():
+        if root.is_symlink():  # not one of ours to follow: only the link goes
+            root.unlink()
+            return "removed (a symbolic link)"
+        if not root.is_dir():
             return None
         state = read_state(root)
         record = state.record

@@ -5,14 +5,20 @@ Used by the launcher and by node keepers alike.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from mpsrun.daemon import ControlDaemon
+from mpsrun.errors import DaemonError
 from mpsrun.mpslog import diagnose_log, torn_down_clients
 from mpsrun.outcome import ranges
 from mpsrun.watch import RankWatch
 
-__all__ = ["MPS_CLIENT_LIMIT", "crowding_warnings", "mps_report", "verified_line"]
+if TYPE_CHECKING:
+    from mpsrun.session import Session
+
+__all__ = ["MPS_CLIENT_LIMIT", "crowding_warnings", "mps_report", "session_status", "verified_line"]
 
 #: Clients an MPS server accepts on Volta and later (documented; the H100 with driver 580
 #: logged "Maximum number of clients (48) reached" for the 49th).
@@ -51,3 +57,25 @@ def crowding_warnings(per_gpu: Mapping[int, int]) -> list[str]:
         for gpu, n in sorted(per_gpu.items())
         if n > MPS_CLIENT_LIMIT
     ]
+
+
+def session_status(session: Session) -> dict[str, Any]:
+    """A session's snapshot: directories, and per GPU the daemon, its servers and their clients."""
+    report: dict[str, Any] = {
+        "enabled": session.enabled,
+        "state": session.state,
+        "reason": session.disabled_reason,
+        "directory": str(session.dirs.root) if session.dirs else None,
+        "gpus": [],
+    }
+    for gpu, daemon in zip(session.gpus, session.daemons, strict=False):
+        entry: dict[str, Any] = {"index": gpu.index, "uuid": gpu.uuid, "daemon_pid": daemon.pid}
+        entry["daemon_alive"] = daemon.alive
+        entry["servers"], entry["clients"] = {}, {}
+        if daemon.alive:
+            with contextlib.suppress(DaemonError):
+                for server in daemon.server_list():
+                    entry["servers"][server] = daemon.server_status(server).value
+                    entry["clients"][server] = daemon.client_list(server)
+        report["gpus"].append(entry)
+    return report

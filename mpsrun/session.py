@@ -25,8 +25,10 @@ from mpsrun import gpus as gpu_info
 from mpsrun import registry
 from mpsrun.daemon import ControlDaemon, find_control_executable
 from mpsrun.errors import ConfigError, DaemonError, MPSError, MPSUnavailableError, NoDriverError, TeardownError
+from mpsrun.exported import Export
 from mpsrun.gpus import GPU
 from mpsrun.limits import (
+    parse_flag,
     parse_gpu_request,
     parse_mem_limit,
     parse_mps_mode,
@@ -39,6 +41,7 @@ from mpsrun.placement import MANAGED_VARIABLES, GpuTarget, RankPlan, rank_enviro
 from mpsrun.procs import ProcessRef
 from mpsrun.reaper import Reaper
 from mpsrun.records import SessionRecord
+from mpsrun.report import session_status
 from mpsrun.watch import ClientWatcher
 
 __all__ = ["Session", "mps_session"]
@@ -93,12 +96,14 @@ class Session:
         self.thread_percentage = None if thread_percentage is None else parse_thread_percentage(thread_percentage)
         self.mem_limit = None if mem_limit is None else parse_mem_limit(mem_limit)
         self.priority = None if priority is None else parse_priority(priority)
+        if tmpdir is not None and (not isinstance(tmpdir, (str, os.PathLike)) or not os.fspath(tmpdir)):
+            raise ConfigError(f"tmpdir must name a directory, not {tmpdir!r}", setting="tmpdir", value=tmpdir)
         self.base = Path(tmpdir) if tmpdir is not None else base_directory()
         validate_base(self.base)
         self.start_timeout = parse_seconds(start_timeout, "start_timeout")
         self.stop_timeout = parse_seconds(stop_timeout, "stop_timeout")
-        self.keep_logs = bool(keep_logs)
-        self.export = export
+        self.keep_logs = parse_flag(keep_logs, "keep_logs")
+        self.export = None if export is None else parse_flag(export, "export")
         self.quiet = quiet  # the launcher and node keepers say themselves why MPS is off
         self.gpus: list[GPU] = []
         self.daemons: list[ControlDaemon] = []
@@ -108,7 +113,8 @@ class Session:
         self.disabled_reason: str | None = None
         self.teardown_errors: list[BaseException] = []
         self._reaper: Reaper | None = None
-        self._saved_env: dict[str, str | None] | None = None
+        self._exported: Export | None = None
+        self._depth = 0  # nested `with` blocks on this session
         self._owner_pid: int | None = None
         self._state = "new"
 
@@ -211,18 +217,18 @@ class Session:
         if self.record is not None and self._state == "running":
             self._update(self.record.with_rank(rank))
 
+    @property
+    def state(self) -> str:
+        """new, resolved, starting, running, failed or closed."""
+        return self._state
+
     def wait_active(self) -> None:
         """Wait (with ``start_timeout``) until every server of the session is ACTIVE."""
         for daemon in self.daemons:
             daemon.wait_active(timeout=self.start_timeout)
 
     def _export(self, env: Mapping[str, str]) -> None:
-        self._saved_env = {name: os.environ.get(name) for name in SESSION_VARIABLES}
-        for name in SESSION_VARIABLES:
-            if name in env:
-                os.environ[name] = env[name]
-            elif self.enabled:
-                os.environ.pop(name, None)  # a stale MPS setting must not leak into our workers
+        self._exported = Export(SESSION_VARIABLES, env, drop_others=self.enabled)  # no stale MPS setting leaks
 
     # -- using ----------------------------------------------------------------------------
 
@@ -294,36 +300,15 @@ class Session:
 
     def status(self) -> dict[str, Any]:
         """A snapshot: directories, and per GPU the daemon, its servers and clients."""
-        report: dict[str, Any] = {
-            "enabled": self.enabled,
-            "state": self._state,
-            "reason": self.disabled_reason,
-            "directory": str(self.dirs.root) if self.dirs else None,
-            "gpus": [],
-        }
-        for gpu, daemon in zip(self.gpus, self.daemons, strict=False):
-            entry: dict[str, Any] = {"index": gpu.index, "uuid": gpu.uuid, "daemon_pid": daemon.pid}
-            entry["daemon_alive"] = daemon.alive
-            entry["servers"], entry["clients"] = {}, {}
-            if daemon.alive:
-                with contextlib.suppress(DaemonError):
-                    for server in daemon.server_list():
-                        entry["servers"][server] = daemon.server_status(server).value
-                        entry["clients"][server] = daemon.client_list(server)
-            report["gpus"].append(entry)
-        return report
+        return session_status(self)
 
     # -- stopping -------------------------------------------------------------------------
 
     def _teardown(self) -> list[BaseException]:
         errors: list[BaseException] = []
-        if self._saved_env is not None:
-            for name, value in self._saved_env.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
-            self._saved_env = None
+        if self._exported is not None:
+            self._exported.restore()
+            self._exported = None
         for daemon in reversed(self.daemons):
             try:
                 daemon.stop(timeout=self.stop_timeout)
@@ -361,11 +346,17 @@ class Session:
     def __enter__(self) -> Session:
         if self._state in ("new", "resolved"):
             self.start()
+        elif self._state != "running":
+            raise MPSError(f"this session is {self._state}; make a new one with mps_session()")
+        self._depth += 1
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        self._depth -= 1
+        if self._depth > 0:  # an inner `with` of the same session: the outer one closes it
+            return
         try:
             self.close()
         except TeardownError as teardown:

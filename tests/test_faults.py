@@ -316,3 +316,86 @@ def test_cleanup_refuses_a_session_that_is_not_there(fake_gpu):
     """mpsrun cleanup --force NAME for a session that does not exist says so and exits 2."""
     out = mpsrun("cleanup", "--force", "s-nope")
     assert out.returncode == 2 and "no session s-nope of yours here" in out.stderr
+
+
+RACER = """
+import ctypes, os, sys, time
+base, stop = sys.argv[1], sys.argv[2]
+libc = ctypes.CDLL(None, use_errno=True)
+os.makedirs(os.path.join(base, "evil"), exist_ok=True)
+link = os.path.join(base, "evil-link")
+if not os.path.islink(link):
+    os.symlink(os.path.join(base, "evil"), link)
+ours, theirs = os.path.join(base, "mpsrun-0").encode(), link.encode()
+tries = wins = 0
+while not os.path.exists(stop):
+    tries += 1
+    if libc.renameat2(-100, ours, -100, theirs, 2) == 0:  # RENAME_EXCHANGE
+        wins += 1
+        libc.renameat2(-100, ours, -100, theirs, 2)
+print(tries, wins, flush=True)
+"""
+
+
+def test_a_second_user_cannot_race_the_session_root(fake_gpu, other_user, short_tmp):
+    """Another user swapping our mpsrun-<uid> with a link to their own directory (renameat2 RENAME_EXCHANGE, in a
+    loop) wins 0 of 10,000 session creations in a sticky shared base; a base they own is refused outright."""
+    user, python = other_user
+    os.chmod(fake_gpu.root, 0o755)
+    os.chmod(fake_gpu.tmpdir, 0o1777)  # like /tmp: shared, sticky, root's
+    stop = fake_gpu.tmpdir / "stop"
+    racer = subprocess.Popen([python, "-c", RACER, str(fake_gpu.tmpdir), str(stop)], user=user.pw_name,
+                             stdout=subprocess.PIPE, text=True, cwd="/tmp")
+    try:
+        for _ in range(10_000):
+            dirs = SessionDirs.create(fake_gpu.tmpdir, [0])
+            assert os.lstat(dirs.root.parent).st_uid == os.getuid() and not dirs.root.parent.is_symlink()
+            dirs.remove()
+    finally:
+        stop.touch()
+        tries, wins = map(int, racer.communicate(timeout=60)[0].split())
+    assert tries > 100 and wins == 0
+    assert list((fake_gpu.tmpdir / "evil").iterdir()) == []
+    os.chown(fake_gpu.tmpdir, user.pw_uid, user.pw_gid)  # a base the other user owns: they could move anything
+    with pytest.raises(UnsafeDirectoryError, match="owned by uid"):
+        SessionDirs.create(fake_gpu.tmpdir, [0])
+    for name in ("evil-link", "evil", "stop"):
+        path = fake_gpu.tmpdir / name
+        path.unlink() if path.is_symlink() or path.is_file() else shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770])
+def test_a_base_others_may_write_without_the_sticky_bit_is_refused(fake_gpu, mode):
+    """A base directory that others may write to and that has no sticky bit is refused: they could move our root."""
+    os.chmod(fake_gpu.tmpdir, mode)
+    with pytest.raises(UnsafeDirectoryError, match="no sticky bit"):
+        SessionDirs.create(fake_gpu.tmpdir, [0])
+    os.chmod(fake_gpu.tmpdir, 0o700)
+
+
+@pytest.mark.parametrize("content", ['{"daemons":[{"gpu":"x"}]}', "[1,2,3]", '{"pid":"abc"}', "not json"])
+def test_a_corrupt_record_is_reported_and_cleaned(fake_gpu, content):
+    """A session.json that holds no session record: status says it is unreadable (no traceback), and cleanup (also the
+    automatic one of a new session) removes the directory once nothing of it runs."""
+    dirs = SessionDirs.create(fake_gpu.tmpdir, [0])
+    dirs.record_file.write_text(content)
+    os.utime(dirs.root, (time.time() - 3600, time.time() - 3600))
+    status = mpsrun("status")
+    assert status.returncode == 0 and "unreadable" in status.stdout and "Traceback" not in status.stderr
+    assert json.loads(mpsrun("status", "--json").stdout)[0]["problem"].startswith("unreadable record")
+    with mps_session():
+        assert not dirs.root.exists()
+
+
+def test_a_link_in_the_session_root_is_only_unlinked(fake_gpu, short_tmp):
+    """A symbolic link among the sessions is listed as such and cleanup removes the link, never what it points to."""
+    target = short_tmp / "target"
+    target.mkdir()
+    (target / "keep").write_text("x")
+    root = fake_gpu.tmpdir / f"mpsrun-{os.getuid()}"
+    SessionDirs.create(fake_gpu.tmpdir, []).remove()
+    (root / "s-link").symlink_to(target)
+    assert "a symbolic link" in mpsrun("status").stdout
+    out = mpsrun("cleanup")
+    assert "s-link: removed (a symbolic link)" in out.stdout, out.stdout + out.stderr
+    assert (target / "keep").exists() and not (root / "s-link").exists()

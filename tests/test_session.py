@@ -18,6 +18,7 @@ from mpsrun import (
     ConfigError,
     DaemonStartError,
     GPUNotFoundError,
+    MPSError,
     MPSUnavailableError,
     NotMPSClientError,
     TeardownError,
@@ -316,3 +317,69 @@ def test_a_session_started_in_a_thread_keeps_its_daemon(fake_gpu, short_tmp):
     finally:
         session.close()
     assert not session.daemons[0].alive and not session.dirs.root.exists()
+
+
+def test_a_closed_session_cannot_be_entered_again(fake_gpu):
+    """Entering a closed session raises (it used to be a silent no-op handing out deleted paths)."""
+    session = mps_session()
+    with session:
+        pass
+    with pytest.raises(MPSError, match="this session is closed"), session:
+        pass
+
+
+def test_nested_with_on_one_session_closes_at_the_outer_end(fake_gpu):
+    """`with s: with s:`: the inner exit leaves the session running; the outer exit closes it."""
+    session = mps_session()
+    with session:
+        with session:
+            pass
+        assert session.state == "running" and session.daemons[0].alive
+    assert session.state == "closed"
+
+
+@pytest.mark.parametrize("fake_gpu", [2], indirect=True)
+def test_gpu_indices_count_among_the_gpus_the_caller_sees(fake_gpu):
+    """Inside an exporting session on GPU 1, the process sees one GPU: gpu=0 is that GPU (as CUDA numbers them),
+    and gpu=1 is not visible."""
+    with mps_session(gpu=1):
+        with mps_session(gpu=0, export=False) as inner:
+            assert inner.gpus[0].uuid == fake_gpu.uuids[1]
+        with pytest.raises(GPUNotFoundError), mps_session(gpu=1, export=False):
+            pass
+
+
+def test_two_threads_cannot_both_export(fake_gpu):
+    """A session exporting its variables while another thread's session does is refused (os.environ is shared)."""
+    import threading
+
+    errors = []
+    with mps_session():
+        def other():
+            try:
+                with mps_session():
+                    pass
+            except ConfigError as exc:
+                errors.append(str(exc))
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+    assert errors and "another thread's session" in errors[0]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"gpus": ""}, "at least one GPU"), ({"gpus": ","}, "at least one GPU"), ({"gpus": b"0"}, "index or a UUID"),
+    ({"keep_logs": "no"}, "keep_logs must be True or False"), ({"tmpdir": ""}, "tmpdir must name a directory"),
+    ({"start_timeout": float("inf")}, "positive number of seconds"), ({"export": 1}, "export must be True or False"),
+])
+def test_more_bad_arguments_are_refused(fake_gpu, kwargs, message):
+    """Arguments that used to be guessed at (or crashed later) are refused when the session is made."""
+    with pytest.raises(ConfigError, match=message):
+        mps_session(**kwargs)
+
+
+def test_gpus_all_in_any_case(fake_gpu):
+    """gpus='ALL' means every visible GPU, as on the command line."""
+    with mps_session(gpus="ALL") as session:
+        assert [g.uuid for g in session.gpus] == fake_gpu.uuids
