@@ -1,72 +1,94 @@
-"""Does CUDA_MPS_ACTIVE_THREAD_PERCENTAGE limit a client's kernel here? (GPU machine)
+"""What the active-thread percentage does to a kernel (GPU machine, one run).
 
-    python benchmarks/atp_check.py
+    python benchmarks/atp_check.py [--json FILE]
 
-Times one GPU-filling kernel in a fresh client under several settings: the client's
-variable, the daemon's default, and both, so the cap's effect is measured, not assumed.
+1. One MPS client runs a FIXED grid (8 blocks per SM of the whole GPU, dependent FMAs) under
+   CUDA_MPS_ACTIVE_THREAD_PERCENTAGE 100 / 50 / 25. It also runs the grid sized from the SM
+   count CUDA reports, which MPS lowers to the cap: that kernel shrinks with the cap, so its
+   time cannot show the cap (the mistake of an earlier version of this script).
+2. Four ranks of the fixed-grid kernel under ``mpsrun -np 4`` with no cap and with
+   ``--thread-percentage auto`` (25% each): the job's wall time and each rank's kernel time.
 """
 
+from __future__ import annotations
+
+import argparse
 import json
 import os
 import subprocess
 import sys
+import time
 
 from mpsrun import mps_session
 
 CLIENT = r"""
-import time, cupy
+import json, os, sys, time, cupy
 k = cupy.RawKernel(r'''
 extern "C" __global__ void spin(float* out, int iters) {
     float x = threadIdx.x * 1e-6f;
     for (int i = 0; i < iters; ++i) x = fmaf(x, 0.9999999f, 1e-7f);
     out[blockIdx.x * blockDim.x + threadIdx.x] = x;
 }''', 'spin')
-sms = cupy.cuda.Device().attributes['MultiProcessorCount']
-out = cupy.empty(sms * 8 * 256, dtype=cupy.float32)
-k((sms * 8,), (256,), (out, cupy.int32(1000))); cupy.cuda.Device().synchronize()
-t = time.perf_counter(); k((sms * 8,), (256,), (out, cupy.int32(2_000_000))); cupy.cuda.Device().synchronize()
-print((time.perf_counter() - t) * 1000)
+seen = cupy.cuda.Device().attributes['MultiProcessorCount']
+result = {'sms_seen': seen}
+for name, blocks in (('fixed_grid', int(os.environ['ALL_SMS']) * 8), ('grid_from_sms_seen', seen * 8)):
+    out = cupy.empty(blocks * 256, dtype=cupy.float32)
+    k((blocks,), (256,), (out, cupy.int32(1000))); cupy.cuda.Device().synchronize()
+    t = time.perf_counter(); k((blocks,), (256,), (out, cupy.int32(400_000))); cupy.cuda.Device().synchronize()
+    result[name + '_s'] = round(time.perf_counter() - t, 4)
+    result[name + '_blocks'] = blocks
+sys.stdout.write(json.dumps(result) + '\n')
 """
 
 
-def client_ms(env):
-    out = subprocess.run([sys.executable, "-c", CLIENT], env=env, capture_output=True, text=True, check=True)
-    return float(out.stdout.split()[-1])
+def clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("CUDA_MPS_")}
 
 
-results = {}
-base = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_MPS_")}
-results["no_mps"] = client_ms(base)
-if sys.argv[1:] == ["hand"]:
-    # MPS started by hand, as NVIDIA's guide does it: does the cap work there?
-    import tempfile
-    import time
+def all_sms() -> int:
+    code = "import cupy; print(cupy.cuda.Device().attributes['MultiProcessorCount'])"
+    return int(subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True,
+                              check=True).stdout)
 
-    for flag in ("-d", "-f"):
-        tmp = tempfile.mkdtemp(prefix="atp", dir="/tmp")
-        env = {**base, "CUDA_MPS_PIPE_DIRECTORY": tmp, "CUDA_MPS_LOG_DIRECTORY": tmp}
-        daemon = subprocess.Popen(["nvidia-cuda-mps-control", flag], env=env, stdout=subprocess.DEVNULL)
-        while subprocess.run(["nvidia-cuda-mps-control"], input="get_server_list\n", env=env,
-                             capture_output=True, text=True).returncode != 0:
-            time.sleep(0.01)
-        for pct in (None, 25):
-            extra = {} if pct is None else {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(pct)}
-            results[f"hand {flag} client={pct}"] = client_ms({**env, **extra})
-        for cmd in ("get_server_list", "quit"):
-            results[f"hand {flag} {cmd}"] = subprocess.run(["nvidia-cuda-mps-control"], input=cmd + "\n", env=env,
-                                                           capture_output=True, text=True).stdout.strip()
-        daemon.wait(timeout=30)
-    print(json.dumps(results, indent=1))
-    raise SystemExit(0)
-for default in (None, 25):
-    with mps_session(gpu=0, mps="on", thread_percentage=default, export=False) as session:
-        env = {**base, **session.env()}
-        env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)
-        results[f"daemon_default={default} client=unset"] = client_ms(env)
-        for pct in (25, 50):
-            results[f"daemon_default={default} client={pct}"] = client_ms(
-                {**env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(pct)})
-        server = session.daemons[0].server_list()[0]
-        results[f"daemon_default={default} server_atp"] = session.daemons[0].command(
-            f"get_active_thread_percentage {server}")
-print(json.dumps(results, indent=1))
+
+def one_client(sms: int) -> dict[str, dict[str, float]]:
+    results = {}
+    with mps_session(gpu=0, mps="on", export=False) as session:
+        for pct in (100, 50, 25):
+            env = {**clean_env(), **session.env(), "ALL_SMS": str(sms), "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(pct)}
+            out = subprocess.run([sys.executable, "-c", CLIENT], env=env, capture_output=True, text=True, check=True)
+            results[f"{pct}%"] = json.loads(out.stdout)
+    return results
+
+
+def four_ranks(sms: int) -> dict[str, dict[str, object]]:
+    results: dict[str, dict[str, object]] = {}
+    for label, options in (("no cap", []), ("auto (25% each)", ["--thread-percentage", "auto"])):
+        argv = [sys.executable, "-m", "mpsrun", "-np", "4", "--launcher", "local", "--mps", "on", "--gpus", "0",
+                *options, sys.executable, "-c", CLIENT]
+        start = time.perf_counter()
+        out = subprocess.run(argv, env={**clean_env(), "ALL_SMS": str(sms)}, capture_output=True, text=True,
+                             check=True)
+        wall = time.perf_counter() - start
+        ranks = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+        results[label] = {"job_wall_s": round(wall, 3),
+                          "rank_fixed_grid_s": sorted(r["fixed_grid_s"] for r in ranks),
+                          "sms_seen": sorted(r["sms_seen"] for r in ranks)}
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    sms = all_sms()
+    results = {"all_sms": sms, "one_client": one_client(sms), "four_ranks": four_ranks(sms)}
+    text = json.dumps(results, indent=1)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as handle:
+            handle.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

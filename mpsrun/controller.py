@@ -28,7 +28,7 @@ from mpsrun.outcome import JobResult, Judge, RankEnd, ranges
 from mpsrun.protocol import Link, Listener
 from mpsrun.ranks import RankState, RankTable
 from mpsrun.session import Session
-from mpsrun.watch import ClientWatcher, Finding, RankWatch, with_descendants
+from mpsrun.watch import Finding, RankWatch, with_descendants
 
 __all__ = ["Controller", "Policy"]
 
@@ -61,7 +61,7 @@ class Controller:
         self.loop = EventLoop()
         self.table = RankTable(self.loop, listener, token, self, socket.gethostname())
         self.launchers = Launchers(self.loop, self._launcher_exited)
-        self.watch = RankWatch(ClientWatcher(session.gpus, session.daemons), policy.mps_required) \
+        self.watch = RankWatch(session.watcher(), policy.mps_required) \
             if session is not None and session.enabled else None
         self.judge = Judge()
         self.notes: list[str] = []  # lines for the end of the job (from node keepers)
@@ -103,6 +103,11 @@ class Controller:
             self.loop.run_until(self._done)
         self.loop.close()
         return self.judge.result([s.end for s in self.ranks.values() if s.end is not None])
+
+    def settle_watch(self) -> None:
+        """Let the client watch read the daemons' logs once more, knowing every rank that ran."""
+        if self.watch is not None:
+            self.watch.settle({s.process.pid: s.rank for s in self.ranks.values() if s.process is not None})
 
     def _guarded(self, step: Callable[[], object]) -> None:
         try:

@@ -58,6 +58,15 @@ def find_control_executable(path: str | None = None) -> str:
     return found
 
 
+def _as_mib(text: str) -> float | None:
+    """``4G`` or ``1536M`` (as the daemon prints a memory limit) in MiB; None if it is neither."""
+    unit = text.strip()[-1:].upper()
+    number = _as_float(text.strip()[:-1])
+    if number is None or unit not in ("M", "G"):
+        return None
+    return number * (1024 if unit == "G" else 1)
+
+
 def _as_float(text: str) -> float | None:
     try:
         return float(text)
@@ -67,13 +76,14 @@ def _as_float(text: str) -> float | None:
 
 @attrs.define(eq=False)
 class ControlDaemon:
-    """One private MPS control daemon serving one GPU.
+    """One private MPS control daemon serving one GPU (or, under ``--gpu-bind none``, several).
 
-    ``gpu_uuid`` is passed to the daemon as ``CUDA_VISIBLE_DEVICES`` so the daemon (and
-    its server) see exactly that GPU, whatever the caller's own device numbering.
+    ``devices`` (a GPU's UUID, or several comma-separated) is passed to the daemon as
+    ``CUDA_VISIBLE_DEVICES`` so the daemon (and its server) see exactly those GPUs, in that
+    order, whatever the caller's own device numbering.
     """
 
-    gpu_uuid: str
+    devices: str
     pipe_dir: Path
     log_dir: Path
     executable: str = CONTROL_EXECUTABLE
@@ -90,13 +100,13 @@ class ControlDaemon:
 
     def record(self) -> DaemonRecord:
         assert self.process is not None, "the daemon has not been started"
-        return DaemonRecord(self.gpu_uuid, self.process, str(self.pipe_dir), str(self.log_dir))
+        return DaemonRecord(self.devices, self.process, str(self.pipe_dir), str(self.log_dir))
 
     @property
     def env(self) -> dict[str, str]:
         """Environment for the daemon and for control commands sent to it."""
         env = dict(os.environ if self.base_env is None else self.base_env)
-        env["CUDA_VISIBLE_DEVICES"] = self.gpu_uuid
+        env["CUDA_VISIBLE_DEVICES"] = self.devices
         env["CUDA_MPS_PIPE_DIRECTORY"] = str(self.pipe_dir)
         env["CUDA_MPS_LOG_DIRECTORY"] = str(self.log_dir)
         return env
@@ -148,7 +158,7 @@ class ControlDaemon:
             except OSError as exc:
                 raise DaemonStartError(f"cannot start {self.executable}: {exc.strerror}", command="-f") from exc
         self.process = ProcessRef.of(self._popen.pid) or ProcessRef(self._popen.pid, -1)
-        log.debug("started MPS control daemon pid %d for %s", self._popen.pid, self.gpu_uuid)
+        log.debug("started MPS control daemon pid %d for %s", self._popen.pid, self.devices)
         try:
             self.wait_ready(timeout)
         except BaseException:
@@ -293,12 +303,12 @@ class ControlDaemon:
                 raise DaemonError(
                     f"the daemon did not take {command!r} (it answered {reply!r})", command=command, reply=reply
                 )
-        if mem_limit is not None:
-            # Device 0 is this daemon's only device (CUDA_VISIBLE_DEVICES = one UUID).
-            command = f"set_default_device_pinned_mem_limit 0 {mem_limit}"
+        for device in range(len(self.devices.split(",")) if mem_limit is not None else 0):
+            # Devices are numbered as the daemon sees them: the order of CUDA_VISIBLE_DEVICES.
+            command = f"set_default_device_pinned_mem_limit {device} {mem_limit}"
             self.command(command)
-            stored = self.command("get_default_device_pinned_mem_limit 0")
-            if stored != mem_limit:
+            stored = self.command(f"get_default_device_pinned_mem_limit {device}")
+            if _as_mib(stored) != _as_mib(str(mem_limit)):  # "2048M" may come back as "2G"
                 raise DaemonError(
                     f"the daemon did not take {command!r} (it stored {stored!r})", command=command, reply=stored
                 )

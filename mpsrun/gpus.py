@@ -40,6 +40,7 @@ class GPU:
     memory_total: int
     compute_mode: str
     mig_enabled: bool
+    memory_free: int = 0  # when it was looked at (for --mem-limit auto)
 
 
 @attrs.frozen
@@ -91,13 +92,15 @@ def _describe(nvml: Any, index: int) -> GPU:
         mig = bool(mig_current)
     except nvml.NVMLError:  # GPUs without MIG support answer "not supported"
         mig = False
+    memory = nvml.nvmlDeviceGetMemoryInfo(handle)
     return GPU(
         index=index,
         uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
         name=_text(nvml.nvmlDeviceGetName(handle)),
-        memory_total=int(nvml.nvmlDeviceGetMemoryInfo(handle).total),
+        memory_total=int(memory.total),
         compute_mode=_COMPUTE_MODES.get(int(nvml.nvmlDeviceGetComputeMode(handle)), "Unknown"),
         mig_enabled=mig,
+        memory_free=int(memory.free),
     )
 
 

@@ -31,7 +31,7 @@ from mpsrun.interrupts import Interrupts
 from mpsrun.launchers import RankIdentity
 from mpsrun.options import JobConfig
 from mpsrun.outcome import JobResult
-from mpsrun.placement import plan_job, ranks_on_gpus, welcome, without_mps
+from mpsrun.placement import RankPlan, plan_job, ranks_on_gpus, welcome, without_mps
 from mpsrun.procs import find_program
 from mpsrun.protocol import Listener, new_token
 from mpsrun.report import crowding_warnings, mps_report, verified_line
@@ -76,25 +76,33 @@ class Job:
             log.warning("mpsrun: warning: --mpiexec and --mpiexec-arg have no effect with --launcher local")
         if not backend.owns_daemons:
             return None
-        session = Session(gpus=list(config.gpus) if config.gpus is not None else "all", mem_limit=config.mem_limit,
-                          mps=config.mps, keep_logs=config.keep_logs, export=False, quiet=True,
+        session = Session(gpus=list(config.gpus) if config.gpus is not None else "all", mps=config.mps,
+                          keep_logs=config.keep_logs, export=False, quiet=True, gpu_bind=config.gpu_bind,
                           start_timeout=max(0.1, self.deadline.cap(START_TIMEOUT))).resolve()
         if session.disabled_reason is not None:
             for line in without_mps(config, session.disabled_reason):
                 log.warning(f"mpsrun: {line}")
-        plans = plan_job(config.ranks, len(session.gpus), config)
+        plans = plan_job(config.ranks, len(session.gpus), config, session.free_memory())
         if session.disabled_reason is None:
-            for line in crowding_warnings(ranks_on_gpus(plans)):
+            for line in crowding_warnings(ranks_on_gpus(plans) if config.gpu_bind == "single" else {}):
                 log.warning(f"mpsrun: {line}")
         for plan in plans:
-            gpu = session.gpus[plan.gpu].index if session.gpus else "-"
-            log.info(f"mpsrun: rank {plan.rank}: GPU {gpu}" + (
-                f", {plan.thread_percentage}% of SMs" if plan.thread_percentage else "") + (
-                f", {plan.mem_limit} pinned memory" if plan.mem_limit else ""))
+            log.info(f"mpsrun: rank {plan.rank}: {self._placed(session, plan)}")
         percentages = {p.thread_percentage for p in plans}
-        if None not in percentages and session.thread_percentage is None:
-            session.thread_percentage = max(p for p in percentages if p is not None)  # the daemons' default cap
+        cap = max(p for p in percentages if p is not None) if None not in percentages else None
+        by_gpu = {plan.gpu: plan.mem_limit for plan in plans}  # every rank on a GPU has the same limit
+        session.set_defaults(cap, [by_gpu.get(p) for p in range(len(session.gpus))])  # the daemons' defaults
         return session
+
+    def _placed(self, session: Session, plan: RankPlan) -> str:
+        """Where a rank runs and with what limits, for -v."""
+        if session.gpu_bind == "none":
+            where = "GPUs " + ",".join(str(g.index) for g in session.gpus)
+        else:
+            where = f"GPU {session.gpus[plan.gpu].index if session.gpus else '-'}"
+        return where + (f", {plan.thread_percentage}% of SMs" if plan.thread_percentage else "") + (
+            f", {plan.mem_limit} pinned memory" + (" (auto)" if self.config.mem_limit == "auto" else "")
+            if plan.mem_limit else "")
 
     def _welcome(self, session: Session | None, output_lock: str | None) -> Callable[..., dict[str, Any]]:
         n = self.config.ranks
@@ -104,7 +112,8 @@ class Job:
             identity = RankIdentity(identity.rank, identity.local_rank, identity.world_size or n,
                                     identity.local_world_size or n)
             gpus = len(session.gpus) if session else 0
-            return welcome(identity, self.config, gpus, session.target if session else lambda _: None, output_lock)
+            return welcome(identity, self.config, gpus, session.target if session else lambda _: None, output_lock,
+                           session.free_memory() if session else ())
 
         return answer
 
@@ -176,7 +185,8 @@ class Job:
     def _report(self, result: JobResult, controller: Controller, session: Session | None,
                 watch: RankWatch | None) -> None:
         if watch is not None:
-            log.info(f"mpsrun: {verified_line(watch, self.config.ranks)}")
+            controller.settle_watch()
+            log.info(f"mpsrun: {verified_line(watch, range(self.config.ranks))}")
         if result.exit_code != ExitCode.OK:
             self.note(result.message)
             rank_of = {s.process.pid: s.rank for s in controller.ranks.values() if s.process is not None}

@@ -55,8 +55,8 @@ class NodeKeeper:
         self.session = Session(gpus=list(config.gpus) if config.gpus is not None else "all",
                                thread_percentage=config.thread_percentage
                                if isinstance(config.thread_percentage, int) else None,
-                               mem_limit=config.mem_limit, mps=config.mps, keep_logs=config.keep_logs, export=False,
-                               quiet=True)
+                               mem_limit=None if config.mem_limit == "auto" else config.mem_limit, mps=config.mps,
+                               keep_logs=config.keep_logs, export=False, quiet=True, gpu_bind=config.gpu_bind)
         self.session.start(wait_active=True, kind="node", name=self.name)
         reason = self.session.disabled_reason
         self.notices = without_mps(config, reason) if reason is not None and not config.quiet else []
@@ -86,7 +86,8 @@ class NodeKeeper:
                               "local rank to see the node's GPUs (no per-task GPU binding)", setting="gpus")
         if self.controller.expected_count is None:
             self.controller.expected_count = identity.local_world_size
-        answer = welcome(identity, self.config, len(self.session.gpus), self.session.target)
+        answer = welcome(identity, self.config, len(self.session.gpus), self.session.target,
+                         free=self.session.free_memory())
         answer["lines"], self.notices = self.notices, []  # said once, by the first rank to join
         return answer
 
@@ -125,7 +126,8 @@ class NodeKeeper:
         ranks = self.controller.ranks.values()
         watch = self.controller.watch
         if watch is not None and self.config.verbose:
-            lines.append(verified_line(watch, len(self.controller.ranks), f"node {socket.gethostname()}: "))
+            self.controller.settle_watch()
+            lines.append(verified_line(watch, self.controller.ranks, f"node {socket.gethostname()}: "))
         if self.controller.judge.failed or self.controller.upstream is not None:
             rank_of = {s.process.pid: s.rank for s in ranks if s.process is not None}
             if self.session.enabled and any(s.end and s.end.returncode != 0 for s in ranks):

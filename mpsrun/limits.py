@@ -12,10 +12,16 @@ from collections.abc import Sequence
 from mpsrun.errors import ConfigError
 
 __all__ = [
+    "CONTEXT_OUTSIDE_LIMIT_MIB",
+    "GPU_BINDS",
     "MPS_MODES",
+    "SERVER_SHARE_MIB",
     "ThreadSpec",
+    "auto_mem_limit",
     "client_variables",
+    "parse_count",
     "parse_flag",
+    "parse_gpu_bind",
     "parse_gpu_request",
     "parse_mem_limit",
     "parse_mps_mode",
@@ -26,6 +32,15 @@ __all__ = [
 ]
 
 MPS_MODES = ("auto", "on", "off")
+#: ``single``: each rank sees one GPU (its own daemon's); ``none``: every rank sees all the job's GPUs.
+GPU_BINDS = ("single", "none")
+#: Device memory the MPS server takes (66 MiB measured on an H100), with room to spare.
+SERVER_SHARE_MIB = 128
+#: Device memory a client context takes beyond its pinned limit: a 4G limit left a client
+#: 3.7 GiB free while its context took about 530 MiB (MPS-FACTS), so part of it is not counted.
+CONTEXT_OUTSIDE_LIMIT_MIB = 256
+#: Below this a rank's CUDA context alone would not fit.
+_SMALLEST_AUTO_MIB = 1024
 #: ``None`` (no cap), one percentage for every rank, ``"auto"``, or one per rank.
 ThreadSpec = None | int | str | tuple[int, ...]
 _MEM = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
@@ -68,11 +83,14 @@ def parse_thread_spec(value: object, setting: str = "--thread-percentage") -> Th
 
 
 def parse_mem_limit(value: object, setting: str = "mem_limit") -> str:
-    """A pinned device-memory limit in the form MPS takes (``"4G"``, ``"1536M"``).
+    """A pinned device-memory limit in the form MPS takes (``"4G"``, ``"1536M"``), or ``"auto"``.
 
     Accepts ``4G``, ``4GiB``, ``512M``, ``1.5G`` or a number of bytes; MPS wants whole
-    megabytes or gigabytes, so fractions are converted to megabytes.
+    megabytes or gigabytes, so fractions are converted to megabytes. ``auto`` is resolved
+    per GPU by :func:`auto_mem_limit` once the GPU's free memory and ranks are known.
     """
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
     text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
     match = _MEM.match(text) if isinstance(text, str) else None
     if match is None:
@@ -105,16 +123,47 @@ def parse_mps_mode(value: object, setting: str = "mps") -> str:
     return text
 
 
-def client_variables(thread_percentage: int | None, mem_limit: str | None, priority: int | None) -> dict[str, str]:
+def auto_mem_limit(free_bytes: int, ranks: int, gpu: object = 0) -> str:
+    """``--mem-limit auto``: a GPU's free memory, less the server's share, split among its ``ranks``.
+
+    Each rank's limit counts most of its own CUDA context; the part that is not counted
+    (:data:`CONTEXT_OUTSIDE_LIMIT_MIB`) is set aside too, so the limits add up to the free memory.
+    """
+    mib = (free_bytes // (1 << 20) - SERVER_SHARE_MIB) // max(1, ranks) - CONTEXT_OUTSIDE_LIMIT_MIB
+    if mib < _SMALLEST_AUTO_MIB:
+        raise ConfigError(
+            f"--mem-limit auto: {ranks} rank(s) on GPU {gpu} would get {max(mib, 0)} MiB each of "
+            f"{free_bytes >> 20} MiB free, too little for a CUDA context; use fewer ranks per GPU or more GPUs",
+            setting="--mem-limit", value="auto")
+    return f"{mib}M"
+
+
+def parse_count(value: object, setting: str) -> int:
+    """A positive whole number (of workers, of ranks)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{setting} must be a positive whole number, not {value!r}", setting=setting, value=value)
+    return value
+
+
+def parse_gpu_bind(value: object, setting: str = "gpu_bind") -> str:
+    """``single`` (one GPU per rank) or ``none`` (every rank sees all the job's GPUs through one daemon)."""
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text not in GPU_BINDS:
+        raise ConfigError(f"{setting} must be single or none, not {value!r}", setting=setting, value=value)
+    return text
+
+
+def client_variables(thread_percentage: int | None, mem_limit: str | None, priority: int | None,
+                     devices: int = 1) -> dict[str, str]:
     """The MPS client variables for these (validated) limits; unset limits are left out.
 
-    The memory limit names device 0: mpsrun gives every client exactly one GPU.
+    The memory limit applies to each of the client's ``devices`` (one, unless ranks see every GPU).
     """
     env: dict[str, str] = {}
     if thread_percentage is not None:
         env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(thread_percentage)
     if mem_limit is not None:
-        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={mem_limit}"
+        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(f"{d}={mem_limit}" for d in range(devices))
     if priority is not None:
         env["CUDA_MPS_CLIENT_PRIORITY"] = str(priority)
     return env

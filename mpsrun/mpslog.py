@@ -16,6 +16,7 @@ __all__ = [
     "NO_DAEMON",
     "PsEntry",
     "ServerStatus",
+    "connected_clients",
     "diagnose_log",
     "is_error_reply",
     "parse_pid_list",
@@ -132,3 +133,16 @@ def torn_down_clients(text: str) -> list[int]:
     are read.
     """
     return sorted({int(pid) for pid in _TORN_DOWN.findall(text)})
+
+
+_CONNECTED = re.compile(r"Client \{PID: (\d+), Context ID: \d+\} connected")
+
+
+def connected_clients(text: str) -> list[int]:
+    """PIDs of the clients a server accepted, in order, from its log (``-f`` writes every connection).
+
+    Recorded on an H100: ``NEW CLIENT <pid> from user <uid>: ...`` from the control daemon, then
+    ``Client {PID: <pid>, Context ID: <n>} connected`` from the server. Only the server's line is
+    proof: the control daemon also logs clients the server then refuses (the 49th).
+    """
+    return [int(pid) for pid in _CONNECTED.findall(text)]

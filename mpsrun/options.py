@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 
 from mpsrun.errors import ConfigError
-from mpsrun.limits import MPS_MODES, ThreadSpec, parse_mem_limit, parse_priority, parse_thread_spec
+from mpsrun.limits import GPU_BINDS, MPS_MODES, ThreadSpec, parse_mem_limit, parse_priority, parse_thread_spec
 
 __all__ = ["LAUNCHERS", "MAP_POLICIES", "JobConfig", "Option", "build_parser", "parse_args", "parse_options",
            "split_argv", "to_argv"]
@@ -157,13 +157,16 @@ class JobConfig:
         help="GPUs to use: 0,1 or GPU- UUIDs, or all (default: all visible; honours CUDA_VISIBLE_DEVICES)")
     map_by: str = option("--map-by", default="block", choices=MAP_POLICIES, forward=True,
                          help="block: consecutive ranks share a GPU (default); round-robin: rank r on GPU r %% GPUs")
+    gpu_bind: str = option("--gpu-bind", default="single", choices=GPU_BINDS, forward=True,
+                           help="single: each rank sees one GPU (default); none: every rank sees all the job's GPUs, "
+                           "served by one MPS daemon (for codes that pick their own device)")
     thread_percentage: ThreadSpec = option(
         "--thread-percentage", default=None, parse=_validated(parse_thread_spec), metavar="P|auto|P0,P1,...",
         render=_spec_text, forward=True,
         help="cap each rank's share of SMs: one value, auto (100 / ranks on that GPU) or one per rank")
     mem_limit: str | None = option("--mem-limit", default=None, parse=_validated(parse_mem_limit), metavar="SIZE",
                                    forward=True, help="pinned device memory per rank, e.g. 4G or 512M (the ~0.5 GiB "
-                                   "CUDA context counts)")
+                                   "CUDA context counts), or auto: each GPU's free memory split among its ranks")
     priority: int | None = option("--priority", default=None, parse=_validated(parse_priority), metavar="0|1",
                                   forward=True, help="MPS client priority: 0 normal, 1 below normal")
     mps: str = option("--mps", default="auto", choices=MPS_MODES, forward=True,

@@ -13,7 +13,7 @@ import attrs
 
 from mpsrun.errors import ConfigError
 from mpsrun.launchers import RankIdentity
-from mpsrun.limits import client_variables
+from mpsrun.limits import auto_mem_limit, client_variables
 from mpsrun.options import JobConfig
 
 __all__ = [
@@ -42,12 +42,14 @@ MANAGED_VARIABLES = (
 
 @attrs.frozen
 class GpuTarget:
-    """A GPU as a rank reaches it: its UUID and, under MPS, its daemon's directories."""
+    """The GPUs a rank reaches: ``visible`` (its GPU's UUID, or under ``--gpu-bind none`` every job GPU's,
+    comma-separated) and, under MPS, the directories of the daemon that serves them."""
 
-    uuid: str
+    visible: str
     pipe_dir: str | None = None
     log_dir: str | None = None
     session_dir: str | None = None
+    devices: int = 1
 
 
 @attrs.frozen
@@ -76,14 +78,17 @@ def gpu_of_rank(local_rank: int, local_size: int | None, ngpus: int, policy: str
     return min(ngpus - 1, local_rank * ngpus // local_size)
 
 
-def _sharing(gpu: int, local_size: int | None, ngpus: int, policy: str) -> int:
+def _sharing(gpu: int, local_size: int | None, ngpus: int, config: JobConfig, option: str) -> int:
+    """How many ranks share a GPU, for the auto limits (under --gpu-bind none: the ranks spread evenly)."""
     if local_size is None:
         raise ConfigError(
-            "--thread-percentage auto needs the number of ranks on this node, and the launcher does not say it; "
-            "give a percentage",
-            setting="--thread-percentage",
+            f"{option} auto needs the number of ranks on this node, and the launcher does not say it; "
+            "give a value",
+            setting=option,
         )
-    return sum(gpu_of_rank(r, local_size, ngpus, policy) == gpu for r in range(local_size))
+    if config.gpu_bind == "none":
+        return -(-local_size // ngpus)
+    return sum(gpu_of_rank(r, local_size, ngpus, config.map_by) == gpu for r in range(local_size))
 
 
 def _percentage(config: JobConfig, identity: RankIdentity, gpu: int, ngpus: int) -> int | None:
@@ -91,7 +96,7 @@ def _percentage(config: JobConfig, identity: RankIdentity, gpu: int, ngpus: int)
     if spec is None or isinstance(spec, int):
         return spec
     if spec == "auto":
-        return max(1, 100 // _sharing(gpu, identity.local_world_size, ngpus, config.map_by))
+        return max(1, 100 // _sharing(gpu, identity.local_world_size, ngpus, config, "--thread-percentage"))
     assert isinstance(spec, tuple)
     world = identity.world_size
     if (world is not None and len(spec) != world) or identity.rank >= len(spec):
@@ -104,17 +109,35 @@ def _percentage(config: JobConfig, identity: RankIdentity, gpu: int, ngpus: int)
     return spec[identity.rank]
 
 
-def plan_rank(identity: RankIdentity, ngpus: int, config: JobConfig) -> RankPlan:
-    """One rank's GPU and limits; raises ConfigError for what cannot be honoured."""
+def _mem_limit(config: JobConfig, identity: RankIdentity, gpu: int, free: Sequence[int]) -> str | None:
+    """The rank's pinned memory limit; ``auto`` splits its GPU's ``free`` bytes (None when unknown: no GPU)."""
+    if config.mem_limit != "auto":
+        return config.mem_limit
+    if not free:
+        return None
+    sharing = _sharing(gpu, identity.local_world_size, len(free), config, "--mem-limit")
+    if config.gpu_bind == "none":  # one limit for every device: the tightest GPU decides
+        return auto_mem_limit(min(free), sharing, "any")
+    return auto_mem_limit(free[gpu], sharing, gpu)
+
+
+def plan_rank(identity: RankIdentity, ngpus: int, config: JobConfig, free: Sequence[int] = ()) -> RankPlan:
+    """One rank's GPU and limits; raises ConfigError for what cannot be honoured.
+
+    ``free``: each GPU's free memory in bytes (for ``--mem-limit auto``). Under ``--gpu-bind
+    none`` every rank has GPU position 0: the one daemon, which serves all the GPUs.
+    """
     if ngpus < 1:
-        return RankPlan(identity.rank, 0, None, config.mem_limit, config.priority)
-    gpu = gpu_of_rank(identity.local_rank, identity.local_world_size, ngpus, config.map_by)
-    return RankPlan(identity.rank, gpu, _percentage(config, identity, gpu, ngpus), config.mem_limit, config.priority)
+        return RankPlan(identity.rank, 0, None, _mem_limit(config, identity, 0, ()), config.priority)
+    gpu = 0 if config.gpu_bind == "none" else gpu_of_rank(identity.local_rank, identity.local_world_size, ngpus,
+                                                          config.map_by)
+    return RankPlan(identity.rank, gpu, _percentage(config, identity, gpu, ngpus),
+                    _mem_limit(config, identity, gpu, free), config.priority)
 
 
-def plan_job(nranks: int, ngpus: int, config: JobConfig) -> list[RankPlan]:
+def plan_job(nranks: int, ngpus: int, config: JobConfig, free: Sequence[int] = ()) -> list[RankPlan]:
     """Every rank of a one-node job (all ranks local), checked before anything starts."""
-    return [plan_rank(RankIdentity(r, r, nranks, nranks), ngpus, config) for r in range(nranks)]
+    return [plan_rank(RankIdentity(r, r, nranks, nranks), ngpus, config, free) for r in range(nranks)]
 
 
 def rank_environment(
@@ -128,14 +151,14 @@ def rank_environment(
     """
     env: dict[str, str] = {}
     if target is not None:
-        env["CUDA_VISIBLE_DEVICES"] = target.uuid
+        env["CUDA_VISIBLE_DEVICES"] = target.visible
         if target.pipe_dir is not None:
             env["CUDA_MPS_PIPE_DIRECTORY"] = target.pipe_dir
             env["CUDA_MPS_LOG_DIRECTORY"] = target.log_dir or target.pipe_dir
             if target.session_dir is not None:
                 env["MPSRUN_SESSION_DIR"] = target.session_dir
             if plan is not None:
-                env.update(client_variables(plan.thread_percentage, plan.mem_limit, plan.priority))
+                env.update(client_variables(plan.thread_percentage, plan.mem_limit, plan.priority, target.devices))
     if identity is not None:
         if plan is not None and target is not None:
             env["MPSRUN_GPU"] = str(plan.gpu)
@@ -168,10 +191,13 @@ def without_mps(config: JobConfig, reason: str) -> list[str]:
 
 def welcome(
     identity: RankIdentity, config: JobConfig, ngpus: int, target_of: Callable[[int], GpuTarget | None],
-    output_lock: str | None = None,
+    output_lock: str | None = None, free: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """What a rank's supervisor is told when it says hello: the rank's variables and how to run it."""
-    plan = plan_rank(identity, ngpus, config)
+    """What a rank's supervisor is told when it says hello: the rank's variables and how to run it.
+
+    ``free``: each GPU's free memory under MPS (for ``--mem-limit auto``).
+    """
+    plan = plan_rank(identity, ngpus, config, free)
     return {
         "env": rank_environment(target_of(plan.gpu) if ngpus else None, plan, identity),
         "managed": list(MANAGED_VARIABLES),

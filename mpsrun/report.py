@@ -6,7 +6,7 @@ Used by the launcher and by node keepers alike.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from mpsrun.daemon import ControlDaemon
@@ -45,9 +45,21 @@ def mps_report(daemons: Sequence[ControlDaemon], rank_of: Mapping[int, int]) -> 
     return lines
 
 
-def verified_line(watch: RankWatch, ranks: int, where: str = "") -> str:
-    verified = sorted(watch.verified)
-    return f"{where}{len(verified)} of {ranks} rank(s) verified as MPS clients ({ranges(verified)})"
+def verified_line(watch: RankWatch, ranks: Iterable[int], where: str = "") -> str:
+    """Per rank: connected to MPS, used the GPU WITHOUT MPS, or no CUDA context seen."""
+    ranks = sorted(ranks)
+    connected = sorted(watch.verified.intersection(ranks))
+    without = sorted(watch.without_mps.intersection(ranks) - watch.verified)
+    unseen = sorted(set(ranks) - watch.verified - watch.without_mps)
+    noun = "rank" if len(ranks) == 1 else "ranks"
+    line = f"{where}{len(connected)} of {len(ranks)} {noun} connected to MPS"
+    if connected and (without or unseen):
+        line += f" ({ranges(connected)})"
+    if without:
+        line += f"; used the GPU WITHOUT MPS: rank(s) {ranges(without)}"
+    if unseen:
+        line += f"; no CUDA context seen: rank(s) {ranges(unseen)}"
+    return line
 
 
 def crowding_warnings(per_gpu: Mapping[int, int]) -> list[str]:
@@ -68,7 +80,9 @@ def session_status(session: Session) -> dict[str, Any]:
         "directory": str(session.dirs.root) if session.dirs else None,
         "gpus": [],
     }
-    for gpu, daemon in zip(session.gpus, session.daemons, strict=False):
+    started = [p for p in range(len(session.gpus)) if session.daemons and (
+        session.gpu_bind == "none" or p < len(session.daemons))]
+    for gpu, daemon in ((session.gpus[p], session.daemon_of(p)) for p in started):
         entry: dict[str, Any] = {"index": gpu.index, "uuid": gpu.uuid, "daemon_pid": daemon.pid}
         entry["daemon_alive"] = daemon.alive
         entry["servers"], entry["clients"] = {}, {}

@@ -1,5 +1,7 @@
 """``mps_session()``: a private MPS control daemon per GPU for the duration of a ``with`` block.
 
+(With ``gpu_bind="none"`` one daemon serves all the session's GPUs and every worker sees them all.)
+
 The same :class:`Session` is the one daemon life cycle of every path: the ``mpsrun``
 launcher and node keepers start one too. Starting makes the private directory, writes
 the typed record, starts the reaper, then the daemons; closing stops the daemons, tells
@@ -28,7 +30,10 @@ from mpsrun.errors import ConfigError, DaemonError, MPSError, MPSUnavailableErro
 from mpsrun.exported import Export
 from mpsrun.gpus import GPU
 from mpsrun.limits import (
+    auto_mem_limit,
+    parse_count,
     parse_flag,
+    parse_gpu_bind,
     parse_gpu_request,
     parse_mem_limit,
     parse_mps_mode,
@@ -63,7 +68,8 @@ class Session:
         gpu: one GPU, by index among the visible GPUs or by UUID (default 0).
         gpus: several GPUs (a list, ``"0,1"`` or ``"all"``); one daemon each.
         thread_percentage: cap on each client's share of SMs (1-100).
-        mem_limit: pinned device memory per client, e.g. ``"4G"``.
+        mem_limit: pinned device memory per client, e.g. ``"4G"``, or ``"auto"``: each GPU's
+            free memory split among ``workers`` (spread evenly over the GPUs).
         priority: client priority, 0 (normal) or 1 (below normal).
         tmpdir: where session directories go (default ``$MPSRUN_TMPDIR``,
             ``$XDG_RUNTIME_DIR`` or ``/tmp``).
@@ -74,6 +80,10 @@ class Session:
             ``multiprocessing`` and ``subprocess`` children inherit them (default: yes
             with one GPU; several GPUs need ``session.env(rank)`` per worker).
         start_timeout, stop_timeout: deadlines in seconds for each daemon.
+        gpu_bind: ``"single"`` (default): a worker sees one GPU, its daemon's; ``"none"``: one
+            daemon serves every GPU of the session and every worker sees them all (for codes
+            that choose their own device).
+        workers: how many workers will use the session (for ``mem_limit="auto"``).
     """
 
     def __init__(
@@ -90,12 +100,19 @@ class Session:
         start_timeout: float = 30.0,
         stop_timeout: float = 10.0,
         quiet: bool = False,
+        gpu_bind: str = "single",
+        workers: int | None = None,
     ) -> None:
         self._requested = parse_gpu_request(gpu, gpus)
         self.mps = parse_mps_mode(mps)
         self.thread_percentage = None if thread_percentage is None else parse_thread_percentage(thread_percentage)
         self.mem_limit = None if mem_limit is None else parse_mem_limit(mem_limit)
         self.priority = None if priority is None else parse_priority(priority)
+        self.gpu_bind = parse_gpu_bind(gpu_bind)
+        self.workers = None if workers is None else parse_count(workers, "workers")
+        if self.mem_limit == "auto" and self.workers is None:
+            raise ConfigError("mem_limit='auto' needs workers=N: how many workers will share the session's GPUs",
+                              setting="workers")
         if tmpdir is not None and (not isinstance(tmpdir, (str, os.PathLike)) or not os.fspath(tmpdir)):
             raise ConfigError(f"tmpdir must name a directory, not {tmpdir!r}", setting="tmpdir", value=tmpdir)
         self.base = Path(tmpdir) if tmpdir is not None else base_directory()
@@ -114,6 +131,7 @@ class Session:
         self.teardown_errors: list[BaseException] = []
         self._reaper: Reaper | None = None
         self._exported: Export | None = None
+        self._mem_limits: list[str | None] = []  # per GPU position, once the GPUs are known
         self._depth = 0  # nested `with` blocks on this session
         self._owner_pid: int | None = None
         self._state = "new"
@@ -144,15 +162,42 @@ class Session:
             raise MPSUnavailableError(
                 f"MPS is required (mps='on') but unavailable: {self.disabled_reason}", reason=self.disabled_reason
             )
-        if self.export is True and len(self.gpus) > 1:
+        if self.export is True and not self._one_view:
             raise ConfigError(
                 "export=True needs a single GPU: a process can reach only one MPS daemon; "
-                "with several GPUs give each worker session.env(rank)",
+                "with several GPUs give each worker session.env(rank), or use gpu_bind='none'",
                 setting="export",
                 value=True,
             )
+        self._mem_limits = self._resolve_mem_limits()
         self._state = "resolved"
         return self
+
+    @property
+    def _one_view(self) -> bool:
+        """Every worker gets the same variables: one GPU, or one daemon for all of them."""
+        return len(self.gpus) <= 1 or self.gpu_bind == "none"
+
+    def _resolve_mem_limits(self) -> list[str | None]:
+        """The pinned memory limit per GPU position (``auto`` split among the workers, spread evenly)."""
+        if self.mem_limit != "auto":
+            return [self.mem_limit] * len(self.gpus)
+        if self.disabled_reason is not None or not self.gpus:
+            return [None] * len(self.gpus)
+        assert self.workers is not None
+        sharing = -(-self.workers // len(self.gpus))
+        if self.gpu_bind == "none":
+            return [auto_mem_limit(min(g.memory_free for g in self.gpus), sharing, "any")] * len(self.gpus)
+        return [auto_mem_limit(g.memory_free, sharing, g.index) for g in self.gpus]
+
+    def free_memory(self) -> list[int]:
+        """Each GPU's free memory in bytes when the session looked (empty without MPS: no limit applies)."""
+        return [g.memory_free for g in self.gpus] if self.disabled_reason is None else []
+
+    def set_defaults(self, thread_percentage: int | None, mem_limits: Sequence[str | None]) -> None:
+        """The daemons' default limits, per GPU position (before :meth:`start`): what the ranks' plans share."""
+        self.thread_percentage = thread_percentage
+        self._mem_limits = list(mem_limits)
 
     def start(self, wait_active: bool = True, kind: str = "api", name: str | None = None) -> Session:
         """Start the daemons and wait until each GPU's server is ACTIVE.
@@ -176,7 +221,7 @@ class Session:
                 self.enabled = True
             elif not self.quiet:
                 log.warning("mpsrun: running without MPS: %s", self.disabled_reason)
-            if self.export is not False and len(self.gpus) <= 1 and kind == "api":
+            if self.export is not False and self._one_view and kind == "api":
                 self._export(self.env())
         except BaseException:
             self._state = "failed"
@@ -190,22 +235,37 @@ class Session:
         with contextlib.suppress(Exception):  # best effort, never waiting: what a killed earlier run left
             for session_id, what in registry.cleanup(self.base, lock_timeout=0, remove_kept=False):
                 log.info("mpsrun: stale session %s %s", session_id, what)
-        self.dirs = SessionDirs.create(self.base, [g.index for g in self.gpus], name=name)
+        self.dirs = SessionDirs.create(self.base, [group[0].index for group in self._daemon_groups()], name=name)
         self.record = SessionRecord.new(kind, gpus=tuple(g.uuid for g in self.gpus), argv=tuple(sys.argv),
                                         keep_logs=self.keep_logs)
         self.record.write(self.dirs.record_file)
         self._reaper = Reaper(self.dirs.root)
 
+    def _daemon_groups(self) -> list[list[GPU]]:
+        """The GPUs each daemon serves: one each, or all of them under one daemon (gpu_bind='none')."""
+        if self.gpu_bind == "none" and self.gpus:
+            return [list(self.gpus)]
+        return [[gpu] for gpu in self.gpus]
+
     def _start_daemons(self, wait_active: bool) -> None:
         assert self.dirs is not None and self.record is not None
         main_thread = threading.current_thread() is threading.main_thread()
-        for gpu in self.gpus:
-            daemon = ControlDaemon(gpu.uuid, self.dirs.pipe_dir(gpu.index), self.dirs.log_dir(gpu.index))
+        for position, group in enumerate(self._daemon_groups()):
+            first = group[0].index
+            daemon = ControlDaemon(",".join(g.uuid for g in group), self.dirs.pipe_dir(first), self.dirs.log_dir(first))
             self.daemons.append(daemon)
             daemon.start(timeout=self.start_timeout, parent_death=main_thread)
             self._update(self.record.with_daemon(daemon.record()))  # before anything else can fail
-            daemon.set_defaults(self.thread_percentage, self.mem_limit)
+            daemon.set_defaults(self.thread_percentage, self._mem_limits[position] if self._mem_limits else None)
             daemon.start_server(timeout=self.start_timeout, wait=wait_active)
+
+    def daemon_of(self, position: int) -> ControlDaemon:
+        """The daemon serving the session's GPU at ``position``."""
+        return self.daemons[0 if self.gpu_bind == "none" else position]
+
+    def watcher(self) -> ClientWatcher:
+        """The client watcher over every GPU of the session and the daemon that serves it."""
+        return ClientWatcher(self.gpus, [self.daemon_of(p) for p in range(len(self.gpus))])
 
     def _update(self, record: SessionRecord) -> None:
         assert self.dirs is not None
@@ -233,29 +293,32 @@ class Session:
     # -- using ----------------------------------------------------------------------------
 
     def _gpu_position(self, rank: int | None) -> int:
-        if rank is None:
-            if len(self.gpus) > 1:
-                raise ConfigError("this session has several GPUs: pass rank= to env() to choose one", setting="rank")
-            return 0
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
             raise ConfigError(f"rank must be a non-negative integer, not {rank!r}", setting="rank", value=rank)
+        if self._one_view:
+            return 0
+        if rank is None:
+            raise ConfigError("this session has several GPUs: pass rank= to env() to choose one", setting="rank")
         return rank % len(self.gpus)
 
     def target(self, position: int) -> GpuTarget:
-        """How a worker reaches the session's GPU at ``position``: its UUID and, under MPS, its daemon."""
-        gpu = self.gpus[position]
+        """How a worker reaches the session's GPU at ``position`` (every GPU, under gpu_bind='none'):
+        its UUID(s) and, under MPS, its daemon."""
+        group = self.gpus if self.gpu_bind == "none" else [self.gpus[position]]
+        visible = ",".join(g.uuid for g in group)
         if not self.enabled:
-            return GpuTarget(gpu.uuid)
+            return GpuTarget(visible, devices=len(group))
         assert self.dirs is not None
-        daemon = self.daemons[position]
-        return GpuTarget(gpu.uuid, str(daemon.pipe_dir), str(daemon.log_dir), str(self.dirs.root))
+        daemon = self.daemon_of(position)
+        return GpuTarget(visible, str(daemon.pipe_dir), str(daemon.log_dir), str(self.dirs.root), len(group))
 
     def env(self, rank: int | None = None) -> dict[str, str]:
-        """Variables a worker needs to use this session (GPU ``rank % len(gpus)``)."""
+        """Variables a worker needs to use this session (GPU ``rank % len(gpus)``, or all under gpu_bind='none')."""
         if not self.gpus:
             return {}
         position = self._gpu_position(rank)
-        plan = RankPlan(0, position, self.thread_percentage, self.mem_limit, self.priority)
+        mem_limit = self._mem_limits[position] if self._mem_limits else None
+        plan = RankPlan(0, position, self.thread_percentage, mem_limit, self.priority)
         return rank_environment(self.target(position), plan)
 
     def clients(self) -> set[int]:
@@ -296,7 +359,7 @@ class Session:
             return []
         if pids is None:
             pids = [child.pid for child in psutil.Process().children(recursive=True)]
-        return ClientWatcher(self.gpus, self.daemons).verify(pids)
+        return self.watcher().verify(pids)
 
     def status(self) -> dict[str, Any]:
         """A snapshot: directories, and per GPU the daemon, its servers and clients."""

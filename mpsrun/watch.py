@@ -1,9 +1,12 @@
 """The one client watcher: are the processes using our GPUs clients of our MPS servers?
 
-CUDA silently runs without MPS when a process cannot reach the daemon. Such a process shows
-in NVML as a plain context (type C), never as an MPS client (M+C). NVML is read before the
-client list, so a process NVML shows as connected is listed by then. ``Session.verify`` looks
-once; the launcher and node keepers look repeatedly through :class:`RankWatch`.
+Two proofs. A connection is proven by the daemon's own log: the server writes a line for
+every client it accepts (:func:`mpsrun.mpslog.connected_clients`), so a rank is proven
+however briefly it lived. The silent fallback is found by sampling: CUDA silently runs
+without MPS when a process cannot reach the daemon, and such a process shows in NVML as a
+plain context (type C), never as an MPS client (M+C). NVML is read before the client list,
+so a process NVML shows as connected is listed by then. ``Session.verify`` looks once; the
+launcher and node keepers look repeatedly through :class:`RankWatch`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 
 import attrs
 import psutil
@@ -19,8 +23,9 @@ from mpsrun import gpus as gpu_info
 from mpsrun.daemon import ControlDaemon
 from mpsrun.errors import DaemonError, GPUError, NotMPSClientError
 from mpsrun.gpus import GPU
+from mpsrun.mpslog import connected_clients
 
-__all__ = ["ClientWatcher", "Finding", "Look", "RankWatch", "with_descendants"]
+__all__ = ["ClientWatcher", "ConnectionLog", "Finding", "Look", "RankWatch", "with_descendants"]
 
 log = logging.getLogger("mpsrun")
 
@@ -71,6 +76,25 @@ class ClientWatcher:
         return sorted(look.clients)
 
 
+class ConnectionLog:
+    """The clients a daemon's log says connected since the last read (whole lines only)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+
+    def new_clients(self) -> list[int]:
+        try:
+            with self.path.open("rb") as log_file:
+                log_file.seek(self._offset)
+                text = log_file.read()
+        except OSError:  # not written yet, or the session is gone
+            return []
+        whole = text[: text.rfind(b"\n") + 1]
+        self._offset += len(whole)
+        return connected_clients(whole.decode(errors="replace"))
+
+
 @attrs.frozen
 class Finding:
     """Something the watch saw; ``fatal`` ends the job (exit 3)."""
@@ -91,43 +115,71 @@ def with_descendants(pids: Mapping[int, int]) -> dict[int, int]:
 
 
 class RankWatch:
-    """Repeated looks during a job: a rank is reported after two looks in a row see it off MPS."""
+    """Repeated looks during a job: a rank is reported after two looks in a row see it off MPS.
+
+    ``verified``: ranks proven MPS clients (by the daemons' logs or their client lists);
+    ``without_mps``: ranks seen holding a plain context on a job GPU.
+    """
 
     def __init__(self, watcher: ClientWatcher, required: bool) -> None:
         self.watcher = watcher
         self.required = required
         self.verified: set[int] = set()
+        self.without_mps: set[int] = set()
         self._suspects: dict[int, int] = {}
-        self._reported: set[int] = set()
+        self._logs = [ConnectionLog(daemon.log_file) for daemon in {id(d): d for d in watcher.daemons}.values()]
+        self._known: dict[int, int] = {}  # every pid seen as a rank or a rank's descendant: {pid: rank}
+        self._unplaced: set[int] = set()  # clients in a log not (yet) known as ours
+
+    def settle(self, rank_pids: Mapping[int, int]) -> None:
+        """Read the logs once more, at the job's end: ``rank_pids`` are every rank's pids, ended ones too."""
+        self._known.update(rank_pids)
+        self._read_logs()
+
+    def _read_logs(self) -> None:
+        for connection_log in self._logs:
+            self._unplaced.update(connection_log.new_clients())
+        placed = self._unplaced & self._known.keys()
+        self.verified.update(self._known[pid] for pid in placed)
+        self._unplaced -= placed
 
     def check(self, rank_pids: Mapping[int, int]) -> list[Finding]:
         pids = with_descendants(rank_pids)
+        self._known.update(pids)
+        self._read_logs()
         try:
             look = self.watcher.look(pids)
         except (DaemonError, GPUError) as exc:
             log.debug("client check skipped: %s", exc)
             return []
-        findings = [self._dead(position) for position in look.dead]
+        findings = self._dead_findings(look.dead)
         self.verified.update(pids[pid] for pid in look.clients)
         missed = {pid: position for pid, position in look.strays}
         self._suspects = {pid: self._suspects.get(pid, 0) + 1 for pid in missed}
         for pid, count in sorted(self._suspects.items()):
             rank = pids[pid]
-            if count >= 2 and rank not in self._reported:
-                self._reported.add(rank)
+            if count >= 2 and rank not in self.without_mps:
+                self.without_mps.add(rank)
                 findings.append(self._stray(rank, pid, missed[pid]))
         return findings
 
     def dead_daemons(self) -> list[Finding]:
         """A finding for each daemon of the session that has died (no command is sent)."""
-        return [self._dead(p) for p, daemon in enumerate(self.watcher.daemons) if not daemon.alive]
+        return self._dead_findings([p for p, daemon in enumerate(self.watcher.daemons) if not daemon.alive])
 
-    def _dead(self, position: int) -> Finding:
-        daemon = self.watcher.daemons[position]
+    def _dead_findings(self, positions: Iterable[int]) -> list[Finding]:
+        """One finding per dead daemon (one daemon may serve several GPUs), naming the GPUs it served."""
+        served: dict[int, list[int]] = {}
+        for position in positions:
+            served.setdefault(id(self.watcher.daemons[position]), []).append(position)
+        return [self._dead(group) for group in served.values()]
+
+    def _dead(self, positions: list[int]) -> Finding:
+        daemon = self.watcher.daemons[positions[0]]
         tail = daemon.log_tail(5)
         last = f"; its log ends: {tail.splitlines()[-1]}" if tail else ""
-        return Finding(f"the MPS control daemon of GPU {self.watcher.gpus[position].index} died under the job{last}",
-                       fatal=True)
+        gpus = ",".join(str(self.watcher.gpus[p].index) for p in positions)
+        return Finding(f"the MPS control daemon of GPU {gpus} died under the job{last}", fatal=True)
 
     def _stray(self, rank: int, pid: int, position: int) -> Finding:
         message = (

@@ -106,6 +106,12 @@ class FakeGPU:
     def uuids(self) -> list[str]:
         return [g["uuid"] for g in self.gpus]
 
+    def set_free_memory(self, free: int) -> None:
+        """What NVML reports as free on every fake GPU from now on (bytes)."""
+        for gpu in self.gpus:
+            gpu["memory_free"] = free
+        (self.nvml_dir / "gpus.json").write_text(json.dumps(self.gpus))
+
     def daemon_env(self, **switches: str) -> None:
         """Set fault-injection switches (FAKE_MPS_*) for daemons started from now on."""
         for name, value in switches.items():

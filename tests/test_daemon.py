@@ -18,7 +18,7 @@ from mpsrun.paths import SessionDirs
 @pytest.fixture
 def daemon(fake_gpu):
     dirs = SessionDirs.create(fake_gpu.tmpdir, [0])
-    d = ControlDaemon(gpu_uuid=fake_gpu.uuids[0], pipe_dir=dirs.pipe_dir(0), log_dir=dirs.log_dir(0))
+    d = ControlDaemon(devices=fake_gpu.uuids[0], pipe_dir=dirs.pipe_dir(0), log_dir=dirs.log_dir(0))
     yield d
     d.stop(timeout=5)
     dirs.remove()
@@ -130,7 +130,7 @@ def test_daemon_dies_with_its_parent(fake_gpu, short_tmp):
         "import sys, time\n"
         "from pathlib import Path\n"
         "from mpsrun.daemon import ControlDaemon\n"
-        f"d = ControlDaemon(gpu_uuid='GPU-x', pipe_dir=Path({str(short_tmp)!r}), log_dir=Path({str(short_tmp)!r}))\n"
+        f"d = ControlDaemon(devices='GPU-x', pipe_dir=Path({str(short_tmp)!r}), log_dir=Path({str(short_tmp)!r}))\n"
         "d.start(timeout=10)\n"
         "print(d.pid, flush=True)\n"
         "time.sleep(60)\n"

@@ -14,7 +14,7 @@ from mpsrun.paths import SessionDirs
 @pytest.fixture
 def fake_daemon(fake_gpu):
     dirs = SessionDirs.create(fake_gpu.tmpdir, [0])
-    daemon = ControlDaemon(gpu_uuid=fake_gpu.uuids[0], pipe_dir=dirs.pipe_dir(0), log_dir=dirs.log_dir(0))
+    daemon = ControlDaemon(devices=fake_gpu.uuids[0], pipe_dir=dirs.pipe_dir(0), log_dir=dirs.log_dir(0))
     daemon.start(timeout=10)
     yield daemon
     daemon.stop(timeout=5)
@@ -67,7 +67,7 @@ def test_real_daemon_and_fake_answer_the_same_script(tmp_path):
         dirs = SessionDirs(root=root)
         for path in (dirs.pipe_dir(0), dirs.log_dir(0)):
             path.mkdir(parents=True, mode=0o700)
-        daemon = ControlDaemon(gpu_uuid=uuid, pipe_dir=dirs.pipe_dir(0), log_dir=dirs.log_dir(0),
+        daemon = ControlDaemon(devices=uuid, pipe_dir=dirs.pipe_dir(0), log_dir=dirs.log_dir(0),
                                executable=executable)
         try:
             daemon.start(timeout=30)

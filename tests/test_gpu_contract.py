@@ -5,6 +5,7 @@ here with Open MPI on the GPU machine. Each case must give the same exit code on
 and leave no rank, MPS daemon or server of the job and no session directory.
 """
 
+import json
 import os
 import re
 import shutil
@@ -158,6 +159,49 @@ def test_every_rank_is_a_verified_mps_client(job, path, tmp_path, monkeypatch):
                                                                               "--seconds", "4"], ranks=4),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert re.search(r"4 of 4 rank\(s\) verified as MPS clients \(0-3\)", out.stderr), out.stderr[-3000:]
+    assert re.search(r"4 of 4 ranks connected to MPS", out.stderr), out.stderr[-3000:]
     probes = [p for p in tmp_path.glob("*.json")]
     assert len(probes) == 4
+
+
+SHORT = "import cupy; cupy.ones(8).sum(); cupy.cuda.Device().synchronize()"
+SM_PROBE = (
+    "import json, os, cupy\n"
+    "sms = cupy.cuda.Device().attributes['MultiProcessorCount']\n"
+    "open(os.path.join(os.environ['PROBE_DIR'], os.environ['RANK']), 'w').write(json.dumps(sms))\n"
+)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_ranks_that_live_well_under_a_second_are_proven(job, path):
+    """4 CuPy ranks that each use the GPU for a few ms: every one proven an MPS client by the daemon's log."""
+    out = subprocess.run(job_argv(path, ["-v"], [sys.executable, "-c", SHORT], ranks=4), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"4 of 4 ranks connected to MPS$", out.stderr, re.M), out.stderr[-3000:]
+
+
+def _all_sms():
+    """The SM count a process sees without MPS (the test process is no part of the job)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_MPS")}
+    env["CUDA_VISIBLE_DEVICES"] = "0"
+    reply = subprocess.run([sys.executable, "-c", "import cupy; print(cupy.cuda.Device().attributes"
+                            "['MultiProcessorCount'])"], capture_output=True, text=True, env=env, check=True)
+    return int(reply.stdout)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("option", "ranks", "percent"), [("50", 2, [50, 50]), ("25,75", 2, [25, 75]),
+                                                          ("auto", 4, [25, 25, 25, 25]), ("100", 1, [100])])
+def test_each_rank_sees_its_share_of_the_sms(job, path, option, ranks, percent, tmp_path, monkeypatch):
+    """The active-thread percentage caps the SMs a rank's CUDA sees: with a value, a per-rank list and auto,
+    on every path, each rank's MultiProcessorCount is its share of all SMs (MPS rounds to whole TPCs)."""
+    total = _all_sms()
+    monkeypatch.setenv("PROBE_DIR", str(tmp_path))
+    out = subprocess.run(job_argv(path, ["--thread-percentage", option], [sys.executable, "-c", SM_PROBE],
+                                  ranks=ranks), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = {int(p.name): json.loads(p.read_text()) for p in tmp_path.iterdir() if p.name.isdigit()}
+    assert sorted(seen) == list(range(ranks)), out.stderr[-3000:]
+    for rank, share in enumerate(percent):
+        assert abs(seen[rank] - total * share / 100) <= 4, (rank, share, seen, total)

@@ -41,7 +41,7 @@ def test_four_cupy_ranks_are_verified_mps_clients(launcher, tmp_path, monkeypatc
         assert probe["env"]["CUDA_VISIBLE_DEVICES"].startswith("GPU-")
         if launcher == "mpiexec":
             assert probe["size"] == probe["total"] == 4
-    assert "4 of 4 rank(s) verified as MPS clients (0-3)" in out.stderr
+    assert "4 of 4 ranks connected to MPS" in out.stderr
 
 
 def test_mps_off_runs_without_a_daemon(tmp_path, monkeypatch):
@@ -84,7 +84,7 @@ def test_two_gpus_get_a_daemon_each(tmp_path, monkeypatch):
     pipes = [p["env"]["CUDA_MPS_PIPE_DIRECTORY"] for p in seen]
     assert gpus[0] == gpus[1] != gpus[2] == gpus[3]
     assert pipes[0] == pipes[1] != pipes[2] == pipes[3]
-    assert "4 of 4 rank(s) verified as MPS clients (0-3)" in out.stderr
+    assert "4 of 4 ranks connected to MPS" in out.stderr
 
 
 def test_two_jobs_at_once_on_one_gpu(tmp_path):
@@ -99,7 +99,7 @@ def test_two_jobs_at_once_on_one_gpu(tmp_path):
                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     errors = [job.communicate(timeout=300)[1] for job in jobs]
     assert [job.returncode for job in jobs] == [0, 0], errors
-    assert all("2 of 2 rank(s) verified as MPS clients" in err for err in errors)
+    assert all("2 of 2 ranks connected to MPS" in err for err in errors)
     pipes = [{p["env"]["CUDA_MPS_PIPE_DIRECTORY"] for p in probes(d)} for d in dirs]
     assert len(pipes[0]) == len(pipes[1]) == 1 and pipes[0] != pipes[1]
 
@@ -119,7 +119,7 @@ def test_per_node_under_mpirun(tmp_path, monkeypatch):
     seen = probes(tmp_path)
     assert [p["rank"] for p in seen] == [0, 1, 2, 3]
     assert len({p["env"]["CUDA_MPS_PIPE_DIRECTORY"] for p in seen}) == 1
-    assert "4 of 4 rank(s) verified as MPS clients (0-3)" in out.stderr  # from the node keeper, once
+    assert "4 of 4 ranks connected to MPS" in out.stderr  # from the node keeper, once
     root = base / f"mpsrun-{os.getuid()}"
     assert not root.exists() or list(root.iterdir()) == []
     shutil.rmtree(base, ignore_errors=True)

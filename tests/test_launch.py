@@ -49,7 +49,7 @@ def test_local_ranks_get_their_variables_and_are_mps_clients(fake_gpu, short_tmp
         assert env["CUDA_VISIBLE_DEVICES"] == fake_gpu.uuids[0]
         assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
         assert report["mps"] is True
-    assert "4 of 4 rank(s) verified as MPS clients (0-3)" in out.stderr
+    assert "4 of 4 ranks connected to MPS" in out.stderr
 
 
 @pytest.mark.parametrize("fake_gpu", [2], indirect=True)

@@ -190,7 +190,7 @@ def test_clients_alive_at_exit_are_stopped_after_the_deadline(fake_gpu):
 def test_two_gpus_get_a_daemon_each(fake_gpu):
     """gpus=[0, 1] starts one daemon per GPU; env(rank) alternates; env() without rank is refused."""
     with mps_session(gpus=[0, 1]) as session:
-        assert [d.gpu_uuid for d in session.daemons] == fake_gpu.uuids
+        assert [d.devices for d in session.daemons] == fake_gpu.uuids
         assert session.env(0)["CUDA_VISIBLE_DEVICES"] == fake_gpu.uuids[0]
         assert session.env(3)["CUDA_VISIBLE_DEVICES"] == fake_gpu.uuids[1]
         assert session.env(0)["CUDA_MPS_PIPE_DIRECTORY"] != session.env(1)["CUDA_MPS_PIPE_DIRECTORY"]

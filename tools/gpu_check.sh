@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything we check on the GPU test machine, in one run (logs under $OUT).
-# Usage there: OUT=/some/dir bash tools/gpu_check.sh [tier|examples|study] [pytest -k expression]
-# With no argument: the GPU tier, then the examples. Wheels carried in .whl/ are installed first.
+# Usage there: OUT=/some/dir bash tools/gpu_check.sh [tier|examples|bench|study] [pytest -k expression]
+# With no argument: the GPU tier, the examples, then the benchmarks of the thread percentage and of
+# frameworks under --mem-limit auto. Wheels carried in .whl/ are installed first.
 set -u -o pipefail
 OUT=${OUT:-/tmp/mpsrun-gpu-check}
 mkdir -p "$OUT"
@@ -34,8 +35,16 @@ if [ "$what" = all ] || [ "$what" = examples ]; then
     echo "== per-rank limits"; python3 -m mpsrun -np 2 -v --thread-percentage 25,75 python3 examples/per_rank_limits.py
     echo "rc=$?"
     echo "== examples/pool.py"; python3 examples/pool.py; echo "rc=$?"
+    echo "== --gpu-bind none, 2 ranks on Device(local_rank)"
+    python3 -m mpsrun -np 2 -v --gpu-bind none python3 -c \
+      "import os, cupy; d = int(os.environ['LOCAL_RANK']) % cupy.cuda.runtime.getDeviceCount(); cupy.cuda.Device(d).use(); print('rank', os.environ['RANK'], 'on device', d, 'of', cupy.cuda.runtime.getDeviceCount(), float(cupy.ones(8).sum()))"
+    echo "rc=$?"
     echo "== leftover MPS processes:"; ps -eo pid,ppid,stat,cmd | grep -E "nvidia-cuda-mps|mpsrun" | grep -v grep || echo none
     echo "== leftover session dirs:"; ls -A /tmp/mpsrun-0 2>/dev/null || echo none
   } 2>&1 | tee "$OUT/examples.log"
+fi
+if [ "$what" = all ] || [ "$what" = bench ]; then
+  python3 benchmarks/atp_check.py --json "$OUT/atp.json" 2>&1 | tee "$OUT/atp.log"
+  python3 benchmarks/frameworks.py --json "$OUT/frameworks.json" 2>&1 | tee "$OUT/frameworks.log"
 fi
 exit $rc

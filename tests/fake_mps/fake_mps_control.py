@@ -70,7 +70,9 @@ class State:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.uuid = (os.environ.get("CUDA_VISIBLE_DEVICES") or "GPU-fake").split(",")[0]
+        # The devices this daemon serves, in order (several under mpsrun --gpu-bind none).
+        self.uuids = (os.environ.get("CUDA_VISIBLE_DEVICES") or "GPU-fake").split(",")
+        self.uuid = self.uuids[0]
         self.default_atp = "100.0"
         self.default_mem: dict[str, str] = {}
         self.default_priority = "0"
@@ -257,14 +259,19 @@ def dispatch(state: State, cmd: str, args: list[str]) -> str:
         if state.quitting:
             return "refused"
         pid = int(args[0])
+        uuid = args[1] if len(args) > 1 else state.uuid  # the device the client chose
+        if uuid not in state.uuids:
+            return "nodevice"
         server = state.ensure_server()
         if len(state.live_clients()) >= int(os.environ.get("FAKE_MPS_MAX_CLIENTS", "48")):
             # Recorded on the H100 (driver 580) for the 49th client.
             state.server_log(f"Failed to accept new client. Maximum number of clients ({len(state.clients)}) reached.")
             return "busy"
         state.clients[pid] = "ok"
-        state.log(f"NEW CLIENT {pid} from user {os.getuid()}: Server {server} already exists")
-        return f"ok {server} {state.uuid}"
+        # The lines the real daemon writes for every connection (tests/data/h100/daemon_stdout.txt).
+        state.log(f"NEW CLIENT {pid} from user {os.getuid()}: Server already exists")
+        state.server_log(f"Client {{PID: {pid}, Context ID: 0}} connected")
+        return f"ok {server} {uuid}"
     if cmd == "__client_poll":
         return state.clients.get(int(args[0]), "gone")
     if cmd == "__client_fault":

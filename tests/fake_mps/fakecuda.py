@@ -7,7 +7,7 @@ context on its GPU in the fake NVML (``$MPSRUN_FAKE_NVML/procs``), type "M+C" fo
 MPS client and "C" otherwise, so mpsrun's checks see what NVML would show.
 
 As a program: ``python fakecuda.py [--hold S] [--exit N] [--fault] [--report FILE]``
-initialises, then "runs kernels" for S seconds (checking with the server between
+initialises (or not, for ``--no-cuda-rank``; in a child, for ``--in-child``), then "runs kernels" for S seconds (checking with the server between
 kernels, like a real client's next CUDA call), then exits with N.
 """
 
@@ -27,17 +27,20 @@ from fake_mps_control import send
 
 
 class Context:
-    def __init__(self) -> None:
+    def __init__(self, device: int = 0) -> None:
         self.pid = os.getpid()
         self.pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps")
-        reply = send(f"__client_connect {self.pid}", self.pipe, timeout=5)
+        chosen = _visible_uuid(device)
+        reply = send(f"__client_connect {self.pid} {chosen}", self.pipe, timeout=5)
         if reply is not None and reply.startswith("busy"):
             raise SystemExit(_fail("cudaErrorDevicesUnavailable: CUDA-capable device(s) is/are busy or unavailable"))
+        if reply is not None and reply.startswith("nodevice"):
+            raise SystemExit(_fail("cudaErrorInvalidDevice: invalid device ordinal"))
         if reply is not None and reply.startswith("ok"):
             _, server, uuid = reply.split()
             self.mps, self.server, self.uuid = True, int(server), uuid
         else:
-            self.mps, self.server, self.uuid = False, 0, _visible_uuid()
+            self.mps, self.server, self.uuid = False, 0, chosen
         nvml_dir = os.environ.get("MPSRUN_FAKE_NVML")
         if nvml_dir:
             entry = Path(nvml_dir, "procs", str(self.pid))
@@ -67,18 +70,30 @@ def _fail(error: str) -> int:
     return 1
 
 
-def _visible_uuid() -> str:
-    visible = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip()
-    if visible.startswith("GPU-"):
-        return visible
+def _visible_uuid(device: int = 0) -> str:
+    """The UUID of CUDA device ``device`` as this process numbers them (CUDA_VISIBLE_DEVICES, else every GPU)."""
     nvml_dir = os.environ.get("MPSRUN_FAKE_NVML")
     gpus = json.loads(Path(nvml_dir, "gpus.json").read_text()) if nvml_dir else []
-    index = int(visible) if visible.isdigit() else 0
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = [v.strip() for v in value.split(",")] if value else [str(i) for i in range(max(1, len(gpus)))]
+    if device >= len(visible):
+        raise SystemExit(_fail("cudaErrorInvalidDevice: invalid device ordinal"))
+    if visible[device].startswith("GPU-"):
+        return visible[device]
+    index = int(visible[device]) if visible[device].isdigit() else 0
     return gpus[index]["uuid"] if index < len(gpus) else "GPU-none"
 
 
-def init() -> Context:
-    return Context()
+def init(device: int = 0) -> Context:
+    return Context(device)
+
+
+def _device(choice: str) -> int:
+    """``N``, ``local`` (LOCAL_RANK) or ``local%N`` (LOCAL_RANK modulo N), as codes that pick their device do."""
+    if not choice.startswith("local"):
+        return int(choice)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    return local % int(choice[6:]) if choice.startswith("local%") else local
 
 
 def main() -> int:
@@ -91,12 +106,25 @@ def main() -> int:
     parser.add_argument("--fault-rank", type=int, default=None, help="this rank triggers a fatal GPU fault")
     parser.add_argument("--report", help="write what this process saw to this JSON file")
     parser.add_argument("--report-dir", help="write <RANK>.json here")
+    parser.add_argument("--no-cuda-rank", type=int, default=None, help="this rank never initialises CUDA")
+    parser.add_argument("--device", default="0", help="the CUDA device to use: a number, local (LOCAL_RANK) or "
+                        "local%%N (LOCAL_RANK modulo N), as codes that choose their own device do")
+    parser.add_argument("--in-child", action="store_true", help="CUDA is used by a child process for --hold seconds")
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))
-    ctx = init()
+    if args.no_cuda_rank == rank:
+        return 0
+    if args.in_child:
+        child = os.fork()
+        if child == 0:
+            init()
+            time.sleep(args.hold)
+            raise SystemExit(0)  # runs the child's atexit (its fake NVML entry goes)
+        return os.waitpid(child, 0)[1] and 1
+    ctx = init(_device(args.device))
     report = args.report or (args.report_dir and os.path.join(args.report_dir, f"{rank}.json"))
     if report:
-        info = {"pid": ctx.pid, "mps": ctx.mps, "server": ctx.server, "uuid": ctx.uuid,
+        info = {"pid": ctx.pid, "mps": ctx.mps, "server": ctx.server, "uuid": ctx.uuid, "daemon": str(ctx.pipe),
                 "env": {k: v for k, v in os.environ.items()
                         if k.startswith(("CUDA_", "MPSRUN_")) or k in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
                                                                         "LOCAL_WORLD_SIZE")}}

@@ -103,7 +103,8 @@ def nvmlDeviceGetName(handle: dict) -> str:
 
 def nvmlDeviceGetMemoryInfo(handle: dict) -> SimpleNamespace:
     total = int(handle.get("memory_total", 80 << 30))
-    return SimpleNamespace(total=total, free=total, used=0)
+    free = int(handle.get("memory_free", total))
+    return SimpleNamespace(total=total, free=free, used=total - free)
 
 
 def nvmlDeviceGetComputeMode(handle: dict) -> int:
