@@ -29,6 +29,7 @@ __all__ = [
     "parse_seconds",
     "parse_thread_percentage",
     "parse_thread_spec",
+    "stored_mem_limit",
 ]
 
 MPS_MODES = ("auto", "on", "off")
@@ -135,7 +136,15 @@ def auto_mem_limit(free_bytes: int, ranks: int, gpu: object = 0) -> str:
             f"--mem-limit auto: {ranks} rank(s) on GPU {gpu} would get {max(mib, 0)} MiB each of "
             f"{free_bytes >> 20} MiB free, too little for a CUDA context; use fewer ranks per GPU or more GPUs",
             setting="--mem-limit", value="auto")
-    return f"{mib}M"
+    return stored_mem_limit(f"{mib}M")
+
+
+def stored_mem_limit(limit: str) -> str:
+    """A limit as the MPS daemon stores it: whole gigabytes from 1G up (measured on an H100:
+    ``set_default_device_pinned_mem_limit 0 19981M`` read back as ``19G``), megabytes below."""
+    if limit.endswith("M") and int(limit[:-1]) >= 1024:
+        return f"{int(limit[:-1]) // 1024}G"
+    return limit
 
 
 def parse_count(value: object, setting: str) -> int:

@@ -225,7 +225,10 @@ def dispatch(state: State, cmd: str, args: list[str]) -> str:
         if len(args) != 2:
             return f'Invalid arguments for "{cmd}"'
         digits = "".join(c for c in args[1] if c.isdigit()) or "0"
-        state.default_mem[args[0]] = digits + ("G" if args[1].upper().endswith("G") else "M")
+        stored = digits + ("G" if args[1].upper().endswith("G") else "M")
+        if stored.endswith("M") and int(digits) >= 1024:  # recorded on the H100: 19981M is stored as 19G
+            stored = f"{int(digits) // 1024}G"
+        state.default_mem[args[0]] = stored
         state.log(f"{cmd} {args[0]} {args[1]}.")
         return ""
     if cmd == "get_default_device_pinned_mem_limit":
