@@ -7,7 +7,8 @@
    count CUDA reports, which MPS lowers to the cap: that kernel shrinks with the cap, so its
    time cannot show the cap (the mistake of an earlier version of this script).
 2. Four ranks of the fixed-grid kernel under ``mpsrun -np 4`` with no cap and with
-   ``--thread-percentage auto`` (25% each): the job's wall time and each rank's kernel time.
+   ``--thread-percentage auto`` (25% each), their kernels started together (a file barrier) so
+   that they overlap: the job's wall time and each rank's kernel time.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 from mpsrun import mps_session
@@ -31,10 +34,15 @@ extern "C" __global__ void spin(float* out, int iters) {
 }''', 'spin')
 seen = cupy.cuda.Device().attributes['MultiProcessorCount']
 result = {'sms_seen': seen}
-for name, blocks in (('fixed_grid', int(os.environ['ALL_SMS']) * 8), ('grid_from_sms_seen', seen * 8)):
+iters = int(os.environ.get('ITERS', '4000000'))
+grids = (('fixed_grid', int(os.environ['ALL_SMS']) * 8), ('grid_from_sms_seen', seen * 8))
+for name, blocks in grids[:1] if os.environ.get('BARRIER') else grids:
     out = cupy.empty(blocks * 256, dtype=cupy.float32)
     k((blocks,), (256,), (out, cupy.int32(1000))); cupy.cuda.Device().synchronize()
-    t = time.perf_counter(); k((blocks,), (256,), (out, cupy.int32(400_000))); cupy.cuda.Device().synchronize()
+    if os.environ.get('BARRIER'):  # every rank's kernel starts together, so the kernels overlap
+        open(os.path.join(os.environ['BARRIER'], os.environ['RANK']), 'w').close()
+        while len(os.listdir(os.environ['BARRIER'])) < int(os.environ['WORLD_SIZE']): time.sleep(0.001)
+    t = time.perf_counter(); k((blocks,), (256,), (out, cupy.int32(iters))); cupy.cuda.Device().synchronize()
     result[name + '_s'] = round(time.perf_counter() - t, 4)
     result[name + '_blocks'] = blocks
 sys.stdout.write(json.dumps(result) + '\n')
@@ -62,13 +70,16 @@ def one_client(sms: int) -> dict[str, dict[str, float]]:
 
 
 def four_ranks(sms: int) -> dict[str, dict[str, object]]:
+    """Four ranks start the same fixed-grid kernel together (a file barrier), uncapped and under auto."""
     results: dict[str, dict[str, object]] = {}
     for label, options in (("no cap", []), ("auto (25% each)", ["--thread-percentage", "auto"])):
         argv = [sys.executable, "-m", "mpsrun", "-np", "4", "--launcher", "local", "--mps", "on", "--gpus", "0",
                 *options, sys.executable, "-c", CLIENT]
+        barrier = tempfile.mkdtemp(prefix="atp")
         start = time.perf_counter()
-        out = subprocess.run(argv, env={**clean_env(), "ALL_SMS": str(sms)}, capture_output=True, text=True,
-                             check=True)
+        out = subprocess.run(argv, env={**clean_env(), "ALL_SMS": str(sms), "BARRIER": barrier,
+                                        "ITERS": "20000000"}, capture_output=True, text=True, check=True)
+        shutil.rmtree(barrier)
         wall = time.perf_counter() - start
         ranks = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
         results[label] = {"job_wall_s": round(wall, 3),

@@ -74,7 +74,7 @@ def run_case(program: str, ranks: int, options: list[str]) -> dict[str, object]:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
         wall = time.perf_counter() - start
     results = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("RESULT")]
-    chosen = re.search(r"(\d+M) pinned memory \(auto\)", out.stderr)
+    chosen = re.search(r"(\d+[MG]) pinned memory \(auto\)", out.stderr)
     proof = re.search(r"\d+ of \d+ ranks? connected to MPS.*", out.stderr)
     return {"exit": out.returncode, "wall_s": round(wall, 2), "auto_limit": chosen.group(1) if chosen else None,
             "ranks_ok": len(results), "rank_results": sorted(results),

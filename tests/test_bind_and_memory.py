@@ -74,14 +74,14 @@ def test_gpu_bind_none_in_the_api(fake_gpu):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_mem_limit_auto_splits_the_free_memory(fake_gpu, short_tmp, path):
-    """--mem-limit auto with 40 GiB free and 4 ranks on the GPU: (40960 - 128) // 4 - 256 = 9952 MiB each, stored
-    in whole gigabytes as the MPS daemon does (9G), in every rank's environment, shown with -v."""
+    """--mem-limit auto with 40 GiB free and 4 ranks on the GPU: (40960 - 128) // 4 = 10208 MiB each, in every
+    rank's environment, shown with -v."""
     fake_gpu.set_free_memory(40 * GIB)
     out = run(path, ["-v", "--mem-limit", "auto"], fake("--report-dir", str(short_tmp)), ranks=4)
     assert out.returncode == 0, out.stderr
     limits = {r["env"].get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT") for r in reports(short_tmp).values()}
-    assert limits == {"0=9G"}, limits
-    assert "9G pinned memory (auto)" in out.stderr or path in ("per-node", "hosts"), out.stderr
+    assert limits == {"0=10208M"}, limits
+    assert "10208M pinned memory (auto)" in out.stderr or path in ("per-node", "hosts"), out.stderr
     settle(fake_gpu)
 
 
@@ -92,7 +92,7 @@ def test_mem_limit_auto_counts_the_ranks_of_each_gpu(fake_gpu, short_tmp):
     out = run("local", ["--mem-limit", "auto"], fake("--report-dir", str(short_tmp)), ranks=3)
     assert out.returncode == 0, out.stderr
     limits = {rank: r["env"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] for rank, r in reports(short_tmp).items()}
-    assert limits == {0: "0=9G", 1: "0=9G", 2: "0=19G"}, limits
+    assert limits == {0: "0=10176M", 1: "0=10176M", 2: "0=20352M"}, limits
     settle(fake_gpu)
 
 
@@ -105,18 +105,18 @@ def test_mem_limit_auto_refuses_too_many_ranks(fake_gpu):
 
 
 def test_mem_limit_auto_in_the_api(fake_gpu):
-    """mps_session(mem_limit='auto', workers=4) gives each worker its share; without workers it is refused."""
+    """mps_session(mem_limit='auto', workers=4) gives each worker its share (the daemon's default in whole
+    gigabytes, as MPS stores it); without workers it is refused."""
     fake_gpu.set_free_memory(40 * GIB)
     with mps_session(mem_limit="auto", workers=4) as session:
-        assert session.env()["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=9G"
+        assert session.env()["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=10208M"
         assert session.daemons[0].command("get_default_device_pinned_mem_limit 0") == "9G"
     with pytest.raises(ConfigError, match="needs workers=N"):
         mps_session(mem_limit="auto")
 
 
-@pytest.mark.parametrize(("free_mib", "ranks", "expected"), [(81920, 1, "79G"), (81920, 8, "9G"), (80020, 4, "19G"),
-                                                             (1500, 1, "1G")])
+@pytest.mark.parametrize(("free_mib", "ranks", "expected"), [(81920, 1, "81792M"), (81920, 8, "10224M"),
+                                                             (80052, 4, "19981M"), (1500, 1, "1372M")])
 def test_auto_mem_limit_formula(free_mib, ranks, expected):
-    """Free memory less the server's 128 MiB, split among the ranks, less 256 MiB each for the context's uncounted
-    part, in whole gigabytes from 1G up (what the daemon stores)."""
+    """Free memory less the server's 128 MiB, split among the ranks (each limit counts its rank's context)."""
     assert auto_mem_limit(free_mib << 20, ranks) == expected
