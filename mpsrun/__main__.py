@@ -2,6 +2,6 @@
 
 import sys
 
-from mpsrun.cli import main
+from mpsrun._entry import main
 
 sys.exit(main())

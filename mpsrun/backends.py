@@ -189,8 +189,6 @@ class HostsBackend(MpiexecBackend):
 
 def choose_backend(config: JobConfig) -> Backend:
     """``--hosts``/``--hostfile`` go through mpiexec over the hosts; ``auto`` takes mpiexec when it and mpi4py exist."""
-    if config.hosts and config.hostfile:
-        raise ConfigError("give --hosts or --hostfile, not both", setting="--hosts")
     if config.hosts or config.hostfile:
         if config.launcher == "local":
             raise ConfigError("--hosts/--hostfile need the mpiexec launcher", setting="--launcher")

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from mpsrun import __version__
 from mpsrun.errors import ConfigError, MPSError
 from mpsrun.exitcodes import ExitCode
+from mpsrun.interrupts import InterruptionError, Interrupts
 from mpsrun.options import build_parser, options, parse_args
 
 __all__ = ["main"]
@@ -90,9 +91,24 @@ def _subcommand(args: list[str]) -> int | None:
     return None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``mpsrun`` command; returns the exit status."""
-    args = list(sys.argv[1:] if argv is None else argv)
+def main(argv: Sequence[str] | None = None, pending: Sequence[int] = ()) -> int:
+    """Entry point of the ``mpsrun`` command; returns the exit status.
+
+    A stopping signal that comes before a job's own handling takes over (``pending``: noted by
+    :mod:`mpsrun._entry` during the imports; later, while options are read and modules
+    imported) gives one line and 128+N, never a traceback.
+    """
+    try:
+        with Interrupts():
+            if pending:
+                raise InterruptionError(signal=pending[0])
+            return _main(list(sys.argv[1:] if argv is None else argv))
+    except InterruptionError as exc:
+        _print_error(f"{exc} before the job started")
+        return exc.exit_code
+
+
+def _main(args: list[str]) -> int:
     subcommand = _subcommand(args)
     if subcommand is not None:
         return subcommand

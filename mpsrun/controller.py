@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import signal
 import socket
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -37,6 +38,8 @@ FORWARD_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 KILL_WAIT = 10.0  # after SIGKILL, how long a rank's supervisor gets to report before the rank is given up
 VERDICT_WAIT = 30.0  # how long a relaying node keeper waits for the job's verdicts once its ranks have ended
 LATE_WAIT = 30.0  # how long a node keeper keeps its session for ranks the launcher said would come
+NODE_CLOSE_WAIT = 60.0  # how long the job's controller waits for the hosts' node keepers to end their sessions
+SAME_INTERRUPT = 0.25  # one Ctrl-C can reach a rank twice (terminal and launcher) within this
 Welcome = Callable[[RankIdentity, Mapping[str, Any]], dict[str, Any]]
 
 
@@ -75,6 +78,9 @@ class Controller:
         self._watch_every = policy.watch_interval[0]
         self._summary_pending = False
         self._detached = False
+        self._nodes_timer = False
+        self._nodes_overdue = False
+        self._interrupts: dict[int, float] = {}  # source -> when its first interrupt came
 
     @property
     def ranks(self) -> dict[int, RankState]:
@@ -125,8 +131,9 @@ class Controller:
     def _done(self) -> bool:
         if self.give_up:
             return True
-        if self.expected is not None:
-            return self.table.ended(self.expected) and self.launchers.ended
+        if self.expected is not None:  # and the hosts' node keepers have closed their sessions (or are overdue)
+            return self.table.ended(self.expected) and self.launchers.ended and (
+                not self.table.nodes or self._nodes_overdue)
         every = len(self.ranks) >= (self.expected_count or 1)
         return every and all(s.end is not None and s.verdict_sent for s in self.ranks.values())
 
@@ -178,15 +185,35 @@ class Controller:
             self.stop(signal.SIGTERM)
         self._verdict(state)
         if self.expected is not None and self.table.ended(self.expected):
+            self._wind_down()
+
+    def _wind_down(self) -> None:
+        """Every rank has ended: the launchers get --grace to exit, once every host's node keeper has closed
+        (a keeper's last rank waits for its teardown, and ending the launcher would cut that short)."""
+        if not self.table.nodes:
+            self.launchers.wind_down(self.policy.grace)
+        elif not self._nodes_timer:
+            self._nodes_timer = True
+            self.loop.after(NODE_CLOSE_WAIT, self._nodes_late)
+
+    def _nodes_late(self) -> None:
+        self._nodes_overdue = True
+        self.launchers.wind_down(self.policy.grace)
+
+    def node_closed(self) -> None:
+        if self.expected is not None and self.table.ended(self.expected) and not self.table.nodes:
             self.launchers.wind_down(self.policy.grace)
 
-    def interrupted(self, sig: int) -> None:
-        """A rank's supervisor got a stopping signal from outside (srun, mpiexec): the job was interrupted.
+    def interrupted(self, sig: int, source: int) -> None:
+        """A rank's supervisor (or a node keeper) got a stopping signal from outside: the job was interrupted.
 
-        srun and mpiexec send one to every rank: only the first counts (a second Ctrl-C is the
-        user's, at the controller itself).
+        srun and mpiexec send one to every rank, so one from each ``source`` (a connection) is one
+        interrupt; a SIGINT from the same source again, later than a terminal and a launcher
+        would deliver the same Ctrl-C twice, is the user's second Ctrl-C: kill at once.
         """
-        if self.interrupted_by is None:
+        now = time.monotonic()
+        first = self._interrupts.setdefault(source, now)
+        if self.interrupted_by is None or (sig == signal.SIGINT and now - first > SAME_INTERRUPT):
             self._on_signal(sig)
 
     def relayed(self, kind: str, message: Mapping[str, Any]) -> None:
@@ -276,6 +303,7 @@ class Controller:
         if sig in FORWARD_SIGNALS:
             self._signal(sig, self.table.live())
         elif self.upstream is not None:  # the job's controller decides; the ranks here get the signal now
+            self.interrupted_by = self.interrupted_by or sig
             self.upstream.send("interrupted", signal=sig)
             self._signal(sig, self.table.live())
         elif self.interrupted_by is not None and sig == signal.SIGINT:

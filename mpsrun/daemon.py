@@ -309,7 +309,7 @@ class ControlDaemon:
             command = f"set_default_device_pinned_mem_limit {device} {mem_limit}"
             self.command(command)
             stored = self.command(f"get_default_device_pinned_mem_limit {device}")
-            if _as_mib(stored) != _as_mib(stored_mem_limit(mem_limit)):  # 1536M is stored as 1G
+            if _as_mib(stored) != _as_mib(stored_mem_limit(str(mem_limit))):  # 1536M is stored as 1G
                 raise DaemonError(
                     f"the daemon did not take {command!r} (it stored {stored!r})", command=command, reply=stored
                 )

@@ -12,15 +12,20 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from types import FrameType, TracebackType
 
 from mpsrun.errors import MPSError
 from mpsrun.exitcodes import signal_name
 
-__all__ = ["InterruptionError", "Interrupts"]
+__all__ = ["InterruptionError", "Interrupts", "catchable"]
 
 STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def catchable(numbers: Iterable[int]) -> list[int]:
+    """The signals this process may take over: one it inherited as ignored stays ignored (``nohup``)."""
+    return [n for n in numbers if signal.getsignal(n) is not signal.SIG_IGN]
 
 
 class InterruptionError(MPSError):
@@ -43,7 +48,7 @@ class Interrupts:
 
     def __enter__(self) -> Interrupts:
         if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in STOPPING}
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in catchable(STOPPING)}
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:

@@ -35,14 +35,13 @@ from mpsrun.placement import RankPlan, plan_job, ranks_on_gpus, welcome, without
 from mpsrun.procs import find_program
 from mpsrun.protocol import Listener, new_token
 from mpsrun.report import crowding_warnings, mps_report, verified_line
-from mpsrun.session import Session
+from mpsrun.session import START_TIMEOUT, Session
 from mpsrun.watch import RankWatch
 
 __all__ = ["run_job"]
 
 log = logging.getLogger("mpsrun")
 
-START_TIMEOUT = 30.0  # for each daemon to answer and its server to come up
 
 
 def resolve_command(command: tuple[str, ...]) -> str:

@@ -25,14 +25,14 @@ from typing import Any
 
 from mpsrun.controller import Controller, Policy
 from mpsrun.deadline import Deadline
-from mpsrun.errors import ConfigError, MPSError
+from mpsrun.errors import ConfigError, DaemonTimeoutError, JobTimeoutError, MPSError
 from mpsrun.launchers import RankIdentity
 from mpsrun.options import JobConfig, parse_options
 from mpsrun.paths import user_root_lock
 from mpsrun.placement import welcome, without_mps
 from mpsrun.protocol import Link, Listener, connect
 from mpsrun.report import mps_report, verified_line
-from mpsrun.session import Session
+from mpsrun.session import START_TIMEOUT, Session
 
 __all__ = ["NodeKeeper", "main"]
 
@@ -52,18 +52,27 @@ class NodeKeeper:
 
     def start(self) -> None:
         config = self.config
+        deadline = Deadline(config.timeout)  # --timeout bounds the node's start-up too
         self.session = Session(gpus=list(config.gpus) if config.gpus is not None else "all",
                                thread_percentage=config.thread_percentage
                                if isinstance(config.thread_percentage, int) else None,
                                mem_limit=None if config.mem_limit == "auto" else config.mem_limit, mps=config.mps,
-                               keep_logs=config.keep_logs, export=False, quiet=True, gpu_bind=config.gpu_bind)
-        self.session.start(wait_active=True, kind="node", name=self.name)
+                               keep_logs=config.keep_logs, export=False, quiet=True, gpu_bind=config.gpu_bind,
+                               start_timeout=max(0.1, deadline.cap(START_TIMEOUT)))
+        try:
+            self.session.start(wait_active=True, kind="node", name=self.name)
+        except DaemonTimeoutError as exc:
+            if deadline.expired():
+                raise JobTimeoutError(f"timed out after {config.timeout:g} s while this node's MPS daemons started "
+                                      f"({exc})", timeout=config.timeout or 0.0) from None
+            raise
         reason = self.session.disabled_reason
         self.notices = without_mps(config, reason) if reason is not None and not config.quiet else []
         assert self.session.dirs is not None
         self.listener = Listener(f"unix:{self.session.dirs.control_socket}")
         upstream = self._upstream() if self.upstream_address else None
-        policy = Policy(grace=config.grace, timeout=config.timeout, mps_required=config.mps == "on")
+        policy = Policy(grace=config.grace, timeout=deadline.remaining() if config.timeout else None,
+                        timeout_total=config.timeout, mps_required=config.mps == "on")
         self.controller = Controller(self.listener, self.name, self._welcome, policy, expected=None,
                                      session=self.session, upstream=upstream, note=self._log)
         self.controller.report_in_verdicts = upstream is None

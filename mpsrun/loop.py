@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 
+from mpsrun.interrupts import catchable
+
 __all__ = ["EventLoop", "Timer"]
 
 
@@ -70,7 +72,7 @@ class EventLoop:
             yield
             return
         read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        previous = {n: signal.signal(n, _record) for n in numbers}
+        previous = {n: signal.signal(n, _record) for n in catchable(numbers)}
         old_wakeup = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
         self._on_signal, self._wakeup = callback, read_end
         self.watch(read_end, self._read_signals)

@@ -282,6 +282,15 @@ def _from_variable(name: str, spec: Option, text: str) -> Any:
     return value
 
 
+#: Options that exclude each other: one given on the command line silences the others' variables.
+EXCLUSIVE = (("verbose", "quiet"), ("hosts", "hostfile"))
+
+
+def _overridden(name: str, given: Mapping[str, Any]) -> bool:
+    """Whether the command line sets an option that excludes ``name`` (the command line wins)."""
+    return any(name in group and any(other in given for other in group if other != name) for group in EXCLUSIVE)
+
+
 def parse_options(words: Sequence[str], environ: Mapping[str, str], version: str = "") -> dict[str, Any]:
     """The option values from option words, then ``MPSRUN_*`` variables for options they do not give."""
     parser = build_parser(version=version)
@@ -290,10 +299,12 @@ def parse_options(words: Sequence[str], environ: Mapping[str, str], version: str
     for name, spec in options().items():
         if name in given:
             values[name] = tuple(given[name]) if spec.append else given[name]
-        elif spec.env and spec.variable in environ:
+        elif spec.env and spec.variable in environ and not _overridden(name, given):
             values[name] = _from_variable(name, spec, environ[spec.variable])
     if values.get("verbose") and values.get("quiet"):
         raise ConfigError("-v/--verbose and -q/--quiet cannot be used together", setting="--quiet")
+    if values.get("hosts") and values.get("hostfile"):
+        raise ConfigError("give --hosts or --hostfile, not both", setting="--hosts")
     return values
 
 

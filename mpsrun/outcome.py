@@ -39,11 +39,13 @@ class RankEnd:
     def lost(self) -> bool:
         return self.returncode is None
 
-    def describe(self) -> str:
+    def describe(self, first: bool = False) -> str:
+        """``rank 1 (pid N) exited with code 7[ first][: reason]``."""
         who = f"rank {self.rank}" + (f" (pid {self.pid})" if self.pid else "")
         if self.returncode is None:
-            return f"{who} ended without reporting" + (f" ({self.reason})" if self.reason else "")
-        what = describe_returncode(self.returncode)
+            return f"{who} ended without reporting" + (" first" if first else "") + (
+                f" ({self.reason})" if self.reason else "")
+        what = describe_returncode(self.returncode) + (" first" if first else "")
         return f"{who} {what}" + (f": {self.reason}" if self.reason else "")
 
 
@@ -77,7 +79,7 @@ class Judge:
             return False
         self.first = end
         code = None if end.returncode is None else exit_code_of(end.returncode)
-        return self.decide("rank-failed", code, f"{end.describe()} first")
+        return self.decide("rank-failed", code, end.describe(first=True))
 
     def decide(self, cause: str, code: int | None, message: str) -> bool:
         """The job fails for this reason unless something failed first; True if this is first."""

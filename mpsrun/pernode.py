@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from mpsrun import registry
-from mpsrun.deadline import Deadline
-from mpsrun.errors import ConfigError, MPSError
+from mpsrun.errors import ConfigError, JobTimeoutError, MPSError
+from mpsrun.exitcodes import ExitCode
 from mpsrun.launchers import RankIdentity, identity_from_env, job_key
 from mpsrun.options import JobConfig, to_argv
-from mpsrun.paths import base_directory, user_root, user_root_lock, validate_base
+from mpsrun.paths import base_directory, make_user_root, user_root, user_root_lock, validate_base
 from mpsrun.protocol import Link, connect
-from mpsrun.rank import greet, run_rank
+from mpsrun.rank import greet, report_failure, run_rank
 
 __all__ = ["node_session_name", "run_per_node"]
 
@@ -57,14 +57,18 @@ def _start_keeper(base: Path, name: str, config: JobConfig) -> None:
     keeper.stdin.write(json.dumps(request).encode())
     keeper.stdin.close()
     keeper.wait()  # it forks into the background at once and says ready on the pipe
-    deadline = Deadline(KEEPER_START_TIMEOUT)
-    ready, _, _ = select.select([keeper.stdout], [], [], deadline.remaining())
+    # The keeper bounds its own start-up by --timeout and then says so; a little later we stop waiting.
+    wait = KEEPER_START_TIMEOUT if config.timeout is None else min(KEEPER_START_TIMEOUT, config.timeout + 10)
+    ready, _, _ = select.select([keeper.stdout], [], [], wait)
     answer = keeper.stdout.readline().decode(errors="replace").strip() if ready else ""
     keeper.stdout.close()
     if answer != "ready":
         code, _, message = answer.partition(" ")
-        error = ConfigError if code == "2" else MPSError
-        raise error(message or f"this node's session did not start within {KEEPER_START_TIMEOUT:g} s")
+        if code == str(ExitCode.TIMEOUT) or (not answer and config.timeout is not None):
+            raise JobTimeoutError(message or f"timed out after {config.timeout:g} s while this node's session started",
+                                  timeout=config.timeout or 0.0)
+        error = ConfigError if code == str(ExitCode.USAGE) else MPSError
+        raise error(message or f"this node's session did not start within {wait:g} s")
 
 
 def _join_node(base: Path, name: str, config: JobConfig) -> tuple[Link, dict[str, Any] | None]:
@@ -96,7 +100,12 @@ def run_per_node(config: JobConfig, environ: Mapping[str, str] | None = None) ->
     if identity.world_size is None and config.nranks is not None:
         identity = RankIdentity(identity.rank, identity.local_rank, config.nranks, identity.local_world_size)
     base = base_directory(env)
-    validate_base(base)
+    try:
+        validate_base(base)
+        make_user_root(base)  # refused here, before any keeper, if it is not safe
+    except MPSError as exc:
+        report_failure(exc, identity.local_rank)
+        return exc.exit_code
     name = node_session_name(env)
     settings = " ".join(to_argv(config))
     rank = identity.rank

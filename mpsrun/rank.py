@@ -29,7 +29,7 @@ from typing import IO, Any
 
 from mpsrun.deadline import Deadline
 from mpsrun.errors import MPSError
-from mpsrun.exitcodes import ExitCode, exit_code_of
+from mpsrun.exitcodes import ExitCode, exit_code_of, signal_name
 from mpsrun.interrupts import InterruptionError, Interrupts
 from mpsrun.launchers import RankIdentity, identity_from_env
 from mpsrun.loop import EventLoop
@@ -37,7 +37,7 @@ from mpsrun.output import LineTagger
 from mpsrun.procs import close_all, find_program, inherited_fds, kill_group, pidfd, set_parent_death_signal, start_ticks
 from mpsrun.protocol import Link, connect
 
-__all__ = ["CONTROL_VARIABLES", "direct", "greet", "main", "run_rank"]
+__all__ = ["CONTROL_VARIABLES", "direct", "greet", "main", "report_failure", "run_rank"]
 
 #: How a shim finds its controller; never passed on to the rank.
 CONTROL_VARIABLES = ("MPSRUN_CONTROL", "MPSRUN_CONTROL_TOKEN")
@@ -46,7 +46,7 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signa
 STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 WELCOME_TIMEOUT = 300.0  # the controller may be starting MPS daemons meanwhile
 VERDICT_TIMEOUT = 300.0  # the last rank of a node waits for the node's teardown
-LINGER_TIMEOUT = 10.0  # the node keeper exits right after the last verdict
+LINGER_TIMEOUT = 60.0  # the node keeper's teardown (a hanging quit, then SIGTERM, SIGKILL) after the last verdict
 DRAIN_TIMEOUT = 2.0  # output still open after the rank's group is gone (a writer that left the group)
 
 
@@ -75,6 +75,7 @@ class RankSupervisor:
         self.returncode: int | None = None
         self.streams: dict[int, tuple[IO[bytes], LineTagger]] = {}
         self.killing = False
+        self.controller_lost = False
 
     def run(self) -> int:
         program, code, reason = find_program(self.command[0], self.env.get("PATH"))
@@ -170,8 +171,9 @@ class RankSupervisor:
 
     def _on_link(self) -> None:
         messages = self.link.receive()
-        if messages is None:  # the controller is gone: the job is over
+        if messages is None:  # the controller is gone (killed): the job is over
             self.loop.unwatch(self.link_fd)
+            self.controller_lost = True
             self._signal(signal.SIGTERM)
             return
         for message in messages:
@@ -182,10 +184,22 @@ class RankSupervisor:
 
     def _finish(self, returncode: int, reason: str = "") -> int:
         self.link.send("exited", rank=self.rank, returncode=returncode, reason=reason)
-        verdict = self.link.expect(("verdict",), Deadline(VERDICT_TIMEOUT))
-        if verdict is not None and verdict.get("linger"):  # the node keeper's last rank: wait until it is gone
-            self.link.expect(("",), Deadline(LINGER_TIMEOUT))
+        with Interrupts() as interrupts, interrupts.deferred():  # the job's end is not cut short: noted only
+            verdict = self.link.expect(("verdict",), Deadline(VERDICT_TIMEOUT))
+            if verdict is not None and verdict.get("linger"):  # the node keeper's last rank: wait until it is gone
+                self.link.expect(("",), Deadline(LINGER_TIMEOUT))
         self.link.close()
+        code = self._exit_code(returncode, reason, verdict)
+        if interrupts.received and code == ExitCode.OK:
+            _say(f"rank {self.rank}: interrupted by {signal_name(interrupts.received[0])} while the job ended")
+            return 128 + interrupts.received[0]
+        return code
+
+    def _exit_code(self, returncode: int, reason: str, verdict: Mapping[str, Any] | None) -> int:
+        if verdict is None and self.controller_lost:
+            _say(f"rank {self.rank}: the job's controller (mpsrun, or the node keeper) died under the job; "
+                 "the rank was stopped")
+            return ExitCode.SETUP
         if verdict is None:
             if reason:
                 _say(f"rank {self.rank}: {reason}")
@@ -232,6 +246,24 @@ def greet(link: Link, hello: Mapping[str, Any]) -> dict[str, Any] | None:
     return None if answer is not None and answer.get("retry") else answer
 
 
+def report_failure(exc: MPSError, local_rank: int | None) -> None:
+    """A rank that cannot start says why once: under ``--hosts`` to the job's controller, which makes it
+    the job's one summary line; otherwise the node's first local rank prints it."""
+    address = os.environ.get("MPSRUN_CONTROL")
+    if address:
+        with contextlib.suppress(OSError):
+            link = connect(address)
+            link.send("hello", role="node", token=os.environ.get("MPSRUN_CONTROL_TOKEN", ""),
+                      node=socket.gethostname())
+            told = link.expect(("welcome",), Deadline(5.0)) is not None and link.send(
+                "finding", message=str(exc), fatal=True, code=int(exc.exit_code))
+            link.close()
+            if told:
+                return
+    if local_rank in (0, None):
+        _say(f"error: {exc}")
+
+
 def direct(address: str) -> Join:
     """Join the controller at ``address`` (the launcher's, or a node keeper's)."""
 
@@ -255,12 +287,12 @@ def run_rank(command: Sequence[str], identity: RankIdentity, join: Join, token: 
     try:
         with Interrupts():
             link, answer = join(fields)
-    except InterruptionError as exc:
-        _say(f"rank {identity.rank}: {exc} before it started")
-        return exc.exit_code
-    except MPSError as exc:  # the node's session cannot start: said once per node, by its first local rank
+    except InterruptionError as exc:  # the launcher signals every rank: said once per node
         if identity.local_rank == 0:
-            _say(f"error: {exc}")
+            _say(f"{exc} before the ranks started")
+        return exc.exit_code
+    except MPSError as exc:  # the node's session cannot start: said once
+        report_failure(exc, identity.local_rank)
         return exc.exit_code
     except OSError as exc:
         _say(f"rank {identity.rank}: cannot reach the job's controller: {exc}")

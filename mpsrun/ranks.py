@@ -41,15 +41,18 @@ class RankEvents(Protocol):
 
     def rank_ended(self, state: RankState, end: RankEnd) -> None: ...
 
-    def interrupted(self, sig: int) -> None: ...
+    def interrupted(self, sig: int, source: int) -> None: ...
 
     def relayed(self, kind: str, message: Mapping[str, Any]) -> None: ...
+
+    def node_closed(self) -> None: ...
 
 
 class RankTable:
     def __init__(self, loop: EventLoop, listener: Listener, token: str, events: RankEvents, host: str) -> None:
         self.loop, self.listener, self.token, self.events, self.host = loop, listener, token, events, host
         self.ranks: dict[int, RankState] = {}
+        self.nodes: set[Link] = set()  # open links of node keepers (each closes once its host's session is gone)
         self.accepting = True  # False while a node keeper closes: a rank that comes now starts a new one
         loop.watch(listener.fileno(), self._accept)
 
@@ -71,6 +74,12 @@ class RankTable:
     def close(self, link: Link) -> None:
         self.loop.unwatch(link.fd)
         link.close()
+        self._forget_node(link)
+
+    def _forget_node(self, link: Link) -> None:
+        if link in self.nodes:
+            self.nodes.discard(link)
+            self.events.node_closed()
 
     def _on_link(self, link: Link) -> None:
         messages = link.receive()
@@ -88,7 +97,7 @@ class RankTable:
             elif kind in ("started", "exited"):
                 self._report(link, kind, message)
             elif kind == "interrupted" and message.get("signal") in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                self.events.interrupted(int(message["signal"]))
+                self.events.interrupted(int(message["signal"]), id(link))
             elif kind in ("finding", "note") and link.peer.get("role") == "node":
                 self.events.relayed(kind, message)
 
@@ -100,6 +109,7 @@ class RankTable:
             self.close(link)
         elif message.get("role") == "node":  # a node keeper relaying for its ranks
             link.peer = {"role": "node", "node": message.get("node")}
+            self.nodes.add(link)
             link.send("welcome")
         else:
             try:
@@ -140,3 +150,4 @@ class RankTable:
                 kill_group(state.process.pid, signal.SIGKILL)
             pid = state.process.pid if state.process is not None else None
             self.events.rank_ended(state, RankEnd(state.rank, pid, None, "its supervisor is gone"))
+        self._forget_node(link)

@@ -49,9 +49,11 @@ from mpsrun.records import SessionRecord
 from mpsrun.report import session_status
 from mpsrun.watch import ClientWatcher
 
-__all__ = ["Session", "mps_session"]
+__all__ = ["START_TIMEOUT", "Session", "mps_session"]
 
 log = logging.getLogger("mpsrun")
+
+START_TIMEOUT = 30.0  # default: for each daemon to answer and its server to come up
 
 #: Variables a session may set in a worker's environment (restored on close when exported).
 SESSION_VARIABLES = ("CUDA_VISIBLE_DEVICES", *MANAGED_VARIABLES)
@@ -97,7 +99,7 @@ class Session:
         mps: str = "auto",
         keep_logs: bool = False,
         export: bool | None = None,
-        start_timeout: float = 30.0,
+        start_timeout: float = START_TIMEOUT,
         stop_timeout: float = 10.0,
         quiet: bool = False,
         gpu_bind: str = "single",

@@ -1,0 +1,173 @@
+"""Findings of a second adversarial pass, on every path: start-up under --timeout, teardown that must finish
+before the launcher returns, a second Ctrl-C, early signals, one line per failure, the command line winning.
+
+Each test reproduces a measured failure first described in the pass's log (about 95 inputs and 45 faults;
+see the closing note), against the fake GPU with MPICH's mpiexec.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from test_contract import PATHS, fake, job_argv, mpiexec, settle
+
+pytestmark = pytest.mark.mpiexec
+
+HYDRA_BANNER = re.compile(r"^(=|\s*=|YOUR APPLICATION|This typically|Please see|\[mpiexec@)")
+
+
+def ours(stderr):
+    """mpsrun's own lines (MPICH's Hydra adds banners of its own when a process is signalled)."""
+    return [line for line in stderr.splitlines() if line.strip() and not HYDRA_BANNER.match(line)]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_timeout_bounds_start_up_on_every_path(fake_gpu, path):
+    """--timeout 1.5 with a daemon that never answers: exit 124 well before the 30 s daemon deadline, on every
+    path (per-node and --hosts waited 31-61 s), with at most two lines and nothing left."""
+    fake_gpu.daemon_env(FAKE_MPS_NO_ANSWER="1")
+    out = subprocess.run(job_argv(path, ["--timeout", "1.5"], ["sleep", "1"], ranks=2), capture_output=True,
+                         text=True, timeout=25)
+    assert out.returncode == 124, out.stderr
+    lines = ours(out.stderr)
+    assert 1 <= len(lines) <= 2 and all("timed out" in line or "timeout" in line for line in lines), lines
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("path", ["per-node", "hosts"])
+def test_the_job_returns_after_the_node_teardown(fake_gpu, path):
+    """A node keeper whose daemon's quit hangs: the job returns 0 only once the node's session is gone (--hosts
+    returned after 6 s with the keeper, daemons and directory still there, and Hydra reporting a SIGTERM)."""
+    fake_gpu.daemon_env(FAKE_MPS_QUIT_HANG="1")
+    out = subprocess.run(job_argv(path, [], ["true"], ranks=1), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and ours(out.stderr) == [], out.stderr
+    assert not fake_gpu.session_dirs() and not fake_gpu.orphans()
+
+
+IGNORE_TERM = ("import os, signal, sys, time\n"
+               "signal.signal(signal.SIGINT, signal.SIG_IGN); signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+               "open(os.path.join(sys.argv[1], os.environ['RANK']), 'w').close()\n"
+               "time.sleep(120)\n")
+
+
+def test_a_second_ctrl_c_under_per_node_kills_at_once(fake_gpu, short_tmp):
+    """Two SIGINTs a second apart to a per-node rank's mpsrun, whose rank ignores them: killed at once
+    (it waited out the whole --grace 60)."""
+    job = subprocess.Popen([mpiexec(), "-n", "1", sys.executable, "-m", "mpsrun", "--per-node", "--grace", "60",
+                            sys.executable, "-c", IGNORE_TERM, str(short_tmp)], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(short_tmp.iterdir()):
+        assert time.monotonic() < deadline and job.poll() is None
+        time.sleep(0.05)
+    rank = next(p for p in psutil.Process(job.pid).children(recursive=True) if "--per-node" in p.cmdline())
+    rank.send_signal(signal.SIGINT)
+    time.sleep(1.0)
+    rank.send_signal(signal.SIGINT)
+    _, err = job.communicate(timeout=30)
+    assert "second interrupt" in err, err
+    settle(fake_gpu)
+
+
+def test_a_signal_during_the_imports_is_one_line(fake_gpu):
+    """A SIGINT that arrives while the command's modules are still being imported: one line and 130, no
+    KeyboardInterrupt traceback (it used to be one within about 0.2 s of the start)."""
+    code = ("import os, signal, sys\nimport mpsrun._entry as entry\nos.kill(os.getpid(), signal.SIGINT)\n"
+            "sys.argv = ['mpsrun', 'true']\nsys.exit(entry.main())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 130 and out.stderr == "mpsrun: error: interrupted by SIGINT before the job started\n"
+
+
+def test_an_ignored_hangup_stays_ignored(fake_gpu, short_tmp):
+    """Under nohup (SIGHUP inherited as ignored) a SIGHUP does not stop the job."""
+    job = subprocess.Popen([*job_argv("local", [], fake("--hold", "3", "--report-dir", str(short_tmp)), ranks=1)],
+                           stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP,
+                                                                                               signal.SIG_IGN))
+    deadline = time.monotonic() + 60
+    while not list(short_tmp.glob("*.json")):
+        assert time.monotonic() < deadline and job.poll() is None
+        time.sleep(0.05)
+    job.send_signal(signal.SIGHUP)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 0, err
+    settle(fake_gpu)
+
+
+def test_an_interrupt_in_per_node_start_up_is_one_line(fake_gpu):
+    """SIGTERM to every per-node rank while the node's daemon does not answer: one line for the node, not one per
+    rank."""
+    fake_gpu.daemon_env(FAKE_MPS_NO_ANSWER="1")
+    job = subprocess.Popen([mpiexec(), "-n", "3", sys.executable, "-m", "mpsrun", "--per-node", "true"],
+                           stderr=subprocess.PIPE, text=True)
+    time.sleep(3)
+    for proc in psutil.Process(job.pid).children(recursive=True):
+        if "--per-node" in proc.cmdline():
+            proc.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=60)
+    lines = [line for line in ours(err) if "interrupted" in line]
+    assert len(lines) == 1 and "before the ranks started" in lines[0], err
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize(("variables", "argv"), [
+    ({"MPSRUN_VERBOSE": "1"}, ["-q"]), ({"MPSRUN_QUIET": "1"}, ["-v"]),
+    ({"MPSRUN_HOSTS": "nosuchhost"}, ["--hostfile", "HOSTFILE"]),
+])
+def test_the_command_line_wins_over_an_exclusive_variable(fake_gpu, short_tmp, variables, argv):
+    """An MPSRUN_ variable for an option that excludes one given on the command line is ignored (it was exit 2)."""
+    hostfile = short_tmp / "hosts"
+    hostfile.write_text("localhost\n")
+    argv = [str(hostfile) if word == "HOSTFILE" else word for word in argv]
+    out = subprocess.run([sys.executable, "-m", "mpsrun", *argv, "--mpiexec", mpiexec(), "-np", "1", "true"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, **variables})
+    assert out.returncode == 0, out.stderr
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("fault", ["unsafe-root", "daemon-fails"])
+def test_a_host_that_cannot_start_is_one_line(fake_gpu, fault):
+    """Under --hosts a host's refusal (an unsafe session root, a daemon that fails) is the job's one summary line
+    (it was two: the error, then 'mpiexec exited with code 3 before rank(s) 0 started')."""
+    root = fake_gpu.tmpdir / f"mpsrun-{os.getuid()}"
+    if fault == "unsafe-root":
+        root.mkdir(mode=0o755)
+        root.chmod(0o755)
+    else:
+        fake_gpu.daemon_env(FAKE_MPS_START_FAIL="1")
+    try:
+        out = subprocess.run(job_argv("hosts", [], ["true"], ranks=2), capture_output=True, text=True, timeout=120)
+    finally:
+        if root.exists():
+            root.chmod(0o700)
+    assert out.returncode == 3 and len(ours(out.stderr)) == 1, out.stderr
+    settle(fake_gpu)
+
+
+def test_a_killed_node_keeper_is_named(fake_gpu, short_tmp):
+    """SIGKILL to the node keeper under --per-node: exit 3 and a line that says so (it was 143 and silence)."""
+    job = subprocess.Popen(job_argv("per-node", [], fake("--hold", "60", "--report-dir", str(short_tmp)), ranks=2),
+                           stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(list(short_tmp.glob("*.json"))) < 2:
+        assert time.monotonic() < deadline and job.poll() is None
+        time.sleep(0.05)
+    keeper = next(p for p in psutil.process_iter(["cmdline"]) if "mpsrun.keeper" in " ".join(p.info["cmdline"] or [])
+                  and p.environ().get("MPSRUN_FAKE_NVML") == str(fake_gpu.nvml_dir))
+    keeper.kill()
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == 3 and "died under the job" in err, err
+    settle(fake_gpu)
+
+
+def test_first_comes_before_the_reason(fake_gpu):
+    """The summary reads 'rank 0 ... exited with code 127 first: /x: ...' (the reason no longer splits it)."""
+    out = subprocess.run(job_argv("per-node", [], [str(Path("/nonexistent/x"))], ranks=1), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 127 and re.search(r"rank 0 .*exited with code 127 first: /nonexistent/x", out.stderr), \
+        out.stderr
+    settle(fake_gpu)
