@@ -28,6 +28,7 @@ __all__ = [
     "parse_seconds",
     "parse_thread_percentage",
     "parse_thread_spec",
+    "session_mem_limits",
     "stored_mem_limit",
 ]
 
@@ -112,12 +113,16 @@ def parse_priority(value: object, setting: str = "priority") -> int:
     return int(str(value).strip())
 
 
+def _choice(value: object, choices: Sequence[str], setting: str) -> str:
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text is None or text not in choices:
+        raise ConfigError(f"{setting} must be one of {', '.join(choices)}, not {value!r}", setting=setting, value=value)
+    return text
+
+
 def parse_mps_mode(value: object, setting: str = "mps") -> str:
     """``auto`` (MPS when possible), ``on`` (MPS or fail) or ``off``."""
-    text = value.strip().lower() if isinstance(value, str) else None
-    if text not in MPS_MODES:
-        raise ConfigError(f"{setting} must be one of auto, on, off, not {value!r}", setting=setting, value=value)
-    return text
+    return _choice(value, MPS_MODES, setting)
 
 
 def auto_mem_limit(free_bytes: int, ranks: int, gpu: object = 0) -> str:
@@ -153,10 +158,21 @@ def parse_count(value: object, setting: str) -> int:
 
 def parse_gpu_bind(value: object, setting: str = "gpu_bind") -> str:
     """``single`` (one GPU per rank) or ``none`` (every rank sees all the job's GPUs through one daemon)."""
-    text = value.strip().lower() if isinstance(value, str) else None
-    if text not in GPU_BINDS:
-        raise ConfigError(f"{setting} must be single or none, not {value!r}", setting=setting, value=value)
-    return text
+    return _choice(value, GPU_BINDS, setting)
+
+
+def session_mem_limits(mem_limit: str | None, free: Sequence[int], workers: int | None,
+                       shared: bool) -> list[str | None]:
+    """A session's pinned memory limit per GPU; ``auto`` splits each GPU's ``free`` bytes among the ``workers``
+    spread evenly over the GPUs (``shared``: one daemon serves them all, so the tightest GPU decides)."""
+    if mem_limit != "auto":
+        return [mem_limit] * len(free)
+    if not free or workers is None:
+        return [None] * len(free)
+    sharing = -(-workers // len(free))
+    if shared:
+        return [auto_mem_limit(min(free), sharing, "any")] * len(free)
+    return [auto_mem_limit(each, sharing, position) for position, each in enumerate(free)]
 
 
 def client_variables(thread_percentage: int | None, mem_limit: str | None, priority: int | None,

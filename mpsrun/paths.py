@@ -21,7 +21,7 @@ import os
 import secrets
 import shutil
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import attrs
@@ -111,21 +111,34 @@ def _check_base(info: os.stat_result, base: Path) -> None:
             path=str(base), reason="writable by others without the sticky bit")
 
 
+def _checked(fd: int, check: Callable[[], None]) -> int:
+    """``fd`` once ``check`` passes; closed if it does not."""
+    try:
+        check()
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_writable(fd: int, base: Path) -> None:
+    if not os.access(f"/proc/self/fd/{fd}", os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot create session directories in {base}: not writable; set MPSRUN_TMPDIR to a "
+                          "writable directory", setting="tmpdir", value=str(base))
+
+
 def _open_base(base: Path) -> int:
     try:
         fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         raise ConfigError(f"session directory base {base} does not exist or is not a directory; set MPSRUN_TMPDIR",
                           setting="tmpdir", value=str(base)) from None
-    try:
+
+    def check() -> None:
         _check_base(os.fstat(fd), base)
-        if not os.access(f"/proc/self/fd/{fd}", os.W_OK | os.X_OK):
-            raise ConfigError(f"cannot create session directories in {base}: not writable; set MPSRUN_TMPDIR to a "
-                              "writable directory", setting="tmpdir", value=str(base))
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+        _check_writable(fd, base)
+
+    return _checked(fd, check)
 
 
 def _open_private(name: str, parent_fd: int, path: Path, create: bool) -> int:
@@ -138,12 +151,7 @@ def _open_private(name: str, parent_fd: int, path: Path, create: bool) -> int:
     except OSError:
         _check_private(os.lstat(name, dir_fd=parent_fd), path)  # says why (a link, not a directory)
         raise
-    try:
-        _check_private(os.fstat(fd), path)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return _checked(fd, lambda: _check_private(os.fstat(fd), path))
 
 
 def _user_root_fd(base: Path) -> int:

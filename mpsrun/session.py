@@ -30,7 +30,6 @@ from mpsrun.errors import ConfigError, DaemonError, MPSError, MPSUnavailableErro
 from mpsrun.exported import Export
 from mpsrun.gpus import GPU
 from mpsrun.limits import (
-    auto_mem_limit,
     parse_count,
     parse_flag,
     parse_gpu_bind,
@@ -40,6 +39,7 @@ from mpsrun.limits import (
     parse_priority,
     parse_seconds,
     parse_thread_percentage,
+    session_mem_limits,
 )
 from mpsrun.paths import SessionDirs, base_directory, validate_base
 from mpsrun.placement import MANAGED_VARIABLES, GpuTarget, RankPlan, rank_environment
@@ -171,7 +171,9 @@ class Session:
                 setting="export",
                 value=True,
             )
-        self._mem_limits = self._resolve_mem_limits()
+        self._mem_limits = session_mem_limits(self.mem_limit, [g.memory_free for g in self.gpus],
+                                              self.workers if self.disabled_reason is None else None,
+                                              self.gpu_bind == "none")
         self._state = "resolved"
         return self
 
@@ -179,18 +181,6 @@ class Session:
     def _one_view(self) -> bool:
         """Every worker gets the same variables: one GPU, or one daemon for all of them."""
         return len(self.gpus) <= 1 or self.gpu_bind == "none"
-
-    def _resolve_mem_limits(self) -> list[str | None]:
-        """The pinned memory limit per GPU position (``auto`` split among the workers, spread evenly)."""
-        if self.mem_limit != "auto":
-            return [self.mem_limit] * len(self.gpus)
-        if self.disabled_reason is not None or not self.gpus:
-            return [None] * len(self.gpus)
-        assert self.workers is not None
-        sharing = -(-self.workers // len(self.gpus))
-        if self.gpu_bind == "none":
-            return [auto_mem_limit(min(g.memory_free for g in self.gpus), sharing, "any")] * len(self.gpus)
-        return [auto_mem_limit(g.memory_free, sharing, g.index) for g in self.gpus]
 
     def free_memory(self) -> list[int]:
         """Each GPU's free memory in bytes when the session looked (empty without MPS: no limit applies)."""
