@@ -82,23 +82,45 @@ class Launched:
 class Launchers:
     """What a backend started, each watched through its pidfd; ``on_exit`` is called once it has been reaped."""
 
-    def __init__(self, loop: EventLoop, on_exit: Callable[[Launched, int], None]) -> None:
-        self.loop, self.on_exit = loop, on_exit
+    def __init__(self, loop: EventLoop, on_exit: Callable[[Launched, int], None],
+                 on_error: Callable[[LaunchSpec, OSError], None]) -> None:
+        self.loop, self.on_exit, self.on_error = loop, on_exit, on_error
         self.started: list[Launched] = []
+        self.pending: list[LaunchSpec] = []
         self._winding_down = False
 
     def launch(self, specs: Sequence[LaunchSpec]) -> None:
-        for spec in specs:
-            started = Launched(spec)
-            self.started.append(started)
-            if started.fd is not None:
-                self.loop.watch(started.fd, functools.partial(self._exited, started))
-            else:  # no pidfds on this kernel: a bounded poll interval
-                self._poll(started)
+        """Start ``specs`` one per turn of the loop, so a signal or a failure is handled while hundreds start;
+        one that cannot be started goes to ``on_error``."""
+        self.pending = list(specs)
+        self._next()
+
+    def _next(self) -> None:
+        if self.pending:
+            spec = self.pending.pop(0)
+            try:
+                self._start(spec)
+            except OSError as exc:
+                self.on_error(spec, exc)
+            self.loop.after(0, self._next)
+
+    def _start(self, spec: LaunchSpec) -> None:
+        started = Launched(spec)
+        self.started.append(started)
+        if started.fd is not None:
+            self.loop.watch(started.fd, functools.partial(self._exited, started))
+        else:  # no pidfds on this kernel: a bounded poll interval
+            self._poll(started)
+
+    def cancel(self) -> list[int]:
+        """Start nothing more (the job is stopping); the ranks that will now never start."""
+        ranks = [rank for spec in self.pending for rank in spec.ranks]
+        self.pending = []
+        return ranks
 
     @property
     def ended(self) -> bool:
-        return all(started.ended for started in self.started)
+        return not self.pending and all(started.ended for started in self.started)
 
     def _poll(self, started: Launched) -> None:
         if started.popen.poll() is None:

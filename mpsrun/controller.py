@@ -11,6 +11,7 @@ multi-host job) relays events up and carries out what comes down instead of judg
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import signal
 import socket
@@ -20,6 +21,7 @@ from typing import Any
 
 import attrs
 
+from mpsrun import gpus as gpu_info
 from mpsrun.backends import Launched, Launchers, LaunchSpec
 from mpsrun.errors import MPSError
 from mpsrun.exitcodes import ExitCode, describe_returncode, exit_code_of, signal_name
@@ -49,7 +51,7 @@ class Policy:
     timeout: float | None = None  # seconds left of the job's --timeout when the ranks start
     timeout_total: float | None = None  # the --timeout itself, for the message
     mps_required: bool = False  # --mps on: a rank found without MPS fails the job
-    watch_interval: tuple[float, float] = (0.2, 2.0)
+    watch_interval: float = 0.2  # NVML is sampled this often: two looks in a row find a rank off MPS
 
 
 class Controller:
@@ -63,7 +65,7 @@ class Controller:
         self.expected = None if expected is None else set(expected)
         self.loop = EventLoop()
         self.table = RankTable(self.loop, listener, token, self, socket.gethostname())
-        self.launchers = Launchers(self.loop, self._launcher_exited)
+        self.launchers = Launchers(self.loop, self._launcher_exited, self._launch_failed)
         self.watch = RankWatch(session.watcher(), policy.mps_required) \
             if session is not None and session.enabled else None
         self.judge = Judge()
@@ -75,12 +77,12 @@ class Controller:
         self.expected_count: int | None = None  # a node keeper: how many ranks the launcher put on the node
         self.give_up = False  # a node keeper that no rank ever joined, or that waited for late ranks in vain
         self._kill_timer: Timer | None = None
-        self._watch_every = policy.watch_interval[0]
         self._summary_pending = False
         self._detached = False
         self._nodes_timer = False
         self._nodes_overdue = False
-        self._interrupts: dict[int, float] = {}  # source -> when its first interrupt came
+        self._interrupts: dict[int, float] = {}
+        self._refusals: set[str] = set()  # source -> when its first interrupt came
 
     @property
     def ranks(self) -> dict[int, RankState]:
@@ -101,14 +103,23 @@ class Controller:
             elif self.policy.timeout is not None:
                 self.loop.after(self.policy.timeout, self._timed_out)
             if self.watch is not None:
-                self.loop.after(self._watch_every, self._check)
+                self.loop.after(self.policy.watch_interval, self._check)
             for sig in pending:
                 self.loop.after(0, functools.partial(self._on_signal, sig))
             if first is not None:
                 self.loop.after(0, lambda: self._guarded(first))
-            self.loop.run_until(self._done)
+            with self._nvml_held():
+                self.loop.run_until(self._done)
         self.loop.close()
         return self.judge.result([s.end for s in self.ranks.values() if s.end is not None])
+
+    def _nvml_held(self) -> contextlib.AbstractContextManager[object]:
+        """NVML initialised once for the job's client checks (each look is then cheap)."""
+        stack = contextlib.ExitStack()
+        if self.watch is not None:
+            with contextlib.suppress(MPSError):  # no NVML: each look says so itself
+                stack.enter_context(gpu_info.nvml_held())
+        return stack
 
     def settle_watch(self) -> None:
         """Let the client watch read the daemons' logs once more, knowing every rank that ran."""
@@ -120,9 +131,11 @@ class Controller:
             step()
         except MPSError as exc:
             self.fail("setup", exc.exit_code, str(exc))
-        except OSError as exc:  # a launcher that cannot be started
-            self.fail("setup", ExitCode.SETUP, f"cannot start the ranks: {exc}")
-            self._never_started([r for r in self.expected or () if r not in self.ranks])
+
+    def _launch_failed(self, spec: LaunchSpec, exc: OSError) -> None:
+        """A launcher (a rank's supervisor, or mpiexec) could not be started: the job fails, nothing more starts."""
+        self.fail("setup", ExitCode.SETUP, f"cannot start rank(s) {ranges(list(spec.ranks))}: {exc}")
+        self._never_started([r for r in spec.ranks if r not in self.ranks])
 
     def _never_started(self, ranks: Iterable[int]) -> None:
         for rank in ranks:
@@ -156,11 +169,21 @@ class Controller:
                 return
             except MPSError as exc:
                 refusal = (exc.exit_code, f"mpsrun: error: {exc}")
-        link.send("refuse", exit_code=refusal[0], message=refusal[1])
+        link.send("refuse", exit_code=refusal[0], message=self._once(*refusal))
         self.table.close(link)
         if known is None:  # the refusal is its verdict; its end may still be the node's last
             state = self.ranks[rank] = RankState(rank, link)
             self.rank_ended(state, RankEnd(rank, None, refusal[0], refusal[1].removeprefix("mpsrun: error: ")))
+
+    def _once(self, code: int, refusal: str) -> str:
+        """A refusal is said once: by the first rank refused for it, or under --hosts by the job's controller."""
+        if not refusal or refusal in self._refusals:
+            return ""
+        self._refusals.add(refusal)
+        if self.upstream is not None:
+            self.upstream.send("finding", message=refusal.removeprefix("mpsrun: error: "), fatal=True, code=code)
+            return ""
+        return refusal
 
     def rank_started(self, state: RankState, message: Mapping[str, Any]) -> None:
         if state.process is not None and self.session is not None:
@@ -256,10 +279,11 @@ class Controller:
         self.stop(signal.SIGTERM)
 
     def stop(self, sig: int, restart: bool = False) -> None:
-        """Detach connected ranks from MPS, send ``sig`` to every rank, SIGKILL after ``--grace``."""
+        """Start no more ranks; detach connected ranks from MPS, send ``sig`` to every rank; SIGKILL after --grace."""
         if self.stopping is not None and not restart:
             return
         self.stopping = sig
+        self._never_started(self.launchers.cancel())
         self._detach_once()
         self._signal(sig, self.table.live())
         if self._kill_timer is not None:
@@ -328,8 +352,7 @@ class Controller:
             return
         for finding in self.watch.check(self.table.local_pids()):
             self._finding(finding)
-        self._watch_every = min(self._watch_every * 2, self.policy.watch_interval[1])
-        self.loop.after(self._watch_every, self._check)
+        self.loop.after(self.policy.watch_interval, self._check)
 
     def _finding(self, finding: Finding) -> None:
         if finding.fatal:

@@ -37,6 +37,8 @@ from mpsrun.mpslog import (
     parse_pid_list,
     parse_ps,
     parse_server_status,
+    reply_mib,
+    reply_number,
 )
 from mpsrun.procs import ProcessRef, set_parent_death_signal
 from mpsrun.records import DaemonRecord
@@ -59,20 +61,15 @@ def find_control_executable(path: str | None = None) -> str:
     return found
 
 
-def _as_mib(text: str) -> float | None:
-    """``4G`` or ``1536M`` (as the daemon prints a memory limit) in MiB; None if it is neither."""
-    unit = text.strip()[-1:].upper()
-    number = _as_float(text.strip()[:-1])
-    if number is None or unit not in ("M", "G"):
-        return None
-    return number * (1024 if unit == "G" else 1)
-
-
-def _as_float(text: str) -> float | None:
+def unavailable_reason(mode: str) -> str | None:
+    """Why MPS will not run in this ``mode`` (``auto``/``on``/``off``) here, or None; GPUs are checked apart."""
+    if mode == "off":
+        return "MPS is off (mps='off')"
     try:
-        return float(text)
-    except ValueError:
-        return None
+        find_control_executable()
+    except MPSUnavailableError as exc:
+        return exc.message
+    return None
 
 
 @attrs.define(eq=False)
@@ -214,7 +211,7 @@ class ControlDaemon:
             except DaemonError as exc:
                 log.debug("quit failed: %s", exc)
             if not self._wait_exit(deadline.remaining()):
-                log.warning("MPS control daemon %d did not quit in %g s; terminating it", self.process.pid, timeout)
+                log.warning("mpsrun: MPS control daemon %d did not quit in %g s; terminating it", self.process.pid, timeout)
                 self._end_group(grace)
         self._reap_servers(grace)
 
@@ -248,7 +245,7 @@ class ControlDaemon:
             gone = lambda s=server: (not s.alive()) or None  # noqa: E731
             if poll_until(gone, Deadline(grace)):
                 continue
-            log.warning("MPS server %d outlived its daemon; killing it", server.pid)
+            log.warning("mpsrun: MPS server %d outlived its daemon; killing it", server.pid)
             server.signal(signal.SIGKILL)
             if not poll_until(gone, Deadline(grace)):
                 survivors.append(server.pid)
@@ -300,7 +297,7 @@ class ControlDaemon:
         if thread_percentage is not None:
             command = f"set_default_active_thread_percentage {thread_percentage}"
             reply = self.command(command)
-            if _as_float(reply) != float(thread_percentage):
+            if reply_number(reply) != float(thread_percentage):
                 raise DaemonError(
                     f"the daemon did not take {command!r} (it answered {reply!r})", command=command, reply=reply
                 )
@@ -309,7 +306,7 @@ class ControlDaemon:
             command = f"set_default_device_pinned_mem_limit {device} {mem_limit}"
             self.command(command)
             stored = self.command(f"get_default_device_pinned_mem_limit {device}")
-            if _as_mib(stored) != _as_mib(stored_mem_limit(str(mem_limit))):  # 1536M is stored as 1G
+            if reply_mib(stored) != reply_mib(stored_mem_limit(str(mem_limit))):  # 1536M is stored as 1G
                 raise DaemonError(
                     f"the daemon did not take {command!r} (it stored {stored!r})", command=command, reply=stored
                 )

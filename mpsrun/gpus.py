@@ -22,6 +22,7 @@ __all__ = [
     "compute_processes",
     "driver_info",
     "list_gpus",
+    "nvml_held",
     "parse_visible_devices",
     "select_gpus",
     "visible_gpus",
@@ -75,6 +76,13 @@ def _nvml() -> Iterator[Any]:
     finally:
         with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
+
+
+@contextlib.contextmanager
+def nvml_held() -> Iterator[None]:
+    """Keep NVML initialised across many queries (a job's client checks), so each costs no initialisation."""
+    with _nvml():
+        yield
 
 
 def driver_info() -> DriverInfo:

@@ -17,8 +17,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
+import signal
 import socket
 import sys
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,7 @@ from typing import Any
 from mpsrun.controller import Controller, Policy
 from mpsrun.deadline import Deadline
 from mpsrun.errors import ConfigError, DaemonTimeoutError, JobTimeoutError, MPSError
+from mpsrun.interrupts import Interrupts
 from mpsrun.launchers import RankIdentity
 from mpsrun.options import JobConfig, parse_options
 from mpsrun.paths import user_root_lock
@@ -166,20 +170,37 @@ def _detach(log_dir: Path | None) -> None:
     os.close(stdin)
 
 
+def _abandon_when_alone(started: threading.Event) -> None:
+    """The rank waiting for our answer is gone (interrupted, killed: the reading end of our stdout closed)
+    before we are ready: stop starting, as if told to."""
+    poller = select.poll()
+    poller.register(sys.stdout.fileno(), select.POLLERR)  # on a pipe's writing end: no reader any more
+    while not started.is_set():
+        if poller.poll(100):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+
+
 def main() -> int:
     request = json.loads(sys.stdin.read())
     if os.fork() > 0:
         os._exit(0)  # the starting rank waits for this; the keeper lives on in the background
     keeper: NodeKeeper | None = None
+    started = threading.Event()
+    threading.Thread(target=_abandon_when_alone, args=(started,), daemon=True).start()
     try:
-        keeper = NodeKeeper(JobConfig(**parse_options(request["argv"], environ={})), request)
-        keeper.start()
+        with Interrupts():  # a stopping signal while the session starts: undo it, say why, exit
+            keeper = NodeKeeper(JobConfig(**parse_options(request["argv"], environ={})), request)
+            keeper.start()
+            started.set()
     except Exception as exc:  # the starting rank must hear why, whatever it was
+        started.set()
         if keeper is not None and hasattr(keeper, "session"):
             with contextlib.suppress(MPSError):
                 keeper.session.close()
         code = exc.exit_code if isinstance(exc, MPSError) else 3
-        print(f"{code} {exc if isinstance(exc, MPSError) else f'node keeper failed: {exc!r}'}", flush=True)
+        with contextlib.suppress(OSError):  # the starting rank may be gone
+            print(f"{code} {exc if isinstance(exc, MPSError) else f'node keeper failed: {exc!r}'}", flush=True)
         return code
     try:
         print("ready", flush=True)

@@ -125,7 +125,7 @@ def parse_mps_mode(value: object, setting: str = "mps") -> str:
     return _choice(value, MPS_MODES, setting)
 
 
-def auto_mem_limit(free_bytes: int, ranks: int, gpu: object = 0) -> str:
+def auto_mem_limit(free_bytes: int, ranks: int, where: str = "GPU 0", setting: str = "--mem-limit") -> str:
     """``--mem-limit auto``: a GPU's free memory, less the server's share, split among its ``ranks``.
 
     A rank's limit counts its own CUDA context (measured on an H100: a CuPy rank that filled a
@@ -134,9 +134,9 @@ def auto_mem_limit(free_bytes: int, ranks: int, gpu: object = 0) -> str:
     mib = (free_bytes // (1 << 20) - SERVER_SHARE_MIB) // max(1, ranks)
     if mib < _SMALLEST_AUTO_MIB:
         raise ConfigError(
-            f"--mem-limit auto: {ranks} rank(s) on GPU {gpu} would get {max(mib, 0)} MiB each of "
+            f"{setting} auto: {ranks} rank(s) on {where} would get {max(mib, 0)} MiB each of "
             f"{free_bytes >> 20} MiB free, too little for a CUDA context; use fewer ranks per GPU or more GPUs",
-            setting="--mem-limit", value="auto")
+            setting=setting, value="auto")
     return f"{mib}M"
 
 
@@ -171,8 +171,8 @@ def session_mem_limits(mem_limit: str | None, free: Sequence[int], workers: int 
         return [None] * len(free)
     sharing = -(-workers // len(free))
     if shared:
-        return [auto_mem_limit(min(free), sharing, "any")] * len(free)
-    return [auto_mem_limit(each, sharing, position) for position, each in enumerate(free)]
+        return [auto_mem_limit(min(free), sharing, "each GPU", "mem_limit")] * len(free)
+    return [auto_mem_limit(each, sharing, f"GPU {position}", "mem_limit") for position, each in enumerate(free)]
 
 
 def client_variables(thread_percentage: int | None, mem_limit: str | None, priority: int | None,

@@ -22,6 +22,8 @@ __all__ = [
     "parse_pid_list",
     "parse_ps",
     "parse_server_status",
+    "reply_mib",
+    "reply_number",
     "torn_down_clients",
 ]
 
@@ -60,6 +62,23 @@ class PsEntry:
 def parse_pid_list(reply: str) -> list[int]:
     """PIDs printed one per line (``get_server_list``, ``get_client_list``)."""
     return [int(line) for line in reply.split() if line.isdigit()]
+
+
+def reply_number(reply: str) -> float | None:
+    """A number the daemon printed (``50.0``), or None if the reply is not one."""
+    try:
+        return float(reply)
+    except ValueError:
+        return None
+
+
+def reply_mib(reply: str) -> float | None:
+    """A memory limit as the daemon prints it (``4G``, ``1536M``) in MiB; None if it is neither."""
+    unit = reply.strip()[-1:].upper()
+    number = reply_number(reply.strip()[:-1])
+    if number is None or unit not in ("M", "G"):
+        return None
+    return number * (1024 if unit == "G" else 1)
 
 
 def parse_server_status(reply: str) -> ServerStatus:

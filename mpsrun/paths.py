@@ -36,6 +36,7 @@ __all__ = [
     "base_directory",
     "check_private_dir",
     "make_user_root",
+    "session_base",
     "user_root",
     "user_root_lock",
     "validate_base",
@@ -58,6 +59,15 @@ def base_directory(environ: Mapping[str, str] | None = None) -> Path:
         if value:
             return Path(value)
     return Path("/tmp")
+
+
+def session_base(tmpdir: object = None) -> Path:
+    """Where an ``mps_session(tmpdir=...)`` makes its directories, checked (socket path length)."""
+    if tmpdir is not None and (not isinstance(tmpdir, (str, os.PathLike)) or not os.fspath(tmpdir)):
+        raise ConfigError(f"tmpdir must name a directory, not {tmpdir!r}", setting="tmpdir", value=tmpdir)
+    base = Path(tmpdir) if tmpdir is not None else base_directory()
+    validate_base(base)
+    return base
 
 
 def user_root(base: Path) -> Path:

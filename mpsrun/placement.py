@@ -117,8 +117,8 @@ def _mem_limit(config: JobConfig, identity: RankIdentity, gpu: int, free: Sequen
         return None
     sharing = _sharing(gpu, identity.local_world_size, len(free), config, "--mem-limit")
     if config.gpu_bind == "none":  # one limit for every device: the tightest GPU decides
-        return auto_mem_limit(min(free), sharing, "any")
-    return auto_mem_limit(free[gpu], sharing, gpu)
+        return auto_mem_limit(min(free), sharing, "each GPU")
+    return auto_mem_limit(free[gpu], sharing, f"GPU {gpu}")
 
 
 def plan_rank(identity: RankIdentity, ngpus: int, config: JobConfig, free: Sequence[int] = ()) -> RankPlan:

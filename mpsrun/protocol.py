@@ -18,9 +18,11 @@ import json
 import os
 import secrets
 import socket
+import time
+from collections.abc import Callable
 from typing import Any
 
-from mpsrun.deadline import Deadline
+from mpsrun.deadline import Deadline, backoff
 
 __all__ = ["Link", "Listener", "connect", "new_token"]
 
@@ -87,8 +89,10 @@ class Link:
             return None
         return [message for line in lines if (message := _decode(line)) is not None]
 
-    def expect(self, kinds: tuple[str, ...], deadline: Deadline) -> dict[str, Any] | None:
-        """Block until a message of one of these kinds arrives (others are dropped), or None."""
+    def expect(self, kinds: tuple[str, ...], deadline: Deadline,
+               others: Callable[[dict[str, Any]], object] | None = None) -> dict[str, Any] | None:
+        """Block until a message of one of these kinds arrives, or None; the others before it go to ``others``
+        (or are dropped)."""
         while not self.closed and not deadline.expired():
             self.sock.settimeout(max(0.001, deadline.remaining()))
             messages = self.receive()
@@ -98,6 +102,8 @@ class Link:
             for message in messages:
                 if message.get("type") in kinds:
                     return message
+                if others is not None:
+                    others(message)
         return None
 
     def close(self) -> None:
@@ -128,7 +134,7 @@ class Listener:
             self.path = None
             self.sock = socket.create_server(("", 0), family=socket.AF_INET, backlog=128)
             self.address = f"tcp:{socket.gethostname()}:{self.sock.getsockname()[1]}"
-        self.sock.listen(128)
+        self.sock.listen(socket.SOMAXCONN)  # every rank of a job may connect at once
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -149,16 +155,29 @@ class Listener:
                 os.unlink(self.path)
 
 
-def connect(address: str, timeout: float = 10.0) -> Link:
-    """Connect to ``unix:PATH`` or ``tcp:HOST:PORT``; raises OSError."""
-    if address.startswith("unix:"):
+def _connect_unix(path: str, deadline: Deadline) -> socket.socket:
+    """Connect, waiting while the listener's backlog is full (EAGAIN: hundreds of ranks join at once)."""
+    for pause in backoff():
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout)
+        sock.settimeout(max(deadline.remaining(), 0.001))
         try:
-            sock.connect(address[5:])
+            sock.connect(path)
+            return sock
+        except BlockingIOError:
+            sock.close()
+            if deadline.expired():
+                raise
+            time.sleep(min(pause, deadline.remaining()))
         except OSError:
             sock.close()
             raise
+    raise AssertionError("unreachable")  # pragma: no cover - backoff() never ends
+
+
+def connect(address: str, timeout: float = 10.0) -> Link:
+    """Connect to ``unix:PATH`` or ``tcp:HOST:PORT``; raises OSError."""
+    if address.startswith("unix:"):
+        sock = _connect_unix(address[5:], Deadline(timeout))
     elif address.startswith("tcp:"):
         host, _, port = address[4:].rpartition(":")
         sock = socket.create_connection((host, int(port)), timeout=timeout)

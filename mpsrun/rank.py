@@ -169,6 +169,11 @@ class RankSupervisor:
         if sig in STOPPING and self.returncode is None:
             self.link.send("interrupted", rank=self.rank, signal=sig)
 
+    @staticmethod
+    def _said(message: Mapping[str, Any]) -> None:
+        if message.get("type") == "say":  # a node keeper's word for the user, sent as the rank ended
+            _say(str(message.get("text")))
+
     def _on_link(self) -> None:
         messages = self.link.receive()
         if messages is None:  # the controller is gone (killed): the job is over
@@ -179,15 +184,15 @@ class RankSupervisor:
         for message in messages:
             if message.get("type") == "signal" and isinstance(message.get("signal"), int):
                 self._signal(message["signal"])
-            elif message.get("type") == "say":  # a node keeper's word for the user
-                _say(str(message.get("text")))
+            else:
+                self._said(message)
 
     def _finish(self, returncode: int, reason: str = "") -> int:
         self.link.send("exited", rank=self.rank, returncode=returncode, reason=reason)
         with Interrupts() as interrupts, interrupts.deferred():  # the job's end is not cut short: noted only
-            verdict = self.link.expect(("verdict",), Deadline(VERDICT_TIMEOUT))
+            verdict = self.link.expect(("verdict",), Deadline(VERDICT_TIMEOUT), others=self._said)
             if verdict is not None and verdict.get("linger"):  # the node keeper's last rank: wait until it is gone
-                self.link.expect(("",), Deadline(LINGER_TIMEOUT))
+                self.link.expect(("",), Deadline(LINGER_TIMEOUT), others=self._said)
         self.link.close()
         code = self._exit_code(returncode, reason, verdict)
         if interrupts.received and code == ExitCode.OK:

@@ -1,7 +1,5 @@
 """``mps_session()``: a private MPS control daemon per GPU for the duration of a ``with`` block.
 
-(With ``gpu_bind="none"`` one daemon serves all the session's GPUs and every worker sees them all.)
-
 The same :class:`Session` is the one daemon life cycle of every path: the ``mpsrun``
 launcher and node keepers start one too. Starting makes the private directory, writes
 the typed record, starts the reaper, then the daemons; closing stops the daemons, tells
@@ -15,9 +13,7 @@ import inspect
 import logging
 import os
 import sys
-import threading
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -25,8 +21,9 @@ import psutil
 
 from mpsrun import gpus as gpu_info
 from mpsrun import registry
-from mpsrun.daemon import ControlDaemon, find_control_executable
-from mpsrun.errors import ConfigError, DaemonError, MPSError, MPSUnavailableError, NoDriverError, TeardownError
+from mpsrun.daemon import ControlDaemon, unavailable_reason
+from mpsrun.daemons import GpuDaemons
+from mpsrun.errors import ConfigError, MPSError, MPSUnavailableError, NoDriverError, TeardownError
 from mpsrun.exported import Export
 from mpsrun.gpus import GPU
 from mpsrun.limits import (
@@ -41,7 +38,7 @@ from mpsrun.limits import (
     parse_thread_percentage,
     session_mem_limits,
 )
-from mpsrun.paths import SessionDirs, base_directory, validate_base
+from mpsrun.paths import SessionDirs, session_base
 from mpsrun.placement import MANAGED_VARIABLES, GpuTarget, RankPlan, rank_environment
 from mpsrun.procs import ProcessRef
 from mpsrun.reaper import Reaper
@@ -115,17 +112,14 @@ class Session:
         if self.mem_limit == "auto" and self.workers is None:
             raise ConfigError("mem_limit='auto' needs workers=N: how many workers will share the session's GPUs",
                               setting="workers")
-        if tmpdir is not None and (not isinstance(tmpdir, (str, os.PathLike)) or not os.fspath(tmpdir)):
-            raise ConfigError(f"tmpdir must name a directory, not {tmpdir!r}", setting="tmpdir", value=tmpdir)
-        self.base = Path(tmpdir) if tmpdir is not None else base_directory()
-        validate_base(self.base)
+        self.base = session_base(tmpdir)
         self.start_timeout = parse_seconds(start_timeout, "start_timeout")
         self.stop_timeout = parse_seconds(stop_timeout, "stop_timeout")
         self.keep_logs = parse_flag(keep_logs, "keep_logs")
         self.export = None if export is None else parse_flag(export, "export")
         self.quiet = quiet  # the launcher and node keepers say themselves why MPS is off
         self.gpus: list[GPU] = []
-        self.daemons: list[ControlDaemon] = []
+        self._daemons = GpuDaemons([], shared=False)
         self.dirs: SessionDirs | None = None
         self.record: SessionRecord | None = None
         self.enabled = False
@@ -153,18 +147,14 @@ class Session:
             self.gpus = gpu_info.select_gpus(self._requested, gpu_info.visible_gpus())
         except NoDriverError as exc:
             self.disabled_reason = exc.message
-        if self.mps == "off":
-            self.disabled_reason = "MPS is off (mps='off')"
-        elif self.disabled_reason is None:
-            try:
-                find_control_executable()
-            except MPSUnavailableError as exc:
-                self.disabled_reason = exc.message
+        if self.mps == "off" or self.disabled_reason is None:
+            self.disabled_reason = unavailable_reason(self.mps)
         if self.disabled_reason is not None and self.mps == "on":
             raise MPSUnavailableError(
                 f"MPS is required (mps='on') but unavailable: {self.disabled_reason}", reason=self.disabled_reason
             )
-        if self.export is True and not self._one_view:
+        self._daemons = GpuDaemons(self.gpus, shared=self.gpu_bind == "none")
+        if self.export is True and not self._daemons.one_view:
             raise ConfigError(
                 "export=True needs a single GPU: a process can reach only one MPS daemon; "
                 "with several GPUs give each worker session.env(rank), or use gpu_bind='none'",
@@ -176,11 +166,6 @@ class Session:
                                               self.gpu_bind == "none")
         self._state = "resolved"
         return self
-
-    @property
-    def _one_view(self) -> bool:
-        """Every worker gets the same variables: one GPU, or one daemon for all of them."""
-        return len(self.gpus) <= 1 or self.gpu_bind == "none"
 
     def free_memory(self) -> list[int]:
         """Each GPU's free memory in bytes when the session looked (empty without MPS: no limit applies)."""
@@ -213,7 +198,7 @@ class Session:
                 self.enabled = True
             elif not self.quiet:
                 log.warning("mpsrun: running without MPS: %s", self.disabled_reason)
-            if self.export is not False and self._one_view and kind == "api":
+            if self.export is not False and self._daemons.one_view and kind == "api":
                 self._export(self.env())
         except BaseException:
             self._state = "failed"
@@ -227,37 +212,34 @@ class Session:
         with contextlib.suppress(Exception):  # best effort, never waiting: what a killed earlier run left
             for session_id, what in registry.cleanup(self.base, lock_timeout=0, remove_kept=False):
                 log.info("mpsrun: stale session %s %s", session_id, what)
-        self.dirs = SessionDirs.create(self.base, [group[0].index for group in self._daemon_groups()], name=name)
+        self.dirs = SessionDirs.create(self.base, [group[0].index for group in self._daemons.groups()], name=name)
         self.record = SessionRecord.new(kind, gpus=tuple(g.uuid for g in self.gpus), argv=tuple(sys.argv),
                                         keep_logs=self.keep_logs)
         self.record.write(self.dirs.record_file)
         self._reaper = Reaper(self.dirs.root)
 
-    def _daemon_groups(self) -> list[list[GPU]]:
-        """The GPUs each daemon serves: one each, or all of them under one daemon (gpu_bind='none')."""
-        if self.gpu_bind == "none" and self.gpus:
-            return [list(self.gpus)]
-        return [[gpu] for gpu in self.gpus]
-
     def _start_daemons(self, wait_active: bool) -> None:
-        assert self.dirs is not None and self.record is not None
-        main_thread = threading.current_thread() is threading.main_thread()
-        for position, group in enumerate(self._daemon_groups()):
-            first = group[0].index
-            daemon = ControlDaemon(",".join(g.uuid for g in group), self.dirs.pipe_dir(first), self.dirs.log_dir(first))
-            self.daemons.append(daemon)
-            daemon.start(timeout=self.start_timeout, parent_death=main_thread)
-            self._update(self.record.with_daemon(daemon.record()))  # before anything else can fail
-            daemon.set_defaults(self.thread_percentage, self._mem_limits[position] if self._mem_limits else None)
-            daemon.start_server(timeout=self.start_timeout, wait=wait_active)
+        assert self.dirs is not None
+
+        def started(daemon: ControlDaemon) -> None:
+            assert self.record is not None
+            self._update(self.record.with_daemon(daemon.record()))
+
+        self._daemons.start(self.dirs, self.thread_percentage, self._mem_limits, self.start_timeout, wait_active,
+                            started)
+
+    @property
+    def daemons(self) -> list[ControlDaemon]:
+        """The session's control daemons (one per GPU, or one for all under gpu_bind='none')."""
+        return self._daemons.daemons
 
     def daemon_of(self, position: int) -> ControlDaemon:
         """The daemon serving the session's GPU at ``position``."""
-        return self.daemons[0 if self.gpu_bind == "none" else position]
+        return self._daemons.of(position)
 
     def watcher(self) -> ClientWatcher:
         """The client watcher over every GPU of the session and the daemon that serves it."""
-        return ClientWatcher(self.gpus, [self.daemon_of(p) for p in range(len(self.gpus))])
+        return self._daemons.watcher()
 
     def _update(self, record: SessionRecord) -> None:
         assert self.dirs is not None
@@ -276,49 +258,30 @@ class Session:
 
     def wait_active(self) -> None:
         """Wait (with ``start_timeout``) until every server of the session is ACTIVE."""
-        for daemon in self.daemons:
-            daemon.wait_active(timeout=self.start_timeout)
+        self._daemons.wait_active(self.start_timeout)
 
     def _export(self, env: Mapping[str, str]) -> None:
         self._exported = Export(SESSION_VARIABLES, env, drop_others=self.enabled)  # no stale MPS setting leaks
 
     # -- using ----------------------------------------------------------------------------
 
-    def _gpu_position(self, rank: int | None) -> int:
-        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
-            raise ConfigError(f"rank must be a non-negative integer, not {rank!r}", setting="rank", value=rank)
-        if self._one_view:
-            return 0
-        if rank is None:
-            raise ConfigError("this session has several GPUs: pass rank= to env() to choose one", setting="rank")
-        return rank % len(self.gpus)
-
     def target(self, position: int) -> GpuTarget:
         """How a worker reaches the session's GPU at ``position`` (every GPU, under gpu_bind='none'):
         its UUID(s) and, under MPS, its daemon."""
-        group = self.gpus if self.gpu_bind == "none" else [self.gpus[position]]
-        visible = ",".join(g.uuid for g in group)
-        if not self.enabled:
-            return GpuTarget(visible, devices=len(group))
-        assert self.dirs is not None
-        daemon = self.daemon_of(position)
-        return GpuTarget(visible, str(daemon.pipe_dir), str(daemon.log_dir), str(self.dirs.root), len(group))
+        return self._daemons.target(position, str(self.dirs.root) if self.enabled and self.dirs else None)
 
     def env(self, rank: int | None = None) -> dict[str, str]:
         """Variables a worker needs to use this session (GPU ``rank % len(gpus)``, or all under gpu_bind='none')."""
         if not self.gpus:
             return {}
-        position = self._gpu_position(rank)
+        position = self._daemons.position(rank)
         mem_limit = self._mem_limits[position] if self._mem_limits else None
         plan = RankPlan(0, position, self.thread_percentage, mem_limit, self.priority)
         return rank_environment(self.target(position), plan)
 
     def clients(self) -> set[int]:
         """PIDs connected as clients to any of this session's servers."""
-        result: set[int] = set()
-        for daemon in self.daemons:
-            result |= daemon.clients()
-        return result
+        return self._daemons.clients()
 
     def detach_clients(self, pids: Iterable[int]) -> list[int]:
         """Ask our servers to end the work of those ``pids`` that are their clients.
@@ -327,17 +290,7 @@ class Session:
         work in flight (killing it outright is undefined behaviour for the others).
         Returns the PIDs detached.
         """
-        wanted = set(pids)
-        detached: list[int] = []
-        for daemon in self.daemons:
-            if not daemon.alive:
-                continue
-            for server in daemon.server_list():
-                for client in sorted(wanted & set(daemon.client_list(server))):
-                    with contextlib.suppress(DaemonError):  # it may have exited meanwhile
-                        daemon.terminate_client(server, client)
-                        detached.append(client)
-        return detached
+        return self._daemons.detach(pids)
 
     def verify(self, pids: Iterable[int] | None = None) -> list[int]:
         """Check that processes using our GPUs are clients of our MPS servers.
@@ -360,15 +313,10 @@ class Session:
     # -- stopping -------------------------------------------------------------------------
 
     def _teardown(self) -> list[BaseException]:
-        errors: list[BaseException] = []
         if self._exported is not None:
             self._exported.restore()
             self._exported = None
-        for daemon in reversed(self.daemons):
-            try:
-                daemon.stop(timeout=self.stop_timeout)
-            except Exception as exc:  # keep stopping the others
-                errors.append(exc)
+        errors = self._daemons.stop(self.stop_timeout)
         if self.dirs is not None:
             if self.keep_logs:
                 log.warning("mpsrun: kept session logs in %s", self.dirs.root)

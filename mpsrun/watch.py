@@ -44,7 +44,9 @@ class ClientWatcher:
         self.gpus = list(gpus)
         self.daemons = list(daemons)
 
-    def look(self, pids: Iterable[int]) -> Look:
+    def look(self, pids: Iterable[int], served: set[int] | None = None) -> Look:
+        """Who of ``pids`` is a client, and who holds a plain context on a GPU. ``served``: the clients known
+        already (from the daemons' logs); without it each daemon is asked for its client list."""
         wanted = set(pids)
         clients: set[int] = set()
         strays: list[tuple[int, int]] = []
@@ -54,10 +56,10 @@ class ClientWatcher:
                 dead.append(position)
                 continue
             contexts = gpu_info.compute_processes(gpu.uuid)
-            served = daemon.clients()
+            known = daemon.clients() if served is None else served
             plain = {pid for pid, is_mps in contexts.items() if not is_mps} - set(daemon.server_pids)
-            clients |= wanted & served
-            strays += [(pid, position) for pid in sorted((wanted & plain) - served)]
+            clients |= wanted & known  # NVML's M+C does not say whose server: only ours count
+            strays += [(pid, position) for pid in sorted((wanted & plain) - known)]
         return Look(frozenset(clients), tuple(strays), tuple(dead))
 
     def verify(self, pids: Iterable[int]) -> list[int]:
@@ -130,6 +132,7 @@ class RankWatch:
         self._logs = [ConnectionLog(daemon.log_file) for daemon in {id(d): d for d in watcher.daemons}.values()]
         self._known: dict[int, int] = {}  # every pid seen as a rank or a rank's descendant: {pid: rank}
         self._unplaced: set[int] = set()  # clients in a log not (yet) known as ours
+        self._connected: set[int] = set()  # every client the logs named
 
     def settle(self, rank_pids: Mapping[int, int]) -> None:
         """Read the logs once more, at the job's end: ``rank_pids`` are every rank's pids, ended ones too."""
@@ -139,6 +142,7 @@ class RankWatch:
     def _read_logs(self) -> None:
         for connection_log in self._logs:
             self._unplaced.update(connection_log.new_clients())
+        self._connected |= self._unplaced
         placed = self._unplaced & self._known.keys()
         self.verified.update(self._known[pid] for pid in placed)
         self._unplaced -= placed
@@ -148,7 +152,7 @@ class RankWatch:
         self._known.update(pids)
         self._read_logs()
         try:
-            look = self.watcher.look(pids)
+            look = self.watcher.look(pids, served=self._connected)
         except (DaemonError, GPUError) as exc:
             log.debug("client check skipped: %s", exc)
             return []

@@ -171,3 +171,78 @@ def test_first_comes_before_the_reason(fake_gpu):
     assert out.returncode == 127 and re.search(r"rank 0 .*exited with code 127 first: /nonexistent/x", out.stderr), \
         out.stderr
     settle(fake_gpu)
+
+
+# -- a third pass -------------------------------------------------------------------------------------------------
+
+MISS = ('import os, sys\nif os.environ["RANK"] == "1": os.environ["CUDA_MPS_PIPE_DIRECTORY"] = "/nonexistent"\n'
+        'os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n')
+
+
+def test_hundreds_of_local_ranks_all_join(fake_gpu):
+    """200 local ranks connect to the controller at once (from 130 on they failed: the listen backlog was full
+    and connecting gave EAGAIN)."""
+    out = subprocess.run(job_argv("local", ["--mps", "off"], ["true"], ranks=200), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    settle(fake_gpu)
+
+
+def test_a_signal_while_ranks_start_stops_the_job(fake_gpu):
+    """SIGTERM while 1000 local ranks are still being started: the job stops (it went on starting them all)."""
+    job = subprocess.Popen(job_argv("local", ["--mps", "off"], ["sleep", "60"], ranks=1000),
+                           stderr=subprocess.PIPE, text=True)
+    time.sleep(2)
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=45)
+    assert job.returncode == 143 and "stopped by SIGTERM" in err, err[-2000:]
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_signal_in_per_node_start_up_leaves_nothing_soon(fake_gpu, sig):
+    """Signals to the per-node ranks while their node's daemon does not answer: the keeper gives up at once
+    (it stayed with its daemon and directory until its own 30 s start deadline)."""
+    fake_gpu.daemon_env(FAKE_MPS_NO_ANSWER="1")
+    job = subprocess.Popen(job_argv("per-node", [], ["true"], ranks=2), stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    for proc in psutil.Process(job.pid).children(recursive=True):
+        if "--per-node" in proc.cmdline():
+            proc.send_signal(sig)
+    job.communicate(timeout=60)
+    settle(fake_gpu, timeout=5.0)
+    assert not fake_gpu.orphans() and not fake_gpu.session_dirs()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_short_run_without_mps_is_caught(fake_gpu, short_tmp, path):
+    """--mps on and a rank that uses the GPU without MPS for 0.7 s: exit 3 (the check's backoff let it pass)."""
+    miss = short_tmp / "miss.py"
+    miss.write_text(MISS)
+    out = subprocess.run(job_argv(path, ["--mps", "on"], [sys.executable, str(miss), *fake("--hold", "0.7")[1:]]),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3 and "rank 1 (pid" in out.stderr and "without MPS" in out.stderr, out.stderr
+    settle(fake_gpu)
+
+
+def test_a_per_node_warning_reaches_the_user(fake_gpu, short_tmp):
+    """--mps auto, a per-node rank without MPS for 1 s: the warning is printed (it was sent through a rank that was
+    ending, and lost)."""
+    miss = short_tmp / "miss.py"
+    miss.write_text(MISS)
+    out = subprocess.run(job_argv("per-node", [], [sys.executable, str(miss), *fake("--hold", "1")[1:]]),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "warning: rank 1 (pid" in out.stderr, out.stderr
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_refused_rank_is_said_once(fake_gpu, path):
+    """--mem-limit auto with too little memory for 4 ranks: one line on every path (under --hosts it was 4 plus a
+    summary)."""
+    fake_gpu.set_free_memory(1 << 30)
+    out = subprocess.run(job_argv(path, ["--mem-limit", "auto"], ["true"], ranks=4), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert len(ours(out.stderr)) == 1 and "too little for a CUDA context" in out.stderr, out.stderr
+    settle(fake_gpu)
