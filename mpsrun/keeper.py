@@ -176,7 +176,8 @@ def _abandon_when_alone(started: threading.Event) -> None:
     poller = select.poll()
     poller.register(sys.stdout.fileno(), select.POLLERR)  # on a pipe's writing end: no reader any more
     while not started.is_set():
-        if poller.poll(100):
+        # Ready is said only after `started` is set, so a reader gone before then was not answered.
+        if poller.poll(100) and not started.is_set():
             os.kill(os.getpid(), signal.SIGTERM)
             return
 
