@@ -21,7 +21,6 @@ from typing import Any
 
 import attrs
 
-from mpsrun import gpus as gpu_info
 from mpsrun.backends import Launched, Launchers, LaunchSpec
 from mpsrun.errors import MPSError
 from mpsrun.exitcodes import ExitCode, describe_returncode, exit_code_of, signal_name
@@ -108,18 +107,10 @@ class Controller:
                 self.loop.after(0, functools.partial(self._on_signal, sig))
             if first is not None:
                 self.loop.after(0, lambda: self._guarded(first))
-            with self._nvml_held():
+            with self.watch.held() if self.watch is not None else contextlib.nullcontext():
                 self.loop.run_until(self._done)
         self.loop.close()
         return self.judge.result([s.end for s in self.ranks.values() if s.end is not None])
-
-    def _nvml_held(self) -> contextlib.AbstractContextManager[object]:
-        """NVML initialised once for the job's client checks (each look is then cheap)."""
-        stack = contextlib.ExitStack()
-        if self.watch is not None:
-            with contextlib.suppress(MPSError):  # no NVML: each look says so itself
-                stack.enter_context(gpu_info.nvml_held())
-        return stack
 
     def settle_watch(self) -> None:
         """Let the client watch read the daemons' logs once more, knowing every rank that ran."""

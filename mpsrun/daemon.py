@@ -211,7 +211,8 @@ class ControlDaemon:
             except DaemonError as exc:
                 log.debug("quit failed: %s", exc)
             if not self._wait_exit(deadline.remaining()):
-                log.warning("mpsrun: MPS control daemon %d did not quit in %g s; terminating it", self.process.pid, timeout)
+                log.warning("mpsrun: MPS control daemon %d did not quit in %g s; terminating it",
+                            self.process.pid, timeout)
                 self._end_group(grace)
         self._reap_servers(grace)
 

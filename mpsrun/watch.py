@@ -21,7 +21,7 @@ import psutil
 
 from mpsrun import gpus as gpu_info
 from mpsrun.daemon import ControlDaemon
-from mpsrun.errors import DaemonError, GPUError, NotMPSClientError
+from mpsrun.errors import DaemonError, GPUError, MPSError, NotMPSClientError
 from mpsrun.gpus import GPU
 from mpsrun.mpslog import connected_clients
 
@@ -133,6 +133,13 @@ class RankWatch:
         self._known: dict[int, int] = {}  # every pid seen as a rank or a rank's descendant: {pid: rank}
         self._unplaced: set[int] = set()  # clients in a log not (yet) known as ours
         self._connected: set[int] = set()  # every client the logs named
+
+    def held(self) -> contextlib.AbstractContextManager[object]:
+        """NVML initialised once for the job's looks (each is then cheap); without NVML each look says so."""
+        stack = contextlib.ExitStack()
+        with contextlib.suppress(MPSError):
+            stack.enter_context(gpu_info.nvml_held())
+        return stack
 
     def settle(self, rank_pids: Mapping[int, int]) -> None:
         """Read the logs once more, at the job's end: ``rank_pids`` are every rank's pids, ended ones too."""
