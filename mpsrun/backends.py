@@ -27,7 +27,7 @@ import psutil
 from mpsrun import mpi
 from mpsrun.errors import ConfigError
 from mpsrun.loop import EventLoop
-from mpsrun.options import JobConfig, to_argv
+from mpsrun.options import JobConfig, option_variables, to_argv
 from mpsrun.procs import pidfd, set_parent_death_signal
 
 __all__ = [
@@ -144,6 +144,11 @@ class Launchers:
         self.loop.after(grace, lambda: self._signal(signal.SIGTERM))
         self.loop.after(2 * grace, lambda: self._signal(signal.SIGKILL))
 
+    def kill(self) -> None:
+        """SIGKILL every launcher now (a second Ctrl-C), and start nothing more."""
+        self.pending = []
+        self._signal(signal.SIGKILL)
+
     def _signal(self, sig: int) -> None:
         for started in self.started:
             started.signal_group(sig)
@@ -203,6 +208,9 @@ class HostsBackend(MpiexecBackend):
 
     def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]:
         hosts = mpi.host_arguments(self.flavour, config.hosts, config.hostfile)
+        # The options are forwarded on the command line (defaults left out): a rank must not read them again
+        # from MPSRUN_* variables, or a variable would beat a command-line value equal to the default.
+        env = {name: value for name, value in env.items() if name not in option_variables()}
         per_node = [sys.executable, "-m", "mpsrun", "--per-node", *to_argv(config), "--", program, *config.command[1:]]
         # Open MPI gives each --host one slot: the ranks are spread over them (--oversubscribe).
         argv = self._argv(config, per_node, hosts, export=self.EXPORT, cores=None if config.hosts else 1 << 20)

@@ -108,6 +108,17 @@ def main(argv: Sequence[str] | None = None, pending: Sequence[int] = ()) -> int:
         return exc.exit_code
 
 
+def _another_rank_says_it(args: list[str]) -> bool:
+    """Under --per-node every rank reads the same command line: only the node's first local rank says what is wrong."""
+    options_part = args[: args.index("--")] if "--" in args else args
+    if "--per-node" not in options_part:
+        return False
+    from mpsrun.launchers import identity_from_env
+
+    identity = identity_from_env(os.environ)
+    return identity is not None and identity.local_rank != 0
+
+
 def _main(args: list[str]) -> int:
     subcommand = _subcommand(args)
     if subcommand is not None:
@@ -119,7 +130,8 @@ def _main(args: list[str]) -> int:
     try:
         config = parse_args(args, os.environ, __version__)
     except ConfigError as exc:
-        _print_error(f"{exc} (see mpsrun --help)")
+        if not _another_rank_says_it(args):
+            _print_error(f"{exc} (see mpsrun --help)")
         return ExitCode.USAGE
     except SystemExit as exc:  # --help/--version further along the line
         return int(exc.code or 0)

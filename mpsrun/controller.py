@@ -324,6 +324,7 @@ class Controller:
         elif self.interrupted_by is not None and sig == signal.SIGINT:
             self.note("second interrupt: killing the ranks now")
             self._signal(signal.SIGKILL, self.table.live())
+            self.launchers.kill()  # and the MPI launcher, which may still be starting ranks
         elif self.interrupted_by is None:
             self.interrupted_by = sig
             self.note(f"received {signal_name(sig)}; stopping the ranks")

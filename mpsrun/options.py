@@ -215,6 +215,11 @@ def options() -> dict[str, Option]:
     return {f.name: f.metadata[_METADATA] for f in attrs.fields(JobConfig) if _METADATA in f.metadata}
 
 
+def option_variables() -> set[str]:
+    """The ``MPSRUN_<NAME>`` variables that set options."""
+    return {spec.variable for spec in options().values() if spec.env}
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         raise ConfigError(message, setting="command line")

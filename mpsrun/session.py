@@ -336,7 +336,10 @@ class Session:
         Raises :class:`TeardownError` if something could not be stopped or removed. Does
         nothing in a forked child or when called again.
         """
-        if self._owner_pid != os.getpid() or self._state in ("closed", "new", "resolved"):
+        if self._state in ("new", "resolved"):  # never started: it cannot be started any more either
+            self._state = "closed"
+            return
+        if self._owner_pid != os.getpid() or self._state == "closed":
             return
         self._state = "closed"
         self.teardown_errors = self._teardown()

@@ -5,6 +5,7 @@ Each test reproduces a measured failure first described in the pass's log (about
 see the closing note), against the fake GPU with MPICH's mpiexec.
 """
 
+import json
 import os
 import re
 import signal
@@ -246,3 +247,39 @@ def test_a_refused_rank_is_said_once(fake_gpu, path):
     assert out.returncode == 2, out.stderr
     assert len(ours(out.stderr)) == 1 and "too little for a CUDA context" in out.stderr, out.stderr
     settle(fake_gpu)
+
+
+# -- a fourth pass --------------------------------------------------------------------------------------------------
+
+
+def test_under_hosts_a_variable_does_not_beat_the_command_line(fake_gpu, short_tmp):
+    """MPSRUN_MPS=off with --mps auto on the command line under --hosts: the ranks run under MPS (the per-node
+    ranks read the variable again, since an option equal to its default is not forwarded)."""
+    out = subprocess.run(job_argv("hosts", ["--mps", "auto"], fake("--report-dir", str(short_tmp)), ranks=2),
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "MPSRUN_MPS": "off"})
+    assert out.returncode == 0, out.stderr
+    assert all(json.loads(p.read_text())["mps"] for p in short_tmp.glob("*.json")), out.stderr
+    hostfile = short_tmp / "hosts"
+    hostfile.write_text("localhost\n")
+    out = subprocess.run([sys.executable, "-m", "mpsrun", "--hostfile", str(hostfile), "--mpiexec", mpiexec(), "-np",
+                          "2", "true"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "MPSRUN_HOSTS": ",,,"})
+    assert out.returncode == 0, out.stderr
+    settle(fake_gpu)
+
+
+def test_a_per_node_usage_error_is_said_once(fake_gpu):
+    """mpiexec -n 3 mpsrun --per-node -np 0: one line (every rank used to say it)."""
+    out = subprocess.run([mpiexec(), "-n", "3", sys.executable, "-m", "mpsrun", "--per-node", "-np", "0", "true"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and len([line for line in ours(out.stderr) if "whole number" in line]) == 1, out.stderr
+
+
+def test_a_session_closed_before_it_started_cannot_start(fake_gpu):
+    """s.close() on a session never started, then `with s:`: refused (it used to start the daemons)."""
+    from mpsrun import MPSError, mps_session
+
+    session = mps_session()
+    session.close()
+    with pytest.raises(MPSError, match="this session is closed"), session:
+        pass
