@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 RECORDING = Path(__file__).resolve().parent / "data" / "h100" / "transcript.json"
@@ -61,12 +62,20 @@ def send(executable: str, pipe_dir: Path, text: str) -> tuple[str, str, int]:
 
 
 def run_script(executable: str, pipe_dir: Path) -> list[tuple[str, str, str, int]]:
-    """Run :data:`SCRIPT`; pids in replies are replaced by <server> so two daemons compare."""
+    """Run :data:`SCRIPT`; pids in replies are replaced by <server> so two daemons compare.
+
+    A new server's status is read once it has left INITIALIZING: how long that takes is the
+    hardware's (the real one answered INITIALIZING in one run of four), not a difference between the daemons.
+    """
     server = ""
     results = []
     for template in SCRIPT:
         command = template.format(uid=os.getuid(), server=server or 0)
         out, err, code = send(executable, pipe_dir, command)
+        deadline = time.monotonic() + 30
+        while template == "get_server_status {server}" and out.strip() == "INITIALIZING" and time.monotonic() < deadline:
+            time.sleep(0.05)
+            out, err, code = send(executable, pipe_dir, command)
         if command == "get_server_list" and out.strip():
             server = out.split()[0]
         if server:
