@@ -94,13 +94,13 @@ def run_per_node(config: JobConfig, environ: Mapping[str, str] | None = None) ->
     if identity is None:
         raise MPSError("--per-node: no local-rank variable from the launcher (OMPI_COMM_WORLD_LOCAL_RANK, "
                        "MPI_LOCALRANKID, SLURM_LOCALID, ...): start mpsrun --per-node with srun or mpiexec")
-    if config.nranks is not None and identity.world_size is not None and config.nranks != identity.world_size:
-        raise ConfigError(f"--per-node: -np {config.nranks}, but the launcher started {identity.world_size} ranks",
-                          setting="-np", value=config.nranks)
     if identity.world_size is None and config.nranks is not None:
         identity = RankIdentity(identity.rank, identity.local_rank, config.nranks, identity.local_world_size)
     base = base_directory(env)
     try:
+        if config.nranks is not None and config.nranks != identity.world_size:
+            raise ConfigError(f"--per-node: -np {config.nranks}, but the launcher started {identity.world_size} "
+                              "ranks", setting="-np", value=config.nranks)
         validate_base(base)
         make_user_root(base)  # refused here, before any keeper, if it is not safe
     except MPSError as exc:

@@ -270,8 +270,15 @@ class Session:
         its UUID(s) and, under MPS, its daemon."""
         return self._daemons.target(position, str(self.dirs.root) if self.enabled and self.dirs else None)
 
+    def _in_use(self) -> None:
+        """Refuse to hand out a session that is not running (its paths would not exist)."""
+        if self._state in ("new", "resolved", "closed", "failed"):
+            state = "not started" if self._state in ("new", "resolved") else self._state
+            raise MPSError(f"this session is {state}; use it inside `with` (or after start())")
+
     def env(self, rank: int | None = None) -> dict[str, str]:
         """Variables a worker needs to use this session (GPU ``rank % len(gpus)``, or all under gpu_bind='none')."""
+        self._in_use()
         if not self.gpus:
             return {}
         position = self._daemons.position(rank)
@@ -281,6 +288,7 @@ class Session:
 
     def clients(self) -> set[int]:
         """PIDs connected as clients to any of this session's servers."""
+        self._in_use()
         return self._daemons.clients()
 
     def detach_clients(self, pids: Iterable[int]) -> list[int]:
@@ -331,11 +339,8 @@ class Session:
         return errors
 
     def close(self) -> None:
-        """Stop every daemon and server, restore the environment, remove the directories.
-
-        Raises :class:`TeardownError` if something could not be stopped or removed. Does
-        nothing in a forked child or when called again.
-        """
+        """Stop the daemons and servers, restore the environment, remove the directories; raise
+        :class:`TeardownError` if something could not be (nothing in a forked child, or when called again)."""
         if self._state in ("new", "resolved"):  # never started: it cannot be started any more either
             self._state = "closed"
             return
@@ -380,11 +385,8 @@ class Session:
 
 
 def mps_session(*args: Any, **kwargs: Any) -> Session:
-    """A private MPS session: one control daemon per GPU, started on ``with``.
-
-    Takes the arguments of :class:`Session` (``gpu``, ``gpus``, ``thread_percentage``,
-    ``mem_limit``, ``priority``, ``tmpdir``, ``mps``, ``keep_logs``, ``export``,
-    ``start_timeout``, ``stop_timeout``). Example::
+    """A private MPS session: one control daemon per GPU, started on ``with``; takes the arguments of
+    :class:`Session`. Example::
 
         with mps_session(gpu=0) as session:
             with multiprocessing.get_context("spawn").Pool(4) as pool:

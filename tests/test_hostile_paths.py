@@ -283,3 +283,24 @@ def test_a_session_closed_before_it_started_cannot_start(fake_gpu):
     session.close()
     with pytest.raises(MPSError, match="this session is closed"), session:
         pass
+
+
+def test_a_per_node_rank_count_mismatch_is_said_once(fake_gpu):
+    """mpiexec -n 4 mpsrun --per-node -np 3: exit 2 and one line (every rank used to say it)."""
+    out = subprocess.run([mpiexec(), "-n", "4", sys.executable, "-m", "mpsrun", "--per-node", "-np", "3", "true"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and len([line for line in ours(out.stderr) if "-np 3" in line]) == 1, out.stderr
+
+
+def test_a_session_not_running_hands_out_nothing(fake_gpu):
+    """env() and clients() of a session not started, or closed, raise (they returned {} or deleted paths)."""
+    from mpsrun import MPSError, mps_session
+
+    session = mps_session()
+    with pytest.raises(MPSError, match="not started"):
+        session.env()
+    with session:
+        assert session.env()
+    for call in (session.env, session.clients):
+        with pytest.raises(MPSError, match="closed"):
+            call()
