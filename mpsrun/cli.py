@@ -108,15 +108,17 @@ def main(argv: Sequence[str] | None = None, pending: Sequence[int] = ()) -> int:
         return exc.exit_code
 
 
-def _another_rank_says_it(args: list[str]) -> bool:
-    """Under --per-node every rank reads the same command line: only the node's first local rank says what is wrong."""
-    options_part = args[: args.index("--")] if "--" in args else args
-    if "--per-node" not in options_part:
-        return False
+def _usage_error(args: list[str], exc: ConfigError) -> None:
+    """Say what is wrong with the command line; under --per-node, where every rank reads the same one, through
+    the route every rank that cannot start takes (said once: by the node's first rank, or the job's controller)."""
+    if "--per-node" not in (args[: args.index("--")] if "--" in args else args):
+        _print_error(f"{exc} (see mpsrun --help)")
+        return
     from mpsrun.launchers import identity_from_env
+    from mpsrun.rank import report_failure
 
     identity = identity_from_env(os.environ)
-    return identity is not None and identity.local_rank != 0
+    report_failure(exc, identity.local_rank if identity is not None else None)
 
 
 def _main(args: list[str]) -> int:
@@ -130,8 +132,7 @@ def _main(args: list[str]) -> int:
     try:
         config = parse_args(args, os.environ, __version__)
     except ConfigError as exc:
-        if not _another_rank_says_it(args):
-            _print_error(f"{exc} (see mpsrun --help)")
+        _usage_error(args, exc)
         return ExitCode.USAGE
     except SystemExit as exc:  # --help/--version further along the line
         return int(exc.code or 0)

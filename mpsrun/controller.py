@@ -80,8 +80,8 @@ class Controller:
         self._detached = False
         self._nodes_timer = False
         self._nodes_overdue = False
-        self._interrupts: dict[int, float] = {}
-        self._refusals: set[str] = set()  # source -> when its first interrupt came
+        self._interrupts: dict[int, float] = {}  # source -> when its first interrupt came
+        self._refusals: set[str] = set()  # refusals already said
 
     @property
     def ranks(self) -> dict[int, RankState]:
@@ -215,8 +215,8 @@ class Controller:
         self.launchers.wind_down(self.policy.grace)
 
     def node_closed(self) -> None:
-        if self.expected is not None and self.table.ended(self.expected) and not self.table.nodes:
-            self.launchers.wind_down(self.policy.grace)
+        if self.expected is not None and self.table.ended(self.expected):
+            self._wind_down()
 
     def interrupted(self, sig: int, source: int) -> None:
         """A rank's supervisor (or a node keeper) got a stopping signal from outside: the job was interrupted.

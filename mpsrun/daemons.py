@@ -64,6 +64,11 @@ class GpuDaemons:
         """The daemon serving the GPU at ``position``."""
         return self.daemons[0 if self.shared else position]
 
+    def started(self) -> list[tuple[GPU, ControlDaemon]]:
+        """Each GPU whose daemon has been started, with that daemon (a failed start leaves some without)."""
+        count = len(self.gpus) if self.shared and self.daemons else len(self.daemons)
+        return [(self.gpus[p], self.of(p)) for p in range(count)]
+
     def watcher(self) -> ClientWatcher:
         """The client watcher over every GPU and the daemon that serves it."""
         return ClientWatcher(self.gpus, [self.of(p) for p in range(len(self.gpus))])

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpsrun.daemon import ControlDaemon
 from mpsrun.errors import DaemonError
+from mpsrun.gpus import GPU
 from mpsrun.mpslog import diagnose_log, torn_down_clients
 from mpsrun.outcome import ranges
 from mpsrun.watch import RankWatch
@@ -71,8 +72,8 @@ def crowding_warnings(per_gpu: Mapping[int, int]) -> list[str]:
     ]
 
 
-def session_status(session: Session) -> dict[str, Any]:
-    """A session's snapshot: directories, and per GPU the daemon, its servers and their clients."""
+def session_status(session: Session, served: Sequence[tuple[GPU, ControlDaemon]]) -> dict[str, Any]:
+    """A session's snapshot: directories, and per GPU (``served``: with its daemon) the servers and their clients."""
     report: dict[str, Any] = {
         "enabled": session.enabled,
         "state": session.state,
@@ -80,9 +81,7 @@ def session_status(session: Session) -> dict[str, Any]:
         "directory": str(session.dirs.root) if session.dirs else None,
         "gpus": [],
     }
-    started = [p for p in range(len(session.gpus)) if session.daemons and (
-        session.gpu_bind == "none" or p < len(session.daemons))]
-    for gpu, daemon in ((session.gpus[p], session.daemon_of(p)) for p in started):
+    for gpu, daemon in served:
         entry: dict[str, Any] = {"index": gpu.index, "uuid": gpu.uuid, "daemon_pid": daemon.pid}
         entry["daemon_alive"] = daemon.alive
         entry["servers"], entry["clients"] = {}, {}

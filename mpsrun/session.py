@@ -316,7 +316,7 @@ class Session:
 
     def status(self) -> dict[str, Any]:
         """A snapshot: directories, and per GPU the daemon, its servers and clients."""
-        return session_status(self)
+        return session_status(self, self._daemons.started())
 
     # -- stopping -------------------------------------------------------------------------
 
