@@ -1,0 +1,208 @@
+"""What a job pays for mpsrun: start-up and teardown against MPS by hand and bare mpiexec.
+
+    python benchmarks/overhead.py [--repeats 3] [--seed 13] [--json FILE] [--only trivial|real]
+
+Two jobs, each run every way side by side, in alternating repeats (each round runs every
+variant once, in an order drawn from ``--seed``):
+
+- trivial: ``-np 4 python3 -c pass``: nothing but start-up and teardown;
+- real: 8 ranks, each 200 launches of an 8-block kernel (about 1.7 s of GPU work per rank).
+
+Variants:
+
+- ``hand``: MPS started by hand, as a site's wrapper script does: its own directories,
+  ``nvidia-cuda-mps-control -d``, poll until it answers, start the ranks, wait, ``quit``, wait
+  for the daemon to exit, remove the directories;
+- ``hand+mpiexec``: the same, with the ranks started by bare ``mpiexec`` (how a wrapper runs an
+  MPI job; the reference for ``mpsrun --launcher mpiexec``);
+- ``bare mpiexec``: ``mpiexec -n N`` without MPS;
+- ``mpsrun local``, ``mpsrun local --mps off``, ``mpsrun mpiexec``: the ``mpsrun`` command.
+
+Each figure is the wall time of the whole job, measured from this process. Nothing here is a
+pass/fail test: the figures go to docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from mpsrun.mpi import detect_flavour
+
+REPO = Path(__file__).resolve().parent.parent
+KERNEL_JOB = [sys.executable, "-c", (
+    "import sys; from mpsrun._benchwork import KERNEL, BLOCKS, THREADS; import cupy; "
+    "k = cupy.RawKernel(KERNEL, 'fma_loop'); out = cupy.empty(BLOCKS * THREADS, dtype=cupy.float32); "
+    "[k((BLOCKS,), (THREADS,), (out, cupy.int32(int(sys.argv[1])))) for _ in range(int(sys.argv[2]))]; "
+    "cupy.cuda.Device().synchronize()")]
+CONTROL = "nvidia-cuda-mps-control"
+
+
+def mpiexec_argv(n: int) -> list[str]:
+    """Bare mpiexec for ``n`` local ranks (Open MPI as root needs its flag, as mpsrun adds it)."""
+    mpiexec = shutil.which("mpiexec") or "mpiexec"
+    extra = ["--allow-run-as-root"] if detect_flavour(mpiexec) == "openmpi" and os.geteuid() == 0 else []
+    return [mpiexec, *extra, "-n", str(n)]
+
+
+def control(env: dict[str, str], command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CONTROL], input=command + "\n", capture_output=True, text=True, env=env, check=False)
+
+
+def hand(ranks: Callable[[dict[str, str]], None]) -> None:
+    """MPS by hand around ``ranks``: what a wrapper script does, step by step."""
+    root = Path(tempfile.mkdtemp(prefix="mps-hand-"))
+    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(root / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(root / "log")}
+    (root / "pipe").mkdir()
+    (root / "log").mkdir()
+    subprocess.run([CONTROL, "-d"], env=env, check=True)
+    deadline = time.monotonic() + 10
+    while control(env, "get_server_list").returncode != 0:  # poll until the daemon answers
+        if time.monotonic() > deadline:
+            raise RuntimeError("the hand-started daemon did not answer within 10 s")
+        time.sleep(0.002)
+    daemon = int((root / "pipe" / "nvidia-cuda-mps-control.pid").read_text())
+    try:
+        ranks(env)
+    finally:
+        control(env, "quit")
+        wait_gone(daemon, 10.0)
+        shutil.rmtree(root)
+
+
+def wait_gone(pid: int, seconds: float) -> None:
+    """Until ``pid`` has exited; a daemonized process may stay a zombie (init need not reap it)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.002)
+    raise RuntimeError(f"the hand-started daemon {pid} did not exit within {seconds:g} s")
+
+
+def local_ranks(n: int, command: list[str]) -> Callable[[dict[str, str]], None]:
+    def run(env: dict[str, str]) -> None:
+        procs = [subprocess.Popen(command, env={**env, "RANK": str(i), "WORLD_SIZE": str(n)}) for i in range(n)]
+        if any(p.wait() for p in procs):
+            raise RuntimeError(f"a rank failed: {command}")
+    return run
+
+
+def mpiexec_ranks(n: int, command: list[str]) -> Callable[[dict[str, str]], None]:
+    def run(env: dict[str, str]) -> None:
+        subprocess.run([*mpiexec_argv(n), *command], env=env, check=True)
+    return run
+
+
+def console_script() -> str:
+    """The ``mpsrun`` command as pip writes it on install (this tree may be run from source, uninstalled)."""
+    bin_dir = tempfile.mkdtemp(prefix="mpsrun-bin-")
+    atexit.register(shutil.rmtree, bin_dir, ignore_errors=True)
+    path = Path(bin_dir) / "mpsrun"
+    path.write_text(f"#!{sys.executable}\n# -*- coding: utf-8 -*-\nimport re\nimport sys\n"
+                    "from mpsrun._entry import main\nif __name__ == '__main__':\n"
+                    "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n    sys.exit(main())\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+MPSRUN = console_script()
+
+
+def mpsrun(*args: str) -> Callable[[int, list[str]], Callable[[], None]]:
+    def variant(n: int, command: list[str]) -> Callable[[], None]:
+        argv = [MPSRUN, "-np", str(n), *args, "--", *command]
+        return lambda: subprocess.run(argv, check=True) and None
+    return variant
+
+
+VARIANTS: dict[str, Callable[[int, list[str]], Callable[[], None]]] = {
+    "hand": lambda n, cmd: lambda: hand(local_ranks(n, cmd)),
+    "hand+mpiexec": lambda n, cmd: lambda: hand(mpiexec_ranks(n, cmd)),
+    "bare mpiexec": lambda n, cmd: lambda: mpiexec_ranks(n, cmd)(dict(os.environ)),
+    "mpsrun local": mpsrun("--launcher", "local"),
+    "mpsrun local --mps off": mpsrun("--launcher", "local", "--mps", "off"),
+    "mpsrun mpiexec": mpsrun("--launcher", "mpiexec"),
+}
+REFERENCE = {"mpsrun local": "hand", "mpsrun mpiexec": "bare mpiexec", "mpsrun local --mps off": "hand"}
+REAL_REFERENCE = {"mpsrun local": "hand", "mpsrun mpiexec": "hand+mpiexec"}
+
+
+def measure(jobs: dict[str, Callable[[], None]], repeats: int, rng: random.Random) -> dict[str, list[float]]:
+    """Wall seconds of each job, ``repeats`` rounds; each round runs every job once, in a shuffled order."""
+    samples: dict[str, list[float]] = {name: [] for name in jobs}
+    for _ in range(repeats):
+        for name in rng.sample(list(jobs), len(jobs)):
+            start = time.perf_counter()
+            jobs[name]()
+            samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def calibrate(ms: float) -> int:
+    out = subprocess.run([sys.executable, "-m", "mpsrun._benchwork", "--calibrate", str(ms)], capture_output=True,
+                         text=True, check=True)
+    return int(out.stdout.split()[-1])
+
+
+def table(title: str, samples: dict[str, list[float]], reference: dict[str, str], ratio: bool) -> str:
+    lines = [f"{title}", f"| what | median | min-max | against | {'ratio' if ratio else 'difference'} |",
+             "|---|---:|---:|---|---:|"]
+    med = {name: statistics.median(values) for name, values in samples.items()}
+    for name, values in samples.items():
+        ref = reference.get(name)
+        versus = "" if ref is None else (f"{med[name] / med[ref]:.3f}x" if ratio
+                                          else f"{(med[name] - med[ref]) * 1000:+.0f} ms")
+        lines.append(f"| {name} | {med[name]:.3f} s | {min(values):.3f}-{max(values):.3f} s | {ref or ''} | {versus} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=13)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--only", choices=("trivial", "real"))
+    parser.add_argument("--launches", type=int, default=200)
+    args = parser.parse_args()
+    # Bytecode as an installed package has it (pip compiles on install); a source tree may not have it yet.
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "mpsrun")], check=True,
+                   stdout=subprocess.DEVNULL)
+    rng = random.Random(args.seed)  # noqa: S311 - a reproducible order, not a secret
+    results: dict[str, object] = {"repeats": args.repeats, "seed": args.seed}
+    if args.only != "real":
+        trivial = {name: make(4, [sys.executable, "-c", "pass"]) for name, make in VARIANTS.items()}
+        measure(trivial, 1, rng)  # warm-up: page cache, not counted
+        results["trivial"] = samples = measure(trivial, args.repeats, rng)
+        print(table("Trivial job, -np 4 python3 -c pass", samples, REFERENCE, ratio=False), flush=True)
+    if args.only != "trivial":
+        iters = calibrate(8.5)
+        command = [*KERNEL_JOB, str(iters), str(args.launches)]
+        real = {name: VARIANTS[name](8, command) for name in ("hand", "hand+mpiexec", "mpsrun local", "mpsrun mpiexec")}
+        measure(real, 1, rng)  # warm-up: CuPy's kernel cache, not counted
+        results["real"] = samples = measure(real, args.repeats, rng)
+        results["iters"] = iters
+        print(table(f"\n8 ranks x {args.launches} launches of an 8-block kernel ({iters} iterations per thread)",
+                    samples, REAL_REFERENCE, ratio=True), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
