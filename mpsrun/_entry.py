@@ -5,7 +5,13 @@ imports; a Ctrl-C there would otherwise print a ``KeyboardInterrupt`` traceback.
 is only noted, and :func:`mpsrun.cli.main` then ends with one line and 128+N.
 """
 
+from __future__ import annotations
+
 import signal
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import NoReturn
 
 _pending: list[int] = []
 
@@ -19,7 +25,16 @@ for _number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(_number, _note)
 
 
-def main() -> int:
+def main() -> NoReturn:
+    """Run the command and end the process with its exit status.
+
+    By then everything mpsrun started has ended and been reaped, and the session is gone; the
+    interpreter's own finalisation (hundreds of modules) would add tens of milliseconds to every
+    job, so the process ends at once, once its output is flushed.
+    """
     from mpsrun.cli import main as command
 
-    return command(pending=_pending)
+    code = command(pending=_pending)
+    from mpsrun.procs import exit_now
+
+    exit_now(code)

@@ -3,7 +3,7 @@
 Every rank runs under a rank supervisor (:mod:`mpsrun.rank`) that reports to the job's
 controller, so the backends differ only in what they start:
 
-* ``local``: one supervisor per rank, started by mpsrun itself;
+* ``local``: one supervisor per rank, forked by mpsrun itself (:mod:`mpsrun.forked`);
 * ``mpiexec``: one ``mpiexec`` that starts the supervisors (mpi4py sees the whole world);
 * ``hosts``: one ``mpiexec`` over several hosts, every rank through ``mpsrun --per-node``,
   so each host's node keeper owns that host's MPS daemons and relays to the controller.
@@ -22,13 +22,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import attrs
-import psutil
 
 from mpsrun import mpi
 from mpsrun.errors import ConfigError
+from mpsrun.forked import ForkedSupervisor
 from mpsrun.loop import EventLoop
 from mpsrun.options import JobConfig, option_variables, to_argv
-from mpsrun.procs import pidfd, set_parent_death_signal
+from mpsrun.procs import pidfd, python_without_site, set_parent_death_signal
 
 __all__ = [
     "Backend",
@@ -41,7 +41,8 @@ __all__ = [
     "choose_backend",
 ]
 
-SHIM = (sys.executable, "-m", "mpsrun.rank")
+#: The rank supervisor, started by an MPI launcher (the local launcher forks it: :mod:`mpsrun.forked`).
+SHIM = tuple(python_without_site("mpsrun.rank"))
 
 
 @attrs.frozen
@@ -53,6 +54,8 @@ class LaunchSpec:
     env: Mapping[str, str]
     ranks: tuple[int, ...]
     stdin: bool = False
+    #: ``argv`` are a rank supervisor's arguments: it is forked from this process (no interpreter to start).
+    fork: bool = False
 
 
 class Launched:
@@ -60,10 +63,10 @@ class Launched:
 
     def __init__(self, spec: LaunchSpec) -> None:
         self.spec = spec
-        self.popen = subprocess.Popen(
-            list(spec.argv), env=dict(spec.env), stdin=None if spec.stdin else subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=lambda: set_parent_death_signal(signal.SIGTERM),
-        )
+        self.popen: subprocess.Popen[bytes] | ForkedSupervisor = ForkedSupervisor(spec.argv, spec.env, spec.stdin) \
+            if spec.fork else subprocess.Popen(
+                list(spec.argv), env=dict(spec.env), stdin=None if spec.stdin else subprocess.DEVNULL,
+                start_new_session=True, preexec_fn=lambda: set_parent_death_signal(signal.SIGTERM))
         self.fd = pidfd(self.popen.pid)
 
     @property
@@ -82,6 +85,8 @@ class Launched:
 class Launchers:
     """What a backend started, each watched through its pidfd; ``on_exit`` is called once it has been reaped."""
 
+    PER_TURN = 8  # each start takes a millisecond or two
+
     def __init__(self, loop: EventLoop, on_exit: Callable[[Launched, int], None],
                  on_error: Callable[[LaunchSpec, OSError], None]) -> None:
         self.loop, self.on_exit, self.on_error = loop, on_exit, on_error
@@ -90,18 +95,20 @@ class Launchers:
         self._winding_down = False
 
     def launch(self, specs: Sequence[LaunchSpec]) -> None:
-        """Start ``specs`` one per turn of the loop, so a signal or a failure is handled while hundreds start;
+        """Start ``specs``, a few per turn of the loop, so a signal or a failure is handled while hundreds start;
         one that cannot be started goes to ``on_error``."""
         self.pending = list(specs)
         self._next()
 
     def _next(self) -> None:
-        if self.pending:
+        for _ in range(min(self.PER_TURN, len(self.pending))):
             spec = self.pending.pop(0)
             try:
                 self._start(spec)
             except OSError as exc:
                 self.on_error(spec, exc)
+                break  # the job is failing: on_error cancels the rest
+        if self.pending:
             self.loop.after(0, self._next)
 
     def _start(self, spec: LaunchSpec) -> None:
@@ -170,9 +177,9 @@ class LocalBackend:
     def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]:
         n = config.ranks
         return [
-            LaunchSpec(f"rank {r}'s supervisor", (*SHIM, "--rank", str(r), "--local-rank", str(r), "--size", str(n),
+            LaunchSpec(f"rank {r}'s supervisor", ("--rank", str(r), "--local-rank", str(r), "--size", str(n),
                                                   "--local-size", str(n), "--", program, *config.command[1:]),
-                       env, (r,), stdin=r == 0)
+                       env, (r,), stdin=r == 0, fork=True)
             for r in range(n)
         ]
 
@@ -198,6 +205,8 @@ class MpiexecBackend:
 
     def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]:
         # The program by absolute path: Open MPI puts its own bin directory first on the ranks' PATH.
+        import psutil  # only this backend asks: not imported on every job's path
+
         argv = self._argv(config, [*SHIM, "--", program, *config.command[1:]], cores=psutil.cpu_count(logical=False))
         return [LaunchSpec("mpiexec", argv, env, tuple(range(config.ranks)), stdin=True)]
 

@@ -39,8 +39,9 @@ from mpsrun.mpslog import (
     parse_server_status,
     reply_mib,
     reply_number,
+    started_servers,
 )
-from mpsrun.procs import ProcessRef, set_parent_death_signal
+from mpsrun.procs import ProcessRef, parent_pid, set_parent_death_signal
 from mpsrun.records import DaemonRecord
 
 __all__ = ["CONTROL_EXECUTABLE", "ControlDaemon", "find_control_executable"]
@@ -168,20 +169,21 @@ class ControlDaemon:
         deadline = Deadline(timeout)
         socket = self.pipe_dir / "control"
 
+        def listening() -> bool | None:  # a look at the directory costs microseconds: look often
+            self._check_running("while starting")
+            return socket.exists() or None
+
         def answers() -> bool | None:
             self._check_running("while starting")
-            if socket.exists():
-                with contextlib.suppress(DaemonError):
-                    self.command("get_server_list", timeout=max(0.1, deadline.remaining()))
-                    return True
+            with contextlib.suppress(DaemonError):
+                self.command("get_server_list", timeout=max(0.1, deadline.remaining()))
+                return True
             return None
 
-        if not poll_until(answers, deadline):
-            raise DaemonTimeoutError(
-                f"MPS control daemon did not answer within {timeout:.3g} s (its log: {self.log_tail(1) or 'empty'})",
-                command="get_server_list",
-                log_tail=self.log_tail(),
-            )
+        if not (poll_until(listening, deadline, cap=0.001) and poll_until(answers, deadline)):
+            raise DaemonTimeoutError(f"MPS control daemon did not answer within {timeout:.3g} s (its log: "
+                                     f"{self.log_tail(1) or 'empty'})", command="get_server_list",
+                                     log_tail=self.log_tail())
 
     def _check_running(self, doing: str) -> None:
         if not self.alive:
@@ -204,8 +206,7 @@ class ControlDaemon:
             return
         deadline = Deadline(timeout)
         if self.alive:
-            with contextlib.suppress(DaemonError):
-                self.server_list()  # remember every server, to check they are gone afterwards
+            self._remember_servers()
             try:
                 self.command("quit", timeout=max(0.1, deadline.remaining()))
             except DaemonError as exc:
@@ -215,6 +216,18 @@ class ControlDaemon:
                             self.process.pid, timeout)
                 self._end_group(grace)
         self._reap_servers(grace)
+
+    def _remember_servers(self) -> None:
+        """Every server the daemon started, to check they are gone afterwards: its log names each one (no
+        command to send); a daemon whose log cannot be read is asked."""
+        try:
+            text = self.log_file.read_text(errors="replace")
+        except OSError:
+            with contextlib.suppress(DaemonError):
+                self.server_list()
+            return
+        for pid in started_servers(text):
+            self.saw_server(pid, from_log=True)
 
     def _end_group(self, grace: float) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -267,11 +280,8 @@ class ControlDaemon:
                 check=False,
             )
         except subprocess.TimeoutExpired as exc:
-            raise DaemonTimeoutError(
-                f"MPS control command {text!r} got no answer within {timeout:g} s",
-                command=text,
-                log_tail=self.log_tail(),
-            ) from exc
+            raise DaemonTimeoutError(f"MPS control command {text!r} got no answer within {timeout:g} s",
+                                     command=text, log_tail=self.log_tail()) from exc
         except OSError as exc:
             raise DaemonError(f"cannot run {self.executable}: {exc.strerror}", command=text) from exc
 
@@ -280,12 +290,8 @@ class ControlDaemon:
         result = self._run_client(text, self.command_timeout if timeout is None else timeout)
         reply = (result.stdout + result.stderr).strip()
         if result.returncode != 0 or reply.startswith(NO_DAEMON):
-            raise DaemonError(
-                f"MPS control command {text!r} failed: {reply or f'exit code {result.returncode}'}",
-                command=text,
-                reply=reply,
-                log_tail=self.log_tail(),
-            )
+            raise DaemonError(f"MPS control command {text!r} failed: {reply or f'exit code {result.returncode}'}",
+                              command=text, reply=reply, log_tail=self.log_tail())
         if is_error_reply(reply):
             first = reply.splitlines()[0]
             raise DaemonError(f"MPS control command {text!r} failed: {first}", command=text, reply=reply)
@@ -299,18 +305,16 @@ class ControlDaemon:
             command = f"set_default_active_thread_percentage {thread_percentage}"
             reply = self.command(command)
             if reply_number(reply) != float(thread_percentage):
-                raise DaemonError(
-                    f"the daemon did not take {command!r} (it answered {reply!r})", command=command, reply=reply
-                )
+                raise DaemonError(f"the daemon did not take {command!r} (it answered {reply!r})", command=command,
+                                  reply=reply)
         for device in range(len(self.devices.split(",")) if mem_limit is not None else 0):
             # Devices are numbered as the daemon sees them: the order of CUDA_VISIBLE_DEVICES.
             command = f"set_default_device_pinned_mem_limit {device} {mem_limit}"
             self.command(command)
             stored = self.command(f"get_default_device_pinned_mem_limit {device}")
             if reply_mib(stored) != reply_mib(stored_mem_limit(str(mem_limit))):  # 1536M is stored as 1G
-                raise DaemonError(
-                    f"the daemon did not take {command!r} (it stored {stored!r})", command=command, reply=stored
-                )
+                raise DaemonError(f"the daemon did not take {command!r} (it stored {stored!r})", command=command,
+                                  reply=stored)
 
     def start_server(self, uid: int | None = None, timeout: float = 30.0, wait: bool = True) -> int | None:
         """Start this user's server now (not lazily at the first client); by default wait for ACTIVE.
@@ -339,30 +343,33 @@ class ControlDaemon:
 
         server = poll_until(active, Deadline(timeout))
         if server is None:
-            raise DaemonTimeoutError(
-                f"MPS server did not become ACTIVE within {timeout:g} s (last state: "
-                f"{seen[-1].value if seen else 'no server'}); log: {self.log_file}",
-                command="get_server_status",
-                log_tail=self.log_tail(),
-            )
+            raise DaemonTimeoutError(f"MPS server did not become ACTIVE within {timeout:g} s (last state: "
+                                     f"{seen[-1].value if seen else 'no server'}); log: {self.log_file}",
+                                     command="get_server_status", log_tail=self.log_tail())
         return server
 
     def server_list(self) -> list[int]:
         """PIDs of this daemon's servers (also remembered for the shutdown check)."""
         pids = parse_pid_list(self.command("get_server_list"))
         for pid in pids:
-            if pid not in self._servers and (server := ProcessRef.of(pid)) is not None:
-                self._servers[pid] = server
+            self.saw_server(pid)
         return pids
+
+    def saw_server(self, pid: int, from_log: bool = False) -> None:
+        """Remember a server of this daemon, to check at shutdown that it is gone. A pid from the log may be a
+        server long gone whose number is now another process's: it counts only while it is the daemon's child."""
+        if pid in self._servers or (from_log and (self.pid is None or parent_pid(pid) != self.pid)):
+            return
+        if (server := ProcessRef.of(pid)) is not None:
+            self._servers[pid] = server
 
     def server_status(self, server_pid: int) -> ServerStatus:
         reply = self.command(f"get_server_status {server_pid}")
         try:
             return parse_server_status(reply)
         except ValueError:
-            raise DaemonError(
-                f"unexpected reply to get_server_status: {reply!r}", command="get_server_status", reply=reply
-            ) from None
+            raise DaemonError(f"unexpected reply to get_server_status: {reply!r}", command="get_server_status",
+                              reply=reply) from None
 
     def client_list(self, server_pid: int) -> list[int]:
         return parse_pid_list(self.command(f"get_client_list {server_pid}"))

@@ -48,8 +48,12 @@ class GpuDaemons:
         return [list(self.gpus)] if self.shared else [[gpu] for gpu in self.gpus]
 
     def start(self, dirs: SessionDirs, thread_percentage: int | None, mem_limits: Sequence[str | None],
-              timeout: float, wait_active: bool, started: Callable[[ControlDaemon], None]) -> None:
-        """Start each daemon with its default limits and ask for its server; ``started`` hears of each at once."""
+              timeout: float, server: str, started: Callable[[ControlDaemon], None]) -> None:
+        """Start each daemon with its default limits; ``started`` hears of each at once.
+
+        ``server``: ``active`` starts each server and waits until it is ACTIVE; ``requested`` asks for it
+        and returns; ``lazy`` leaves it to the first client, as a hand-started daemon does.
+        """
         main_thread = threading.current_thread() is threading.main_thread()
         for position, group in enumerate(self.groups()):
             first = group[0].index
@@ -58,7 +62,8 @@ class GpuDaemons:
             daemon.start(timeout=timeout, parent_death=main_thread)  # the reaper covers other threads
             started(daemon)  # recorded before anything else can fail
             daemon.set_defaults(thread_percentage, mem_limits[position] if mem_limits else None)
-            daemon.start_server(timeout=timeout, wait=wait_active)
+            if server != "lazy":
+                daemon.start_server(timeout=timeout, wait=server == "active")
 
     def of(self, position: int) -> ControlDaemon:
         """The daemon serving the GPU at ``position``."""

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
 
-from mpsrun.errors import ConfigError, GPUError, GPUNotFoundError, NoDriverError
+from mpsrun.errors import ConfigError, GPUError, GPUNotFoundError, MPSError, NoDriverError
 
 __all__ = [
     "GPU",
@@ -23,9 +24,11 @@ __all__ = [
     "driver_info",
     "list_gpus",
     "nvml_held",
+    "nvml_kept",
     "parse_visible_devices",
     "select_gpus",
     "visible_gpus",
+    "warm_up",
 ]
 
 _COMPUTE_MODES = {0: "Default", 1: "Exclusive_Thread", 2: "Prohibited", 3: "Exclusive_Process"}
@@ -56,9 +59,31 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+_warming: threading.Thread | None = None
+
+
+def warm_up() -> None:
+    """Begin initialising NVML in the background, for a process that will query it soon and end soon after
+    (the ``mpsrun`` command: its imports run meanwhile). The reference taken here is held until the process
+    ends, so each later query costs no initialisation; a failure is left for the queries to report."""
+    global _warming
+
+    def initialise() -> None:
+        with contextlib.suppress(Exception):
+            import pynvml
+
+            pynvml.nvmlInit()
+
+    if _warming is None:
+        _warming = threading.Thread(target=initialise, name="mpsrun-nvml", daemon=True)
+        _warming.start()
+
+
 @contextlib.contextmanager
 def _nvml() -> Iterator[Any]:
     """Initialise NVML for the duration of a query; NVML reference-counts init/shutdown."""
+    if _warming is not None:
+        _warming.join()
     try:
         import pynvml
     except ImportError as exc:  # pragma: no cover - nvidia-ml-py is a hard dependency
@@ -83,6 +108,14 @@ def nvml_held() -> Iterator[None]:
     """Keep NVML initialised across many queries (a job's client checks), so each costs no initialisation."""
     with _nvml():
         yield
+
+
+def nvml_kept() -> contextlib.AbstractContextManager[object]:
+    """:func:`nvml_held` where there is a driver, nothing where there is none (each query then says why)."""
+    stack = contextlib.ExitStack()
+    with contextlib.suppress(MPSError):
+        stack.enter_context(nvml_held())
+    return stack
 
 
 def driver_info() -> DriverInfo:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from mpsrun import gpus as gpu_info
 from mpsrun.backends import Backend, choose_backend
 from mpsrun.controller import Controller, Policy
 from mpsrun.deadline import Deadline
@@ -121,7 +122,7 @@ class Job:
         config = self.config
         program = resolve_command(config.command)
         backend = choose_backend(config)
-        with Interrupts() as interrupts:
+        with Interrupts() as interrupts, gpu_info.nvml_kept():  # NVML initialised once for the whole job
             session = self._session(backend)
             if session is not None:
                 self._start(session)
@@ -139,7 +140,7 @@ class Job:
 
     def _start(self, session: Session) -> None:
         try:
-            session.start(wait_active=False, kind="job")  # the servers come up while the ranks start
+            session.start(kind="job")  # each server starts with its first client
         except DaemonTimeoutError as exc:
             if self.deadline.expired():
                 raise JobTimeoutError(f"timed out after {self.config.timeout:g} s while the MPS daemons started "
@@ -170,8 +171,6 @@ class Job:
             log.info(f"mpsrun: {backend.name} launcher, MPS {mps}, {config.ranks} rank(s)")
             controller.launch(backend.specs(config, program, env))
             self._elapsed("ranks starting")
-            if watch is not None and session is not None:
-                session.wait_active()
 
         try:
             result = controller.run(first=start, pending=list(pending))  # a signal a finalizer swallowed

@@ -34,6 +34,7 @@ from mpsrun.launchers import RankIdentity
 from mpsrun.options import JobConfig, parse_options
 from mpsrun.paths import user_root_lock
 from mpsrun.placement import welcome, without_mps
+from mpsrun.procs import exit_now
 from mpsrun.protocol import Link, Listener, connect
 from mpsrun.report import mps_report, verified_line
 from mpsrun.session import START_TIMEOUT, Session
@@ -64,7 +65,7 @@ class NodeKeeper:
                                keep_logs=config.keep_logs, export=False, quiet=True, gpu_bind=config.gpu_bind,
                                start_timeout=max(0.1, deadline.cap(START_TIMEOUT)))
         try:
-            self.session.start(wait_active=True, kind="node", name=self.name)
+            self.session.start(kind="node", name=self.name)
         except DaemonTimeoutError as exc:
             if deadline.expired():
                 raise JobTimeoutError(f"timed out after {config.timeout:g} s while this node's MPS daemons started "
@@ -214,4 +215,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # the node's last rank waits for this process to end

@@ -24,6 +24,7 @@ __all__ = [
     "parse_server_status",
     "reply_mib",
     "reply_number",
+    "started_servers",
     "torn_down_clients",
 ]
 
@@ -165,3 +166,12 @@ def connected_clients(text: str) -> list[int]:
     proof: the control daemon also logs clients the server then refuses (the 49th).
     """
     return [int(pid) for pid in _CONNECTED.findall(text)]
+
+
+_STARTING = re.compile(r"Starting new server (\d+) for user \d+")
+
+
+def started_servers(text: str) -> list[int]:
+    """PIDs of the servers a control daemon started, from its log: ``Starting new server <pid> for user <uid>``
+    (recorded on an H100, for ``start_server`` and for a server started by its first client alike)."""
+    return [int(pid) for pid in _STARTING.findall(text)]

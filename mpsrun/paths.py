@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import attrs
-import filelock
 
 from mpsrun.deadline import Deadline, poll_until
 from mpsrun.errors import ConfigError, MPSError, UnsafeDirectoryError
@@ -213,6 +212,8 @@ def user_root_lock(base: Path, timeout: float = 60.0) -> Iterator[Path]:
     The lock is on the root directory itself, which outlives every session, so no lock
     file is ever left behind.
     """
+    import filelock  # only node sessions lock: the other paths skip its import
+
     fd = _user_root_fd(base)
     try:
         if not poll_until(lambda: filelock.lock_descriptor(fd, blocking=False) or None, Deadline(timeout)):

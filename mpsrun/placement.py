@@ -6,6 +6,7 @@ Pure functions, no I/O. Every path (local ranks, ranks under mpiexec, per-node r
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -203,6 +204,7 @@ def welcome(
         "managed": list(MANAGED_VARIABLES),
         "tag": config.tag_output,
         "grace": config.grace,
-        "mpi4py_abort": config.mpi4py_abort == "on",
+        # Asked here, where site-packages are on the path (the shim starts without them).
+        "mpi4py_abort": config.mpi4py_abort == "on" and importlib.util.find_spec("mpi4py") is not None,
         "output_lock": output_lock,
     }

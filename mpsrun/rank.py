@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import os
 import signal
 import socket
@@ -220,15 +219,13 @@ def through_mpi4py(command: list[str], program: str) -> list[str]:
 
     mpi4py's runner calls MPI_Abort for an uncaught exception or ``sys.exit(N)`` (only if the
     program imported MPI), instead of MPI_Finalize, which waits forever for ranks that never come.
-    Only this interpreter is known to have mpi4py; other commands run as given.
+    Only this interpreter is known to have mpi4py (the controller checked); other commands run as given.
     """
     if os.path.realpath(program) != os.path.realpath(sys.executable) or len(command) < 2:
         return command
     first = command[1]
     interpreter_option = first.startswith("-") and first not in ("-m", "-c")  # -u, -X, -: left alone
     if interpreter_option or command[1:3] == ["-m", "mpi4py"]:
-        return command
-    if importlib.util.find_spec("mpi4py") is None:
         return command
     return [command[0], "-m", "mpi4py", *command[1:]]
 

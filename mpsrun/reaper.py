@@ -13,10 +13,17 @@ Standard library only until there is work to do.
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from mpsrun.procs import exit_now, python_without_site
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import NoReturn
 
 __all__ = ["Reaper", "main"]
 
@@ -27,8 +34,8 @@ class Reaper:
     """The owner's handle on its session's reaper."""
 
     def __init__(self, root: Path) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "mpsrun.reaper", str(root)],
+        self.process = subprocess.Popen(  # it imports nothing until its owner dies
+            [*python_without_site("mpsrun.reaper"), str(root)],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -49,17 +56,22 @@ class Reaper:
             self.process.wait()
 
 
-def main(argv: Sequence[str]) -> int:
+def main(argv: Sequence[str]) -> NoReturn:
+    """Wait for the owner's word; reap the session if the owner died without it. Ends the process."""
     if len(argv) != 1:
         print("usage: python -m mpsrun.reaper SESSION_DIR", file=sys.stderr)
-        return 2
+        os._exit(2)
     if sys.stdin.buffer.read() == _CLOSED:
-        return 0
+        exit_now(0)  # the owner waits for this exit
+    if sys.flags.no_site:  # started without site: its packages (psutil, attrs) are needed now
+        import site
+
+        site.main()
     from mpsrun.registry import reap  # the owner died: now the heavier imports are worth it
 
     reap(Path(argv[0]))
-    return 0
+    exit_now(0)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    main(sys.argv[1:])

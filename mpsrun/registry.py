@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
-import psutil
 
 from mpsrun.daemon import CONTROL_EXECUTABLE, ControlDaemon, find_control_executable
 from mpsrun.deadline import Deadline, poll_until
@@ -88,6 +87,8 @@ def read_state(root: Path) -> SessionState:
 def processes_using(root: Path) -> list[int]:
     """This user's live processes whose MPS pipe directory (or session) lies in ``root``: with no readable record,
     what proves that nothing of the session still runs."""
+    import psutil  # rarely needed: not imported on every job's path
+
     found = []
     for proc in psutil.process_iter(["pid", "uids"]):
         try:

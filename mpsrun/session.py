@@ -17,10 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-import psutil
-
 from mpsrun import gpus as gpu_info
-from mpsrun import registry
 from mpsrun.daemon import ControlDaemon, unavailable_reason
 from mpsrun.daemons import GpuDaemons
 from mpsrun.errors import ConfigError, MPSError, MPSUnavailableError, NoDriverError, TeardownError
@@ -38,7 +35,7 @@ from mpsrun.limits import (
     parse_thread_percentage,
     session_mem_limits,
 )
-from mpsrun.paths import SessionDirs, session_base
+from mpsrun.paths import SessionDirs, session_base, user_root
 from mpsrun.placement import MANAGED_VARIABLES, GpuTarget, RankPlan, rank_environment
 from mpsrun.procs import ProcessRef
 from mpsrun.reaper import Reaper
@@ -183,7 +180,9 @@ class Session:
         the servers still starting (clients that connect meanwhile are queued by the
         daemon); call :meth:`wait_active` before relying on them. The launcher (``kind``
         ``"job"``) and node keepers (``"node"``, with a fixed ``name``) always get a
-        directory, for their control socket, even without MPS.
+        directory, for their control socket, even without MPS; their servers start with
+        the first client, as a hand-started daemon's do (a job that never uses the GPU
+        pays for none), and their watch checks each server once its first client is in.
         """
         self.resolve()
         if self._state != "resolved":
@@ -194,7 +193,7 @@ class Session:
             if self.disabled_reason is None or kind != "api":
                 self._make_directory(kind, name)
             if self.disabled_reason is None:
-                self._start_daemons(wait_active)
+                self._start_daemons("lazy" if kind != "api" else "active" if wait_active else "requested")
                 self.enabled = True
             elif not self.quiet:
                 log.warning("mpsrun: running without MPS: %s", self.disabled_reason)
@@ -210,23 +209,25 @@ class Session:
 
     def _make_directory(self, kind: str, name: str | None) -> None:
         with contextlib.suppress(Exception):  # best effort, never waiting: what a killed earlier run left
-            for session_id, what in registry.cleanup(self.base, lock_timeout=0, remove_kept=False):
-                log.info("mpsrun: stale session %s %s", session_id, what)
+            if any(os.scandir(user_root(self.base))):  # nothing there, nothing to read (nor to import)
+                from mpsrun import registry
+
+                for session_id, what in registry.cleanup(self.base, lock_timeout=0, remove_kept=False):
+                    log.info("mpsrun: stale session %s %s", session_id, what)
         self.dirs = SessionDirs.create(self.base, [group[0].index for group in self._daemons.groups()], name=name)
         self.record = SessionRecord.new(kind, gpus=tuple(g.uuid for g in self.gpus), argv=tuple(sys.argv),
                                         keep_logs=self.keep_logs)
         self.record.write(self.dirs.record_file)
         self._reaper = Reaper(self.dirs.root)
 
-    def _start_daemons(self, wait_active: bool) -> None:
+    def _start_daemons(self, server: str) -> None:
         assert self.dirs is not None
 
         def started(daemon: ControlDaemon) -> None:
             assert self.record is not None
             self._update(self.record.with_daemon(daemon.record()))
 
-        self._daemons.start(self.dirs, self.thread_percentage, self._mem_limits, self.start_timeout, wait_active,
-                            started)
+        self._daemons.start(self.dirs, self.thread_percentage, self._mem_limits, self.start_timeout, server, started)
 
     @property
     def daemons(self) -> list[ControlDaemon]:
@@ -311,6 +312,8 @@ class Session:
         if not self.enabled:
             return []
         if pids is None:
+            import psutil  # not imported on every job's path
+
             pids = [child.pid for child in psutil.Process().children(recursive=True)]
         return self.watcher().verify(pids)
 
@@ -349,10 +352,8 @@ class Session:
         self._state = "closed"
         self.teardown_errors = self._teardown()
         if self.teardown_errors:
-            raise TeardownError(
-                "session teardown failed: " + "; ".join(str(e) for e in self.teardown_errors),
-                errors=self.teardown_errors,
-            )
+            raise TeardownError("session teardown failed: " + "; ".join(str(e) for e in self.teardown_errors),
+                                errors=self.teardown_errors)
 
     def __enter__(self) -> Session:
         if self._state in ("new", "resolved"):
@@ -362,9 +363,8 @@ class Session:
         self._depth += 1
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self._depth -= 1
         if self._depth > 0:  # an inner `with` of the same session: the outer one closes it
             return

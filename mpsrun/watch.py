@@ -17,15 +17,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
-import psutil
 
 from mpsrun import gpus as gpu_info
 from mpsrun.daemon import ControlDaemon
-from mpsrun.errors import DaemonError, GPUError, MPSError, NotMPSClientError
+from mpsrun.errors import DaemonError, GPUError, NotMPSClientError
 from mpsrun.gpus import GPU
-from mpsrun.mpslog import connected_clients
+from mpsrun.mpslog import ServerStatus, connected_clients, started_servers
 
-__all__ = ["ClientWatcher", "ConnectionLog", "Finding", "Look", "RankWatch", "with_descendants"]
+__all__ = ["ClientWatcher", "ConnectionLog", "Finding", "LogNews", "Look", "RankWatch", "with_descendants"]
 
 log = logging.getLogger("mpsrun")
 
@@ -78,23 +77,32 @@ class ClientWatcher:
         return sorted(look.clients)
 
 
+@attrs.frozen
+class LogNews:
+    """What a daemon's log said since the last read: servers started, clients connected (pids, in order)."""
+
+    servers: tuple[int, ...] = ()
+    clients: tuple[int, ...] = ()
+
+
 class ConnectionLog:
-    """The clients a daemon's log says connected since the last read (whole lines only)."""
+    """What a daemon's log says since the last read (whole lines only)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._offset = 0
 
-    def new_clients(self) -> list[int]:
+    def news(self) -> LogNews:
         try:
             with self.path.open("rb") as log_file:
                 log_file.seek(self._offset)
                 text = log_file.read()
         except OSError:  # not written yet, or the session is gone
-            return []
+            return LogNews()
         whole = text[: text.rfind(b"\n") + 1]
         self._offset += len(whole)
-        return connected_clients(whole.decode(errors="replace"))
+        lines = whole.decode(errors="replace")
+        return LogNews(tuple(started_servers(lines)), tuple(connected_clients(lines)))
 
 
 @attrs.frozen
@@ -108,6 +116,8 @@ class Finding:
 
 def with_descendants(pids: Mapping[int, int]) -> dict[int, int]:
     """``{pid: rank}`` for the ranks' processes and all their descendants (the same rank)."""
+    import psutil  # a job's first look comes after its start: not imported on every job's path
+
     result = dict(pids)
     for pid, rank in pids.items():
         with contextlib.suppress(psutil.Error):
@@ -129,41 +139,63 @@ class RankWatch:
         self.verified: set[int] = set()
         self.without_mps: set[int] = set()
         self._suspects: dict[int, int] = {}
-        self._logs = [ConnectionLog(daemon.log_file) for daemon in {id(d): d for d in watcher.daemons}.values()]
+        self._logs = [(daemon, ConnectionLog(daemon.log_file))
+                      for daemon in {id(d): d for d in watcher.daemons}.values()]
+        self._serving: set[int] = set()  # daemons (by id) whose server has had its first client
         self._known: dict[int, int] = {}  # every pid seen as a rank or a rank's descendant: {pid: rank}
         self._unplaced: set[int] = set()  # clients in a log not (yet) known as ours
         self._connected: set[int] = set()  # every client the logs named
 
     def held(self) -> contextlib.AbstractContextManager[object]:
         """NVML initialised once for the job's looks (each is then cheap); without NVML each look says so."""
-        stack = contextlib.ExitStack()
-        with contextlib.suppress(MPSError):
-            stack.enter_context(gpu_info.nvml_held())
-        return stack
+        return gpu_info.nvml_kept()
 
     def settle(self, rank_pids: Mapping[int, int]) -> None:
         """Read the logs once more, at the job's end: ``rank_pids`` are every rank's pids, ended ones too."""
         self._known.update(rank_pids)
         self._read_logs()
 
-    def _read_logs(self) -> None:
-        for connection_log in self._logs:
-            self._unplaced.update(connection_log.new_clients())
+    def _read_logs(self) -> list[ControlDaemon]:
+        """Take in what the logs say; the daemons whose server has just had its first client."""
+        first: list[ControlDaemon] = []
+        for daemon, connection_log in self._logs:
+            news = connection_log.news()
+            for server in news.servers:
+                daemon.saw_server(server, from_log=True)
+            self._unplaced.update(news.clients)
+            if news.clients and id(daemon) not in self._serving:
+                self._serving.add(id(daemon))
+                first.append(daemon)
         self._connected |= self._unplaced
         placed = self._unplaced & self._known.keys()
         self.verified.update(self._known[pid] for pid in placed)
         self._unplaced -= placed
+        return first
+
+    def _server_fault(self, daemon: ControlDaemon) -> Finding | None:
+        """A server started by its first client is checked then: is it ACTIVE, or in FAULT?"""
+        try:
+            faulty = [pid for pid in daemon.server_list() if daemon.server_status(pid) is ServerStatus.FAULT]
+        except DaemonError as exc:
+            log.debug("server check skipped: %s", exc)
+            return None
+        if not faulty:
+            return None
+        gpus = ",".join(str(g.index) for g, d in zip(self.watcher.gpus, self.watcher.daemons, strict=True)
+                        if d is daemon)
+        return Finding(f"the MPS server {faulty[0]} of GPU {gpus} is in FAULT state (its log: {daemon.log_file})",
+                       fatal=True)
 
     def check(self, rank_pids: Mapping[int, int]) -> list[Finding]:
         pids = with_descendants(rank_pids)
         self._known.update(pids)
-        self._read_logs()
+        findings = [f for daemon in self._read_logs() if (f := self._server_fault(daemon)) is not None]
         try:
             look = self.watcher.look(pids, served=self._connected)
         except (DaemonError, GPUError) as exc:
             log.debug("client check skipped: %s", exc)
-            return []
-        findings = self._dead_findings(look.dead)
+            return findings
+        findings += self._dead_findings(look.dead)
         self.verified.update(pids[pid] for pid in look.clients)
         missed = {pid: position for pid, position in look.strays}
         self._suspects = {pid: self._suspects.get(pid, 0) + 1 for pid in missed}

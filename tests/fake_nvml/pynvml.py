@@ -47,16 +47,24 @@ def _root() -> Path:
     return Path(os.environ.get("MPSRUN_FAKE_NVML", "/nonexistent"))
 
 
+_references = 0  # NVML counts init/shutdown: only the first init of a process (or after the last shutdown) is real
+
+
 def nvmlInit() -> None:
-    global _gpus
+    global _gpus, _references
     try:
         _gpus = json.loads((_root() / "gpus.json").read_text())
     except (OSError, ValueError):
         raise NVMLError(NVML_ERROR_LIBRARY_NOT_FOUND) from None
+    _references += 1
+    if _references == 1 and os.environ.get("FAKE_NVML_INIT_LOG"):  # tests count real initialisations
+        with open(os.environ["FAKE_NVML_INIT_LOG"], "a") as log:
+            log.write(f"{os.getpid()}\n")
 
 
 def nvmlShutdown() -> None:
-    pass
+    global _references
+    _references = max(0, _references - 1)
 
 
 def _check() -> list[dict]:

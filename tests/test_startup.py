@@ -1,0 +1,158 @@
+"""What made start-up and teardown cheaper (issue 13), each kept honest: the checks it must not drop.
+
+The figures themselves are benchmarks (benchmarks/overhead.py, docs/benchmarks.md), never timed tests.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_contract import PATHS, fake, job_argv, settle
+
+from mpsrun.daemon import ControlDaemon
+from mpsrun.gpus import GPU
+from mpsrun.mpslog import ServerStatus
+from mpsrun.procs import ProcessRef
+from mpsrun.watch import ClientWatcher, RankWatch
+
+pytestmark = pytest.mark.mpiexec
+
+
+def control_logs(fake_gpu):
+    return [p.read_text() for p in fake_gpu.tmpdir.rglob("control.log")]
+
+
+def remove_kept(fake_gpu):
+    subprocess.run([sys.executable, "-m", "mpsrun", "cleanup"], check=True, capture_output=True, timeout=60)
+    assert not fake_gpu.session_dirs()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_server_starts_with_the_first_client(fake_gpu, path):
+    """As with a daemon started by hand, a job whose ranks never touch the GPU starts no MPS server; one whose ranks
+    do starts exactly one per daemon, and every rank is still proven connected (the server is not started early)."""
+    out = subprocess.run(job_argv(path, ["--keep-logs"], [sys.executable, "-c", "pass"]), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    settle(fake_gpu)
+    logs = control_logs(fake_gpu)
+    assert logs and not any("Starting new server" in text for text in logs), logs
+    remove_kept(fake_gpu)
+    out = subprocess.run(job_argv(path, ["--keep-logs", "-v"], fake("--hold", "0.3")), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "3 of 3 ranks connected to MPS" in out.stderr, out.stderr
+    settle(fake_gpu)
+    assert sum(text.count("Starting new server") for text in control_logs(fake_gpu)) == 1
+    remove_kept(fake_gpu)
+
+
+class StubDaemon:
+    """A daemon as the watch sees it: a log, a server list and a status per server."""
+
+    def __init__(self, log_file: Path, status: ServerStatus) -> None:
+        self.log_file, self.status, self.alive, self.asked = log_file, status, True, 0
+        self.server_pids: list[int] = []
+
+    def saw_server(self, pid, from_log=False):
+        self.server_pids.append(pid)
+
+    def server_list(self):
+        return [4242]
+
+    def server_status(self, pid):
+        self.asked += 1
+        return self.status
+
+
+@pytest.mark.parametrize("status", [ServerStatus.ACTIVE, ServerStatus.FAULT])
+def test_a_server_started_by_its_first_client_is_checked_once(fake_gpu, tmp_path, status):
+    """The job's watch asks a server's state once its first client is in the daemon's log: FAULT fails the job
+    (naming the server), ACTIVE passes; later looks do not ask again, and the log's server pid is remembered."""
+    log = tmp_path / "control.log"
+    log.write_text("[x Control 1] Starting new server 4242 for user 0\n[x Control 1] NEW SERVER 4242: Ready\n")
+    daemon = StubDaemon(log, status)
+    gpu = GPU(index=0, uuid=fake_gpu.uuids[0], name="Fake H100", memory_total=1, compute_mode="Default",
+              mig_enabled=False)
+    watch = RankWatch(ClientWatcher([gpu], [daemon]), required=True)
+    assert watch.check({}) == [] and daemon.asked == 0  # a server, but no client yet
+    with log.open("a") as out:
+        out.write("[x Server 4242] Client {PID: 77, Context ID: 0} connected\n")
+    findings = watch.check({77: 0})
+    assert daemon.asked == 1 and daemon.server_pids == [4242]
+    if status is ServerStatus.FAULT:
+        assert len(findings) == 1 and findings[0].fatal and "4242" in findings[0].message
+        assert "FAULT" in findings[0].message
+    else:
+        assert findings == [] and watch.verified == {0}
+    with log.open("a") as out:
+        out.write("[x Server 4242] Client {PID: 78, Context ID: 0} connected\n")
+    watch.check({77: 0, 78: 1})
+    assert daemon.asked == 1
+
+
+def test_a_server_pid_from_the_log_counts_only_as_the_daemons_child(tmp_path):
+    """Teardown checks that every server the log names is gone, killing one that is not: a pid from the log is
+    remembered only while it is the daemon's child, never a process that has since taken the number."""
+    daemon = ControlDaemon("GPU-x", tmp_path, tmp_path, process=ProcessRef.of(os.getpid()))  # we are "the daemon"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        daemon.saw_server(os.getppid(), from_log=True)  # alive, but not the daemon's child
+        assert daemon.server_pids == []
+        daemon.saw_server(child.pid, from_log=True)
+        assert daemon.server_pids == [child.pid]
+    finally:
+        child.kill()
+        child.wait()
+
+
+RANK_VIEW = """
+import json, os, signal, sys
+fds = sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
+names = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
+handlers = {n: str(signal.getsignal(getattr(signal, n))) for n in names}
+view = {"fds": fds, "handlers": handlers, "stdin": os.readlink("/proc/self/fd/0"), "own_session": os.getsid(0) == os.getpid(),
+        "control": [k for k in os.environ if k.startswith("MPSRUN_CONTROL")]}
+open(os.path.join(os.environ["VIEW_DIR"], os.environ["RANK"] + ".json"), "w").write(json.dumps(view))
+"""
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_rank_starts_as_clean_on_every_path(fake_gpu, short_tmp, monkeypatch, path):
+    """However its supervisor was started (forked by the local launcher, or by an MPI launcher), a rank gets the
+    default signal handling, its own session, no controller address, and /dev/null as stdin except rank 0; under
+    the local launcher only descriptors 0-2 (MPI launchers hand ranks their own)."""
+    monkeypatch.setenv("VIEW_DIR", str(short_tmp))
+    out = subprocess.run(job_argv(path, [], [sys.executable, "-c", RANK_VIEW]), capture_output=True, text=True,
+                         timeout=120, stdin=subprocess.PIPE)
+    assert out.returncode == 0, out.stderr
+    views = {int(p.stem): json.loads(p.read_text()) for p in short_tmp.glob("*.json")}
+    assert sorted(views) == [0, 1, 2]
+    for rank, view in views.items():
+        assert view["handlers"]["SIGINT"] == str(signal.default_int_handler), view
+        assert all(view["handlers"][n] == str(signal.SIG_DFL) for n in ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2"))
+        assert view["own_session"] and view["control"] == []
+        if rank > 0 and path == "local":
+            assert view["stdin"] == "/dev/null"
+        if path == "local":
+            assert view["fds"][:3] == [0, 1, 2] and len(view["fds"]) == 4, view  # the 4th: the listing itself
+    settle(fake_gpu)
+
+
+def test_nvml_is_initialised_once_per_job(fake_gpu, short_tmp, monkeypatch):
+    """The job's controller initialises NVML once (it used to for every query: GPUs, free memory, each look)."""
+    log = short_tmp / "inits"
+    monkeypatch.setenv("FAKE_NVML_INIT_LOG", str(log))
+    job = subprocess.Popen(job_argv("local", ["--mem-limit", "auto"], fake("--hold", "1")), stderr=subprocess.PIPE,
+                           text=True)
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == 0, err
+    inits = log.read_text().split()
+    assert inits.count(str(job.pid)) == 1, inits
+    settle(fake_gpu)
+
