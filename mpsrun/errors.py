@@ -27,6 +27,7 @@ __all__ = [
     "MPSUnavailableError",
     "NoDriverError",
     "NotMPSClientError",
+    "SharedArrayError",
     "TeardownError",
     "UnsafeDirectoryError",
 ]
@@ -195,3 +196,13 @@ class CommandNotFoundError(MPSError, FileNotFoundError):
 
     def __init__(self, message: str, *, command: str = "") -> None:
         super().__init__(message, command=command)
+
+
+class SharedArrayError(MPSError, RuntimeError):
+    """A shared array (:mod:`mpsrun.shared`) could not be had: outside a job, shapes that differ between ranks,
+    a filling rank that failed, or a deadline. Attribute: ``name``."""
+
+    name: str
+
+    def __init__(self, message: str, *, name: str = "") -> None:
+        super().__init__(message, name=name)

@@ -113,7 +113,8 @@ class Job:
                                     identity.local_world_size or n)
             gpus = len(session.gpus) if session else 0
             return welcome(identity, self.config, gpus, session.target if session else lambda _: None, output_lock,
-                           session.free_memory() if session else ())
+                           session.free_memory() if session else (),
+                           str(session.dirs.root) if session and session.dirs else None)
 
         return answer
 

@@ -101,7 +101,8 @@ class NodeKeeper:
         if self.controller.expected_count is None:
             self.controller.expected_count = identity.local_world_size
         answer = welcome(identity, self.config, len(self.session.gpus), self.session.target,
-                         free=self.session.free_memory())
+                         free=self.session.free_memory(),
+                         session_dir=str(self.session.dirs.root) if self.session.dirs else None)
         answer["lines"], self.notices = self.notices, []  # said once, by the first rank to join
         return answer
 

@@ -192,15 +192,19 @@ def without_mps(config: JobConfig, reason: str) -> list[str]:
 
 def welcome(
     identity: RankIdentity, config: JobConfig, ngpus: int, target_of: Callable[[int], GpuTarget | None],
-    output_lock: str | None = None, free: Sequence[int] = (),
+    output_lock: str | None = None, free: Sequence[int] = (), session_dir: str | None = None,
 ) -> dict[str, Any]:
     """What a rank's supervisor is told when it says hello: the rank's variables and how to run it.
 
-    ``free``: each GPU's free memory under MPS (for ``--mem-limit auto``).
+    ``free``: each GPU's free memory under MPS (for ``--mem-limit auto``). ``session_dir``: the job's (or
+    node's) private directory, also without MPS (:mod:`mpsrun.shared` keeps its handles there).
     """
     plan = plan_rank(identity, ngpus, config, free)
+    env = rank_environment(target_of(plan.gpu) if ngpus else None, plan, identity)
+    if session_dir is not None:
+        env.setdefault("MPSRUN_SESSION_DIR", session_dir)
     return {
-        "env": rank_environment(target_of(plan.gpu) if ngpus else None, plan, identity),
+        "env": env,
         "managed": list(MANAGED_VARIABLES),
         "tag": config.tag_output,
         "grace": config.grace,

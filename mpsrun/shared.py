@@ -1,0 +1,227 @@
+"""One copy, many ranks: read-only arrays that every rank (or worker) on a GPU shares.
+
+    from mpsrun import shared
+    table = shared.array("xs-table", (1 << 28,), "float32", init=load_table)  # a CuPy array
+
+In an ``mpsrun`` job (or in the workers of ``mps_session()``), the first caller on each GPU
+allocates the array from an IPC-enabled CUDA memory pool and fills it (``init(out)``, or
+``data``); every other caller on that GPU waits until it is filled and gets a zero-copy view of
+the same device memory. Sixteen ranks that need a 2 GiB table then use 2 GiB, not 32.
+
+The memory's handle (a file descriptor) travels only through a UNIX socket in the job's private
+0700 session directory: another user cannot reach it, and so cannot map the memory. Without a
+GPU (no CuPy, no ``cuda.core`` or no device) the array is host memory shared the same way, as a
+read-only NumPy array, and the first call says so.
+
+**Do not write to a shared array** except in ``init``: every rank on the GPU sees the same memory,
+and a write races with their reads (undefined). CuPy has no read-only arrays; the NumPy fallback's
+views are read-only.
+
+Lifetime: a rank's hold ends with :func:`release` or with the process. The filling rank's
+:func:`release` waits until the others have released theirs. When it ends first, the memory stays
+mapped for those still using it (the driver counts the mappings; measured under MPS on the H100)
+and one of them publishes it for ranks still to come; it goes with the last of them. The
+sockets and locks live in the session directory, which the job's teardown removes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import hashlib
+import logging
+import math
+import os
+import re
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from mpsrun.deadline import Deadline
+from mpsrun.devicememory import Memory, Region, memory_for_this_process
+from mpsrun.errors import SharedArrayError
+from mpsrun.handoff import HandoffError, Publisher, Subscription, join, take_over
+
+__all__ = ["DEFAULT_TIMEOUT", "SharedArrayError", "array", "release"]
+
+log = logging.getLogger("mpsrun")
+
+DEFAULT_TIMEOUT = 600.0  # how long a rank waits for the array to be filled (loading a large table takes a while)
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+class _Held:
+    """One shared array in this process: its memory, its view, and our side of the handoff (``kept``: the
+    subscription of a rank that took over publishing when the first publisher ended)."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: Any, region: Region,
+                 holder: Publisher | Subscription, key: str = "") -> None:
+        self.name, self.shape, self.dtype, self.region, self.holder = name, shape, dtype, region, holder
+        self.key = key
+        self.kept: Subscription | None = None
+        self.array = region.view(shape, dtype)
+
+    def let_go(self) -> None:
+        """End our side of the handoff (never waiting) and keep nothing open."""
+        if isinstance(self.holder, Publisher):
+            self.holder.close()
+        else:
+            self.holder.release()
+        if self.kept is not None:
+            self.kept.release()
+
+
+_held: dict[str, _Held] = {}
+_guard = threading.Lock()
+_memory: tuple[Memory, str | None] | None = None
+
+
+def array(name: str, shape: int | Sequence[int], dtype: Any, *, init: Callable[[Any], object] | None = None,
+          data: Any = None, timeout: float = DEFAULT_TIMEOUT) -> Any:
+    """The array ``name`` of this job on this process's GPU: filled once per GPU, shared by every caller there.
+
+    Args:
+        name: what the ranks call it (letters, digits, ``.``, ``_``, ``-``).
+        shape, dtype: the array's; every caller must ask for the same.
+        init: called once per GPU, by the first caller, with the (writable) array to fill in place.
+        data: or an array (NumPy or CuPy) to copy in; with neither, the array is zeros.
+        timeout: seconds to wait for the filling rank.
+
+    Raises :class:`SharedArrayError` outside an mpsrun job or ``mps_session()``, when the ranks ask for
+    different shapes, when the filling rank failed (with its reason), or after ``timeout``.
+    """
+    shape = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
+    import numpy
+
+    kind = numpy.dtype(dtype)
+    if not _NAME.fullmatch(name) or any(n < 0 for n in shape) or (init is not None and data is not None):
+        raise SharedArrayError(f"shared array {name!r}: a name of letters, digits, '.', '_', '-', a shape of "
+                               "non-negative sizes, and init or data (not both)", name=name)
+    with _guard:
+        held = _held.get(name)
+        if held is None:
+            held = _held[name] = _share(name, shape, kind, init, data, Deadline(timeout))
+    _check(held.name, held.shape, held.dtype, shape, kind, "this process")
+    return held.array
+
+
+def release(name: str, timeout: float | None = None) -> None:
+    """Give up this process's hold on ``name``; the array must not be used afterwards.
+
+    The rank that filled it first waits (up to ``timeout`` seconds; by default as long as it takes)
+    until every other rank on its GPU has released it, then frees the memory.
+    """
+    with _guard:
+        held = _held.pop(name, None)
+    if held is None:
+        return
+    if isinstance(held.holder, Publisher) and not held.holder.wait_released(Deadline(timeout)):
+        users = held.holder.subscribers
+        held.let_go()
+        raise SharedArrayError(f"shared array {name!r}: {users} rank(s) still used it after {timeout:g} s; its "
+                               "memory stays until they end", name=name)
+    held.region.close()
+    held.let_go()
+
+
+def _share(name: str, shape: tuple[int, ...], dtype: Any, init: Callable[[Any], object] | None, data: Any,
+           deadline: Deadline) -> _Held:
+    memory = _this_memory()
+    directory = _directory()
+    key = f"{memory.device_key()}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
+    nbytes = math.prod(shape) * dtype.itemsize
+    try:
+        holder = join(directory, key, deadline)
+    except HandoffError as exc:
+        raise SharedArrayError(f"shared array {name!r}: {exc}", name=name) from None
+    if isinstance(holder, Publisher):
+        return _publish(name, shape, dtype, memory, holder, init, data)  # the first caller on this GPU
+    try:
+        header = holder.header
+        _check(name, tuple(header["shape"]), header["dtype"], shape, dtype, f"rank {header.get('rank')}")
+        region = memory.attach(os.dup(holder.fd), base64.b64decode(header["descriptor"]), nbytes)
+    except BaseException:
+        holder.release()
+        raise
+    holder.watch(lambda: _take_over(name, directory))
+    return _Held(name, shape, dtype, region, holder, key)
+
+
+def _take_over(name: str, directory: Path) -> None:
+    """Our publisher ended while we hold the array: publish the same memory for the ranks still to come."""
+    with _guard:
+        held = _held.get(name)
+        if held is None or not isinstance(held.holder, Subscription):
+            return
+        publisher = take_over(directory, held.key, held.holder)
+        if publisher is not None:
+            held.kept, held.holder = held.holder, publisher
+
+
+def _publish(name: str, shape: tuple[int, ...], dtype: Any, memory: Memory, publisher: Publisher,
+             init: Callable[[Any], object] | None, data: Any) -> _Held:
+    nbytes = math.prod(shape) * dtype.itemsize
+    rank = os.environ.get("RANK", str(os.getpid()))
+    region: Region | None = None
+    try:
+        region, fd, descriptor = memory.allocate(nbytes)
+        held = _Held(name, shape, dtype, region, publisher)
+        if init is not None:
+            init(held.array)
+        elif data is not None:
+            held.array[...] = data
+        else:
+            held.array[...] = 0
+        memory.synchronize()
+    except BaseException as exc:
+        publisher.fail(f"rank {rank} could not fill it: {exc!r}")
+        publisher.close()
+        if region is not None:
+            region.close()
+        raise
+    publisher.publish({"shape": list(shape), "dtype": dtype.str, "nbytes": nbytes, "rank": rank,
+                       "descriptor": base64.b64encode(descriptor).decode()}, fd)
+    return held
+
+
+def _check(name: str, shape: tuple[int, ...], dtype: Any, wanted: tuple[int, ...], wanted_dtype: Any,
+           who: str) -> None:
+    import numpy
+
+    if tuple(shape) != wanted or numpy.dtype(dtype) != numpy.dtype(wanted_dtype):
+        raise SharedArrayError(f"shared array {name!r} is {tuple(shape)} {numpy.dtype(dtype)} for {who}, but "
+                               f"{wanted} {numpy.dtype(wanted_dtype)} was asked for here", name=name)
+
+
+def _this_memory() -> Memory:
+    global _memory
+    if _memory is None:
+        _memory = memory_for_this_process()
+        if _memory[1] is not None:
+            log.warning("mpsrun.shared: %s: sharing host memory as read-only NumPy arrays", _memory[1])
+    return _memory[0]
+
+
+def _directory() -> Path:
+    """``shared/`` in the job's private session directory (made 0700 on first use)."""
+    session = os.environ.get("MPSRUN_SESSION_DIR")
+    if not session:
+        raise SharedArrayError("mpsrun.shared works in the ranks of an mpsrun job or the workers of an "
+                               "mps_session() (MPSRUN_SESSION_DIR is not set)")
+    directory = Path(session) / "shared"
+    directory.mkdir(mode=0o700, exist_ok=True)  # the umask can only make it stricter
+    info = directory.lstat()
+    if not directory.is_dir() or directory.is_symlink() or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise SharedArrayError(f"{directory} is not a private directory of this user")
+    return directory
+
+
+@atexit.register
+def _at_exit() -> None:
+    """At exit nobody waits: subscribers let go, the publisher stops serving (its memory stays mapped for whoever
+    still uses it, and goes with the last of them)."""
+    with _guard:
+        for held in _held.values():
+            held.let_go()
+        _held.clear()

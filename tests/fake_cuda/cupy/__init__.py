@@ -1,0 +1,17 @@
+"""A test double of CuPy for machines without a GPU: the little ``mpsrun.shared`` uses, over NumPy.
+
+``from_dlpack`` of a fake ``cuda.core`` buffer gives a NumPy view of its memory (zero-copy, as DLPack is).
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy
+from numpy import asarray, float32, float64, int32, int64, ndarray, uint8  # noqa: F401 - CuPy's names
+
+cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0))
+
+
+def from_dlpack(buffer: object) -> numpy.ndarray:
+    return numpy.frombuffer(buffer._map, dtype=numpy.uint8)  # type: ignore[attr-defined]

@@ -1,0 +1,335 @@
+"""mpsrun.shared without a GPU: publishing, waiting, attaching, releasing, and what a killed rank leaves.
+
+The CUDA calls go to a test double (tests/fake_cuda: cuda.core's IPC memory pools over a memfd, CuPy over NumPy),
+so the code that runs on a GPU runs here too, with real UNIX sockets and real descriptor passing between the
+real processes of real jobs. Without the double, the same API falls back to host memory (NumPy).
+"""
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import TESTS
+from test_contract import PATHS, job_argv, settle
+
+from mpsrun import mps_session
+from mpsrun.deadline import Deadline
+from mpsrun.devicememory import HostMemory
+from mpsrun.handoff import HandoffError, Publisher, Subscription, join, take_over
+
+pytestmark = pytest.mark.mpiexec
+
+FAKE_CUDA = TESTS / "fake_cuda"
+
+RANK = """
+import json, os, sys, time
+import numpy
+from mpsrun import shared
+rank = int(os.environ["RANK"])
+hold = float(os.environ.get("HOLD", "0.5"))
+fill_wait = float(os.environ.get("FILL_WAIT", "0"))
+
+def fill(out):
+    time.sleep(fill_wait)
+    if os.environ.get("FILL_FAILS"):
+        raise ValueError("no such table")
+    out[...] = numpy.arange(out.size, dtype=out.dtype).reshape(out.shape)
+
+started = time.monotonic()
+try:
+    table = shared.array("xs-table", (256, 1024), "float32", init=fill, timeout=float(os.environ.get("WAIT", "60")))
+except Exception as exc:
+    print(f"rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    open(os.path.join(os.environ["REPORT_DIR"], f"{rank}.json"), "w").write(json.dumps({"error": str(exc)}))
+    time.sleep(float(os.environ.get("LINGER", "0")))  # so that every rank's error is seen before fail-fast
+    raise SystemExit(5)
+report = {"rank": rank, "sum": float(table.sum()), "first": float(table[1, 0]), "type": type(table).__module__,
+          "writable": bool(getattr(table, "flags", None) and table.flags.writeable), "waited": time.monotonic() - started}
+open(os.path.join(os.environ["REPORT_DIR"], f"{rank}.json"), "w").write(json.dumps(report))
+if os.environ.get("KILL_RANK") == str(rank):
+    os.kill(os.getpid(), 9)
+time.sleep(hold)
+"""
+EXPECTED_SUM = float(sum(range(256 * 1024)))
+
+
+def reports(directory):
+    return {int(p.stem): json.loads(p.read_text()) for p in Path(directory).glob("*.json")}
+
+
+def allocations(log):
+    return [line.split() for line in log.read_text().splitlines()] if log.exists() else []
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch, short_tmp):
+    """Ranks see the CUDA double; every allocation it makes is logged."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.environ.get("PYTHONPATH", ""), str(FAKE_CUDA)]))
+    log = short_tmp / "allocations"
+    monkeypatch.setenv("FAKE_CUDA_LOG", str(log))
+    monkeypatch.setenv("REPORT_DIR", str(short_tmp))
+    return log
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_rank_on_a_gpu_reads_one_copy(fake_gpu, fake_cuda, short_tmp, path):
+    """On every path, one rank per GPU allocates and fills the table and the others map that one copy: the same
+    data in every rank, one allocation of its size on the GPU."""
+    out = subprocess.run(job_argv(path, [], [sys.executable, "-c", RANK], ranks=4), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    seen = reports(short_tmp)
+    assert sorted(seen) == [0, 1, 2, 3]
+    assert all(r["sum"] == EXPECTED_SUM and r["first"] == 1024.0 and r["type"] == "numpy" for r in seen.values())
+    assert [int(size) for _, size, _ in allocations(fake_cuda)] == [256 * 1024 * 4]
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("fake_gpu", [2], indirect=True)
+def test_each_gpu_has_its_own_copy(fake_gpu, fake_cuda, short_tmp):
+    """Ranks on two GPUs: one copy per GPU, each filled once, every rank reading the same data."""
+    out = subprocess.run(job_argv("local", [], [sys.executable, "-c", RANK], ranks=4), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert all(r["sum"] == EXPECTED_SUM for r in reports(short_tmp).values())
+    assert sorted(device for _, _, device in allocations(fake_cuda)) == sorted(fake_gpu.uuids)
+    settle(fake_gpu)
+
+
+def test_ranks_wait_for_the_filling_rank(fake_gpu, fake_cuda, short_tmp, monkeypatch):
+    """A slow fill: the other ranks wait for it (no copy of their own), then read what it filled."""
+    monkeypatch.setenv("FILL_WAIT", "1.5")
+    out = subprocess.run(job_argv("local", [], [sys.executable, "-c", RANK], ranks=3), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    seen = reports(short_tmp)
+    assert all(r["sum"] == EXPECTED_SUM for r in seen.values()) and len(allocations(fake_cuda)) == 1
+    assert sum(r["waited"] >= 1.0 for r in seen.values()) >= 2  # everyone waited for the fill
+    settle(fake_gpu)
+
+
+def test_the_wait_has_a_deadline_and_a_clear_error(fake_gpu, fake_cuda, short_tmp, monkeypatch):
+    """A fill slower than the others' deadline: they fail with one line saying what they waited for."""
+    monkeypatch.setenv("FILL_WAIT", "5")
+    monkeypatch.setenv("WAIT", "0.5")
+    out = subprocess.run(job_argv("local", ["--grace", "1"], [sys.executable, "-c", RANK], ranks=3),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 5, out.stderr
+    assert "SharedArrayError: shared array 'xs-table': the region was not ready within 0.5 s" in out.stderr
+    settle(fake_gpu)
+
+
+def test_a_failed_fill_is_every_ranks_error(fake_gpu, fake_cuda, short_tmp, monkeypatch):
+    """The filling rank's init raises: it fails with its own error, and the ranks waiting for it hear why."""
+    monkeypatch.setenv("FILL_FAILS", "1")
+    monkeypatch.setenv("FILL_WAIT", "0.5")
+    monkeypatch.setenv("LINGER", "2")
+    out = subprocess.run(job_argv("local", ["--grace", "1"], [sys.executable, "-c", RANK], ranks=3),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 5, out.stderr
+    seen = {rank: r["error"] for rank, r in reports(short_tmp).items()}
+    filler = [rank for rank, error in seen.items() if error == "no such table"]  # its own error
+    assert len(filler) == 1 and len(seen) == 3, seen
+    assert [e for r, e in seen.items() if r != filler[0]] == [
+        f"shared array 'xs-table': rank {filler[0]} could not fill it: ValueError('no such table')"] * 2, seen
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("killed", [0, 1])
+@pytest.mark.parametrize("path", ["local", "per-node"])
+def test_a_sigkilled_rank_leaves_nothing(fake_gpu, fake_cuda, short_tmp, monkeypatch, path, killed):
+    """The rank that filled the table, or one that maps it, is SIGKILLed: the job fails with 137 and leaves no
+    process, socket, lock or directory (the session directory holds them all)."""
+    monkeypatch.setenv("KILL_RANK", str(killed))
+    monkeypatch.setenv("HOLD", "10")
+    out = subprocess.run(job_argv(path, ["--grace", "1"], [sys.executable, "-c", RANK], ranks=3),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 137, out.stderr
+    settle(fake_gpu)
+
+
+def test_a_mismatched_shape_is_refused(fake_gpu, fake_cuda, short_tmp):
+    """Ranks that ask for different shapes under one name: the later ones get a clear error naming both."""
+    program = ("import os\nfrom mpsrun import shared\nn = 10 if os.environ['RANK'] == '0' else 11\n"
+               "import time; time.sleep(0.2 * int(os.environ['RANK']))\n"
+               "shared.array('t', (n,), 'int64', data=list(range(n)))\ntime.sleep(1)\n")
+    out = subprocess.run(job_argv("local", ["--grace", "1"], [sys.executable, "-c", program], ranks=2),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "shared array 't' is (10,) int64 for rank 0, but (11,) int64 was asked for here" in out.stderr
+    settle(fake_gpu)
+
+
+def test_without_the_cuda_libraries_it_shares_host_memory_and_says_so(fake_gpu, short_tmp, monkeypatch):
+    """No CuPy: one line says so, the table is shared host memory, read-only where mapped."""
+    monkeypatch.setenv("REPORT_DIR", str(short_tmp))
+    out = subprocess.run(job_argv("local", [], [sys.executable, "-c", RANK], ranks=3), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "mpsrun.shared: cupy is not installed: sharing host memory as read-only NumPy arrays" in out.stderr
+    seen = reports(short_tmp)
+    assert all(r["sum"] == EXPECTED_SUM for r in seen.values())
+    assert sum(r["writable"] for r in seen.values()) <= 1  # only the filling rank's array is writable
+    settle(fake_gpu)
+
+
+def test_outside_a_job_it_is_a_clear_error(monkeypatch):
+    """Called where no mpsrun job or session is: one clear error, not a hang."""
+    from mpsrun import shared
+
+    monkeypatch.delenv("MPSRUN_SESSION_DIR", raising=False)
+    with pytest.raises(shared.SharedArrayError, match="MPSRUN_SESSION_DIR is not set"):
+        shared.array("t", 4, "float64")
+
+
+def pool_worker(_):
+    import numpy
+
+    from mpsrun import shared
+    table = shared.array("pool-table", (1000,), "float64", data=numpy.ones(1000))
+    return float(table.sum())
+
+
+def test_workers_of_mps_session_share_it(fake_gpu, fake_cuda, monkeypatch):
+    """The workers of an mps_session() spawn pool share one copy too, and the handles live in its directory."""
+    import multiprocessing
+
+    monkeypatch.syspath_prepend(str(FAKE_CUDA))  # spawn workers start with this process's sys.path
+
+    with mps_session(gpu=0) as session:
+        with multiprocessing.get_context("spawn").Pool(3) as pool:
+            assert pool.map(pool_worker, range(6)) == [1000.0] * 6
+        shared_dir = session.dirs.root / "shared"
+        assert stat.S_IMODE(shared_dir.stat().st_mode) == 0o700
+    assert len(allocations(fake_cuda)) == 1
+
+
+def test_handles_travel_only_through_a_private_directory(fake_gpu, fake_cuda, short_tmp):
+    """The socket and lock live in the session's 0700 directory: nothing world-readable, nothing outside it."""
+    program = ("import os, stat, sys, time\nfrom mpsrun import shared\nshared.array('t', 8, 'int64', data=range(8))\n"
+               "d = os.path.join(os.environ['MPSRUN_SESSION_DIR'], 'shared')\n"
+               "modes = {n: stat.S_IMODE(os.lstat(os.path.join(d, n)).st_mode) for n in os.listdir(d)}\n"
+               "modes['.'] = stat.S_IMODE(os.stat(d).st_mode)\nprint(modes)\ntime.sleep(0.5)\n")
+    out = subprocess.run(job_argv("local", [], [sys.executable, "-c", program], ranks=2), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for line in out.stdout.splitlines():
+        modes = eval(line)  # noqa: S307 - our own program's output
+        assert modes["."] == 0o700 and all(mode & 0o077 == 0 for mode in modes.values()), modes
+    settle(fake_gpu)
+
+
+# -- the handoff protocol itself, between real processes --------------------------------------------------
+
+SUBSCRIBER = """
+import os, sys, time
+from pathlib import Path
+from mpsrun.deadline import Deadline
+from mpsrun.handoff import join
+held = join(Path(sys.argv[1]), "k", Deadline(30))
+print(type(held).__name__, held.header["n"], flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_a_killed_subscriber_releases_its_hold(short_tmp):
+    """The publisher counts subscribers by their connections: a SIGKILLed one stops counting at once."""
+    publisher = join(short_tmp, "k", Deadline(5))
+    assert isinstance(publisher, Publisher)
+    region, fd, _ = HostMemory().allocate(16)
+    publisher.publish({"n": 16}, fd)
+    sub = subprocess.Popen([sys.executable, "-c", SUBSCRIBER, str(short_tmp), "60"], stdout=subprocess.PIPE,
+                           text=True)
+    try:
+        assert sub.stdout.readline().split()[:2] == ["Subscription", "16"]
+        assert publisher.subscribers == 1
+        sub.kill()
+        sub.wait()
+        assert publisher.wait_released(Deadline(5))
+    finally:
+        sub.kill()
+        publisher.close()
+        region.close()
+    assert sorted(p.name for p in short_tmp.iterdir()) == ["k.lock"]  # the socket went with the publisher
+
+
+def test_a_publisher_killed_before_it_was_ready_is_replaced(short_tmp):
+    """A publisher dies (SIGKILL) before publishing: a waiting subscriber takes the lock and publishes itself."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom pathlib import Path\n"
+                               "from mpsrun.deadline import Deadline\nfrom mpsrun.handoff import join\n"
+                               f"join(Path({str(short_tmp)!r}), 'k', Deadline(5))\nprint('locked', flush=True)\n"
+                               "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(HandoffError, match="not ready within 0.3 s"):
+            join(short_tmp, "k", Deadline(0.3))  # it holds the lock and never publishes
+        holder.kill()
+        holder.wait()
+        replacement = join(short_tmp, "k", Deadline(5))
+        assert isinstance(replacement, Publisher)
+        replacement.close()
+    finally:
+        holder.kill()
+
+
+def test_a_subscriber_takes_over_when_the_publisher_ends(short_tmp):
+    """The publisher ends while a subscriber holds the region: the subscriber publishes the same memory (its
+    descriptor), so a later caller maps that copy instead of filling another."""
+    memory = HostMemory()
+    publisher = join(short_tmp, "k", Deadline(5))
+    region, fd, _ = memory.allocate(16)
+    region.view((16,), "uint8")[:] = 7
+    publisher.publish({"n": 16}, fd)
+    first = join(short_tmp, "k", Deadline(5))
+    assert isinstance(first, Subscription)
+    took_over = []
+    first.watch(lambda: took_over.append(take_over(short_tmp, "k", first)))
+    publisher.close()
+    region.close()
+    deadline = time.monotonic() + 5
+    while not took_over:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert isinstance(took_over[0], Publisher)
+    later = join(short_tmp, "k", Deadline(5))
+    assert isinstance(later, Subscription) and later.header["n"] == 16
+    mapped = memory.attach(os.dup(later.fd), b"", 16)
+    assert mapped.view((16,), "uint8").tolist() == [7] * 16  # the first publisher's memory, not a new copy
+    later.release()
+    took_over[0].close()
+    first.release()
+
+
+def test_release_waits_for_the_others_and_says_when_it_gives_up(fake_gpu, fake_cuda, short_tmp):
+    """The filling rank's release() waits until the others have released the array; one that never does makes it
+    give up after the timeout with an error saying how many still use it."""
+    program = ("import os, time\nfrom mpsrun import shared\nrank = os.environ['RANK']\n"
+               "t = shared.array('t', 8, 'int64', data=range(8))\n"
+               "if type(shared._held['t'].holder).__name__ == 'Publisher':\n    time.sleep(0.5)\n"
+               "    try:\n        shared.release('t', timeout=1)\n    except shared.SharedArrayError as e:\n"
+               "        print('gave up:', e, flush=True)\nelse:\n    time.sleep(4)\n")
+    out = subprocess.run(job_argv("local", [], [sys.executable, "-c", program], ranks=2), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "gave up: shared array 't': 1 rank(s) still used it after 1 s" in out.stdout
+    settle(fake_gpu)
+
+
+def test_a_killed_job_leaves_no_shared_files(fake_gpu, fake_cuda, short_tmp, monkeypatch):
+    """mpsrun itself SIGKILLed while ranks hold a shared table: the reaper removes the directory with the
+    sockets and locks, and every rank ends."""
+    monkeypatch.setenv("HOLD", "30")
+    job = subprocess.Popen(job_argv("local", [], [sys.executable, "-c", RANK], ranks=2), stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while len(reports(short_tmp)) < 2:
+        assert time.monotonic() < deadline and job.poll() is None
+        time.sleep(0.05)
+    os.kill(job.pid, signal.SIGKILL)
+    job.wait()
+    settle(fake_gpu)
