@@ -131,6 +131,10 @@ def _share(name: str, shape: tuple[int, ...], dtype: Any, init: Callable[[Any], 
     directory = _directory()
     key = f"{memory.device_key()}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
     nbytes = math.prod(shape) * dtype.itemsize
+    if memory.max_bytes is not None and nbytes > memory.max_bytes:
+        raise SharedArrayError(f"shared array {name!r} would be {nbytes / (1 << 30):.1f} GiB; one shared array "
+                               f"holds at most {memory.max_bytes >> 30} GiB (this CUDA driver crashes importing "
+                               "larger ones): split it into several arrays", name=name)
     try:
         holder = join(directory, key, deadline)
     except HandoffError as exc:
@@ -173,7 +177,7 @@ def _publish(name: str, shape: tuple[int, ...], dtype: Any, memory: Memory, publ
             held.array[...] = data
         else:
             held.array[...] = 0
-        memory.synchronize()
+        memory.settle()
     except BaseException as exc:
         publisher.fail(f"rank {rank} could not fill it: {exc!r}")
         publisher.close()

@@ -333,3 +333,15 @@ def test_a_killed_job_leaves_no_shared_files(fake_gpu, fake_cuda, short_tmp, mon
     os.kill(job.pid, signal.SIGKILL)
     job.wait()
     settle(fake_gpu)
+
+
+def test_an_array_larger_than_one_shared_region_holds_is_refused(fake_gpu, fake_cuda, short_tmp):
+    """Over 4 GiB in one shared array (the CUDA driver measured crashing on importing one over about 6 GiB): a
+    clear error before anything is allocated, saying to split it."""
+    program = "from mpsrun import shared\nshared.array('huge', (5 << 30,), 'uint8')\n"
+    out = subprocess.run(job_argv("local", [], [sys.executable, "-c", program], ranks=1), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1
+    assert "shared array 'huge' would be 5.0 GiB; one shared array holds at most 4 GiB" in out.stderr
+    assert allocations(fake_cuda) == []
+    settle(fake_gpu)

@@ -11,6 +11,11 @@ import numpy
 from numpy import asarray, float32, float64, int32, int64, ndarray, uint8  # noqa: F401 - CuPy's names
 
 cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0))
+_pool = types.SimpleNamespace(free_all_blocks=lambda: None)
+
+
+def get_default_memory_pool() -> types.SimpleNamespace:
+    return _pool
 
 
 def from_dlpack(buffer: object) -> numpy.ndarray:
