@@ -24,6 +24,7 @@ if os.environ["WAY"] == "shared":
     table = shared.array("gpu-table", (n,), "float32", init=fill)
 else:
     table = cupy.arange(n, dtype=cupy.float32)
+assert cupy.from_dlpack(table).data.ptr == table.__cuda_array_interface__["data"][0] == table.data.ptr  # zero-copy
 sample = table[:: max(1, n // 4096)]
 checksum = float(cupy.sum(sample.astype(cupy.float64)))
 role = type(shared._held["gpu-table"].holder).__name__ if os.environ["WAY"] == "shared" else "own"
