@@ -63,6 +63,12 @@ def reports(directory):
     return {int(p.stem): json.loads(p.read_text()) for p in Path(directory).glob("*.json")}
 
 
+def run(program, ranks=3, options=(), path="local"):
+    """``program`` (Python source) as the ranks of a job on ``path``."""
+    return subprocess.run(job_argv(path, list(options), [sys.executable, "-c", program], ranks=ranks),
+                          capture_output=True, text=True, timeout=120)
+
+
 def allocations(log):
     return [line.split() for line in log.read_text().splitlines()] if log.exists() else []
 
@@ -81,8 +87,7 @@ def fake_cuda(monkeypatch, short_tmp):
 def test_every_rank_on_a_gpu_reads_one_copy(fake_gpu, fake_cuda, short_tmp, path):
     """On every path, one rank per GPU allocates and fills the table and the others map that one copy: the same
     data in every rank, one allocation of its size on the GPU."""
-    out = subprocess.run(job_argv(path, [], [sys.executable, "-c", RANK], ranks=4), capture_output=True, text=True,
-                         timeout=120)
+    out = run(RANK, ranks=4, path=path)
     assert out.returncode == 0, out.stderr
     seen = reports(short_tmp)
     assert sorted(seen) == [0, 1, 2, 3]
@@ -94,8 +99,7 @@ def test_every_rank_on_a_gpu_reads_one_copy(fake_gpu, fake_cuda, short_tmp, path
 @pytest.mark.parametrize("fake_gpu", [2], indirect=True)
 def test_each_gpu_has_its_own_copy(fake_gpu, fake_cuda, short_tmp):
     """Ranks on two GPUs: one copy per GPU, each filled once, every rank reading the same data."""
-    out = subprocess.run(job_argv("local", [], [sys.executable, "-c", RANK], ranks=4), capture_output=True, text=True,
-                         timeout=120)
+    out = run(RANK, ranks=4)
     assert out.returncode == 0, out.stderr
     assert all(r["sum"] == EXPECTED_SUM for r in reports(short_tmp).values())
     assert sorted(device for _, _, device in allocations(fake_cuda)) == sorted(fake_gpu.uuids)
@@ -105,8 +109,7 @@ def test_each_gpu_has_its_own_copy(fake_gpu, fake_cuda, short_tmp):
 def test_ranks_wait_for_the_filling_rank(fake_gpu, fake_cuda, short_tmp, monkeypatch):
     """A slow fill: the other ranks wait for it (no copy of their own), then read what it filled."""
     monkeypatch.setenv("FILL_WAIT", "1.5")
-    out = subprocess.run(job_argv("local", [], [sys.executable, "-c", RANK], ranks=3), capture_output=True, text=True,
-                         timeout=120)
+    out = run(RANK, ranks=3)
     assert out.returncode == 0, out.stderr
     seen = reports(short_tmp)
     assert all(r["sum"] == EXPECTED_SUM for r in seen.values()) and len(allocations(fake_cuda)) == 1
@@ -118,8 +121,7 @@ def test_the_wait_has_a_deadline_and_a_clear_error(fake_gpu, fake_cuda, short_tm
     """A fill slower than the others' deadline: they fail with one line saying what they waited for."""
     monkeypatch.setenv("FILL_WAIT", "5")
     monkeypatch.setenv("WAIT", "0.5")
-    out = subprocess.run(job_argv("local", ["--grace", "1"], [sys.executable, "-c", RANK], ranks=3),
-                         capture_output=True, text=True, timeout=120)
+    out = run(RANK, ranks=3, options=["--grace", "1"])
     assert out.returncode == 5, out.stderr
     assert "SharedArrayError: shared array 'xs-table': the region was not ready within 0.5 s" in out.stderr
     settle(fake_gpu)
@@ -130,8 +132,7 @@ def test_a_failed_fill_is_every_ranks_error(fake_gpu, fake_cuda, short_tmp, monk
     monkeypatch.setenv("FILL_FAILS", "1")
     monkeypatch.setenv("FILL_WAIT", "0.5")
     monkeypatch.setenv("LINGER", "2")
-    out = subprocess.run(job_argv("local", ["--grace", "1"], [sys.executable, "-c", RANK], ranks=3),
-                         capture_output=True, text=True, timeout=120)
+    out = run(RANK, ranks=3, options=["--grace", "1"])
     assert out.returncode == 5, out.stderr
     seen = {rank: r["error"] for rank, r in reports(short_tmp).items()}
     filler = [rank for rank, error in seen.items() if error == "no such table"]  # its own error
@@ -148,8 +149,7 @@ def test_a_sigkilled_rank_leaves_nothing(fake_gpu, fake_cuda, short_tmp, monkeyp
     process, socket, lock or directory (the session directory holds them all)."""
     monkeypatch.setenv("KILL_RANK", str(killed))
     monkeypatch.setenv("HOLD", "10")
-    out = subprocess.run(job_argv(path, ["--grace", "1"], [sys.executable, "-c", RANK], ranks=3),
-                         capture_output=True, text=True, timeout=120)
+    out = run(RANK, ranks=3, options=["--grace", "1"], path=path)
     assert out.returncode == 137, out.stderr
     settle(fake_gpu)
 
@@ -159,8 +159,7 @@ def test_a_mismatched_shape_is_refused(fake_gpu, fake_cuda, short_tmp):
     program = ("import os\nfrom mpsrun import shared\nn = 10 if os.environ['RANK'] == '0' else 11\n"
                "import time; time.sleep(0.2 * int(os.environ['RANK']))\n"
                "shared.array('t', (n,), 'int64', data=list(range(n)))\ntime.sleep(1)\n")
-    out = subprocess.run(job_argv("local", ["--grace", "1"], [sys.executable, "-c", program], ranks=2),
-                         capture_output=True, text=True, timeout=120)
+    out = run(program, ranks=2, options=["--grace", "1"])
     assert out.returncode == 1
     assert "shared array 't' is (10,) int64 for rank 0, but (11,) int64 was asked for here" in out.stderr
     settle(fake_gpu)
@@ -169,8 +168,7 @@ def test_a_mismatched_shape_is_refused(fake_gpu, fake_cuda, short_tmp):
 def test_without_the_cuda_libraries_it_shares_host_memory_and_says_so(fake_gpu, short_tmp, monkeypatch):
     """No CuPy: one line says so, the table is shared host memory, read-only where mapped."""
     monkeypatch.setenv("REPORT_DIR", str(short_tmp))
-    out = subprocess.run(job_argv("local", [], [sys.executable, "-c", RANK], ranks=3), capture_output=True, text=True,
-                         timeout=120)
+    out = run(RANK, ranks=3)
     assert out.returncode == 0, out.stderr
     assert "mpsrun.shared: cupy is not installed: sharing host memory as read-only NumPy arrays" in out.stderr
     seen = reports(short_tmp)
@@ -216,8 +214,7 @@ def test_handles_travel_only_through_a_private_directory(fake_gpu, fake_cuda, sh
                "d = os.path.join(os.environ['MPSRUN_SESSION_DIR'], 'shared')\n"
                "modes = {n: stat.S_IMODE(os.lstat(os.path.join(d, n)).st_mode) for n in os.listdir(d)}\n"
                "modes['.'] = stat.S_IMODE(os.stat(d).st_mode)\nprint(modes)\ntime.sleep(0.5)\n")
-    out = subprocess.run(job_argv("local", [], [sys.executable, "-c", program], ranks=2), capture_output=True,
-                         text=True, timeout=120)
+    out = run(program, ranks=2)
     assert out.returncode == 0, out.stderr
     for line in out.stdout.splitlines():
         modes = eval(line)  # noqa: S307 - our own program's output
@@ -314,8 +311,7 @@ def test_release_waits_for_the_others_and_says_when_it_gives_up(fake_gpu, fake_c
                "if type(shared._held['t'].holder).__name__ == 'Publisher':\n    time.sleep(0.5)\n"
                "    try:\n        shared.release('t', timeout=1)\n    except shared.SharedArrayError as e:\n"
                "        print('gave up:', e, flush=True)\nelse:\n    time.sleep(4)\n")
-    out = subprocess.run(job_argv("local", [], [sys.executable, "-c", program], ranks=2), capture_output=True,
-                         text=True, timeout=120)
+    out = run(program, ranks=2)
     assert out.returncode == 0, out.stderr
     assert "gave up: shared array 't': 1 rank(s) still used it after 1 s" in out.stdout
     settle(fake_gpu)
@@ -339,8 +335,7 @@ def test_an_array_larger_than_one_shared_region_holds_is_refused(fake_gpu, fake_
     """Over 4 GiB in one shared array (the CUDA driver measured crashing on importing one over about 6 GiB): a
     clear error before anything is allocated, saying to split it."""
     program = "from mpsrun import shared\nshared.array('huge', (5 << 30,), 'uint8')\n"
-    out = subprocess.run(job_argv("local", [], [sys.executable, "-c", program], ranks=1), capture_output=True,
-                         text=True, timeout=120)
+    out = run(program, ranks=1)
     assert out.returncode == 1
     assert "shared array 'huge' would be 5.0 GiB; one shared array holds at most 4 GiB" in out.stderr
     assert allocations(fake_cuda) == []
