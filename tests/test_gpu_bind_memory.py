@@ -16,14 +16,15 @@ pytestmark = pytest.mark.gpu
 #: A rank that picks its own device (local_rank, or local_rank % 2), computes on it, and records what it saw:
 #: how many devices, the chosen device's UUID, and whether NVML lists this process as an MPS client there.
 CHOOSER = (
-    "import json, os, sys, time, uuid, cupy\n"
+    "import json, os, sys, time, cupy\n"
     "from mpsrun.gpus import compute_processes\n"
     "local = int(os.environ['LOCAL_RANK'])\n"
     "device = local % int(sys.argv[1]) if len(sys.argv) > 1 else local\n"
     "cupy.cuda.Device(device).use()\n"
     "x = cupy.ones(1 << 20); x = (x * 2).sum(); cupy.cuda.Device().synchronize()\n"
-    "props = cupy.cuda.runtime.getDeviceProperties(device)\n"
-    "gpu = 'GPU-' + str(uuid.UUID(bytes=bytes(props['uuid'])))\n"
+    "import pynvml\npynvml.nvmlInit()\n"  # the device's UUID by its PCI bus id (CuPy 14 changed its properties' uuid)
+    "gpu = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByPciBusId(cupy.cuda.Device(device).pci_bus_id))\n"
+    "gpu = gpu.decode() if isinstance(gpu, bytes) else gpu\n"
     "time.sleep(0.5)\n"
     "seen = compute_processes(gpu)\n"
     "record = {'devices': cupy.cuda.runtime.getDeviceCount(), 'device': device, 'uuid': gpu,\n"

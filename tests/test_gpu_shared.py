@@ -46,15 +46,16 @@ def used_mib():
         pynvml.nvmlShutdown()
 
 
-def job(tmp_path, ranks, way, elements, kill_rank=None):
-    """Run the ranks until they all hold the table; the reports, the device memory then, and the exit code."""
+def job(tmp_path, ranks, way, elements, kill_rank=None, gpus="0"):
+    """Run the ranks on GPU 0 until they all hold the table; the reports, the device memory then, the exit code.
+    (Ranks on several GPUs get one copy per GPU: tests/test_shared.py checks that with two fake GPUs.)"""
     sync = tmp_path / f"{way}-{ranks}-{kill_rank}"
     sync.mkdir()
     env = {**os.environ, "SYNC": str(sync), "WAY": way, "ELEMENTS": str(elements)}
     if kill_rank is not None:
         env["KILL_RANK"] = str(kill_rank)
-    proc = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", str(ranks), "--launcher", "local", "--grace",
-                             "2", sys.executable, "-c", RANK], env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", str(ranks), "--gpus", gpus, "--launcher", "local",
+                             "--grace", "2", sys.executable, "-c", RANK], env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while len(list(sync.glob("*.json"))) < ranks and proc.poll() is None:
         assert time.monotonic() < deadline, "the ranks did not get the table"
@@ -148,7 +149,23 @@ print("ok" if bool((table == expected).all()) else "changed", flush=True)
 def test_the_memory_outlives_the_rank_that_filled_it():
     """Under MPS, the rank that filled the table exits while another still maps it: the other reads the same data
     3 s later (the driver counts the mappings; the first process's exit does not free the memory)."""
-    out = subprocess.run([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "local", sys.executable, "-c",
-                          OUTLIVES], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "mpsrun", "-np", "2", "--gpus", "0", "--launcher", "local",
+                          sys.executable, "-c", OUTLIVES], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["ok"], out.stdout
+
+
+def test_each_gpu_gets_one_copy(tmp_path):
+    """4 ranks over two GPUs: one rank per GPU fills the table, the other on that GPU maps it; all read the same."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        if pynvml.nvmlDeviceGetCount() < 2:
+            pytest.skip("needs two GPUs")
+    finally:
+        pynvml.nvmlShutdown()
+    reports, _, code, err = job(tmp_path, 4, "shared", 64 * MIB // 4, gpus="0,1")
+    assert code == 0, err
+    assert sorted(r["role"] for r in reports) == ["Publisher", "Publisher", "Subscription", "Subscription"]
+    assert len({r["checksum"] for r in reports}) == 1
