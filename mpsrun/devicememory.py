@@ -26,7 +26,7 @@ __all__ = ["CudaMemory", "HostMemory", "Memory", "Region", "memory_for_this_proc
 class Region(Protocol):
     """An allocation (exported) or a mapping of one (attached)."""
 
-    def view(self, shape: tuple[int, ...], dtype: Any) -> Any: ...
+    def view(self, shape: tuple[int, ...], dtype: Any, writable: bool = True) -> Any: ...
 
     def close(self) -> None: ...
 
@@ -35,7 +35,7 @@ class Memory(Protocol):
     kind: str  # "cuda" or "host"
     max_bytes: int | None  # the largest region that can be shared, where there is a limit
 
-    def device_key(self) -> str: ...
+    def device_key(self) -> str: ...  # eight characters naming the device (socket paths are short)
 
     def allocate(self, nbytes: int) -> tuple[Region, int, bytes]: ...
 
@@ -49,8 +49,9 @@ class _CudaRegion:
         self.buffer, self.resource, self.cupy = buffer, resource, cupy
         self.handle = handle  # an exported pool's descriptor lives as long as this object
 
-    def view(self, shape: tuple[int, ...], dtype: Any) -> Any:
-        # Zero-copy: DLPack hands CuPy the buffer's memory (bytes), viewed as the array asked for.
+    def view(self, shape: tuple[int, ...], dtype: Any, writable: bool = True) -> Any:
+        # Zero-copy: DLPack hands CuPy the buffer's memory (bytes), viewed as the array asked for. CuPy has no
+        # read-only arrays: ``writable`` cannot be honoured here.
         return self.cupy.from_dlpack(self.buffer).view(self.cupy.uint8).view(dtype).reshape(shape)
 
     def close(self) -> None:
@@ -75,7 +76,7 @@ class CudaMemory:
         self.device.set_current()
 
     def device_key(self) -> str:
-        return "gpu-" + hashlib.sha256(str(self.device.uuid).encode()).hexdigest()[:8]
+        return hashlib.sha256(str(self.device.uuid).encode()).hexdigest()[:8]
 
     def allocate(self, nbytes: int) -> tuple[Region, int, bytes]:
         granule = 2 << 20  # pools grow in 2 MiB steps
@@ -108,11 +109,11 @@ class _HostRegion:
     def __init__(self, mapping: mmap.mmap, writable: bool, fd: int | None = None) -> None:
         self.mapping, self.writable, self.fd = mapping, writable, fd
 
-    def view(self, shape: tuple[int, ...], dtype: Any) -> Any:
+    def view(self, shape: tuple[int, ...], dtype: Any, writable: bool = True) -> Any:
         import numpy
 
         array = numpy.frombuffer(self.mapping, dtype=dtype, count=int(numpy.prod(shape))).reshape(shape)
-        array.flags.writeable = self.writable
+        array.flags.writeable = self.writable and writable
         return array
 
     def close(self) -> None:
@@ -130,7 +131,7 @@ class HostMemory:
     max_bytes: int | None = None
 
     def device_key(self) -> str:
-        return "host"
+        return "hostmemo"  # eight characters, as a GPU's key
 
     def allocate(self, nbytes: int) -> tuple[Region, int, bytes]:
         fd = os.memfd_create("mpsrun-shared", os.MFD_CLOEXEC)

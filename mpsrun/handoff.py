@@ -20,6 +20,7 @@ import selectors
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,19 @@ from mpsrun.deadline import Deadline, backoff
 __all__ = ["HandoffError", "Publisher", "Subscription", "join", "take_over"]
 
 MESSAGE_MAX = 1 << 16
+TAKE_OVER_WAIT = 2.0  # a killed publisher's process may still hold the lock a moment after its sockets close
+_open: weakref.WeakSet[Publisher | Subscription] = weakref.WeakSet()  # to let go of in a forked child
+
+
+def _seconds(deadline: Deadline) -> float | None:
+    """A socket timeout for ``deadline``: none without one; a ready publisher's answer is awaited at least 0.1 s."""
+    return None if deadline.seconds is None else min(max(deadline.remaining(), 0.1), 1e6)
+
+
+def _let_go_in_child() -> None:
+    """A forked child holds copies of our lock (a flock held through it outlives us) and sockets: drop them."""
+    for holder in list(_open):
+        holder.forget()
 
 
 class HandoffError(Exception):
@@ -53,6 +67,15 @@ class Publisher:
         self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._serve, name=f"mpsrun-share-{path.name}", daemon=True)
         self._thread.start()
+        _open.add(self)
+
+    def forget(self) -> None:
+        """In a forked child: close our copies of the lock and the sockets (the parent keeps serving)."""
+        for fd in (self.lock_fd, self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        for conn in [*self._waiting, *self._subscribers, self.listener]:
+            conn.close()
 
     def publish(self, header: dict[str, Any], fd: int) -> None:
         """The region is ready: answer everyone waiting, and everyone who comes."""
@@ -147,6 +170,14 @@ class Subscription:
     def __init__(self, conn: socket.socket, header: dict[str, Any], fd: int) -> None:
         self.conn, self.header, self.fd = conn, header, fd
         self.released = False
+        _open.add(self)
+
+    def forget(self) -> None:
+        """In a forked child: close our copies (the hold stays the parent's)."""
+        self.released = True
+        self.conn.close()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
 
     def watch(self, orphaned: Callable[[], None]) -> None:
         """Call ``orphaned`` (in a thread) if the publisher ends while we still hold the region."""
@@ -182,7 +213,7 @@ def _subscribe(path: Path, deadline: Deadline) -> Subscription | None:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         conn.connect(str(path))
-        conn.settimeout(max(deadline.remaining(), 0.001))
+        conn.settimeout(_seconds(deadline))
         data, fds, _, _ = socket.recv_fds(conn, MESSAGE_MAX, 1)
     except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError):
         conn.close()
@@ -203,13 +234,31 @@ def _subscribe(path: Path, deadline: Deadline) -> Subscription | None:
 
 def take_over(directory: Path, key: str, subscription: Subscription) -> Publisher | None:
     """Publish, for later callers, a region we hold whose publisher has ended: the memory lives while anyone maps
-    it, so they get the same copy. None if another process holds the lock (it took over, or publishes anew)."""
-    lock_fd = _lock(directory / f"{key}.lock")
-    if lock_fd is None:
-        return None
-    publisher = Publisher(lock_fd, directory / f"{key}.sock")
-    publisher.publish({k: v for k, v in subscription.header.items() if k != "ok"}, subscription.fd)
-    return publisher
+    it, so they get the same copy. None if another process serves the name by then (it took over, or publishes
+    anew), or we let go of ours meanwhile."""
+    deadline = Deadline(TAKE_OVER_WAIT)
+    for pause in backoff(cap=0.05):
+        lock_fd = _lock(directory / f"{key}.lock")
+        if lock_fd is not None:
+            publisher = Publisher(lock_fd, directory / f"{key}.sock")
+            publisher.publish({k: v for k, v in subscription.header.items() if k != "ok"}, subscription.fd)
+            return publisher
+        if subscription.released or deadline.expired() or _serving(directory / f"{key}.sock"):
+            return None
+        time.sleep(pause)
+    raise AssertionError("unreachable")  # pragma: no cover - backoff() never ends
+
+
+def _serving(path: Path) -> bool:
+    """Whether a live publisher listens at ``path`` (a dead one's socket refuses)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
 
 
 def join(directory: Path, key: str, deadline: Deadline) -> Publisher | Subscription:
@@ -226,3 +275,6 @@ def join(directory: Path, key: str, deadline: Deadline) -> Publisher | Subscript
             raise HandoffError(f"no process published it within {deadline.seconds:g} s")
         time.sleep(min(pause, deadline.remaining()))
     raise AssertionError("unreachable")  # pragma: no cover - backoff() never ends
+
+
+os.register_at_fork(after_in_child=_let_go_in_child)

@@ -29,8 +29,10 @@ from __future__ import annotations
 import atexit
 import base64
 import hashlib
+import json
 import logging
 import math
+import operator
 import os
 import re
 import threading
@@ -42,6 +44,7 @@ from mpsrun.deadline import Deadline
 from mpsrun.devicememory import Memory, Region, memory_for_this_process
 from mpsrun.errors import SharedArrayError
 from mpsrun.handoff import HandoffError, Publisher, Subscription, join, take_over
+from mpsrun.paths import SOCKET_PATH_MAX
 
 __all__ = ["DEFAULT_TIMEOUT", "SharedArrayError", "array", "release"]
 
@@ -60,7 +63,7 @@ class _Held:
         self.name, self.shape, self.dtype, self.region, self.holder = name, shape, dtype, region, holder
         self.key = key
         self.kept: Subscription | None = None
-        self.array = region.view(shape, dtype)
+        self.array = region.view(shape, dtype, writable=False)  # where the library allows a read-only view
 
     def let_go(self) -> None:
         """End our side of the handoff (never waiting) and keep nothing open."""
@@ -73,37 +76,65 @@ class _Held:
 
 
 _held: dict[str, _Held] = {}
-_guard = threading.Lock()
+_guard = threading.Lock()  # over _held only: never held while waiting
+_getting: dict[str, threading.Lock] = {}  # one per name: a second thread asking for it waits for the first
 _memory: tuple[Memory, str | None] | None = None
 
 
 def array(name: str, shape: int | Sequence[int], dtype: Any, *, init: Callable[[Any], object] | None = None,
-          data: Any = None, timeout: float = DEFAULT_TIMEOUT) -> Any:
+          data: Any = None, timeout: float | None = DEFAULT_TIMEOUT) -> Any:
     """The array ``name`` of this job on this process's GPU: filled once per GPU, shared by every caller there.
 
     Args:
         name: what the ranks call it (letters, digits, ``.``, ``_``, ``-``).
         shape, dtype: the array's; every caller must ask for the same.
-        init: called once per GPU, by the first caller, with the (writable) array to fill in place.
+        init: called with the (writable) array to fill in place, by the rank that fills it: the first caller
+            on the GPU (again only if every holder has ended, or the fill failed, before another rank asks).
         data: or an array (NumPy or CuPy) to copy in; with neither, the array is zeros.
-        timeout: seconds to wait for the filling rank.
+        timeout: seconds to wait for the filling rank (None: as long as it takes).
 
-    Raises :class:`SharedArrayError` outside an mpsrun job or ``mps_session()``, when the ranks ask for
-    different shapes, when the filling rank failed (with its reason), or after ``timeout``.
+    Raises :class:`SharedArrayError` outside an mpsrun job or ``mps_session()``, for a bad argument, when the
+    ranks ask for different shapes, when the filling rank failed (with its reason), or after ``timeout``.
     """
-    shape = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
+    shape, kind = _arguments(name, shape, dtype, init, data, timeout)
+    if math.prod(shape) == 0:  # nothing to share: an empty array of the kind the others get
+        return _empty(shape, kind)
+    with _guard:
+        getting = _getting.setdefault(name, threading.Lock())
+    with getting:
+        with _guard:
+            held = _held.get(name)
+        if held is None:
+            held = _share(name, shape, kind, init, data, Deadline(timeout))
+            with _guard:
+                _held[name] = held
+    _check(held.name, held.shape, _to_descr(held.dtype), shape, kind, "this process")
+    return held.array
+
+
+def _arguments(name: Any, shape: Any, dtype: Any, init: Any, data: Any, timeout: Any) -> tuple[tuple[int, ...], Any]:
+    """The shape as a tuple of ints and the NumPy dtype; SharedArrayError for what cannot be shared."""
     import numpy
 
-    kind = numpy.dtype(dtype)
-    if not _NAME.fullmatch(name) or any(n < 0 for n in shape) or (init is not None and data is not None):
-        raise SharedArrayError(f"shared array {name!r}: a name of letters, digits, '.', '_', '-', a shape of "
-                               "non-negative sizes, and init or data (not both)", name=name)
-    with _guard:
-        held = _held.get(name)
-        if held is None:
-            held = _held[name] = _share(name, shape, kind, init, data, Deadline(timeout))
-    _check(held.name, held.shape, held.dtype, shape, kind, "this process")
-    return held.array
+    def refuse(why: str) -> SharedArrayError:
+        return SharedArrayError(f"shared array {name!r}: {why}", name=str(name))
+
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise refuse("a name is up to 100 letters, digits, '.', '_' or '-'")
+    try:
+        dims = [shape] if numpy.ndim(shape) == 0 else list(shape)
+        sizes = tuple(_size(n) for n in dims)
+        kind = numpy.dtype(dtype)
+        total = math.prod(sizes) * kind.itemsize
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise refuse(f"a shape of whole sizes and a NumPy dtype ({exc})") from None
+    if any(n < 0 for n in sizes) or kind.hasobject or total >= 1 << 62:
+        raise refuse("non-negative sizes of a plain dtype (no Python objects), under 4 EiB")
+    if init is not None and data is not None:
+        raise refuse("init or data, not both")
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
+        raise refuse(f"timeout is seconds (>= 0) or None, not {timeout!r}")
+    return sizes, kind
 
 
 def release(name: str, timeout: float | None = None) -> None:
@@ -125,12 +156,22 @@ def release(name: str, timeout: float | None = None) -> None:
     held.let_go()
 
 
+def _size(n: Any) -> int:
+    if isinstance(n, bool):
+        raise TypeError(f"{n!r} is not a size")
+    return operator.index(n)  # ints and NumPy integers; never a float cut short
+
+
 def _share(name: str, shape: tuple[int, ...], dtype: Any, init: Callable[[Any], object] | None, data: Any,
            deadline: Deadline) -> _Held:
     memory = _this_memory()
     directory = _directory()
-    key = f"{memory.device_key()}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
+    # As short as a session's own MPS sockets, whose length was checked: 16 characters, then ".sock".
+    key = memory.device_key() + hashlib.sha256(name.encode()).hexdigest()[:8]
     nbytes = math.prod(shape) * dtype.itemsize
+    if len(str(directory / f"{key}.sock").encode()) > SOCKET_PATH_MAX:
+        raise SharedArrayError(f"shared array {name!r}: the session directory {directory.parent} is too long for a "
+                               "socket path; set MPSRUN_TMPDIR to a shorter directory", name=name)
     if memory.max_bytes is not None and nbytes > memory.max_bytes:
         raise SharedArrayError(f"shared array {name!r} would be {nbytes / (1 << 30):.1f} GiB; one shared array "
                                f"holds at most {memory.max_bytes >> 30} GiB (this CUDA driver crashes importing "
@@ -170,32 +211,56 @@ def _publish(name: str, shape: tuple[int, ...], dtype: Any, memory: Memory, publ
     region: Region | None = None
     try:
         region, fd, descriptor = memory.allocate(nbytes)
-        held = _Held(name, shape, dtype, region, publisher)
+        out = region.view(shape, dtype)  # writable: for the fill only
         if init is not None:
-            init(held.array)
+            init(out)
         elif data is not None:
-            held.array[...] = data
+            out[...] = data
         else:
-            held.array[...] = 0
+            out[...] = 0
         memory.settle()
+        del out
+        held = _Held(name, shape, dtype, region, publisher)
     except BaseException as exc:
         publisher.fail(f"rank {rank} could not fill it: {exc!r}")
         publisher.close()
         if region is not None:
             region.close()
         raise
-    publisher.publish({"shape": list(shape), "dtype": dtype.str, "nbytes": nbytes, "rank": rank,
+    publisher.publish({"shape": list(shape), "dtype": _to_descr(dtype), "nbytes": nbytes, "rank": rank,
                        "descriptor": base64.b64encode(descriptor).decode()}, fd)
     return held
 
 
-def _check(name: str, shape: tuple[int, ...], dtype: Any, wanted: tuple[int, ...], wanted_dtype: Any,
-           who: str) -> None:
+def _to_descr(dtype: Any) -> Any:
+    """A dtype as JSON (structure and byte order kept: ``numpy.lib.format``'s description), as the header has it."""
+    from numpy.lib import format as npy
+
+    return json.loads(json.dumps(npy.dtype_to_descr(dtype)))
+
+
+def _empty(shape: tuple[int, ...], dtype: Any) -> Any:
+    if _this_memory().kind == "cuda":
+        import cupy
+
+        return cupy.empty(shape, dtype)
     import numpy
 
-    if tuple(shape) != wanted or numpy.dtype(dtype) != numpy.dtype(wanted_dtype):
-        raise SharedArrayError(f"shared array {name!r} is {tuple(shape)} {numpy.dtype(dtype)} for {who}, but "
-                               f"{wanted} {numpy.dtype(wanted_dtype)} was asked for here", name=name)
+    return numpy.empty(shape, dtype)
+
+
+def _check(name: str, shape: tuple[int, ...], descr: Any, wanted: tuple[int, ...], wanted_dtype: Any,
+           who: str) -> None:
+    """``descr``: the dtype as :func:`_to_descr` gives it (so structured dtypes compare whole)."""
+    if tuple(shape) != wanted or descr != _to_descr(wanted_dtype):
+        raise SharedArrayError(f"shared array {name!r} is {tuple(shape)} {_readable(descr)} for {who}, but "
+                               f"{wanted} {_readable(_to_descr(wanted_dtype))} was asked for here", name=name)
+
+
+def _readable(descr: Any) -> str:
+    import numpy
+
+    return str(numpy.dtype(descr)) if isinstance(descr, str) else str(descr)
 
 
 def _this_memory() -> Memory:
@@ -212,13 +277,24 @@ def _directory() -> Path:
     session = os.environ.get("MPSRUN_SESSION_DIR")
     if not session:
         raise SharedArrayError("mpsrun.shared works in the ranks of an mpsrun job or the workers of an "
-                               "mps_session() (MPSRUN_SESSION_DIR is not set)")
+                               "mps_session() that runs MPS (MPSRUN_SESSION_DIR is not set)")
     directory = Path(session) / "shared"
     directory.mkdir(mode=0o700, exist_ok=True)  # the umask can only make it stricter
     info = directory.lstat()
     if not directory.is_dir() or directory.is_symlink() or info.st_uid != os.getuid() or info.st_mode & 0o077:
         raise SharedArrayError(f"{directory} is not a private directory of this user")
     return directory
+
+
+def _forget_in_child() -> None:
+    """A forked child holds none of our arrays (CUDA contexts do not survive a fork) and none of our locks."""
+    global _guard
+    _guard = threading.Lock()
+    _held.clear()
+    _getting.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 @atexit.register

@@ -173,7 +173,7 @@ def test_without_the_cuda_libraries_it_shares_host_memory_and_says_so(fake_gpu, 
     assert "mpsrun.shared: cupy is not installed: sharing host memory as read-only NumPy arrays" in out.stderr
     seen = reports(short_tmp)
     assert all(r["sum"] == EXPECTED_SUM for r in seen.values())
-    assert sum(r["writable"] for r in seen.values()) <= 1  # only the filling rank's array is writable
+    assert not any(r["writable"] for r in seen.values())  # read-only everywhere, the filling rank's view too
     settle(fake_gpu)
 
 
@@ -340,3 +340,120 @@ def test_an_array_larger_than_one_shared_region_holds_is_refused(fake_gpu, fake_
     assert "shared array 'huge' would be 5.0 GiB; one shared array holds at most 4 GiB" in out.stderr
     assert allocations(fake_cuda) == []
     settle(fake_gpu)
+
+
+NESTED = """
+import os, time
+import numpy
+from mpsrun import shared
+def init(out):
+    base = shared.array("base", (10,), "float32", data=numpy.ones(10, "float32"), timeout=20)
+    out[...] = base.sum()
+derived = shared.array("derived", (10,), "float32", init=init, timeout=20)
+structured = shared.array("st", 3, [("a", "i4"), ("b", [("x", "f4"), ("y", "u1", (2,))])], timeout=20)
+ready = shared.array("derived", numpy.int64(10), "float32", timeout=0)  # filled already: no wait needed
+print(float(derived.sum()), ready is derived, structured.dtype.names, flush=True)
+time.sleep(1)
+"""
+
+
+def test_init_may_share_other_arrays_and_dtypes_keep_their_structure(fake_gpu, short_tmp):
+    """An init that itself uses another shared array works (each name waits on its own); structured dtypes and
+    NumPy integer shapes are accepted alike by every rank; timeout=0 finds an array that is already filled."""
+    out = run(NESTED, ranks=3)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:3] == ["100.0 True ('a', 'b')"] * 3, out.stdout
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize(("shape", "dtype", "why"), [
+    ((2.7,), "f4", "a shape of whole sizes"), (True, "f4", "a shape of whole sizes"),
+    ((-1,), "f4", "non-negative sizes"), ((4,), object, "no Python objects"), ((1 << 62,), "f8", "under 4 EiB")])
+def test_bad_arguments_are_refused_before_anything(monkeypatch, short_tmp, shape, dtype, why):
+    """Shapes that are not whole non-negative sizes, object dtypes and absurd sizes: a SharedArrayError at once."""
+    from mpsrun import shared
+
+    monkeypatch.setenv("MPSRUN_SESSION_DIR", str(short_tmp))
+    with pytest.raises(shared.SharedArrayError, match=why):
+        shared.array("t", shape, dtype)
+
+
+def test_an_empty_array_needs_no_sharing(monkeypatch, short_tmp):
+    """A zero-size array is an empty array of the same kind; nothing is allocated or published."""
+    from mpsrun import shared
+
+    monkeypatch.setenv("MPSRUN_SESSION_DIR", str(short_tmp))
+    empty = shared.array("t", (0, 7), "f8")
+    assert empty.shape == (0, 7) and not (short_tmp / "shared").exists()
+
+
+def test_a_session_directory_too_long_for_a_socket_is_a_clear_error(monkeypatch, short_tmp):
+    """A session directory whose socket path would pass the kernel's 107 bytes: an error saying what to do."""
+    from mpsrun import shared
+
+    deep = short_tmp / ("d" * 90)
+    deep.mkdir(mode=0o700)
+    monkeypatch.setenv("MPSRUN_SESSION_DIR", str(deep))
+    with pytest.raises(shared.SharedArrayError, match="too long for a socket path; set MPSRUN_TMPDIR"):
+        shared.array("t", 4, "f8", timeout=1)
+
+
+PUBLISHER = """
+import sys, time
+from pathlib import Path
+from mpsrun.deadline import Deadline
+from mpsrun.devicememory import HostMemory
+from mpsrun.handoff import join
+publisher = join(Path(sys.argv[1]), "k", Deadline(5))
+region, fd, _ = HostMemory().allocate(16)
+region.view((16,), "uint8")[:] = 9
+publisher.publish({"n": 16}, fd)
+print("published", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_subscriber_takes_over_from_a_sigkilled_publisher(short_tmp):
+    """The publishing process is SIGKILLed while we hold its region: we publish the same memory (its lock may
+    outlive its sockets for a moment: the take-over waits for it), and a later caller maps that copy."""
+    process = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(short_tmp)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "published"
+        held = join(short_tmp, "k", Deadline(5))
+        assert isinstance(held, Subscription)
+        took_over = []
+        held.watch(lambda: took_over.append(take_over(short_tmp, "k", held)))
+        process.kill()
+        process.wait()
+        deadline = time.monotonic() + 10
+        while not took_over:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert isinstance(took_over[0], Publisher)
+        later = join(short_tmp, "k", Deadline(5))
+        assert isinstance(later, Subscription)
+        assert HostMemory().attach(os.dup(later.fd), b"", 16).view((16,), "uint8").tolist() == [9] * 16
+        later.release()
+        took_over[0].close()
+        held.release()
+    finally:
+        process.kill()
+
+
+def test_a_forked_child_does_not_keep_the_lock(short_tmp):
+    """A publisher's process forks (a fork-started pool, a DataLoader) and then stops publishing: the child's copy
+    of the lock does not keep others from publishing."""
+    publisher = join(short_tmp, "k", Deadline(5))
+    assert isinstance(publisher, Publisher)
+    child = os.fork()
+    if child == 0:
+        time.sleep(5)
+        os._exit(0)
+    try:
+        publisher.close()
+        again = join(short_tmp, "k", Deadline(2))
+        assert isinstance(again, Publisher)
+        again.close()
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
