@@ -180,7 +180,10 @@ def main() -> int:
     parser.add_argument("--only", choices=("trivial", "real"))
     parser.add_argument("--launches", type=int, default=200)
     args = parser.parse_args()
-    # Bytecode as an installed package has it (pip compiles on install); a source tree may not have it yet.
+    # Bytecode as installed packages have it (pip compiles on install): a source tree may not have it yet, and a
+    # machine may forbid writing it (PYTHONDONTWRITEBYTECODE; the GPU machine does), which would make every
+    # process compile its imports again. The warm-up round writes what is missing.
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "mpsrun")], check=True,
                    stdout=subprocess.DEVNULL)
     rng = random.Random(args.seed)  # noqa: S311 - a reproducible order, not a secret

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything we check on the GPU test machine, in one run (logs under $OUT).
 # Usage there: OUT=/some/dir bash tools/gpu_check.sh [tier|examples|bench|study] [pytest -k expression]
-# With no argument: the GPU tier, the examples, then the benchmarks of the thread percentage and of
-# frameworks under --mem-limit auto. Wheels carried in .whl/ are installed first.
+# With no argument: the GPU tier, the examples, then the benchmarks (thread percentage, frameworks under
+# --mem-limit auto, start-up overhead, shared arrays). Wheels carried in .whl/ are installed first.
 set -u -o pipefail
 OUT=${OUT:-/tmp/mpsrun-gpu-check}
 mkdir -p "$OUT"
@@ -35,6 +35,7 @@ if [ "$what" = all ] || [ "$what" = examples ]; then
     echo "== per-rank limits"; python3 -m mpsrun -np 2 -v --thread-percentage 25,75 python3 examples/per_rank_limits.py
     echo "rc=$?"
     echo "== examples/pool.py"; python3 examples/pool.py; echo "rc=$?"
+    echo "== examples/shared_table.py, 8 ranks"; python3 -m mpsrun -np 8 -v python3 examples/shared_table.py; echo "rc=$?"
     echo "== --gpu-bind none, 2 ranks on Device(local_rank)"
     python3 -m mpsrun -np 2 -v --gpu-bind none python3 -c \
       "import os, cupy; d = int(os.environ['LOCAL_RANK']) % cupy.cuda.runtime.getDeviceCount(); cupy.cuda.Device(d).use(); print('rank', os.environ['RANK'], 'on device', d, 'of', cupy.cuda.runtime.getDeviceCount(), float(cupy.ones(8).sum()))"
@@ -46,5 +47,7 @@ fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   python3 benchmarks/atp_check.py --json "$OUT/atp.json" 2>&1 | tee "$OUT/atp.log"
   python3 benchmarks/frameworks.py --json "$OUT/frameworks.json" 2>&1 | tee "$OUT/frameworks.log"
+  python3 benchmarks/overhead.py --repeats 5 --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log"
+  python3 benchmarks/shared_memory.py --json "$OUT/shared.json" 2>&1 | tee "$OUT/shared-bench.log"
 fi
 exit $rc
