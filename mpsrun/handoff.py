@@ -250,15 +250,19 @@ def take_over(directory: Path, key: str, subscription: Subscription) -> Publishe
 
 
 def _serving(path: Path) -> bool:
-    """Whether a live publisher listens at ``path`` (a dead one's socket refuses)."""
+    """Whether a live publisher listens at ``path``. A dead one's socket refuses; a dying one's may still accept,
+    then closes: a live one answers at once, or (still filling) keeps the connection open."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         probe.connect(str(path))
+        probe.settimeout(0.2)
+        return bool(probe.recv(MESSAGE_MAX))
+    except TimeoutError:
+        return True
     except OSError:
         return False
     finally:
         probe.close()
-    return True
 
 
 def join(directory: Path, key: str, deadline: Deadline) -> Publisher | Subscription:

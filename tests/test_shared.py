@@ -275,32 +275,40 @@ def test_a_publisher_killed_before_it_was_ready_is_replaced(short_tmp):
         holder.kill()
 
 
-def test_a_subscriber_takes_over_when_the_publisher_ends(short_tmp):
-    """The publisher ends while a subscriber holds the region: the subscriber publishes the same memory (its
-    descriptor), so a later caller maps that copy instead of filling another."""
-    memory = HostMemory()
-    publisher = join(short_tmp, "k", Deadline(5))
-    region, fd, _ = memory.allocate(16)
-    region.view((16,), "uint8")[:] = 7
-    publisher.publish({"n": 16}, fd)
-    first = join(short_tmp, "k", Deadline(5))
-    assert isinstance(first, Subscription)
+def taken_over(directory, held, end, byte):
+    """End the publisher (``end()``) while ``held`` watches: it must take over, and a later caller must map the same
+    memory (filled with ``byte``), not a new copy."""
     took_over = []
-    first.watch(lambda: took_over.append(take_over(short_tmp, "k", first)))
-    publisher.close()
-    region.close()
-    deadline = time.monotonic() + 5
+    held.watch(lambda: took_over.append(take_over(directory, "k", held)))
+    end()
+    deadline = time.monotonic() + 10
     while not took_over:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert isinstance(took_over[0], Publisher)
-    later = join(short_tmp, "k", Deadline(5))
+    later = join(directory, "k", Deadline(5))
     assert isinstance(later, Subscription) and later.header["n"] == 16
-    mapped = memory.attach(os.dup(later.fd), b"", 16)
-    assert mapped.view((16,), "uint8").tolist() == [7] * 16  # the first publisher's memory, not a new copy
+    assert HostMemory().attach(os.dup(later.fd), b"", 16).view((16,), "uint8").tolist() == [byte] * 16
     later.release()
     took_over[0].close()
-    first.release()
+    held.release()
+
+
+def test_a_subscriber_takes_over_when_the_publisher_ends(short_tmp):
+    """The publisher ends while a subscriber holds the region: the subscriber publishes the same memory (its
+    descriptor), so a later caller maps that copy instead of filling another."""
+    publisher = join(short_tmp, "k", Deadline(5))
+    region, fd, _ = HostMemory().allocate(16)
+    region.view((16,), "uint8")[:] = 7
+    publisher.publish({"n": 16}, fd)
+    first = join(short_tmp, "k", Deadline(5))
+    assert isinstance(first, Subscription)
+
+    def end():
+        publisher.close()
+        region.close()
+
+    taken_over(short_tmp, first, end, 7)
 
 
 def test_release_waits_for_the_others_and_says_when_it_gives_up(fake_gpu, fake_cuda, short_tmp):
@@ -421,23 +429,10 @@ def test_a_subscriber_takes_over_from_a_sigkilled_publisher(short_tmp):
         assert process.stdout.readline().strip() == "published"
         held = join(short_tmp, "k", Deadline(5))
         assert isinstance(held, Subscription)
-        took_over = []
-        held.watch(lambda: took_over.append(take_over(short_tmp, "k", held)))
-        process.kill()
-        process.wait()
-        deadline = time.monotonic() + 10
-        while not took_over:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        assert isinstance(took_over[0], Publisher)
-        later = join(short_tmp, "k", Deadline(5))
-        assert isinstance(later, Subscription)
-        assert HostMemory().attach(os.dup(later.fd), b"", 16).view((16,), "uint8").tolist() == [9] * 16
-        later.release()
-        took_over[0].close()
-        held.release()
+        taken_over(short_tmp, held, lambda: (process.kill(), process.wait()), 9)
     finally:
         process.kill()
+        process.wait()
 
 
 def test_a_forked_child_does_not_keep_the_lock(short_tmp):
