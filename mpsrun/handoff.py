@@ -7,7 +7,9 @@ its descriptor) carrying the region's file descriptor (``SCM_RIGHTS``). The othe
 **subscribers**: they connect and wait for that message, with a deadline. A subscriber keeps
 its connection open while it uses the region; closing it (or dying: the kernel closes it)
 releases it, so the publisher knows how many still use the region. The lock is the kernel's:
-it is gone with its holder, however that ends, and the next caller then publishes afresh.
+it is gone with its holder, however that ends. A subscriber that sees its publisher end then
+takes the lock and publishes the same region (:func:`take_over`); only when nobody holds the
+region any more does the next caller fill it afresh.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class Publisher:
             path.unlink()  # a dead publisher's socket: we hold the lock, so it is no one's
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.listener.bind(str(path))
-        os.chmod(path, 0o600)  # in a 0700 directory already; not even the name says more than it must
+        os.chmod(path, 0o600)  # the directory is 0700 already; the socket is the owner's alone as well
         self.listener.listen(socket.SOMAXCONN)
         self._message: tuple[bytes, list[int]] | None = None
         self._waiting: list[socket.socket] = []

@@ -174,8 +174,8 @@ def _share(name: str, shape: tuple[int, ...], dtype: Any, init: Callable[[Any], 
                                "socket path; set MPSRUN_TMPDIR to a shorter directory", name=name)
     if memory.max_bytes is not None and nbytes > memory.max_bytes:
         raise SharedArrayError(f"shared array {name!r} would be {nbytes / (1 << 30):.1f} GiB; one shared array "
-                               f"holds at most {memory.max_bytes >> 30} GiB (this CUDA driver crashes importing "
-                               "larger ones): split it into several arrays", name=name)
+                               f"holds at most {memory.max_bytes >> 30} GiB (importing larger ones crashed the CUDA "
+                               "13.0 driver): split it into several arrays", name=name)
     try:
         holder = join(directory, key, deadline)
     except HandoffError as exc:
@@ -197,11 +197,17 @@ def _take_over(name: str, directory: Path) -> None:
     """Our publisher ended while we hold the array: publish the same memory for the ranks still to come."""
     with _guard:
         held = _held.get(name)
-        if held is None or not isinstance(held.holder, Subscription):
+    if held is None or not isinstance(held.holder, Subscription):
+        return
+    subscription = held.holder
+    publisher = take_over(directory, held.key, subscription)  # may wait a moment: not under the guard
+    if publisher is None:
+        return
+    with _guard:
+        if _held.get(name) is held and held.holder is subscription:
+            held.kept, held.holder = subscription, publisher
             return
-        publisher = take_over(directory, held.key, held.holder)
-        if publisher is not None:
-            held.kept, held.holder = held.holder, publisher
+    publisher.close()  # released meanwhile
 
 
 def _publish(name: str, shape: tuple[int, ...], dtype: Any, memory: Memory, publisher: Publisher,
