@@ -10,30 +10,26 @@ the job's environment. It never returns into the controller's code: it ends with
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import sys
 import traceback
 from collections.abc import Mapping, Sequence
 
 from mpsrun.exitcodes import ExitCode
-from mpsrun.procs import exit_now, set_parent_death_signal
+from mpsrun.procs import exit_now, flush_output, set_parent_death_signal
 from mpsrun.rank import main  # imported once, here: every forked supervisor has it
 
 __all__ = ["ForkedSupervisor"]
 
 #: Every signal the controller may catch (its stopping signals, and those it forwards).
-CAUGHT = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD)
+CAUGHT = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class ForkedSupervisor:
     """The part of :class:`subprocess.Popen` the launchers use (``pid``, ``returncode``, ``poll``, ``wait``)."""
 
     def __init__(self, args: Sequence[str], env: Mapping[str, str], stdin: bool) -> None:
-        for stream in (sys.stdout, sys.stderr):  # what is buffered is the parent's to write, not the child's
-            with contextlib.suppress(Exception):
-                stream.flush()
+        flush_output()  # what is buffered is the parent's to write, not the child's
         self.returncode: int | None = None
         self.pid = os.fork()
         if self.pid == 0:

@@ -21,13 +21,12 @@ import os
 import selectors
 import socket
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mpsrun.deadline import Deadline, backoff
+from mpsrun.deadline import Deadline, poll_until
 
 __all__ = ["HandoffError", "Publisher", "Subscription", "join", "take_over"]
 
@@ -238,17 +237,16 @@ def take_over(directory: Path, key: str, subscription: Subscription) -> Publishe
     """Publish, for later callers, a region we hold whose publisher has ended: the memory lives while anyone maps
     it, so they get the same copy. None if another process serves the name by then (it took over, or publishes
     anew), or we let go of ours meanwhile."""
-    deadline = Deadline(TAKE_OVER_WAIT)
-    for pause in backoff(cap=0.05):
+    def attempt() -> Publisher | bool | None:  # the publisher; False: stand down; None: try again
         lock_fd = _lock(directory / f"{key}.lock")
         if lock_fd is not None:
             publisher = Publisher(lock_fd, directory / f"{key}.sock")
             publisher.publish({k: v for k, v in subscription.header.items() if k != "ok"}, subscription.fd)
             return publisher
-        if subscription.released or deadline.expired() or _serving(directory / f"{key}.sock"):
-            return None
-        time.sleep(pause)
-    raise AssertionError("unreachable")  # pragma: no cover - backoff() never ends
+        return False if subscription.released or _serving(directory / f"{key}.sock") else None
+
+    result = poll_until(attempt, Deadline(TAKE_OVER_WAIT))
+    return result if isinstance(result, Publisher) else None
 
 
 def _serving(path: Path) -> bool:
@@ -270,17 +268,15 @@ def _serving(path: Path) -> bool:
 def join(directory: Path, key: str, deadline: Deadline) -> Publisher | Subscription:
     """Publish ``key`` in ``directory`` (we took its lock) or subscribe to whoever did, before ``deadline``."""
     lock_path, socket_path = directory / f"{key}.lock", directory / f"{key}.sock"
-    for pause in backoff(cap=0.05):
+
+    def attempt() -> Publisher | Subscription | None:
         lock_fd = _lock(lock_path)
-        if lock_fd is not None:
-            return Publisher(lock_fd, socket_path)
-        subscription = _subscribe(socket_path, deadline)
-        if subscription is not None:
-            return subscription
-        if deadline.expired():
-            raise HandoffError(f"no process published it within {deadline.seconds:g} s")
-        time.sleep(min(pause, deadline.remaining()))
-    raise AssertionError("unreachable")  # pragma: no cover - backoff() never ends
+        return Publisher(lock_fd, socket_path) if lock_fd is not None else _subscribe(socket_path, deadline)
+
+    held = poll_until(attempt, deadline)
+    if not isinstance(held, (Publisher, Subscription)):
+        raise HandoffError(f"no process published it within {deadline.seconds:g} s")
+    return held
 
 
 os.register_at_fork(after_in_child=_let_go_in_child)

@@ -25,6 +25,7 @@ __all__ = [
     "close_all",
     "exit_now",
     "find_program",
+    "flush_output",
     "inherited_fds",
     "kill_group",
     "parent_pid",
@@ -46,13 +47,18 @@ def _stat_fields(pid: int) -> list[str] | None:
     return text.rsplit(")", 1)[1].split()  # the command name may hold spaces and parentheses
 
 
+def flush_output() -> None:
+    """Write out what Python holds of stdout and stderr (a closed or broken stream: nothing more to say there)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+
+
 def exit_now(code: int) -> NoReturn:
     """End this process at once with ``code``, once its output is flushed: for a process whose work is done
     (whatever it started has ended) and that someone waits on, so the interpreter's teardown of hundreds of
     modules is not sat out."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a closed or broken stream: nothing more to say there
-            stream.flush()
+    flush_output()
     os._exit(code)
 
 
