@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = ["RankIdentity", "first_int", "identity_from_env", "job_key", "slurm_tasks_on_node"]
 
@@ -54,8 +54,7 @@ def slurm_tasks_on_node(env: Mapping[str, str]) -> int | None:
     return counts[node] if node < len(counts) else None
 
 
-@dataclass(frozen=True)
-class RankIdentity:
+class RankIdentity(NamedTuple):
     """A rank's place: its rank, its rank on the node, and the sizes when the launcher says them."""
 
     rank: int

@@ -10,11 +10,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import shutil
 import signal
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -36,6 +35,9 @@ __all__ = [
 ]
 
 _PR_SET_PDEATHSIG = 1
+#: Looked up here, in the parent: a forked child must not dlopen() (another thread, importing an extension
+#: module or loading NVML, may hold the loader's lock at the fork, and the child would wait for it forever).
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -86,9 +88,8 @@ def start_ticks(pid: int) -> int | None:
     return int(fields[19]) if fields and len(fields) > 19 else None
 
 
-@dataclass(frozen=True)
-class ProcessRef:
-    """One process, exactly: pid and start time."""
+class ProcessRef(NamedTuple):
+    """One process, exactly: pid and start time (a named tuple: the rank shim avoids dataclasses' imports)."""
 
     pid: int
     start: int
@@ -149,8 +150,7 @@ def kill_group(pgid: int, sig: int) -> bool:
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to send ``sig`` to this process when the thread that forked it ends."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    _prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
 
 
 def inherited_fds() -> list[int]:
@@ -172,12 +172,32 @@ def inherited_fds() -> list[int]:
 
 def find_program(name: str, path: str | None) -> tuple[str | None, int, str]:
     """The program to run for ``name``, or why not, as a shell says it: (None, 127, ...) or (None, 126, ...)."""
+    import shutil  # not on the rank shim's path
+
     found = shutil.which(name, path=path)
     if found is not None:
         return found, 0, ""
     if os.sep in name and os.path.lexists(name):
         return None, 126, "Is a directory" if os.path.isdir(name) else "Permission denied"
     return None, 127, "command not found"
+
+
+def physical_cores() -> int | None:
+    """Physical cores on this host, as Open MPI counts its default slots (None where /sys does not say).
+
+    Read as psutil's ``cpu_count(logical=False)`` reads it (distinct sibling lists), without
+    importing psutil on the launch path: the mpiexec launcher needs it before anything else.
+    """
+    root = "/sys/devices/system/cpu"
+    siblings = set()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            if name.startswith("cpu") and name[3:].isdecimal():
+                for part in ("core_cpus_list", "thread_siblings_list"):
+                    with contextlib.suppress(OSError), open(f"{root}/{name}/topology/{part}") as file:
+                        siblings.add(file.read().strip())
+                        break
+    return len(siblings) or None
 
 
 def pidfd(pid: int) -> int | None:

@@ -16,7 +16,6 @@ Standard library only: one of these starts per rank.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import signal
@@ -312,14 +311,27 @@ def run_rank(command: Sequence[str], identity: RankIdentity, join: Join, token: 
     return RankSupervisor(identity, command, env, link, answer, fds).run()
 
 
-def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-    if "--" not in argv:
-        raise SystemExit("usage: python -m mpsrun.rank [--rank R --local-rank L --size N --local-size M] -- COMMAND")
-    split = list(argv).index("--")
-    parser = argparse.ArgumentParser(prog="python -m mpsrun.rank", add_help=False)
-    for name in ("--rank", "--local-rank", "--size", "--local-size"):
-        parser.add_argument(name, type=int, default=None)
-    return parser.parse_args(list(argv)[:split]), list(argv)[split + 1 :]
+USAGE = "usage: python -m mpsrun.rank [--rank R --local-rank L --size N --local-size M] -- COMMAND"
+
+
+def _parse(argv: Sequence[str]) -> tuple[dict[str, int], list[str]]:
+    """The identity options (``--name N`` pairs, as mpsrun writes them) and the command.
+
+    Not argparse: this line is mpsrun's own, and argparse's imports would cost every shim some milliseconds.
+    """
+    words = list(argv)
+    if "--" not in words:
+        raise SystemExit(USAGE)
+    split = words.index("--")
+    options: dict[str, int] = {}
+    pairs = words[:split]
+    for name, value in zip(pairs[::2], pairs[1::2], strict=False):  # an odd one out is refused below
+        if name not in ("--rank", "--local-rank", "--size", "--local-size") or not value.isdecimal():
+            raise SystemExit(USAGE)
+        options[name[2:].replace("-", "_")] = int(value)
+    if len(pairs) % 2:
+        raise SystemExit(USAGE)
+    return options, words[split + 1 :]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -328,8 +340,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not command or not address:
         _say("python -m mpsrun.rank runs a rank of a job started by mpsrun; it needs MPSRUN_CONTROL and a command")
         return ExitCode.USAGE
-    if options.rank is not None:
-        identity: RankIdentity | None = RankIdentity(options.rank, options.local_rank, options.size, options.local_size)
+    if "rank" in options and "local_rank" in options:
+        identity: RankIdentity | None = RankIdentity(options["rank"], options["local_rank"], options.get("size"),
+                                                     options.get("local_size"))
     else:
         identity = identity_from_env(os.environ)
     if identity is None:
