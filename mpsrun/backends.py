@@ -28,7 +28,7 @@ from mpsrun.errors import ConfigError
 from mpsrun.forked import ForkedSupervisor
 from mpsrun.loop import EventLoop
 from mpsrun.options import JobConfig, option_variables, to_argv
-from mpsrun.procs import pidfd, python_without_site, set_parent_death_signal
+from mpsrun.procs import physical_cores, pidfd, python_without_site, set_parent_death_signal
 
 __all__ = [
     "Backend",
@@ -205,9 +205,7 @@ class MpiexecBackend:
 
     def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]:
         # The program by absolute path: Open MPI puts its own bin directory first on the ranks' PATH.
-        import psutil  # only this backend asks: not imported on every job's path
-
-        argv = self._argv(config, [*SHIM, "--", program, *config.command[1:]], cores=psutil.cpu_count(logical=False))
+        argv = self._argv(config, [*SHIM, "--", program, *config.command[1:]], cores=physical_cores())
         return [LaunchSpec("mpiexec", argv, env, tuple(range(config.ranks)), stdin=True)]
 
 

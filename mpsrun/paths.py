@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import shutil
 import stat
 from collections.abc import Callable, Iterator, Mapping
@@ -185,7 +184,7 @@ def make_user_root(base: Path) -> Path:
 def _new_directory(root_fd: int) -> str:
     """Make a directory with a fresh random name in ``root_fd`` (atomically) and return the name."""
     while True:
-        name = "s" + secrets.token_hex(4)
+        name = "s" + os.urandom(4).hex()  # as secrets.token_hex(4), without importing hashlib
         try:
             os.mkdir(name, 0o700, dir_fd=root_fd)
         except FileExistsError:

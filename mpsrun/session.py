@@ -9,7 +9,6 @@ the reaper, and removes the directory.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import os
 import sys
@@ -396,4 +395,5 @@ def mps_session(*args: Any, **kwargs: Any) -> Session:
     return Session(*args, **kwargs)
 
 
-mps_session.__signature__ = inspect.signature(Session)  # type: ignore[attr-defined]
+# inspect.signature() and help() show Session's arguments (and inspect stays off the launch path).
+mps_session.__wrapped__ = Session  # type: ignore[attr-defined]
