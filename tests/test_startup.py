@@ -155,3 +155,27 @@ def test_nvml_is_initialised_once_per_job(fake_gpu, short_tmp, monkeypatch):
     assert inits.count(str(job.pid)) == 1, inits
     settle(fake_gpu)
 
+
+
+def test_the_rank_shim_reads_only_its_own_option_pairs():
+    """The shim's own line, as mpsrun writes it: ``--name N`` pairs, ``--``, the command; anything else (an
+    unknown name, a value that is not a whole number, a name without a value, no ``--``) is a usage error."""
+    from mpsrun.rank import _parse
+
+    assert _parse(["--rank", "3", "--local-rank", "1", "--size", "4", "--local-size", "2", "--", "a", "-b"]) == (
+        {"rank": 3, "local_rank": 1, "size": 4, "local_size": 2}, ["a", "-b"])
+    assert _parse(["--", "a"]) == ({}, ["a"])
+    for bad in (["--rank", "x", "--", "a"], ["--rank", "--", "a"], ["--ranks", "1", "--", "a"], ["--rank", "1"]):
+        with pytest.raises(SystemExit, match="usage"):
+            _parse(bad)
+
+
+def test_the_rank_shim_starts_without_heavy_imports():
+    """Each rank of the MPI launchers starts one shim interpreter (python -S): it must not import dataclasses
+    (inspect, ast, dis), argparse, hmac/OpenSSL or psutil, which cost it tens of milliseconds on the H100."""
+    root = Path(__file__).resolve().parent.parent
+    heavy = ("dataclasses", "inspect", "argparse", "hmac", "_hashlib", "psutil", "attrs")
+    code = f"import sys; sys.path.insert(0, {str(root)!r}); import mpsrun.rank; print([m for m in {heavy!r} if m in " \
+           "sys.modules])"
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
