@@ -186,7 +186,7 @@ def physical_cores() -> int | None:
     """Physical cores on this host, as Open MPI counts its default slots (None where /sys does not say).
 
     Read as psutil's ``cpu_count(logical=False)`` reads it (distinct sibling lists), without
-    importing psutil on the launch path: the mpiexec launcher needs it before anything else.
+    importing psutil (tens of milliseconds) on the mpiexec launcher's path.
     """
     root = "/sys/devices/system/cpu"
     siblings = set()

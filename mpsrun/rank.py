@@ -323,14 +323,14 @@ def _parse(argv: Sequence[str]) -> tuple[dict[str, int], list[str]]:
     if "--" not in words:
         raise SystemExit(USAGE)
     split = words.index("--")
-    options: dict[str, int] = {}
     pairs = words[:split]
-    for name, value in zip(pairs[::2], pairs[1::2], strict=False):  # an odd one out is refused below
+    if len(pairs) % 2:
+        raise SystemExit(USAGE)
+    options: dict[str, int] = {}
+    for name, value in zip(pairs[::2], pairs[1::2], strict=True):
         if name not in ("--rank", "--local-rank", "--size", "--local-size") or not value.isdecimal():
             raise SystemExit(USAGE)
         options[name[2:].replace("-", "_")] = int(value)
-    if len(pairs) % 2:
-        raise SystemExit(USAGE)
     return options, words[split + 1 :]
 
 

@@ -156,7 +156,6 @@ def test_nvml_is_initialised_once_per_job(fake_gpu, short_tmp, monkeypatch):
     settle(fake_gpu)
 
 
-
 def test_the_rank_shim_reads_only_its_own_option_pairs():
     """The shim's own line, as mpsrun writes it: ``--name N`` pairs, ``--``, the command; anything else (an
     unknown name, a value that is not a whole number, a name without a value, no ``--``) is a usage error."""
