@@ -16,24 +16,17 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from mpsrun import gpus as gpu_info
-from mpsrun.backends import Backend, choose_backend
+from mpsrun.backends import Backend, choose_backend, resolve_command
 from mpsrun.controller import Controller, Policy
 from mpsrun.deadline import Deadline
-from mpsrun.errors import (
-    CommandNotExecutableError,
-    CommandNotFoundError,
-    ConfigError,
-    DaemonTimeoutError,
-    JobTimeoutError,
-    TeardownError,
-)
+from mpsrun.errors import ConfigError, DaemonTimeoutError, JobTimeoutError, TeardownError
 from mpsrun.exitcodes import ExitCode, signal_name
+from mpsrun.headstart import HeadStart
 from mpsrun.interrupts import Interrupts
 from mpsrun.launchers import RankIdentity
 from mpsrun.options import JobConfig
 from mpsrun.outcome import JobResult
 from mpsrun.placement import RankPlan, plan_job, ranks_on_gpus, welcome, without_mps
-from mpsrun.procs import find_program
 from mpsrun.protocol import Listener, new_token
 from mpsrun.report import crowding_warnings, mps_report, verified_line
 from mpsrun.session import START_TIMEOUT, Session
@@ -45,20 +38,13 @@ log = logging.getLogger("mpsrun")
 
 
 
-def resolve_command(command: tuple[str, ...]) -> str:
-    program, code, reason = find_program(command[0], None)
-    if program is None:
-        error = CommandNotFoundError if code == ExitCode.NOT_FOUND else CommandNotExecutableError
-        raise error(f"{command[0]}: {reason}", command=command[0])
-    return program
-
-
 class Job:
     """One run of a :class:`JobConfig`; see :func:`run_job`."""
 
-    def __init__(self, config: JobConfig, note: Callable[[str], None]) -> None:
+    def __init__(self, config: JobConfig, note: Callable[[str], None], head: HeadStart | None = None) -> None:
         self.config = config
         self.note = note
+        self.head = head  # an mpiexec already started (mpsrun.headstart), with its directory and socket
         self.started = time.monotonic()
         self.deadline = Deadline(config.timeout)  # --timeout bounds the whole job, start-up included
 
@@ -120,13 +106,19 @@ class Job:
 
     def run(self) -> JobResult:
         """Interrupts before the ranks run undo what was made and raise Interrupted; during teardown they wait."""
-        config = self.config
-        program = resolve_command(config.command)
-        backend = choose_backend(config)
+        config, head = self.config, self.head
+        program = head.program if head else resolve_command(config.command)
+        backend = head.backend if head else choose_backend(config)
         with Interrupts() as interrupts, gpu_info.nvml_kept():  # NVML initialised once for the whole job
-            session = self._session(backend)
-            if session is not None:
-                self._start(session)
+            session = None
+            try:
+                session = self._session(backend)
+                if session is not None:
+                    self._start(session)
+            except BaseException:
+                if head is not None:  # the session removed the directory if it had taken it
+                    head.abandon(remove_directory=session is None or session.dirs is None)
+                raise
             try:
                 result = self._run(backend, session, program, interrupts.received)
             finally:
@@ -141,7 +133,8 @@ class Job:
 
     def _start(self, session: Session) -> None:
         try:
-            session.start(kind="job")  # each server starts with its first client
+            # Each server starts with its first client; a head start brings its directory.
+            session.start(kind="job", dirs=self.head.dirs if self.head else None)
         except DaemonTimeoutError as exc:
             if self.deadline.expired():
                 raise JobTimeoutError(f"timed out after {self.config.timeout:g} s while the MPS daemons started "
@@ -151,10 +144,11 @@ class Job:
 
     def _run(self, backend: Backend, session: Session | None, program: str, pending: list[int]) -> JobResult:
         config = self.config
-        token = new_token()
+        head = self.head
+        token = head.token if head else new_token()
         where = f"unix:{session.dirs.control_socket}" if backend.control == "unix" and session and session.dirs \
             else "tcp"
-        listener = Listener(where)
+        listener = head.listener if head else Listener(where)
         output_lock = None
         if config.tag_output and backend.name == "local" and session is not None and session.dirs is not None:
             session.dirs.output_lock.touch(mode=0o600)
@@ -170,7 +164,10 @@ class Job:
         def start() -> None:  # in the controller's loop, which handles signals from here on
             mps = "on" if watch else "per host" if not backend.owns_daemons else "off"
             log.info(f"mpsrun: {backend.name} launcher, MPS {mps}, {config.ranks} rank(s)")
-            controller.launch(backend.specs(config, program, env))
+            if head is not None:
+                controller.launchers.adopt(head.hand_over())
+            else:
+                controller.launch(backend.specs(config, program, env))
             self._elapsed("ranks starting")
 
         try:
@@ -178,6 +175,8 @@ class Job:
             self._elapsed("ranks done")
         finally:
             listener.close()
+            if head is not None:  # never handed over (the loop stopped first): it must not outlive the job
+                head.abandon(remove_directory=False)
         self._report(result, controller, session, watch)
         return result
 
@@ -212,10 +211,10 @@ def _stderr_note(text: str) -> None:
         print(f"mpsrun: {text}", file=sys.stderr, flush=True)
 
 
-def run_job(config: JobConfig, note: Callable[[str], None] | None = None) -> JobResult:
+def run_job(config: JobConfig, note: Callable[[str], None] | None = None, head: HeadStart | None = None) -> JobResult:
     """Run a job to completion and return how it ended (exit code, cause, message).
 
     Raises :class:`ConfigError` (usage, exit 2), :class:`CommandNotFoundError` (127) or
     another :class:`MPSError` (set-up failure, exit 3) before any rank starts.
     """
-    return Job(config, note or _stderr_note).run()
+    return Job(config, note or _stderr_note, head).run()
