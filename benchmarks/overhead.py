@@ -18,6 +18,10 @@ Variants:
 - ``bare mpiexec``: ``mpiexec -n N`` without MPS;
 - ``mpsrun local``, ``mpsrun local --mps off``, ``mpsrun mpiexec``: the ``mpsrun`` command.
 
+``--tree NAME=DIR`` (repeatable) adds ``mpsrun local [NAME]`` and ``mpsrun mpiexec [NAME]``: the same
+command run from another source tree (another commit's ``mpsrun/`` under DIR), in the same rounds,
+so two versions are compared on the same machine state.
+
 Each figure is the wall time of the whole job, measured from this process. Nothing here is a
 pass/fail test: the figures go to docs/benchmarks.md.
 """
@@ -124,10 +128,14 @@ def console_script() -> str:
 MPSRUN = console_script()
 
 
-def mpsrun(*args: str) -> Callable[[int, list[str]], Callable[[], None]]:
+def mpsrun(*args: str, tree: str | None = None) -> Callable[[int, list[str]], Callable[[], None]]:
+    """The ``mpsrun`` command with ``args``; from the source tree ``tree`` instead of this one if given."""
+    env = None if tree is None else {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [tree, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p) != REPO]])}
+
     def variant(n: int, command: list[str]) -> Callable[[], None]:
         argv = [MPSRUN, "-np", str(n), *args, "--", *command]
-        return lambda: subprocess.run(argv, check=True) and None
+        return lambda: subprocess.run(argv, check=True, env=env) and None
     return variant
 
 
@@ -179,13 +187,21 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--only", choices=("trivial", "real"))
     parser.add_argument("--launches", type=int, default=200)
+    parser.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
+                        help="also run mpsrun from the source tree DIR, as variants named [NAME]")
     args = parser.parse_args()
+    for name, _, tree in (item.partition("=") for item in args.tree):
+        for launcher, reference in (("local", "hand"), ("mpiexec", "bare mpiexec")):
+            VARIANTS[f"mpsrun {launcher} [{name}]"] = mpsrun("--launcher", launcher, tree=str(Path(tree).resolve()))
+            REFERENCE[f"mpsrun {launcher} [{name}]"] = reference
+            REAL_REFERENCE[f"mpsrun {launcher} [{name}]"] = "hand" if launcher == "local" else "hand+mpiexec"
     # Bytecode as installed packages have it (pip compiles on install): a source tree may not have it yet, and a
     # machine may forbid writing it (PYTHONDONTWRITEBYTECODE; the GPU machine does), which would make every
     # process compile its imports again. The warm-up round writes what is missing.
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "mpsrun")], check=True,
-                   stdout=subprocess.DEVNULL)
+    for tree in [REPO, *(Path(item.partition("=")[2]) for item in args.tree)]:
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree / "mpsrun")], check=True,
+                       stdout=subprocess.DEVNULL)
     rng = random.Random(args.seed)  # noqa: S311 - a reproducible order, not a secret
     results: dict[str, object] = {"repeats": args.repeats, "seed": args.seed}
     if args.only != "real":
@@ -196,7 +212,9 @@ def main() -> int:
     if args.only != "trivial":
         iters = calibrate(8.5)
         command = [*KERNEL_JOB, str(iters), str(args.launches)]
-        real = {name: VARIANTS[name](8, command) for name in ("hand", "hand+mpiexec", "mpsrun local", "mpsrun mpiexec")}
+        launched = [name for name in VARIANTS if name.startswith("mpsrun") and "--mps off" not in name]
+        names = ["hand", "hand+mpiexec", *launched]
+        real = {name: VARIANTS[name](8, command) for name in names}
         measure(real, 1, rng)  # warm-up: CuPy's kernel cache, not counted
         results["real"] = samples = measure(real, args.repeats, rng)
         results["iters"] = iters
