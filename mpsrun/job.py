@@ -114,7 +114,7 @@ class Job:
             try:
                 session = self._session(backend)
                 if session is not None:
-                    self._start(session)
+                    self._start(session, backend.early_server)
             except BaseException:
                 if head is not None:  # the session removed the directory if it had taken it
                     head.abandon(remove_directory=session is None or session.dirs is None)
@@ -131,10 +131,11 @@ class Job:
             return JobResult(128 + sig, "signal", f"interrupted by {signal_name(sig)} while ending the job")
         return result
 
-    def _start(self, session: Session) -> None:
+    def _start(self, session: Session, early_server: bool) -> None:
         try:
-            # Each server starts with its first client; a head start brings its directory.
-            session.start(kind="job", dirs=self.head.dirs if self.head else None)
+            # Each server starts with its first client, or at once for an MPI launcher (Backend.early_server);
+            # a head start brings its directory.
+            session.start(kind="job", dirs=self.head.dirs if self.head else None, early_server=early_server)
         except DaemonTimeoutError as exc:
             if self.deadline.expired():
                 raise JobTimeoutError(f"timed out after {self.config.timeout:g} s while the MPS daemons started "

@@ -163,7 +163,7 @@ class Session:
         self._mem_limits = list(mem_limits)
 
     def start(self, wait_active: bool = True, kind: str = "api", name: str | None = None,
-              dirs: SessionDirs | None = None) -> Session:
+              dirs: SessionDirs | None = None, early_server: bool = False) -> Session:
         """Start the daemons and wait until each GPU's server is ACTIVE.
 
         ``wait_active=False`` returns once every daemon answers and has its settings, with
@@ -172,8 +172,9 @@ class Session:
         ``"job"``) and node keepers (``"node"``, with a fixed ``name``) always get a
         directory, for their control socket, even without MPS; their servers start with
         the first client, as a hand-started daemon's do (a job that never uses the GPU
-        pays for none), and their watch checks each server once its first client is in.
-        ``dirs``: a directory made earlier (:mod:`mpsrun.headstart`), the session's from then on.
+        pays for none), and their watch checks each server once its first client is in;
+        ``early_server`` asks for each server at once instead, without waiting for it (the
+        mpiexec launcher). ``dirs``: a directory made earlier (:mod:`mpsrun.headstart`).
         """
         self.resolve()
         if self._state != "resolved":
@@ -184,7 +185,8 @@ class Session:
             if self.disabled_reason is None or kind != "api":
                 self._make_directory(kind, name, dirs)
             if self.disabled_reason is None:
-                self._start_daemons("lazy" if kind != "api" else "active" if wait_active else "requested")
+                lazy = "requested" if early_server else "lazy"
+                self._start_daemons(lazy if kind != "api" else "active" if wait_active else "requested")
                 self.enabled = True
             elif not self.quiet:
                 log.warning("mpsrun: running without MPS: %s", self.disabled_reason)
