@@ -155,13 +155,16 @@ def _main(args: list[str]) -> int:
 
 def _run_job(config: JobConfig) -> int:
     """Start mpiexec first where the job goes through it (it takes longest to start), then the rest of the job."""
+    from mpsrun.backends import choose_backend, resolve_command
     from mpsrun.headstart import head_start
 
-    head = head_start(config)
+    program = resolve_command(config.command)
+    backend = choose_backend(config)
+    head = head_start(config, backend, program)
     try:
         from mpsrun.job import run_job
 
-        return run_job(config, head=head).exit_code
+        return run_job(config, backend=backend, program=program, head=head).exit_code
     except BaseException:
         if head is not None:  # still ours only if the job never took it over (it abandons it itself)
             head.abandon(remove_directory=head.launched is not None)

@@ -22,11 +22,11 @@ import signal
 
 import attrs
 
-from mpsrun.backends import HostsBackend, Launched, MpiexecBackend, choose_backend, resolve_command
+from mpsrun.backends import Backend, HostsBackend, Launched, MpiexecBackend
 from mpsrun.errors import MPSError
 from mpsrun.options import JobConfig
 from mpsrun.paths import SessionDirs, session_base
-from mpsrun.protocol import Listener, new_token
+from mpsrun.protocol import Listener, control_env, new_token
 
 __all__ = ["HeadStart", "head_start"]
 
@@ -35,8 +35,6 @@ __all__ = ["HeadStart", "head_start"]
 class HeadStart:
     """An mpiexec started before its job's session; the job takes it over (:meth:`hand_over`) or drops it."""
 
-    backend: MpiexecBackend
-    program: str
     dirs: SessionDirs
     listener: Listener
     token: str
@@ -66,14 +64,8 @@ class HeadStart:
                 self.dirs.remove()
 
 
-def head_start(config: JobConfig) -> HeadStart | None:
-    """Start the job's mpiexec now if the job runs through the single-host mpiexec launcher; else None.
-
-    Raises what choosing the launcher or finding the command raises (:class:`ConfigError`,
-    :class:`CommandNotFoundError`), before anything is started.
-    """
-    backend = choose_backend(config)
-    program = resolve_command(config.command)
+def head_start(config: JobConfig, backend: Backend, program: str) -> HeadStart | None:
+    """Start the job's mpiexec now if the job runs through the single-host mpiexec launcher; else None."""
     if not isinstance(backend, MpiexecBackend) or isinstance(backend, HostsBackend):
         return None
     dirs = SessionDirs.create(session_base(None), [])
@@ -82,12 +74,9 @@ def head_start(config: JobConfig) -> HeadStart | None:
     except BaseException:
         dirs.remove()
         raise
-    token = new_token()
-    env = {**os.environ, "MPSRUN_CONTROL": listener.address, "MPSRUN_CONTROL_TOKEN": token,
-           "MPSRUN_JOB_ID": token[:16]}
-    head = HeadStart(backend, program, dirs, listener, token, None)
+    head = HeadStart(dirs, listener, new_token(), None)
     try:
-        (spec,) = backend.specs(config, program, env)
+        (spec,) = backend.specs(config, program, control_env(os.environ, listener, head.token))
         head.launched = Launched(spec)
     except OSError as exc:  # as the controller says it when a launcher cannot start
         head.abandon()

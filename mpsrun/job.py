@@ -27,7 +27,7 @@ from mpsrun.launchers import RankIdentity
 from mpsrun.options import JobConfig
 from mpsrun.outcome import JobResult
 from mpsrun.placement import RankPlan, plan_job, ranks_on_gpus, welcome, without_mps
-from mpsrun.protocol import Listener, new_token
+from mpsrun.protocol import Listener, control_env, new_token
 from mpsrun.report import crowding_warnings, mps_report, verified_line
 from mpsrun.session import START_TIMEOUT, Session
 from mpsrun.watch import RankWatch
@@ -41,9 +41,9 @@ log = logging.getLogger("mpsrun")
 class Job:
     """One run of a :class:`JobConfig`; see :func:`run_job`."""
 
-    def __init__(self, config: JobConfig, note: Callable[[str], None], head: HeadStart | None = None) -> None:
-        self.config = config
-        self.note = note
+    def __init__(self, config: JobConfig, note: Callable[[str], None], backend: Backend, program: str,
+                 head: HeadStart | None = None) -> None:
+        self.config, self.note, self.backend, self.program = config, note, backend, program
         self.head = head  # an mpiexec already started (mpsrun.headstart), with its directory and socket
         self.started = time.monotonic()
         self.deadline = Deadline(config.timeout)  # --timeout bounds the whole job, start-up included
@@ -106,9 +106,7 @@ class Job:
 
     def run(self) -> JobResult:
         """Interrupts before the ranks run undo what was made and raise Interrupted; during teardown they wait."""
-        config, head = self.config, self.head
-        program = head.program if head else resolve_command(config.command)
-        backend = head.backend if head else choose_backend(config)
+        head, backend, program = self.head, self.backend, self.program
         with Interrupts() as interrupts, gpu_info.nvml_kept():  # NVML initialised once for the whole job
             session = None
             try:
@@ -160,8 +158,7 @@ class Job:
                                 expected=range(config.ranks),
                                 session=session, note=self.note)
         watch = controller.watch
-        env = {**os.environ, "MPSRUN_CONTROL": listener.address, "MPSRUN_CONTROL_TOKEN": token,
-               "MPSRUN_JOB_ID": token[:16]}
+        env = control_env(os.environ, listener, token)
         def start() -> None:  # in the controller's loop, which handles signals from here on
             mps = "on" if watch else "per host" if not backend.owns_daemons else "off"
             log.info(f"mpsrun: {backend.name} launcher, MPS {mps}, {config.ranks} rank(s)")
@@ -212,10 +209,14 @@ def _stderr_note(text: str) -> None:
         print(f"mpsrun: {text}", file=sys.stderr, flush=True)
 
 
-def run_job(config: JobConfig, note: Callable[[str], None] | None = None, head: HeadStart | None = None) -> JobResult:
+def run_job(config: JobConfig, note: Callable[[str], None] | None = None, *, backend: Backend | None = None,
+            program: str | None = None, head: HeadStart | None = None) -> JobResult:
     """Run a job to completion and return how it ended (exit code, cause, message).
 
-    Raises :class:`ConfigError` (usage, exit 2), :class:`CommandNotFoundError` (127) or
-    another :class:`MPSError` (set-up failure, exit 3) before any rank starts.
+    ``backend`` and ``program`` (the command's program by path) where the caller found them
+    already, with ``head``, the mpiexec it started (:mod:`mpsrun.headstart`). Raises
+    :class:`ConfigError` (usage, exit 2), :class:`CommandNotFoundError` (127) or another
+    :class:`MPSError` (set-up failure, exit 3) before any rank starts.
     """
-    return Job(config, note or _stderr_note, head).run()
+    program = program or resolve_command(config.command)
+    return Job(config, note or _stderr_note, backend or choose_backend(config), program, head).run()
