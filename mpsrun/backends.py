@@ -14,12 +14,10 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
-import importlib
 import os
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
@@ -190,15 +188,7 @@ class Backend(Protocol):
 class LocalBackend:
     name, control, owns_daemons, early_server = "local", "unix", True, False
 
-    def __init__(self) -> None:
-        # The supervisors' code (mpsrun.forked, the rank supervisor) imports in a thread while this process waits
-        # for NVML and the daemons; joined before the first fork, so no child is forked mid-import.
-        self._imports = threading.Thread(target=importlib.import_module, args=("mpsrun.forked",),
-                                         name="mpsrun-imports", daemon=True)
-        self._imports.start()
-
     def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]:
-        self._imports.join()
         n = config.ranks
         return [
             LaunchSpec(f"rank {r}'s supervisor", ("--rank", str(r), "--local-rank", str(r), "--size", str(n),
