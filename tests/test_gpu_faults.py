@@ -25,7 +25,8 @@ BUSY = (
     "x = cupy.ones(1 << 16, dtype=cupy.float32)\n"
     "rank = int(os.environ['RANK'])\n"
     "mode = sys.argv[1]\n"
-    "print('ready', flush=True)\n"
+    "os.write(1, b'ready\\n')\n"  # one write: print() makes two when unbuffered (PYTHONUNBUFFERED), and three
+    # ranks' "ready" and "\n" interleaved into "readyready", so the test waited for a third line in vain
     "if mode == 'exit' and rank == 1: time.sleep(1); sys.exit(7)\n"
     "if mode == 'kill' and rank == 1: time.sleep(1); os.kill(os.getpid(), 9)\n"
     "if mode == 'segv' and rank == 1: time.sleep(1); os.kill(os.getpid(), 11)\n"
