@@ -138,19 +138,24 @@ from mpsrun import shared
 n = 64 << 20
 table = shared.array("outlives", (n,), "float32", init=lambda out: out.__setitem__(Ellipsis, cupy.arange(n, dtype=cupy.float32)))
 role = type(shared._held["outlives"].holder).__name__
-if role == "Publisher":
-    sys.exit(0)  # the rank that filled it ends first
+mapped = os.path.join(sys.argv[1], "mapped")
+if role == "Publisher":  # the rank that filled it ends first, once the other has mapped it (not before: the
+    deadline = time.monotonic() + 120  # other would then find no copy and fill its own)
+    while not os.path.exists(mapped) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sys.exit(0)
+open(mapped, "w").close()
 time.sleep(3)
 expected = cupy.arange(n, dtype=cupy.float32)
 print("ok" if bool((table == expected).all()) else "changed", flush=True)
 """
 
 
-def test_the_memory_outlives_the_rank_that_filled_it():
+def test_the_memory_outlives_the_rank_that_filled_it(tmp_path):
     """Under MPS, the rank that filled the table exits while another still maps it: the other reads the same data
     3 s later (the driver counts the mappings; the first process's exit does not free the memory)."""
     out = subprocess.run([sys.executable, "-m", "mpsrun", "-np", "2", "--gpus", "0", "--launcher", "local",
-                          sys.executable, "-c", OUTLIVES], capture_output=True, text=True, timeout=300)
+                          sys.executable, "-c", OUTLIVES, str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["ok"], out.stdout
 
