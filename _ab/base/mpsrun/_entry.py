@@ -1,0 +1,40 @@
+"""The ``mpsrun`` command's entry point: it takes the stopping signals before anything else is imported.
+
+Between the interpreter's start and the job's own signal handling lie tens of milliseconds of
+imports; a Ctrl-C there would otherwise print a ``KeyboardInterrupt`` traceback. Here a signal
+is only noted, and :func:`mpsrun.cli.main` then ends with one line and 128+N.
+"""
+
+from __future__ import annotations
+
+import signal
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import NoReturn
+
+_pending: list[int] = []
+
+
+def _note(number: int, frame: object) -> None:
+    _pending.append(number)
+
+
+for _number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    if signal.getsignal(_number) is not signal.SIG_IGN:  # inherited as ignored (nohup): stays ignored
+        signal.signal(_number, _note)
+
+
+def main() -> NoReturn:
+    """Run the command and end the process with its exit status.
+
+    By then everything mpsrun started has ended and been reaped, and the session is gone; the
+    interpreter's own finalisation (hundreds of modules) would add tens of milliseconds to every
+    job, so the process ends at once, once its output is flushed.
+    """
+    from mpsrun.cli import main as command
+
+    code = command(pending=_pending)
+    from mpsrun.procs import exit_now
+
+    exit_now(code)

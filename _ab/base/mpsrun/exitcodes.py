@@ -1,0 +1,43 @@
+"""The exit-code contract, in one table. Standard library only: the rank shim imports it.
+
+0 every rank succeeded; otherwise the code of the rank that failed first (a rank killed by
+signal N gives 128+N); 2 usage error; 3 set-up failure; 124 timeout; 126 not executable;
+127 command not found; 128+N when mpsrun itself was stopped by signal N.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+
+__all__ = ["ExitCode", "describe_returncode", "exit_code_of", "signal_name"]
+
+
+class ExitCode(enum.IntEnum):
+    """Codes mpsrun gives for its own reasons (a failing rank gives its own code)."""
+
+    OK = 0
+    USAGE = 2
+    SETUP = 3
+    TIMEOUT = 124
+    NOT_EXECUTABLE = 126
+    NOT_FOUND = 127
+
+
+def exit_code_of(returncode: int) -> int:
+    """A shell-style exit code: a process killed by signal N (returncode -N) gives 128+N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def describe_returncode(returncode: int) -> str:
+    """``exited with code 7`` or ``was killed by signal 9 (SIGKILL)``."""
+    if returncode < 0:
+        return f"was killed by signal {-returncode} ({signal_name(-returncode)})"
+    return f"exited with code {returncode}"

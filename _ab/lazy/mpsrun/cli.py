@@ -1,0 +1,175 @@
+"""The ``mpsrun`` command line: mpirun-style options, then the command to run as every rank.
+
+Options end at the first word that is not an option (or its value), at ``--``, or at
+``-m MODULE``. Every option can also come from an ``MPSRUN_<NAME>`` environment variable
+(:mod:`mpsrun.options` declares each once); the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from mpsrun import __version__
+from mpsrun.errors import ConfigError, MPSError
+from mpsrun.exitcodes import ExitCode
+from mpsrun.interrupts import InterruptionError, Interrupts
+from mpsrun.options import JobConfig, build_parser, options, parse_args
+
+__all__ = ["main"]
+
+DESCRIPTION = """\
+Run COMMAND as N ranks that share the GPUs through a private NVIDIA MPS daemon per GPU.
+mpsrun starts the daemons for this job only, gives each rank its GPU and MPS limits,
+checks that every rank really is an MPS client, and removes everything when the job ends.
+"""
+
+EPILOG = f"""\
+examples:
+  mpsrun -np 4 python sim.py               4 ranks sharing every visible GPU through MPS
+  mpsrun -np 8 --gpus 0,1 python sim.py    ranks 0-3 on GPU 0, ranks 4-7 on GPU 1 (--map-by block)
+  mpsrun -np 4 --thread-percentage auto -m mypkg.train --epochs 3
+                                           each rank capped at 25% of the SMs; run a module
+  mpsrun -np 2 --mem-limit 8G --tag-output -- ./solver -i input.dat
+                                           8 GiB pinned memory per rank; output lines tagged [rank N]
+  mpsrun -np 4 --mps off python sim.py     the same job without MPS (the time-sliced baseline)
+  mpsrun -np 4 --launcher mpiexec --mpiexec-arg=--bind-to=none python sim.py
+                                           run the ranks through the real mpiexec (mpi4py sees size 4)
+  srun -n 8 mpsrun --per-node python sim.py
+                                           under srun or mpiexec: one MPS session per node for its local ranks
+
+subcommands:
+  mpsrun bench [--ranks 1,2,4,8,16] [--json] [--plot FILE.png]
+                                           measure time-sliced vs MPS vs one process on this GPU
+  mpsrun doctor [--json]                   can MPS work here, and if not, why not (exit 0 if it can)
+  mpsrun status [--json]                   this user's sessions on this node (owner, daemons, age)
+  mpsrun cleanup [--force SESSION]         stop and remove stale sessions (owner gone); never others'
+  (a program called "bench", "doctor", "status" or "cleanup" runs as: mpsrun -- bench)
+
+exit status (the same under every launcher):
+  0     every rank succeeded
+  N     otherwise the exit code of the rank that failed first (killed by signal S: 128+S)
+  {ExitCode.USAGE:<5} usage error (bad option or value, no command)
+  {ExitCode.SETUP:<5} set-up failure: MPS required but unavailable, the daemon would not start,
+        or (with --mps on) a rank ran without MPS
+  {ExitCode.TIMEOUT:<5} --timeout expired
+  {ExitCode.NOT_EXECUTABLE:<5} the command could not be executed
+  {ExitCode.NOT_FOUND:<5} the command was not found
+  130   interrupted (SIGINT); 143 terminated (SIGTERM); 129 hang-up (SIGHUP)
+
+environment:
+  Every option has a variable: {", ".join(spec.variable for spec in options().values() if spec.env)}
+  (switches take 1/true/yes or 0/false/no; MPSRUN_MPIEXEC_ARG is split like a shell line).
+  MPSRUN_TMPDIR: where session directories go (default $XDG_RUNTIME_DIR, else /tmp).
+  Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, CUDA_VISIBLE_DEVICES (its GPU's
+  UUID), CUDA_MPS_PIPE_DIRECTORY and, when set, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,
+  CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, CUDA_MPS_CLIENT_PRIORITY.
+"""
+
+
+def _print_error(message: str) -> None:
+    print(f"mpsrun: error: {message}", file=sys.stderr, flush=True)
+
+
+def _subcommand(args: list[str]) -> int | None:
+    """Run ``bench``, ``doctor``, ``status`` or ``cleanup``; None when the words are a job."""
+    if args[:1] == ["bench"]:  # a program named "bench" runs as: mpsrun -- bench
+        from mpsrun import bench
+
+        return bench.main(args[1:])
+    if args[:1] == ["doctor"]:
+        from mpsrun import doctor
+
+        return doctor.main(args[1:])
+    if args[:1] in (["status"], ["cleanup"]):
+        from mpsrun import registry
+
+        return registry.main(args[1:], args[0])
+    return None
+
+
+def main(argv: Sequence[str] | None = None, pending: Sequence[int] = ()) -> int:
+    """Entry point of the ``mpsrun`` command; returns the exit status.
+
+    A stopping signal that comes before a job's own handling takes over (``pending``: noted by
+    :mod:`mpsrun._entry` during the imports; later, while options are read and modules
+    imported) gives one line and 128+N, never a traceback.
+    """
+    try:
+        with Interrupts():
+            if pending:
+                raise InterruptionError(signal=pending[0])
+            return _main(list(sys.argv[1:] if argv is None else argv))
+    except InterruptionError as exc:
+        _print_error(f"{exc} before the job started")
+        return exc.exit_code
+
+
+def _usage_error(args: list[str], exc: ConfigError) -> None:
+    """Say what is wrong with the command line; under --per-node, where every rank reads the same one, through
+    the route every rank that cannot start takes (said once: by the node's first rank, or the job's controller)."""
+    if "--per-node" not in (args[: args.index("--")] if "--" in args else args):
+        _print_error(f"{exc} (see mpsrun --help)")
+        return
+    from mpsrun.launchers import identity_from_env
+    from mpsrun.rank import report_failure
+
+    identity = identity_from_env(os.environ)
+    report_failure(exc, identity.local_rank if identity is not None else None)
+
+
+def _main(args: list[str]) -> int:
+    subcommand = _subcommand(args)
+    if subcommand is not None:
+        return subcommand
+    if args[:1] in (["-h"], ["--help"]) or not args:
+        parser: argparse.ArgumentParser = build_parser(DESCRIPTION, EPILOG, __version__)
+        parser.print_help(sys.stdout if args else sys.stderr)
+        return ExitCode.OK if args else ExitCode.USAGE
+    try:
+        config = parse_args(args, os.environ, __version__)
+    except ConfigError as exc:
+        _usage_error(args, exc)
+        return ExitCode.USAGE
+    except SystemExit as exc:  # --help/--version further along the line
+        return int(exc.code or 0)
+    from mpsrun import gpus
+
+    gpus.warm_up()  # NVML initialises while the job's modules are imported
+    level = logging.DEBUG if config.verbose else logging.ERROR if config.quiet else logging.WARNING
+    logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("mpsrun").setLevel(level)
+    try:
+        if config.per_node:
+            from mpsrun.pernode import run_per_node
+
+            return run_per_node(config)
+        return _run_job(config)
+    except MPSError as exc:
+        _print_error(str(exc))
+        return exc.exit_code
+
+
+def _run_job(config: JobConfig) -> int:
+    """Start mpiexec first where the job goes through it (it takes longest to start), then the rest of the job."""
+    from mpsrun.backends import choose_backend, resolve_command
+    from mpsrun.headstart import head_start
+
+    program = resolve_command(config.command)
+    backend = choose_backend(config)
+    head = head_start(config, backend, program)
+    try:
+        from mpsrun.job import run_job
+
+        return run_job(config, backend=backend, program=program, head=head).exit_code
+    except BaseException:
+        if head is not None:  # still ours only if the job never took it over (it abandons it itself)
+            head.abandon(remove_directory=head.launched is not None)
+        raise
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

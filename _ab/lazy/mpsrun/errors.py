@@ -1,0 +1,208 @@
+"""Exceptions raised by mpsrun.
+
+Every error derives from :class:`MPSError` and, where one fits, from the matching
+builtin (``ValueError``, ``TimeoutError``, ...), so callers can catch either.
+Errors carry their data as attributes and survive pickling (they cross process
+boundaries in multiprocessing pools).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from mpsrun.exitcodes import ExitCode
+
+__all__ = [
+    "CommandNotExecutableError",
+    "CommandNotFoundError",
+    "ConfigError",
+    "DaemonError",
+    "DaemonStartError",
+    "DaemonTimeoutError",
+    "GPUError",
+    "GPUNotFoundError",
+    "JobTimeoutError",
+    "MPSError",
+    "MPSUnavailableError",
+    "NoDriverError",
+    "NotMPSClientError",
+    "SharedArrayError",
+    "TeardownError",
+    "UnsafeDirectoryError",
+]
+
+
+def _rebuild(cls: type[MPSError], kwargs: dict[str, Any]) -> MPSError:
+    return cls(**kwargs)
+
+
+class MPSError(Exception):
+    """Base class of every error mpsrun raises.
+
+    ``exit_code`` is what the ``mpsrun`` command exits with for it (see
+    :mod:`mpsrun.exitcodes`): 2 for a usage error, 127 for a missing command, 3 otherwise.
+    """
+
+    exit_code: int = ExitCode.SETUP
+
+    def __init__(self, message: str, **data: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self._data = data
+        for key, value in data.items():
+            setattr(self, key, value)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), {"message": self.message, **self._data}))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ConfigError(MPSError, ValueError):
+    """A setting is invalid; raised before anything is started.
+
+    Attributes: ``setting`` (the option or argument name) and ``value``.
+    """
+
+    exit_code = ExitCode.USAGE
+    setting: str
+    value: Any
+
+    def __init__(self, message: str, *, setting: str = "", value: Any = None) -> None:
+        super().__init__(message, setting=setting, value=value)
+
+
+class UnsafeDirectoryError(MPSError, PermissionError):
+    """A session directory (or its parent) is not private to this user.
+
+    Attributes: ``path`` and ``reason``.
+    """
+
+    path: str
+    reason: str
+
+    def __init__(self, message: str, *, path: str = "", reason: str = "") -> None:
+        super().__init__(message, path=path, reason=reason)
+
+
+class GPUError(MPSError, RuntimeError):
+    """NVML could not answer a question about the GPUs."""
+
+
+class NoDriverError(GPUError):
+    """No NVIDIA driver (NVML) is usable on this machine. Attribute: ``reason``."""
+
+    reason: str
+
+    def __init__(self, message: str, *, reason: str = "") -> None:
+        super().__init__(message, reason=reason)
+
+
+class GPUNotFoundError(MPSError, ValueError):
+    """A requested GPU is not visible. Attributes: ``requested`` and ``visible``."""
+
+    exit_code = ExitCode.USAGE
+
+    requested: Any
+    visible: list[str]
+
+    def __init__(self, message: str, *, requested: Any = None, visible: Sequence[str] = ()) -> None:
+        super().__init__(message, requested=requested, visible=list(visible))
+
+
+class MPSUnavailableError(MPSError, RuntimeError):
+    """MPS was required (``mps="on"``) but cannot run here. Attribute: ``reason``."""
+
+    reason: str
+
+    def __init__(self, message: str, *, reason: str = "") -> None:
+        super().__init__(message, reason=reason)
+
+
+class DaemonError(MPSError, RuntimeError):
+    """The MPS control daemon refused or failed a command.
+
+    Attributes: ``command`` (what was sent), ``reply`` (what the daemon printed) and
+    ``log_tail`` (the last lines of the daemon's log, when known).
+    """
+
+    command: str
+    reply: str
+    log_tail: str
+
+    def __init__(self, message: str, *, command: str = "", reply: str = "", log_tail: str = "") -> None:
+        super().__init__(message, command=command, reply=reply, log_tail=log_tail)
+
+
+class DaemonStartError(DaemonError):
+    """The control daemon exited or could not be started."""
+
+
+class DaemonTimeoutError(DaemonError, TimeoutError):
+    """The control daemon did not answer or reach a state before its deadline."""
+
+
+class NotMPSClientError(MPSError, RuntimeError):
+    """Processes use the GPU without being clients of the session's MPS server.
+
+    CUDA silently runs without MPS when a process cannot reach the daemon. Attributes:
+    ``pids`` (the offending processes) and ``gpu`` (the UUID of the GPU they use).
+    """
+
+    pids: list[int]
+    gpu: str
+
+    def __init__(self, message: str, *, pids: Sequence[int] = (), gpu: str = "") -> None:
+        super().__init__(message, pids=list(pids), gpu=gpu)
+
+
+class JobTimeoutError(MPSError, TimeoutError):
+    """The job's ``--timeout`` passed before its ranks could start (exit 124). Attribute: ``timeout``."""
+
+    exit_code = ExitCode.TIMEOUT
+    timeout: float
+
+    def __init__(self, message: str, *, timeout: float = 0.0) -> None:
+        super().__init__(message, timeout=timeout)
+
+
+class TeardownError(MPSError, RuntimeError):
+    """Stopping the session failed. Attribute: ``errors`` (the underlying exceptions)."""
+
+    errors: list[BaseException]
+
+    def __init__(self, message: str, *, errors: Sequence[BaseException] = ()) -> None:
+        super().__init__(message, errors=list(errors))
+
+
+class CommandNotExecutableError(MPSError, PermissionError):
+    """The command to run as the ranks exists but cannot be executed. Attribute: ``command``."""
+
+    exit_code = ExitCode.NOT_EXECUTABLE
+    command: str
+
+    def __init__(self, message: str, *, command: str = "") -> None:
+        super().__init__(message, command=command)
+
+
+class CommandNotFoundError(MPSError, FileNotFoundError):
+    """The command to run as the ranks does not exist. Attribute: ``command``."""
+
+    exit_code = ExitCode.NOT_FOUND
+
+    command: str
+
+    def __init__(self, message: str, *, command: str = "") -> None:
+        super().__init__(message, command=command)
+
+
+class SharedArrayError(MPSError, RuntimeError):
+    """A shared array (:mod:`mpsrun.shared`) could not be had: outside a job, shapes that differ between ranks,
+    a filling rank that failed, or a deadline. Attribute: ``name``."""
+
+    name: str
+
+    def __init__(self, message: str, *, name: str = "") -> None:
+        super().__init__(message, name=name)

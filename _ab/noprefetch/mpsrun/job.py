@@ -1,0 +1,222 @@
+"""Running a job: check and plan everything, start the session, start the ranks, judge, report, tear down.
+
+The CLI builds a :class:`~mpsrun.options.JobConfig` and calls :func:`run_job`; nothing here
+parses command lines or exits the interpreter. Every backend goes through the same steps;
+only what the backend starts differs (:mod:`mpsrun.backends`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from mpsrun import gpus as gpu_info
+from mpsrun.backends import Backend, choose_backend, resolve_command
+from mpsrun.controller import Controller, Policy
+from mpsrun.deadline import Deadline
+from mpsrun.errors import ConfigError, DaemonTimeoutError, JobTimeoutError, TeardownError
+from mpsrun.exitcodes import ExitCode, signal_name
+from mpsrun.headstart import HeadStart
+from mpsrun.interrupts import Interrupts
+from mpsrun.launchers import RankIdentity
+from mpsrun.options import JobConfig
+from mpsrun.outcome import JobResult
+from mpsrun.placement import RankPlan, plan_job, ranks_on_gpus, welcome, without_mps
+from mpsrun.protocol import Listener, control_env, new_token
+from mpsrun.report import crowding_warnings, mps_report, verified_line
+from mpsrun.session import START_TIMEOUT, Session
+from mpsrun.watch import RankWatch
+
+__all__ = ["run_job"]
+
+log = logging.getLogger("mpsrun")
+
+
+
+class Job:
+    """One run of a :class:`JobConfig`; see :func:`run_job`."""
+
+    def __init__(self, config: JobConfig, note: Callable[[str], None], backend: Backend, program: str,
+                 head: HeadStart | None = None) -> None:
+        self.config, self.note, self.backend, self.program = config, note, backend, program
+        self.head = head  # an mpiexec already started (mpsrun.headstart), with its directory and socket
+        self.started = time.monotonic()
+        self.deadline = Deadline(config.timeout)  # --timeout bounds the whole job, start-up included
+
+    def _elapsed(self, what: str) -> None:
+        log.info(f"mpsrun: {what} after {time.monotonic() - self.started:.3f} s")
+
+    def _session(self, backend: Backend) -> Session | None:
+        """The job's MPS session (None where each host's keeper owns its own), checked and planned first."""
+        config = self.config
+        if isinstance(config.thread_percentage, tuple) and len(config.thread_percentage) != config.ranks:
+            raise ConfigError(f"--thread-percentage lists {len(config.thread_percentage)} values but there are "
+                              f"{config.ranks} ranks; give one value per rank, a single value, or auto",
+                              setting="--thread-percentage")
+        if backend.name == "local" and (config.mpiexec or config.mpiexec_args):
+            log.warning("mpsrun: warning: --mpiexec and --mpiexec-arg have no effect with --launcher local")
+        if not backend.owns_daemons:
+            return None
+        session = Session(gpus=list(config.gpus) if config.gpus is not None else "all", mps=config.mps,
+                          keep_logs=config.keep_logs, export=False, quiet=True, gpu_bind=config.gpu_bind,
+                          start_timeout=max(0.1, self.deadline.cap(START_TIMEOUT))).resolve()
+        if session.disabled_reason is not None:
+            for line in without_mps(config, session.disabled_reason):
+                log.warning(f"mpsrun: {line}")
+        plans = plan_job(config.ranks, len(session.gpus), config, session.free_memory())
+        if session.disabled_reason is None:
+            for line in crowding_warnings(ranks_on_gpus(plans) if config.gpu_bind == "single" else {}):
+                log.warning(f"mpsrun: {line}")
+        for plan in plans:
+            log.info(f"mpsrun: rank {plan.rank}: {self._placed(session, plan)}")
+        percentages = {p.thread_percentage for p in plans}
+        cap = max(p for p in percentages if p is not None) if None not in percentages else None
+        by_gpu = {plan.gpu: plan.mem_limit for plan in plans}  # every rank on a GPU has the same limit
+        session.set_defaults(cap, [by_gpu.get(p) for p in range(len(session.gpus))])  # the daemons' defaults
+        return session
+
+    def _placed(self, session: Session, plan: RankPlan) -> str:
+        """Where a rank runs and with what limits, for -v."""
+        if session.gpu_bind == "none":
+            where = "GPUs " + ",".join(str(g.index) for g in session.gpus)
+        else:
+            where = f"GPU {session.gpus[plan.gpu].index if session.gpus else '-'}"
+        return where + (f", {plan.thread_percentage}% of SMs" if plan.thread_percentage else "") + (
+            f", {plan.mem_limit} pinned memory" + (" (auto)" if self.config.mem_limit == "auto" else "")
+            if plan.mem_limit else "")
+
+    def _welcome(self, session: Session | None, output_lock: str | None) -> Callable[..., dict[str, Any]]:
+        n = self.config.ranks
+
+        def answer(identity: RankIdentity, hello: Mapping[str, Any]) -> dict[str, Any]:
+            # One node: what the launcher did not say, the job knows.
+            identity = RankIdentity(identity.rank, identity.local_rank, identity.world_size or n,
+                                    identity.local_world_size or n)
+            gpus = len(session.gpus) if session else 0
+            return welcome(identity, self.config, gpus, session.target if session else lambda _: None, output_lock,
+                           session.free_memory() if session else (),
+                           str(session.dirs.root) if session and session.dirs else None)
+
+        return answer
+
+    def run(self) -> JobResult:
+        """Interrupts before the ranks run undo what was made and raise Interrupted; during teardown they wait."""
+        head, backend, program = self.head, self.backend, self.program
+        with Interrupts() as interrupts, gpu_info.nvml_kept():  # NVML initialised once for the whole job
+            session = None
+            try:
+                session = self._session(backend)
+                if session is not None:
+                    self._start(session, backend.early_server)
+            except BaseException:
+                if head is not None:  # the session removed the directory if it had taken it
+                    head.abandon(remove_directory=session is None or session.dirs is None)
+                raise
+            try:
+                result = self._run(backend, session, program, interrupts.received)
+            finally:
+                with interrupts.deferred():
+                    failure = self._close(session)
+        if failure and result.exit_code == ExitCode.OK:
+            return JobResult(ExitCode.SETUP, "teardown-failed", failure)
+        if interrupts.received and result.exit_code == ExitCode.OK:
+            sig = interrupts.received[0]
+            return JobResult(128 + sig, "signal", f"interrupted by {signal_name(sig)} while ending the job")
+        return result
+
+    def _start(self, session: Session, early_server: bool) -> None:
+        try:
+            # Each server starts with its first client, or at once for an MPI launcher (Backend.early_server);
+            # a head start brings its directory.
+            session.start(kind="job", dirs=self.head.dirs if self.head else None, early_server=early_server)
+        except DaemonTimeoutError as exc:
+            if self.deadline.expired():
+                raise JobTimeoutError(f"timed out after {self.config.timeout:g} s while the MPS daemons started "
+                                      f"({exc})", timeout=self.config.timeout or 0.0) from None
+            raise
+        self._elapsed("daemons ready")
+
+    def _run(self, backend: Backend, session: Session | None, program: str, pending: list[int]) -> JobResult:
+        config = self.config
+        head = self.head
+        token = head.token if head else new_token()
+        where = f"unix:{session.dirs.control_socket}" if backend.control == "unix" and session and session.dirs \
+            else "tcp"
+        listener = head.listener if head else Listener(where)
+        output_lock = None
+        if config.tag_output and backend.name == "local" and session is not None and session.dirs is not None:
+            session.dirs.output_lock.touch(mode=0o600)
+            output_lock = str(session.dirs.output_lock)
+        policy = Policy(grace=config.grace, timeout=self.deadline.remaining() if config.timeout else None,
+                        timeout_total=config.timeout, mps_required=config.mps == "on")
+        controller = Controller(listener, token, self._welcome(session, output_lock), policy,
+                                expected=range(config.ranks),
+                                session=session, note=self.note)
+        watch = controller.watch
+        env = control_env(os.environ, listener, token)
+        def start() -> None:  # in the controller's loop, which handles signals from here on
+            mps = "on" if watch else "per host" if not backend.owns_daemons else "off"
+            log.info(f"mpsrun: {backend.name} launcher, MPS {mps}, {config.ranks} rank(s)")
+            if head is not None:
+                controller.launchers.adopt(head.hand_over())
+            else:
+                controller.launch(backend.specs(config, program, env))
+            self._elapsed("ranks starting")
+
+        try:
+            result = controller.run(first=start, pending=list(pending))  # a signal a finalizer swallowed
+            self._elapsed("ranks done")
+        finally:
+            listener.close()
+            if head is not None:  # never handed over (the loop stopped first): it must not outlive the job
+                head.abandon(remove_directory=False)
+        self._report(result, controller, session, watch)
+        return result
+
+    def _report(self, result: JobResult, controller: Controller, session: Session | None,
+                watch: RankWatch | None) -> None:
+        if watch is not None:
+            controller.settle_watch()
+            log.info(f"mpsrun: {verified_line(watch, range(self.config.ranks))}")
+        if result.exit_code != ExitCode.OK:
+            self.note(result.message)
+            rank_of = {s.process.pid: s.rank for s in controller.ranks.values() if s.process is not None}
+            for line in (mps_report(session.daemons, rank_of) if session is not None and session.enabled else []):
+                self.note(line)
+        for line in controller.notes:  # what each host's node keeper had to say (under --hosts)
+            self.note(line)
+
+    def _close(self, session: Session | None) -> str:
+        """Tear the session down; what failed, if anything (reported, never hiding the job's outcome)."""
+        if session is None:
+            return ""
+        try:
+            session.close()
+        except TeardownError as exc:
+            self.note(str(exc))
+            return str(exc)
+        self._elapsed("torn down")
+        return ""
+
+
+def _stderr_note(text: str) -> None:
+    with contextlib.suppress(OSError):
+        print(f"mpsrun: {text}", file=sys.stderr, flush=True)
+
+
+def run_job(config: JobConfig, note: Callable[[str], None] | None = None, *, backend: Backend | None = None,
+            program: str | None = None, head: HeadStart | None = None) -> JobResult:
+    """Run a job to completion and return how it ended (exit code, cause, message).
+
+    ``backend`` and ``program`` (the command's program by path) where the caller found them
+    already, with ``head``, the mpiexec it started (:mod:`mpsrun.headstart`). Raises
+    :class:`ConfigError` (usage, exit 2), :class:`CommandNotFoundError` (127) or another
+    :class:`MPSError` (set-up failure, exit 3) before any rank starts.
+    """
+    program = program or resolve_command(config.command)
+    return Job(config, note or _stderr_note, backend or choose_backend(config), program, head).run()
