@@ -80,7 +80,7 @@ def head_start(config: JobConfig, backend: Backend, program: str) -> HeadStart |
         head.launched = Launched(spec)
     except OSError as exc:  # as the controller says it when a launcher cannot start
         head.abandon()
-        raise MPSError(f"cannot start rank(s) 0-{config.ranks - 1}: {exc}", command=spec.argv[0]) from None
+        raise MPSError(f"cannot start rank(s) 0-{config.ranks - 1}: {exc}", command=backend.mpiexec) from None
     except BaseException:
         head.abandon()
         raise

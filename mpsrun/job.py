@@ -51,16 +51,16 @@ class Job:
     def _elapsed(self, what: str) -> None:
         log.info(f"mpsrun: {what} after {time.monotonic() - self.started:.3f} s")
 
-    def _session(self, backend: Backend) -> Session | None:
+    def _session(self) -> Session | None:
         """The job's MPS session (None where each host's keeper owns its own), checked and planned first."""
         config = self.config
         if isinstance(config.thread_percentage, tuple) and len(config.thread_percentage) != config.ranks:
             raise ConfigError(f"--thread-percentage lists {len(config.thread_percentage)} values but there are "
                               f"{config.ranks} ranks; give one value per rank, a single value, or auto",
                               setting="--thread-percentage")
-        if backend.name == "local" and (config.mpiexec or config.mpiexec_args):
+        if self.backend.name == "local" and (config.mpiexec or config.mpiexec_args):
             log.warning("mpsrun: warning: --mpiexec and --mpiexec-arg have no effect with --launcher local")
-        if not backend.owns_daemons:
+        if not self.backend.owns_daemons:
             return None
         session = Session(gpus=list(config.gpus) if config.gpus is not None else "all", mps=config.mps,
                           keep_logs=config.keep_logs, export=False, quiet=True, gpu_bind=config.gpu_bind,
@@ -106,19 +106,19 @@ class Job:
 
     def run(self) -> JobResult:
         """Interrupts before the ranks run undo what was made and raise Interrupted; during teardown they wait."""
-        head, backend, program = self.head, self.backend, self.program
+        head = self.head
         with Interrupts() as interrupts, gpu_info.nvml_kept():  # NVML initialised once for the whole job
             session = None
             try:
-                session = self._session(backend)
+                session = self._session()
                 if session is not None:
-                    self._start(session, backend.early_server)
+                    self._start(session)
             except BaseException:
                 if head is not None:  # the session removed the directory if it had taken it
                     head.abandon(remove_directory=session is None or session.dirs is None)
                 raise
             try:
-                result = self._run(backend, session, program, interrupts.received)
+                result = self._run(session, interrupts.received)
             finally:
                 with interrupts.deferred():
                     failure = self._close(session)
@@ -129,11 +129,12 @@ class Job:
             return JobResult(128 + sig, "signal", f"interrupted by {signal_name(sig)} while ending the job")
         return result
 
-    def _start(self, session: Session, early_server: bool) -> None:
+    def _start(self, session: Session) -> None:
         try:
             # Each server starts with its first client, or at once for an MPI launcher (Backend.early_server);
             # a head start brings its directory.
-            session.start(kind="job", dirs=self.head.dirs if self.head else None, early_server=early_server)
+            session.start(kind="job", dirs=self.head.dirs if self.head else None,
+                          early_server=self.backend.early_server)
         except DaemonTimeoutError as exc:
             if self.deadline.expired():
                 raise JobTimeoutError(f"timed out after {self.config.timeout:g} s while the MPS daemons started "
@@ -141,9 +142,8 @@ class Job:
             raise
         self._elapsed("daemons ready")
 
-    def _run(self, backend: Backend, session: Session | None, program: str, pending: list[int]) -> JobResult:
-        config = self.config
-        head = self.head
+    def _run(self, session: Session | None, pending: list[int]) -> JobResult:
+        config, backend, head = self.config, self.backend, self.head
         token = head.token if head else new_token()
         where = f"unix:{session.dirs.control_socket}" if backend.control == "unix" and session and session.dirs \
             else "tcp"
@@ -165,7 +165,7 @@ class Job:
             if head is not None:
                 controller.launchers.adopt(head.hand_over())
             else:
-                controller.launch(backend.specs(config, program, env))
+                controller.launch(backend.specs(config, self.program, env))
             self._elapsed("ranks starting")
 
         try:
