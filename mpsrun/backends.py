@@ -24,11 +24,11 @@ from typing import Protocol
 import attrs
 
 from mpsrun import mpi
-from mpsrun.errors import CommandNotExecutableError, CommandNotFoundError, ConfigError
-from mpsrun.exitcodes import ExitCode
+from mpsrun.errors import ConfigError
+from mpsrun.forked import ForkedSupervisor
 from mpsrun.loop import EventLoop
 from mpsrun.options import JobConfig, option_variables, to_argv
-from mpsrun.procs import find_program, physical_cores, pidfd, python_without_site, set_parent_death_signal
+from mpsrun.procs import physical_cores, pidfd, python_without_site, set_parent_death_signal
 
 __all__ = [
     "Backend",
@@ -62,8 +62,6 @@ class Launched:
     """A started process, in its own session, watched through a pidfd; it gets SIGTERM if we die."""
 
     def __init__(self, spec: LaunchSpec) -> None:
-        from mpsrun.forked import ForkedSupervisor  # the local launcher's (imports the rank supervisor)
-
         self.spec = spec
         self.popen: subprocess.Popen[bytes] | ForkedSupervisor = ForkedSupervisor(spec.argv, spec.env, spec.stdin) \
             if spec.fork else subprocess.Popen(
@@ -116,18 +114,10 @@ class Launchers:
     def _start(self, spec: LaunchSpec) -> None:
         started = Launched(spec)
         self.started.append(started)
-        self._watch(started)
-
-    def _watch(self, started: Launched) -> None:
         if started.fd is not None:
             self.loop.watch(started.fd, functools.partial(self._exited, started))
         else:  # no pidfds on this kernel: a bounded poll interval
             self._poll(started)
-
-    def adopt(self, started: Launched) -> None:
-        """Watch a launcher started before this job's controller existed (:mod:`mpsrun.headstart`)."""
-        self.started.append(started)
-        self._watch(started)
 
     def cancel(self) -> list[int]:
         """Start nothing more (the job is stopping); the ranks that will now never start."""
@@ -236,15 +226,6 @@ class HostsBackend(MpiexecBackend):
         # Open MPI gives each --host one slot: the ranks are spread over them (--oversubscribe).
         argv = self._argv(config, per_node, hosts, export=self.EXPORT, cores=None if config.hosts else 1 << 20)
         return [LaunchSpec("mpiexec", argv, env, tuple(range(config.ranks)), stdin=True)]
-
-
-def resolve_command(command: tuple[str, ...]) -> str:
-    """The program of a job's command by absolute path; raises as a shell would say it (127, 126)."""
-    program, code, reason = find_program(command[0], None)
-    if program is None:
-        error = CommandNotFoundError if code == ExitCode.NOT_FOUND else CommandNotExecutableError
-        raise error(f"{command[0]}: {reason}", command=command[0])
-    return program
 
 
 def choose_backend(config: JobConfig) -> Backend:

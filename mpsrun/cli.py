@@ -17,7 +17,7 @@ from mpsrun import __version__
 from mpsrun.errors import ConfigError, MPSError
 from mpsrun.exitcodes import ExitCode
 from mpsrun.interrupts import InterruptionError, Interrupts
-from mpsrun.options import JobConfig, build_parser, options, parse_args
+from mpsrun.options import build_parser, options, parse_args
 
 __all__ = ["main"]
 
@@ -147,28 +147,12 @@ def _main(args: list[str]) -> int:
             from mpsrun.pernode import run_per_node
 
             return run_per_node(config)
-        return _run_job(config)
+        from mpsrun.job import run_job
+
+        return run_job(config).exit_code
     except MPSError as exc:
         _print_error(str(exc))
         return exc.exit_code
-
-
-def _run_job(config: JobConfig) -> int:
-    """Start mpiexec first where the job goes through it (it takes longest to start), then the rest of the job."""
-    from mpsrun.backends import choose_backend, resolve_command
-    from mpsrun.headstart import head_start
-
-    program = resolve_command(config.command)
-    backend = choose_backend(config)
-    head = head_start(config, backend, program)
-    try:
-        from mpsrun.job import run_job
-
-        return run_job(config, backend=backend, program=program, head=head).exit_code
-    except BaseException:
-        if head is not None:  # still ours only if the job never took it over (it abandons it itself)
-            head.abandon(remove_directory=head.launched is not None)
-        raise
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -16,18 +16,25 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from mpsrun import gpus as gpu_info
-from mpsrun.backends import Backend, choose_backend, resolve_command
+from mpsrun.backends import Backend, choose_backend
 from mpsrun.controller import Controller, Policy
 from mpsrun.deadline import Deadline
-from mpsrun.errors import ConfigError, DaemonTimeoutError, JobTimeoutError, TeardownError
+from mpsrun.errors import (
+    CommandNotExecutableError,
+    CommandNotFoundError,
+    ConfigError,
+    DaemonTimeoutError,
+    JobTimeoutError,
+    TeardownError,
+)
 from mpsrun.exitcodes import ExitCode, signal_name
-from mpsrun.headstart import HeadStart
 from mpsrun.interrupts import Interrupts
 from mpsrun.launchers import RankIdentity
 from mpsrun.options import JobConfig
 from mpsrun.outcome import JobResult
 from mpsrun.placement import RankPlan, plan_job, ranks_on_gpus, welcome, without_mps
-from mpsrun.protocol import Listener, control_env, new_token
+from mpsrun.procs import find_program
+from mpsrun.protocol import Listener, new_token
 from mpsrun.report import crowding_warnings, mps_report, verified_line
 from mpsrun.session import START_TIMEOUT, Session
 from mpsrun.watch import RankWatch
@@ -38,29 +45,36 @@ log = logging.getLogger("mpsrun")
 
 
 
+def resolve_command(command: tuple[str, ...]) -> str:
+    program, code, reason = find_program(command[0], None)
+    if program is None:
+        error = CommandNotFoundError if code == ExitCode.NOT_FOUND else CommandNotExecutableError
+        raise error(f"{command[0]}: {reason}", command=command[0])
+    return program
+
+
 class Job:
     """One run of a :class:`JobConfig`; see :func:`run_job`."""
 
-    def __init__(self, config: JobConfig, note: Callable[[str], None], backend: Backend, program: str,
-                 head: HeadStart | None = None) -> None:
-        self.config, self.note, self.backend, self.program = config, note, backend, program
-        self.head = head  # an mpiexec already started (mpsrun.headstart), with its directory and socket
+    def __init__(self, config: JobConfig, note: Callable[[str], None]) -> None:
+        self.config = config
+        self.note = note
         self.started = time.monotonic()
         self.deadline = Deadline(config.timeout)  # --timeout bounds the whole job, start-up included
 
     def _elapsed(self, what: str) -> None:
         log.info(f"mpsrun: {what} after {time.monotonic() - self.started:.3f} s")
 
-    def _session(self) -> Session | None:
+    def _session(self, backend: Backend) -> Session | None:
         """The job's MPS session (None where each host's keeper owns its own), checked and planned first."""
         config = self.config
         if isinstance(config.thread_percentage, tuple) and len(config.thread_percentage) != config.ranks:
             raise ConfigError(f"--thread-percentage lists {len(config.thread_percentage)} values but there are "
                               f"{config.ranks} ranks; give one value per rank, a single value, or auto",
                               setting="--thread-percentage")
-        if self.backend.name == "local" and (config.mpiexec or config.mpiexec_args):
+        if backend.name == "local" and (config.mpiexec or config.mpiexec_args):
             log.warning("mpsrun: warning: --mpiexec and --mpiexec-arg have no effect with --launcher local")
-        if not self.backend.owns_daemons:
+        if not backend.owns_daemons:
             return None
         session = Session(gpus=list(config.gpus) if config.gpus is not None else "all", mps=config.mps,
                           keep_logs=config.keep_logs, export=False, quiet=True, gpu_bind=config.gpu_bind,
@@ -106,19 +120,15 @@ class Job:
 
     def run(self) -> JobResult:
         """Interrupts before the ranks run undo what was made and raise Interrupted; during teardown they wait."""
-        head = self.head
+        config = self.config
+        program = resolve_command(config.command)
+        backend = choose_backend(config)
         with Interrupts() as interrupts, gpu_info.nvml_kept():  # NVML initialised once for the whole job
-            session = None
+            session = self._session(backend)
+            if session is not None:
+                self._start(session, backend.early_server)
             try:
-                session = self._session()
-                if session is not None:
-                    self._start(session)
-            except BaseException:
-                if head is not None:  # the session removed the directory if it had taken it
-                    head.abandon(remove_directory=session is None or session.dirs is None)
-                raise
-            try:
-                result = self._run(session, interrupts.received)
+                result = self._run(backend, session, program, interrupts.received)
             finally:
                 with interrupts.deferred():
                     failure = self._close(session)
@@ -129,12 +139,10 @@ class Job:
             return JobResult(128 + sig, "signal", f"interrupted by {signal_name(sig)} while ending the job")
         return result
 
-    def _start(self, session: Session) -> None:
+    def _start(self, session: Session, early_server: bool) -> None:
         try:
-            # Each server starts with its first client, or at once for an MPI launcher (Backend.early_server);
-            # a head start brings its directory.
-            session.start(kind="job", dirs=self.head.dirs if self.head else None,
-                          early_server=self.backend.early_server)
+            # Each server starts with its first client, or at once for an MPI launcher (Backend.early_server).
+            session.start(kind="job", early_server=early_server)
         except DaemonTimeoutError as exc:
             if self.deadline.expired():
                 raise JobTimeoutError(f"timed out after {self.config.timeout:g} s while the MPS daemons started "
@@ -142,12 +150,12 @@ class Job:
             raise
         self._elapsed("daemons ready")
 
-    def _run(self, session: Session | None, pending: list[int]) -> JobResult:
-        config, backend, head = self.config, self.backend, self.head
-        token = head.token if head else new_token()
+    def _run(self, backend: Backend, session: Session | None, program: str, pending: list[int]) -> JobResult:
+        config = self.config
+        token = new_token()
         where = f"unix:{session.dirs.control_socket}" if backend.control == "unix" and session and session.dirs \
             else "tcp"
-        listener = head.listener if head else Listener(where)
+        listener = Listener(where)
         output_lock = None
         if config.tag_output and backend.name == "local" and session is not None and session.dirs is not None:
             session.dirs.output_lock.touch(mode=0o600)
@@ -158,14 +166,12 @@ class Job:
                                 expected=range(config.ranks),
                                 session=session, note=self.note)
         watch = controller.watch
-        env = control_env(os.environ, listener, token)
+        env = {**os.environ, "MPSRUN_CONTROL": listener.address, "MPSRUN_CONTROL_TOKEN": token,
+               "MPSRUN_JOB_ID": token[:16]}
         def start() -> None:  # in the controller's loop, which handles signals from here on
             mps = "on" if watch else "per host" if not backend.owns_daemons else "off"
             log.info(f"mpsrun: {backend.name} launcher, MPS {mps}, {config.ranks} rank(s)")
-            if head is not None:
-                controller.launchers.adopt(head.hand_over())
-            else:
-                controller.launch(backend.specs(config, self.program, env))
+            controller.launch(backend.specs(config, program, env))
             self._elapsed("ranks starting")
 
         try:
@@ -173,8 +179,6 @@ class Job:
             self._elapsed("ranks done")
         finally:
             listener.close()
-            if head is not None:  # never handed over (the loop stopped first): it must not outlive the job
-                head.abandon(remove_directory=False)
         self._report(result, controller, session, watch)
         return result
 
@@ -209,14 +213,10 @@ def _stderr_note(text: str) -> None:
         print(f"mpsrun: {text}", file=sys.stderr, flush=True)
 
 
-def run_job(config: JobConfig, note: Callable[[str], None] | None = None, *, backend: Backend | None = None,
-            program: str | None = None, head: HeadStart | None = None) -> JobResult:
+def run_job(config: JobConfig, note: Callable[[str], None] | None = None) -> JobResult:
     """Run a job to completion and return how it ended (exit code, cause, message).
 
-    ``backend`` and ``program`` (the command's program by path) where the caller found them
-    already, with ``head``, the mpiexec it started (:mod:`mpsrun.headstart`). Raises
-    :class:`ConfigError` (usage, exit 2), :class:`CommandNotFoundError` (127) or another
-    :class:`MPSError` (set-up failure, exit 3) before any rank starts.
+    Raises :class:`ConfigError` (usage, exit 2), :class:`CommandNotFoundError` (127) or
+    another :class:`MPSError` (set-up failure, exit 3) before any rank starts.
     """
-    program = program or resolve_command(config.command)
-    return Job(config, note or _stderr_note, backend or choose_backend(config), program, head).run()
+    return Job(config, note or _stderr_note).run()

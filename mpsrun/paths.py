@@ -234,8 +234,7 @@ class SessionDirs:
 
         Without ``name`` the directory gets a fresh random name (made atomically); a node
         session passes the name every local rank of a job computes. Made through directory
-        descriptors from the checked user root down: no path is resolved twice. The GPUs'
-        directories may also come later (:meth:`add_gpus`).
+        descriptors from the checked user root down: no path is resolved twice.
         """
         validate_base(base)
         root_fd = _user_root_fd(base)
@@ -244,18 +243,9 @@ class SessionDirs:
                 name = _new_directory(root_fd)
             else:
                 os.mkdir(name, 0o700, dir_fd=root_fd)
-            os.close(_open_private(name, root_fd, user_root(base) / name, create=False))
+            session_fd = _open_private(name, root_fd, user_root(base) / name, create=False)
         finally:
             os.close(root_fd)
-        dirs = cls(root=user_root(base) / name)
-        dirs.add_gpus(gpu_indices)
-        return dirs
-
-    def add_gpus(self, gpu_indices: list[int]) -> None:
-        """Make the pipe and log directories of these GPUs (the launcher's directory is made before its GPUs are
-        known: its control socket is bound first, for an mpiexec started at once)."""
-        session_fd = os.open(self.root, _DIR_FLAGS)  # the last part is never a link (O_NOFOLLOW); checked again
-        session_fd = _checked(session_fd, lambda: _check_private(os.fstat(session_fd), self.root))
         try:
             for index in gpu_indices:
                 os.mkdir(f"gpu{index}", 0o700, dir_fd=session_fd)
@@ -265,6 +255,7 @@ class SessionDirs:
                 os.close(gpu_fd)
         finally:
             os.close(session_fd)
+        return cls(root=user_root(base) / name)
 
     @property
     def session_id(self) -> str:

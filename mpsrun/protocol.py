@@ -17,23 +17,18 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from mpsrun.deadline import Deadline, backoff
 
-__all__ = ["Link", "Listener", "connect", "control_env", "new_token"]
+__all__ = ["Link", "Listener", "connect", "new_token"]
 
 _MAX_LINE = 1 << 20  # a peer that sends more without a newline is not one of ours
 
 
 def new_token() -> str:
     return os.urandom(16).hex()  # as secrets.token_hex(16), without importing hashlib in every shim
-
-
-def control_env(env: Mapping[str, str], listener: Listener, token: str) -> dict[str, str]:
-    """``env`` with what a job's rank supervisors need to reach its controller (and the job's id)."""
-    return {**env, "MPSRUN_CONTROL": listener.address, "MPSRUN_CONTROL_TOKEN": token, "MPSRUN_JOB_ID": token[:16]}
 
 
 def token_matches(offered: object, token: str) -> bool:

@@ -17,12 +17,23 @@ from types import TracebackType
 from typing import Any
 
 from mpsrun import gpus as gpu_info
-from mpsrun import limits
 from mpsrun.daemon import ControlDaemon, unavailable_reason
 from mpsrun.daemons import GpuDaemons
 from mpsrun.errors import ConfigError, MPSError, MPSUnavailableError, NoDriverError, TeardownError
 from mpsrun.exported import Export
 from mpsrun.gpus import GPU
+from mpsrun.limits import (
+    parse_count,
+    parse_flag,
+    parse_gpu_bind,
+    parse_gpu_request,
+    parse_mem_limit,
+    parse_mps_mode,
+    parse_priority,
+    parse_seconds,
+    parse_thread_percentage,
+    session_mem_limits,
+)
 from mpsrun.paths import SessionDirs, session_base, user_root
 from mpsrun.placement import MANAGED_VARIABLES, GpuTarget, RankPlan, rank_environment
 from mpsrun.procs import ProcessRef
@@ -87,22 +98,21 @@ class Session:
         gpu_bind: str = "single",
         workers: int | None = None,
     ) -> None:
-        self._requested = limits.parse_gpu_request(gpu, gpus)
-        self.mps = limits.parse_mps_mode(mps)
-        self.thread_percentage = None if thread_percentage is None else \
-            limits.parse_thread_percentage(thread_percentage)
-        self.mem_limit = None if mem_limit is None else limits.parse_mem_limit(mem_limit)
-        self.priority = None if priority is None else limits.parse_priority(priority)
-        self.gpu_bind = limits.parse_gpu_bind(gpu_bind)
-        self.workers = None if workers is None else limits.parse_count(workers, "workers")
+        self._requested = parse_gpu_request(gpu, gpus)
+        self.mps = parse_mps_mode(mps)
+        self.thread_percentage = None if thread_percentage is None else parse_thread_percentage(thread_percentage)
+        self.mem_limit = None if mem_limit is None else parse_mem_limit(mem_limit)
+        self.priority = None if priority is None else parse_priority(priority)
+        self.gpu_bind = parse_gpu_bind(gpu_bind)
+        self.workers = None if workers is None else parse_count(workers, "workers")
         if self.mem_limit == "auto" and self.workers is None:
             raise ConfigError("mem_limit='auto' needs workers=N: how many workers will share the session's GPUs",
                               setting="workers")
         self.base = session_base(tmpdir)
-        self.start_timeout = limits.parse_seconds(start_timeout, "start_timeout")
-        self.stop_timeout = limits.parse_seconds(stop_timeout, "stop_timeout")
-        self.keep_logs = limits.parse_flag(keep_logs, "keep_logs")
-        self.export = None if export is None else limits.parse_flag(export, "export")
+        self.start_timeout = parse_seconds(start_timeout, "start_timeout")
+        self.stop_timeout = parse_seconds(stop_timeout, "stop_timeout")
+        self.keep_logs = parse_flag(keep_logs, "keep_logs")
+        self.export = None if export is None else parse_flag(export, "export")
         self.quiet = quiet  # the launcher and node keepers say themselves why MPS is off
         self.gpus: list[GPU] = []
         self._daemons = GpuDaemons([], shared=False)
@@ -147,7 +157,7 @@ class Session:
                 setting="export",
                 value=True,
             )
-        self._mem_limits = limits.session_mem_limits(self.mem_limit, [g.memory_free for g in self.gpus],
+        self._mem_limits = session_mem_limits(self.mem_limit, [g.memory_free for g in self.gpus],
                                               self.workers if self.disabled_reason is None else None,
                                               self.gpu_bind == "none")
         self._state = "resolved"
@@ -163,7 +173,7 @@ class Session:
         self._mem_limits = list(mem_limits)
 
     def start(self, wait_active: bool = True, kind: str = "api", name: str | None = None,
-              dirs: SessionDirs | None = None, early_server: bool = False) -> Session:
+              early_server: bool = False) -> Session:
         """Start the daemons and wait until each GPU's server is ACTIVE.
 
         ``wait_active=False`` returns once every daemon answers and has its settings, with
@@ -174,7 +184,7 @@ class Session:
         the first client, as a hand-started daemon's do (a job that never uses the GPU
         pays for none), and their watch checks each server once its first client is in;
         ``early_server`` asks for each server at once instead, without waiting for it (the
-        mpiexec launcher). ``dirs``: a directory made earlier (:mod:`mpsrun.headstart`).
+        mpiexec launcher).
         """
         self.resolve()
         if self._state != "resolved":
@@ -183,7 +193,7 @@ class Session:
         self._owner_pid = os.getpid()
         try:
             if self.disabled_reason is None or kind != "api":
-                self._make_directory(kind, name, dirs)
+                self._make_directory(kind, name)
             if self.disabled_reason is None:
                 lazy = "requested" if early_server else "lazy"
                 self._start_daemons(lazy if kind != "api" else "active" if wait_active else "requested")
@@ -200,28 +210,26 @@ class Session:
         self._state = "running"
         return self
 
-    def _make_directory(self, kind: str, name: str | None, dirs: SessionDirs | None) -> None:
+    def _make_directory(self, kind: str, name: str | None) -> None:
         with contextlib.suppress(Exception):  # best effort, never waiting: what a killed earlier run left
             if any(os.scandir(user_root(self.base))):  # nothing there, nothing to read (nor to import)
                 from mpsrun import registry
 
                 for session_id, what in registry.cleanup(self.base, lock_timeout=0, remove_kept=False):
                     log.info("mpsrun: stale session %s %s", session_id, what)
-        indices = [group[0].index for group in self._daemons.groups()]
-        self.dirs = dirs or SessionDirs.create(self.base, indices, name=name)
-        if dirs is not None:
-            dirs.add_gpus(indices)
+        self.dirs = SessionDirs.create(self.base, [group[0].index for group in self._daemons.groups()], name=name)
         self.record = SessionRecord.new(kind, gpus=tuple(g.uuid for g in self.gpus), argv=tuple(sys.argv),
                                         keep_logs=self.keep_logs)
         self.record.write(self.dirs.record_file)
         self._reaper = Reaper(self.dirs.root)
 
     def _start_daemons(self, server: str) -> None:
+        assert self.dirs is not None
+
         def started(daemon: ControlDaemon) -> None:
             assert self.record is not None
             self._update(self.record.with_daemon(daemon.record()))
 
-        assert self.dirs is not None
         self._daemons.start(self.dirs, self.thread_percentage, self._mem_limits, self.start_timeout, server, started)
 
     @property
@@ -391,5 +399,5 @@ def mps_session(*args: Any, **kwargs: Any) -> Session:
     return Session(*args, **kwargs)
 
 
-# inspect.signature() and help() show Session's arguments (and inspect stays off the launch path: 5 ms).
+# inspect.signature() and help() show Session's arguments (and inspect stays off the launch path).
 mps_session.__wrapped__ = Session  # type: ignore[attr-defined]
