@@ -17,23 +17,12 @@ from types import TracebackType
 from typing import Any
 
 from mpsrun import gpus as gpu_info
+from mpsrun import limits
 from mpsrun.daemon import ControlDaemon, unavailable_reason
 from mpsrun.daemons import GpuDaemons
 from mpsrun.errors import ConfigError, MPSError, MPSUnavailableError, NoDriverError, TeardownError
 from mpsrun.exported import Export
 from mpsrun.gpus import GPU
-from mpsrun.limits import (
-    parse_count,
-    parse_flag,
-    parse_gpu_bind,
-    parse_gpu_request,
-    parse_mem_limit,
-    parse_mps_mode,
-    parse_priority,
-    parse_seconds,
-    parse_thread_percentage,
-    session_mem_limits,
-)
 from mpsrun.paths import SessionDirs, session_base, user_root
 from mpsrun.placement import MANAGED_VARIABLES, GpuTarget, RankPlan, rank_environment
 from mpsrun.procs import ProcessRef
@@ -98,21 +87,22 @@ class Session:
         gpu_bind: str = "single",
         workers: int | None = None,
     ) -> None:
-        self._requested = parse_gpu_request(gpu, gpus)
-        self.mps = parse_mps_mode(mps)
-        self.thread_percentage = None if thread_percentage is None else parse_thread_percentage(thread_percentage)
-        self.mem_limit = None if mem_limit is None else parse_mem_limit(mem_limit)
-        self.priority = None if priority is None else parse_priority(priority)
-        self.gpu_bind = parse_gpu_bind(gpu_bind)
-        self.workers = None if workers is None else parse_count(workers, "workers")
+        self._requested = limits.parse_gpu_request(gpu, gpus)
+        self.mps = limits.parse_mps_mode(mps)
+        self.thread_percentage = None if thread_percentage is None else \
+            limits.parse_thread_percentage(thread_percentage)
+        self.mem_limit = None if mem_limit is None else limits.parse_mem_limit(mem_limit)
+        self.priority = None if priority is None else limits.parse_priority(priority)
+        self.gpu_bind = limits.parse_gpu_bind(gpu_bind)
+        self.workers = None if workers is None else limits.parse_count(workers, "workers")
         if self.mem_limit == "auto" and self.workers is None:
             raise ConfigError("mem_limit='auto' needs workers=N: how many workers will share the session's GPUs",
                               setting="workers")
         self.base = session_base(tmpdir)
-        self.start_timeout = parse_seconds(start_timeout, "start_timeout")
-        self.stop_timeout = parse_seconds(stop_timeout, "stop_timeout")
-        self.keep_logs = parse_flag(keep_logs, "keep_logs")
-        self.export = None if export is None else parse_flag(export, "export")
+        self.start_timeout = limits.parse_seconds(start_timeout, "start_timeout")
+        self.stop_timeout = limits.parse_seconds(stop_timeout, "stop_timeout")
+        self.keep_logs = limits.parse_flag(keep_logs, "keep_logs")
+        self.export = None if export is None else limits.parse_flag(export, "export")
         self.quiet = quiet  # the launcher and node keepers say themselves why MPS is off
         self.gpus: list[GPU] = []
         self._daemons = GpuDaemons([], shared=False)
@@ -157,7 +147,7 @@ class Session:
                 setting="export",
                 value=True,
             )
-        self._mem_limits = session_mem_limits(self.mem_limit, [g.memory_free for g in self.gpus],
+        self._mem_limits = limits.session_mem_limits(self.mem_limit, [g.memory_free for g in self.gpus],
                                               self.workers if self.disabled_reason is None else None,
                                               self.gpu_bind == "none")
         self._state = "resolved"
@@ -182,9 +172,8 @@ class Session:
         ``"job"``) and node keepers (``"node"``, with a fixed ``name``) always get a
         directory, for their control socket, even without MPS; their servers start with
         the first client, as a hand-started daemon's do (a job that never uses the GPU
-        pays for none), and their watch checks each server once its first client is in;
-        ``early_server`` asks for each server at once instead, without waiting for it (the
-        mpiexec launcher).
+        pays for none), and their watch checks each server once its first client is in
+        (``early_server``: asked for at once, not waited for; the mpiexec launcher).
         """
         self.resolve()
         if self._state != "resolved":
@@ -195,8 +184,8 @@ class Session:
             if self.disabled_reason is None or kind != "api":
                 self._make_directory(kind, name)
             if self.disabled_reason is None:
-                lazy = "requested" if early_server else "lazy"
-                self._start_daemons(lazy if kind != "api" else "active" if wait_active else "requested")
+                self._start_daemons("active" if kind == "api" and wait_active else "lazy"
+                                    if kind != "api" and not early_server else "requested")
                 self.enabled = True
             elif not self.quiet:
                 log.warning("mpsrun: running without MPS: %s", self.disabled_reason)
@@ -399,5 +388,5 @@ def mps_session(*args: Any, **kwargs: Any) -> Session:
     return Session(*args, **kwargs)
 
 
-# inspect.signature() and help() show Session's arguments (and inspect stays off the launch path).
+# help() and inspect.signature() show Session's arguments, without importing inspect on the launch path.
 mps_session.__wrapped__ = Session  # type: ignore[attr-defined]
