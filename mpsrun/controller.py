@@ -384,7 +384,8 @@ class Controller:
         assert self.upstream is not None
         messages = self.upstream.receive()
         if messages is None:
-            self.loop.unwatch(fd)
+            self.loop.unwatch(fd)  # before the close: see Link
+            self.upstream.close()
             self.upstream = None
             self.fail("setup", ExitCode.SETUP, "lost the job's controller")
             self._verdicts_overdue()

@@ -42,6 +42,10 @@ class Link:
 
     A failed send only marks the link broken: the socket stays open (and registered with
     whoever waits on it) until :meth:`receive` sees its end, so the loss is always noticed.
+    At its end the socket still stays open, until its owner has stopped waiting on it and
+    calls :meth:`close`: closed first, the descriptor's number could be reused while a forked
+    child still held the socket, and an event loop would take the old socket's events for
+    the new descriptor's (the kernel drops a registration only once no process holds it).
     """
 
     def __init__(self, sock: socket.socket) -> None:
@@ -49,6 +53,7 @@ class Link:
         self.fd = sock.fileno()  # kept after close, to stop waiting on it
         self.closed = False
         self.broken = False
+        self.ended = False  # the peer's end was read
         self.peer: dict[str, Any] = {}  # what the peer said about itself in its hello
         self._buffer = b""
 
@@ -57,10 +62,10 @@ class Link:
 
     @property
     def usable(self) -> bool:
-        return not (self.closed or self.broken)
+        return not (self.closed or self.broken or self.ended)
 
     def send(self, kind: str, **fields: Any) -> bool:
-        if self.closed or self.broken:
+        if not self.usable:
             return False
         try:
             self.sock.sendall(json.dumps({"type": kind, **fields}).encode() + b"\n")
@@ -70,8 +75,9 @@ class Link:
         return True
 
     def receive(self) -> list[dict[str, Any]] | None:
-        """The messages that have arrived (call when readable); None once the peer is gone."""
-        if self.closed:
+        """The messages that have arrived (call when readable); None once the peer is gone (then
+        stop waiting on the link, and :meth:`close` it)."""
+        if self.closed or self.ended:
             return None
         try:
             data = self.sock.recv(65536)
@@ -80,12 +86,12 @@ class Link:
         except OSError:
             data = b""
         if not data:
-            self.close()
+            self.ended = True
             return None
         self._buffer += data
         *lines, self._buffer = self._buffer.split(b"\n")
         if len(self._buffer) > _MAX_LINE:
-            self.close()
+            self.ended = True
             return None
         return [message for line in lines if (message := _decode(line)) is not None]
 
@@ -97,6 +103,7 @@ class Link:
             self.sock.settimeout(max(0.001, deadline.remaining()))
             messages = self.receive()
             if messages is None:
+                self.close()  # a blocking wait: nothing else waits on it
                 return None
             self.sock.settimeout(None)
             for message in messages:

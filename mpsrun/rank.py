@@ -175,7 +175,8 @@ class RankSupervisor:
     def _on_link(self) -> None:
         messages = self.link.receive()
         if messages is None:  # the controller is gone (killed): the job is over
-            self.loop.unwatch(self.link_fd)
+            self.loop.unwatch(self.link_fd)  # before the close: see Link
+            self.link.close()
             self.controller_lost = True
             self._signal(signal.SIGTERM)
             return

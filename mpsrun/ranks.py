@@ -84,7 +84,8 @@ class RankTable:
     def _on_link(self, link: Link) -> None:
         messages = link.receive()
         if messages is None:
-            self.loop.unwatch(link.fd)
+            self.loop.unwatch(link.fd)  # before the close: see Link
+            link.close()
             self._lost(link)
             return
         for message in messages:
