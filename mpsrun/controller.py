@@ -97,8 +97,7 @@ class Controller:
         """
         with self.loop.signals((*STOP_SIGNALS, *FORWARD_SIGNALS), self._on_signal):
             if self.upstream is not None:
-                upstream_fd = self.upstream.fileno()
-                self.loop.watch(upstream_fd, lambda: self._on_upstream(upstream_fd))
+                self.loop.watch(upstream_fd := self.upstream.fileno(), lambda: self._on_upstream(upstream_fd))
             elif self.policy.timeout is not None:
                 self.loop.after(self.policy.timeout, self._timed_out)
             if self.watch is not None:
