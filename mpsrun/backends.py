@@ -11,7 +11,6 @@ controller, so the backends differ only in what they start:
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import functools
 import os
@@ -19,9 +18,8 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
-
-import attrs
 
 from mpsrun import mpi
 from mpsrun.errors import ConfigError
@@ -45,7 +43,7 @@ __all__ = [
 SHIM = tuple(python_without_site("mpsrun.rank"))
 
 
-@attrs.frozen
+@dataclass(frozen=True, slots=True)
 class LaunchSpec:
     """A process to start, and the ranks it is responsible for."""
 
@@ -193,6 +191,8 @@ class MpiexecBackend:
 
     def __init__(self, mpiexec: str) -> None:
         self.mpiexec = mpiexec
+        import concurrent.futures  # 5 ms of imports that the local launcher does without
+
         # `mpiexec --version` takes a while: asked while the daemons start.
         pool = concurrent.futures.ThreadPoolExecutor(1)
         self._flavour = pool.submit(mpi.detect_flavour, mpiexec)

@@ -23,9 +23,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-
-import attrs
 
 from mpsrun import gpus as gpu_info
 from mpsrun.errors import MPSError
@@ -36,7 +35,7 @@ MODES = ("timesliced", "mps", "reference")
 _WORKER = [sys.executable, "-m", "mpsrun._benchwork"]
 
 
-@attrs.frozen
+@dataclass(frozen=True, slots=True)
 class BenchRow:
     """One rank count: median seconds per mode, and the ratios people ask for."""
 

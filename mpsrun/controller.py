@@ -17,9 +17,8 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
-
-import attrs
 
 from mpsrun.backends import Launched, Launchers, LaunchSpec
 from mpsrun.errors import MPSError
@@ -44,7 +43,7 @@ SAME_INTERRUPT = 0.25  # one Ctrl-C can reach a rank twice (terminal and launche
 Welcome = Callable[[RankIdentity, Mapping[str, Any]], dict[str, Any]]
 
 
-@attrs.frozen
+@dataclass(frozen=True, slots=True)
 class Policy:
     grace: float = 5.0
     timeout: float | None = None  # seconds left of the job's --timeout when the ranks start

@@ -22,9 +22,8 @@ import shutil
 import signal
 import subprocess
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-
-import attrs
 
 from mpsrun.deadline import Deadline, poll_until
 from mpsrun.errors import DaemonError, DaemonStartError, DaemonTimeoutError, MPSUnavailableError
@@ -73,7 +72,7 @@ def unavailable_reason(mode: str) -> str | None:
     return None
 
 
-@attrs.define(eq=False)
+@dataclass(slots=True, eq=False)
 class ControlDaemon:
     """One private MPS control daemon serving one GPU (or, under ``--gpu-bind none``, several).
 
@@ -89,8 +88,8 @@ class ControlDaemon:
     base_env: Mapping[str, str] | None = None
     command_timeout: float = 10.0
     process: ProcessRef | None = None
-    _popen: subprocess.Popen[bytes] | None = attrs.field(default=None, init=False)
-    _servers: dict[int, ProcessRef] = attrs.field(factory=dict, init=False)
+    _popen: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    _servers: dict[int, ProcessRef] = field(default_factory=dict, init=False)
 
     @classmethod
     def attach(cls, record: DaemonRecord, executable: str = CONTROL_EXECUTABLE) -> ControlDaemon:

@@ -10,9 +10,8 @@ import contextlib
 import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
-
-import attrs
 
 from mpsrun.errors import ConfigError, GPUError, GPUNotFoundError, MPSError, NoDriverError
 
@@ -34,7 +33,7 @@ __all__ = [
 _COMPUTE_MODES = {0: "Default", 1: "Exclusive_Thread", 2: "Prohibited", 3: "Exclusive_Process"}
 
 
-@attrs.frozen
+@dataclass(frozen=True, slots=True)
 class GPU:
     """One physical GPU as NVML reports it. ``index`` is NVML's (PCI bus) order."""
 
@@ -47,7 +46,7 @@ class GPU:
     memory_free: int = 0  # when it was looked at (for --mem-limit auto)
 
 
-@attrs.frozen
+@dataclass(frozen=True, slots=True)
 class DriverInfo:
     """The driver version and the newest CUDA version it supports (e.g. ``"13.0"``)."""
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import enum
 import re
-
-import attrs
+from dataclasses import dataclass
 
 __all__ = [
     "NO_DAEMON",
@@ -50,7 +49,7 @@ class ServerStatus(enum.Enum):
     FAULT = "FAULT"
 
 
-@attrs.frozen
+@dataclass(frozen=True, slots=True)
 class PsEntry:
     """One row of the daemon's ``ps`` command: a client or server process."""
 

@@ -16,9 +16,8 @@ import shlex
 import shutil
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
-
-import attrs
 
 from mpsrun.errors import ConfigError
 from mpsrun.limits import GPU_BINDS, MPS_MODES, ThreadSpec, parse_mem_limit, parse_priority, parse_thread_spec
@@ -33,7 +32,7 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 _METADATA = "mpsrun.option"
 
 
-@attrs.frozen
+@dataclass(frozen=True, slots=True)
 class Option:
     """How one setting is spelled and read. ``parse`` is None for an on/off switch."""
 
@@ -53,7 +52,7 @@ class Option:
 
 
 def option(*flags: str, default: Any, help: str, **spec: Any) -> Any:
-    return attrs.field(default=default, metadata={_METADATA: Option(flags, help, **spec)})
+    return field(default=default, metadata={_METADATA: Option(flags, help, **spec)})
 
 
 def _problem(text: str) -> argparse.ArgumentTypeError:
@@ -145,7 +144,7 @@ def _spec_text(value: ThreadSpec) -> str:
     return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
-@attrs.frozen(kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class JobConfig:
     """Everything that defines one ``mpsrun`` job."""
 
@@ -212,7 +211,7 @@ class JobConfig:
 
 def options() -> dict[str, Option]:
     """Field name -> declaration, in declaration order."""
-    return {f.name: f.metadata[_METADATA] for f in attrs.fields(JobConfig) if _METADATA in f.metadata}
+    return {f.name: f.metadata[_METADATA] for f in fields(JobConfig) if _METADATA in f.metadata}
 
 
 def option_variables() -> set[str]:

@@ -7,8 +7,7 @@ so a job gives the same exit code and the same summary however its ranks were st
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import attrs
+from dataclasses import dataclass, field
 
 from mpsrun.exitcodes import ExitCode, describe_returncode, exit_code_of
 
@@ -26,7 +25,7 @@ def ranges(values: Sequence[int]) -> str:
     return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in parts) or "none"
 
 
-@attrs.define
+@dataclass(slots=True)
 class RankEnd:
     """How one rank ended. ``returncode`` is None for a rank lost without a report."""
 
@@ -49,7 +48,7 @@ class RankEnd:
         return f"{who} {what}" + (f": {self.reason}" if self.reason else "")
 
 
-@attrs.define
+@dataclass(slots=True)
 class JobResult:
     """``cause``: ok, rank-failed, launcher-failed, timeout, signal, check-failed or setup."""
 
@@ -57,7 +56,7 @@ class JobResult:
     cause: str
     message: str = ""
     first_failure: RankEnd | None = None
-    ends: list[RankEnd] = attrs.Factory(list)
+    ends: list[RankEnd] = field(default_factory=list)
 
 
 class Judge:

@@ -21,9 +21,8 @@ import os
 import shutil
 import stat
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-
-import attrs
 
 from mpsrun.deadline import Deadline, poll_until
 from mpsrun.errors import ConfigError, MPSError, UnsafeDirectoryError
@@ -222,7 +221,7 @@ def user_root_lock(base: Path, timeout: float = 60.0) -> Iterator[Path]:
         os.close(fd)  # closing the descriptor releases the lock
 
 
-@attrs.define
+@dataclass(slots=True)
 class SessionDirs:
     """Every path of one session. Create with :meth:`create`; remove with :meth:`remove`."""
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
-
-import attrs
 
 from mpsrun.errors import ConfigError
 from mpsrun.launchers import RankIdentity
@@ -41,7 +40,7 @@ MANAGED_VARIABLES = (
 )
 
 
-@attrs.frozen
+@dataclass(frozen=True, slots=True)
 class GpuTarget:
     """The GPUs a rank reaches: ``visible`` (its GPU's UUID, or under ``--gpu-bind none`` every job GPU's,
     comma-separated) and, under MPS, the directories of the daemon that serves them."""
@@ -53,7 +52,7 @@ class GpuTarget:
     devices: int = 1
 
 
-@attrs.frozen
+@dataclass(frozen=True, slots=True)
 class RankPlan:
     """Where one rank runs: its GPU (position in the session's list) and its limits."""
 

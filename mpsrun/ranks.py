@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
-
-import attrs
 
 from mpsrun.exitcodes import ExitCode
 from mpsrun.launchers import RankIdentity
@@ -23,7 +22,7 @@ from mpsrun.protocol import Link, Listener, token_matches
 __all__ = ["RankEvents", "RankState", "RankTable"]
 
 
-@attrs.define(eq=False)
+@dataclass(slots=True, eq=False)
 class RankState:
     rank: int
     link: Link | None = None

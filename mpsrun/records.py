@@ -12,10 +12,9 @@ import json
 import os
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
-
-import attrs
 
 from mpsrun.procs import ProcessRef
 
@@ -28,7 +27,7 @@ class RecordError(ValueError):
     """A session.json that cannot be read or does not hold a session record."""
 
 
-@attrs.frozen
+@dataclass(frozen=True, slots=True)
 class DaemonRecord:
     gpu: str
     process: ProcessRef
@@ -46,7 +45,7 @@ class DaemonRecord:
         return cls(data["gpu"], ProcessRef.from_json(data.get("process")), data["pipe_dir"], data["log_dir"])
 
 
-@attrs.frozen
+@dataclass(frozen=True, slots=True)
 class SessionRecord:
     kind: str
     owner: ProcessRef
@@ -111,10 +110,10 @@ class SessionRecord:
         tmp.replace(path)
 
     def with_daemon(self, daemon: DaemonRecord) -> SessionRecord:
-        return attrs.evolve(self, daemons=(*self.daemons, daemon))
+        return replace(self, daemons=(*self.daemons, daemon))
 
     def with_rank(self, rank: ProcessRef) -> SessionRecord:
-        return attrs.evolve(self, ranks=(*self.ranks, rank))
+        return replace(self, ranks=(*self.ranks, rank))
 
 
 def _typed(value: Any, kind: type | tuple[type, ...]) -> Any:

@@ -18,9 +18,8 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-
-import attrs
 
 from mpsrun.daemon import CONTROL_EXECUTABLE, ControlDaemon, find_control_executable
 from mpsrun.deadline import Deadline, poll_until
@@ -34,7 +33,7 @@ __all__ = ["SessionState", "cleanup", "list_sessions", "main", "reap"]
 _GRACE_WITHOUT_RECORD = 60.0
 
 
-@attrs.frozen
+@dataclass(frozen=True, slots=True)
 class SessionState:
     root: Path
     record: SessionRecord | None

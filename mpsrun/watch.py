@@ -14,9 +14,8 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-
-import attrs
 
 from mpsrun import gpus as gpu_info
 from mpsrun.daemon import ControlDaemon
@@ -29,7 +28,7 @@ __all__ = ["ClientWatcher", "ConnectionLog", "Finding", "LogNews", "Look", "Rank
 log = logging.getLogger("mpsrun")
 
 
-@attrs.frozen
+@dataclass(frozen=True, slots=True)
 class Look:
     """One look at every GPU: who is a client, who holds a plain context (by GPU position), dead daemons."""
 
@@ -77,7 +76,7 @@ class ClientWatcher:
         return sorted(look.clients)
 
 
-@attrs.frozen
+@dataclass(frozen=True, slots=True)
 class LogNews:
     """What a daemon's log said since the last read: servers started, clients connected (pids, in order)."""
 
@@ -105,7 +104,7 @@ class ConnectionLog:
         return LogNews(tuple(started_servers(lines)), tuple(connected_clients(lines)))
 
 
-@attrs.frozen
+@dataclass(frozen=True, slots=True)
 class Finding:
     """Something the watch saw; ``fatal`` ends the job (exit 3)."""
 
