@@ -75,10 +75,7 @@ class Controller:
         self.expected_count: int | None = None  # a node keeper: how many ranks the launcher put on the node
         self.give_up = False  # a node keeper that no rank ever joined, or that waited for late ranks in vain
         self._kill_timer: Timer | None = None
-        self._summary_pending = False
-        self._detached = False
-        self._nodes_timer = False
-        self._nodes_overdue = False
+        self._summary_pending = self._detached = self._nodes_timer = self._nodes_overdue = False
         self._interrupts: dict[int, float] = {}  # source -> when its first interrupt came
         self._refusals: set[str] = set()  # refusals already said
 
@@ -202,6 +199,9 @@ class Controller:
     def _wind_down(self) -> None:
         """Every rank has ended: the launchers get --grace to exit, once every host's node keeper has closed
         (a keeper's last rank waits for its teardown, and ending the launcher would cut that short)."""
+        if self.session is not None:  # no client is left (nor to detach): the daemons quit while the launchers exit
+            self._detached = True
+            self.session.begin_close()
         if not self.table.nodes:
             self.launchers.wind_down(self.policy.grace)
         elif not self._nodes_timer:
@@ -338,7 +338,7 @@ class Controller:
         self.stop(signal.SIGTERM)
 
     def _check(self) -> None:
-        if self.watch is None or self.stopping is not None or not self.table.accepting:
+        if self.watch is None or self.stopping is not None or self._detached or not self.table.accepting:
             return
         for finding in self.watch.check(self.table.local_pids()):
             self._finding(finding)

@@ -90,6 +90,8 @@ class ControlDaemon:
     process: ProcessRef | None = None
     _popen: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _servers: dict[int, ProcessRef] = field(default_factory=dict, init=False)
+    answered: bool = field(default=False, init=False)  # it has answered a command: it can take `quit`
+    quitting: bool = field(default=False, init=False)  # stop() has begun: its end is no failure
 
     @classmethod
     def attach(cls, record: DaemonRecord, executable: str = CONTROL_EXECUTABLE) -> ControlDaemon:
@@ -138,7 +140,12 @@ class ControlDaemon:
     # -- life cycle -------------------------------------------------------------------
 
     def start(self, timeout: float = 30.0, parent_death: bool = True) -> None:
-        """Spawn the daemon and wait (with a deadline) until it answers a command.
+        """Spawn the daemon and wait (with a deadline) until it answers a command."""
+        self.spawn(parent_death)
+        self.await_answer(timeout)
+
+    def spawn(self, parent_death: bool = True) -> None:
+        """Start the daemon's process and return at once; :meth:`await_answer` waits for it.
 
         ``parent_death``: the daemon gets SIGKILL when the thread that starts it ends.
         Only the main thread should ask for it; the session's reaper covers the rest.
@@ -157,10 +164,13 @@ class ControlDaemon:
                 raise DaemonStartError(f"cannot start {self.executable}: {exc.strerror}", command="-f") from exc
         self.process = ProcessRef.of(self._popen.pid) or ProcessRef(self._popen.pid, -1)
         log.debug("started MPS control daemon pid %d for %s", self._popen.pid, self.devices)
+
+    def await_answer(self, timeout: float) -> None:
+        """:meth:`wait_ready`; a daemon that does not answer is ended at once (no quit to wait for)."""
         try:
             self.wait_ready(timeout)
         except BaseException:
-            self._end_group(grace=1.0)  # it never answered: no quit to wait for
+            self._end_group(grace=1.0)
             raise
 
     def wait_ready(self, timeout: float) -> None:
@@ -179,7 +189,8 @@ class ControlDaemon:
                 return True
             return None
 
-        if not (poll_until(listening, deadline, cap=0.001) and poll_until(answers, deadline)):
+        self.answered = bool(poll_until(listening, deadline, cap=0.001) and poll_until(answers, deadline))
+        if not self.answered:
             raise DaemonTimeoutError(f"MPS control daemon did not answer within {timeout:.3g} s (its log: "
                                      f"{self.log_tail(1) or 'empty'})", command="get_server_list",
                                      log_tail=self.log_tail())
@@ -188,23 +199,23 @@ class ControlDaemon:
         if not self.alive:
             code = self._popen.returncode if self._popen is not None else None
             tail = self.log_tail()
-            raise DaemonStartError(
-                f"MPS control daemon exited{'' if code is None else f' with code {code}'} {doing}"
-                + (f"; last log line: {tail.splitlines()[-1]}" if tail else ""),
-                log_tail=tail,
-            )
+            raise DaemonStartError(f"MPS control daemon exited{'' if code is None else f' with code {code}'} {doing}"
+                                   + (f"; last log line: {tail.splitlines()[-1]}" if tail else ""), log_tail=tail)
 
     def stop(self, timeout: float = 10.0, grace: float = 2.0) -> None:
         """Stop the daemon and its servers: ``quit``, then signals to its process group.
 
-        ``quit`` blocks while clients are alive, so it gets a deadline; after that the
-        daemon's own process group gets SIGTERM, then SIGKILL. Finally every server we
-        saw is checked to be gone (by pid and start time; never by name).
+        ``quit`` blocks while clients are alive, so it gets a deadline; after that (or at once, for a daemon
+        not yet listening) its process group gets SIGTERM, then SIGKILL. Then every server we saw is checked
+        to be gone (by pid and start time; never by name).
         """
         if self.process is None:
             return
+        self.quitting = True
         deadline = Deadline(timeout)
-        if self.alive:
+        if self.alive and not self.answered and self._popen is not None:
+            self._end_group(grace)
+        elif self.alive:
             self._remember_servers()
             try:
                 self.command("quit", timeout=max(0.1, deadline.remaining()))
@@ -269,15 +280,8 @@ class ControlDaemon:
 
     def _run_client(self, text: str, timeout: float) -> subprocess.CompletedProcess[str]:
         try:
-            return subprocess.run(
-                [self.executable],
-                input=text + "\n",
-                capture_output=True,
-                text=True,
-                env=self.env,
-                timeout=timeout,
-                check=False,
-            )
+            return subprocess.run([self.executable], input=text + "\n", capture_output=True, text=True,
+                                  env=self.env, timeout=timeout, check=False)
         except subprocess.TimeoutExpired as exc:
             raise DaemonTimeoutError(f"MPS control command {text!r} got no answer within {timeout:g} s",
                                      command=text, log_tail=self.log_tail()) from exc

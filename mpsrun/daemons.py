@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from mpsrun.daemon import ControlDaemon
 from mpsrun.errors import ConfigError, DaemonError
 from mpsrun.gpus import GPU
+from mpsrun.interrupts import uninterrupted
 from mpsrun.paths import SessionDirs
 from mpsrun.placement import GpuTarget
 from mpsrun.watch import ClientWatcher
@@ -27,6 +28,8 @@ class GpuDaemons:
         self.gpus = list(gpus)
         self.shared = shared and len(self.gpus) > 1
         self.daemons: list[ControlDaemon] = []
+        self._stopper: threading.Thread | None = None  # stop_soon()'s
+        self._stop_errors: list[BaseException] = []
 
     @property
     def one_view(self) -> bool:
@@ -48,19 +51,26 @@ class GpuDaemons:
         return [list(self.gpus)] if self.shared else [[gpu] for gpu in self.gpus]
 
     def start(self, dirs: SessionDirs, thread_percentage: int | None, mem_limits: Sequence[str | None],
-              timeout: float, server: str, started: Callable[[ControlDaemon], None]) -> None:
+              timeout: float, server: str, started: Callable[[ControlDaemon], None],
+              meanwhile: Callable[[], object] | None = None) -> None:
         """Start each daemon with its default limits; ``started`` hears of each at once.
 
+        The daemons come up together, and ``meanwhile`` runs while they do (about 25 ms each).
         ``server``: ``active`` starts each server and waits until it is ACTIVE; ``requested`` asks for it
         and returns; ``lazy`` leaves it to the first client, as a hand-started daemon does.
         """
         main_thread = threading.current_thread() is threading.main_thread()
-        for position, group in enumerate(self.groups()):
+        for group in self.groups():
             first = group[0].index
             daemon = ControlDaemon(",".join(g.uuid for g in group), dirs.pipe_dir(first), dirs.log_dir(first))
             self.daemons.append(daemon)
-            daemon.start(timeout=timeout, parent_death=main_thread)  # the reaper covers other threads
-            started(daemon)  # recorded before anything else can fail
+            with uninterrupted():  # a signal waits until the daemon is on record, for the teardown to end it
+                daemon.spawn(parent_death=main_thread)  # the reaper covers other threads
+                started(daemon)  # recorded before anything else can fail
+        if meanwhile is not None:
+            meanwhile()
+        for position, daemon in enumerate(self.daemons):
+            daemon.await_answer(timeout)
             daemon.set_defaults(thread_percentage, mem_limits[position] if mem_limits else None)
             if server != "lazy":
                 daemon.start_server(timeout=timeout, wait=server == "active")
@@ -111,8 +121,21 @@ class GpuDaemons:
                         detached.append(client)
         return detached
 
+    def stop_soon(self, timeout: float) -> None:
+        """Begin :meth:`stop` in a thread, for a caller with other waiting to do (every client has ended)."""
+        if self._stopper is None and self.daemons:
+            self._stopper = threading.Thread(target=lambda: self._stop_errors.extend(self._stop_each(timeout)),
+                                             name="mpsrun-teardown", daemon=True)
+            self._stopper.start()
+
     def stop(self, timeout: float) -> list[BaseException]:
-        """Stop every daemon (the last started first); what failed."""
+        """Stop every daemon (the last started first), or wait for :meth:`stop_soon`'s; what failed."""
+        if self._stopper is None:
+            return self._stop_each(timeout)
+        self._stopper.join()
+        return self._stop_errors
+
+    def _stop_each(self, timeout: float) -> list[BaseException]:
         errors: list[BaseException] = []
         for daemon in reversed(self.daemons):
             try:

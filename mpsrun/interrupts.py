@@ -18,9 +18,10 @@ from types import FrameType, TracebackType
 from mpsrun.errors import MPSError
 from mpsrun.exitcodes import signal_name
 
-__all__ = ["InterruptionError", "Interrupts", "catchable"]
+__all__ = ["InterruptionError", "Interrupts", "catchable", "uninterrupted"]
 
 STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_active: list[Interrupts] = []  # the handlers in force, innermost last
 
 
 def catchable(numbers: Iterable[int]) -> list[int]:
@@ -49,11 +50,14 @@ class Interrupts:
     def __enter__(self) -> Interrupts:
         if threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.signal(sig, self._handle) for sig in catchable(STOPPING)}
+            _active.append(self)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
+        if self in _active:
+            _active.remove(self)
 
     def _handle(self, sig: int, frame: FrameType | None) -> None:
         self.received.append(sig)
@@ -69,3 +73,19 @@ class Interrupts:
             yield
         finally:
             self.deferring = before
+
+
+@contextlib.contextmanager
+def uninterrupted() -> Iterator[None]:
+    """A stopping signal in the block is acted on as it ends, not inside it: a process being started there
+    (``Popen`` cut short would lose it) is then on record, for the teardown to end it."""
+    if not _active or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    interrupts = _active[-1]
+    count = len(interrupts.received)
+    with interrupts.deferred():
+        yield
+    if len(interrupts.received) > count and not interrupts.deferring:
+        interrupts.deferring = True
+        raise InterruptionError(signal=interrupts.received[count])

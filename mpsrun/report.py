@@ -41,7 +41,7 @@ def mps_report(daemons: Sequence[ControlDaemon], rank_of: Mapping[int, int]) -> 
                 f"rank(s) {ranges(victims)} were torn down by the MPS server after the fatal GPU fault "
                 "(MPS does not say which client caused it; the first rank to fail is reported above)"
             )
-        if not daemon.alive:
+        if not daemon.alive and not daemon.quitting:
             lines.append(f"the MPS control daemon stopped; its log ({daemon.log_file}) ends:\n{daemon.log_tail(10)}")
     return lines
 

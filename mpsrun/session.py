@@ -12,7 +12,7 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -23,6 +23,7 @@ from mpsrun.daemons import GpuDaemons
 from mpsrun.errors import ConfigError, MPSError, MPSUnavailableError, NoDriverError, TeardownError
 from mpsrun.exported import Export
 from mpsrun.gpus import GPU
+from mpsrun.interrupts import uninterrupted
 from mpsrun.paths import SessionDirs, session_base, user_root
 from mpsrun.placement import MANAGED_VARIABLES, GpuTarget, RankPlan, rank_environment
 from mpsrun.procs import ProcessRef
@@ -136,17 +137,13 @@ class Session:
         if self.mps == "off" or self.disabled_reason is None:
             self.disabled_reason = unavailable_reason(self.mps)
         if self.disabled_reason is not None and self.mps == "on":
-            raise MPSUnavailableError(
-                f"MPS is required (mps='on') but unavailable: {self.disabled_reason}", reason=self.disabled_reason
-            )
+            raise MPSUnavailableError(f"MPS is required (mps='on') but unavailable: {self.disabled_reason}",
+                                      reason=self.disabled_reason)
         self._daemons = GpuDaemons(self.gpus, shared=self.gpu_bind == "none")
         if self.export is True and not self._daemons.one_view:
-            raise ConfigError(
-                "export=True needs a single GPU: a process can reach only one MPS daemon; "
-                "with several GPUs give each worker session.env(rank), or use gpu_bind='none'",
-                setting="export",
-                value=True,
-            )
+            raise ConfigError("export=True needs a single GPU: a process can reach only one MPS daemon; with several "
+                              "GPUs give each worker session.env(rank), or use gpu_bind='none'",
+                              setting="export", value=True)
         self._mem_limits = limits.session_mem_limits(self.mem_limit, [g.memory_free for g in self.gpus],
                                               self.workers if self.disabled_reason is None else None,
                                               self.gpu_bind == "none")
@@ -163,7 +160,7 @@ class Session:
         self._mem_limits = list(mem_limits)
 
     def start(self, wait_active: bool = True, kind: str = "api", name: str | None = None,
-              early_server: bool = False) -> Session:
+              early_server: bool = False, meanwhile: Callable[[], object] | None = None) -> Session:
         """Start the daemons and wait until each GPU's server is ACTIVE.
 
         ``wait_active=False`` returns once every daemon answers and has its settings, with
@@ -173,7 +170,8 @@ class Session:
         directory, for their control socket, even without MPS; their servers start with
         the first client, as a hand-started daemon's do (a job that never uses the GPU
         pays for none), and their watch checks each server once its first client is in
-        (``early_server``: asked for at once, not waited for; the mpiexec launcher).
+        (``early_server``: asked for at once, not waited for; the mpiexec launcher). ``meanwhile`` runs
+        while the daemons come up (never without MPS).
         """
         self.resolve()
         if self._state != "resolved":
@@ -185,7 +183,7 @@ class Session:
                 self._make_directory(kind, name)
             if self.disabled_reason is None:
                 self._start_daemons("active" if kind == "api" and wait_active else "lazy"
-                                    if kind != "api" and not early_server else "requested")
+                                    if kind != "api" and not early_server else "requested", meanwhile)
                 self.enabled = True
             elif not self.quiet:
                 log.warning("mpsrun: running without MPS: %s", self.disabled_reason)
@@ -210,16 +208,18 @@ class Session:
         self.record = SessionRecord.new(kind, gpus=tuple(g.uuid for g in self.gpus), argv=tuple(sys.argv),
                                         keep_logs=self.keep_logs)
         self.record.write(self.dirs.record_file)
-        self._reaper = Reaper(self.dirs.root)
+        with uninterrupted():  # a signal waits until the reaper is on record
+            self._reaper = Reaper(self.dirs.root)
 
-    def _start_daemons(self, server: str) -> None:
+    def _start_daemons(self, server: str, meanwhile: Callable[[], object] | None) -> None:
         assert self.dirs is not None
 
         def started(daemon: ControlDaemon) -> None:
             assert self.record is not None
             self._update(self.record.with_daemon(daemon.record()))
 
-        self._daemons.start(self.dirs, self.thread_percentage, self._mem_limits, self.start_timeout, server, started)
+        self._daemons.start(self.dirs, self.thread_percentage, self._mem_limits, self.start_timeout, server, started,
+                            meanwhile)
 
     @property
     def daemons(self) -> list[ControlDaemon]:
@@ -332,6 +332,11 @@ class Session:
             self._reaper.release()
             self._reaper = None
         return errors
+
+    def begin_close(self) -> None:
+        """Every worker has ended: begin stopping the daemons in the background; :meth:`close` finishes."""
+        if self._state == "running" and self._owner_pid == os.getpid():
+            self._daemons.stop_soon(self.stop_timeout)
 
     def close(self) -> None:
         """Stop the daemons and servers, restore the environment, remove the directories; raise

@@ -5,9 +5,11 @@ The figures themselves are benchmarks (benchmarks/overhead.py, docs/benchmarks.m
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -193,3 +195,69 @@ def test_the_launchers_path_leaves_out_what_it_does_not_use():
             f"print([m for m in {unused!r} if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+LINGERING_MPIEXEC = Path(__file__).resolve().parent / "programs" / "lingering_mpiexec.py"
+
+
+@pytest.mark.parametrize("exit_code", [0, 5])
+def test_the_daemons_quit_while_the_mpi_launcher_winds_down(fake_gpu, short_tmp, monkeypatch, exit_code):
+    """Once every rank has ended, the daemons are stopped while the MPI launcher takes its time to exit
+    (Open MPI's mpirun takes about 100 ms, and so does a server's quit): not one after the other. The job's
+    outcome and its report are the same, with no word of a daemon that stopped on its own."""
+    wrapper = short_tmp / "mpiexec"
+    wrapper.write_text(f"#!{sys.executable}\nimport runpy, sys\nsys.argv[0] = {str(LINGERING_MPIEXEC)!r}\n"
+                       f"runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("LINGER_REPORT", str(short_tmp / "report.json"))
+    program = [sys.executable, "-c", f"import os, sys; sys.exit({exit_code} if os.environ['RANK'] == '1' else 0)"]
+    result = subprocess.run([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "mpiexec", "--mpiexec",
+                             str(wrapper), *program], capture_output=True, text=True, timeout=120)
+    assert result.returncode == exit_code, result.stderr
+    assert json.loads((short_tmp / "report.json").read_text()) == {"daemons_gone": True}
+    assert "daemon stopped" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+    if exit_code:
+        assert "rank 1 (pid" in result.stderr and f"exited with code {exit_code} first" in result.stderr
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("fake_gpu", [2], indirect=True)
+@pytest.mark.parametrize("launcher", ["local", "mpiexec"])
+def test_the_daemons_of_several_gpus_start_together_and_end_together(fake_gpu, launcher):
+    """Each GPU's daemon is started before any is waited for (they come up side by side); a signal while none
+    answers yet ends every one of them at once (no quit to wait for): one line, 143, nothing left behind."""
+    fake_gpu.daemon_env(FAKE_MPS_NO_ANSWER="1")
+    where = ["--mpiexec", shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"] \
+        if launcher == "mpiexec" else []
+    job = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", launcher, "--gpus", "all",
+                            *where, "true"], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while len(list(fake_gpu.tmpdir.rglob("control.log"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)  # each daemon's log is made when the daemon is started
+    started = len(list(fake_gpu.tmpdir.rglob("control.log")))
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=8)  # not the 10 s a daemon gets to answer `quit`
+    assert job.returncode == 143 and err == "mpsrun: error: interrupted by SIGTERM\n", err
+    settle(fake_gpu)
+    assert started == 2, "the second daemon was started only once the first answered"
+
+
+def test_a_signal_inside_an_uninterrupted_block_is_acted_on_as_it_ends():
+    """``uninterrupted()``: a stopping signal is raised as InterruptionError once the block has ended (a
+    process started there is on record by then), never inside it; outside a job's handlers, and during a
+    teardown that defers signals, the block changes nothing."""
+    from mpsrun.interrupts import InterruptionError, Interrupts, uninterrupted
+
+    steps = []
+    with Interrupts() as interrupts:
+        with pytest.raises(InterruptionError) as caught, uninterrupted():
+            os.kill(os.getpid(), signal.SIGTERM)
+            steps.append("after the signal, inside the block")
+        assert caught.value.exit_code == 143 and interrupts.received == [signal.SIGTERM]
+    assert steps == ["after the signal, inside the block"]
+    with Interrupts() as interrupts, interrupts.deferred(), uninterrupted():  # a teardown: only remembered
+        os.kill(os.getpid(), signal.SIGHUP)
+    assert interrupts.received == [signal.SIGHUP]
+    with uninterrupted():  # no job's handlers: nothing to defer
+        steps.append("plain")
+    assert steps[-1] == "plain"
