@@ -138,7 +138,7 @@ def _main(args: list[str]) -> int:
         return int(exc.code or 0)
     from mpsrun import gpus
 
-    gpus.warm_up()  # NVML initialises while the job's modules are imported
+    gpus.read_ahead()  # the GPU list is read in a forked child while the job's modules are imported
     level = logging.DEBUG if config.verbose else logging.ERROR if config.quiet else logging.WARNING
     logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
     logging.getLogger("mpsrun").setLevel(level)

@@ -7,13 +7,15 @@ This is the one place mpsrun talks to NVML. Everything else sees plain
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import signal
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, NoReturn
 
-from mpsrun.errors import ConfigError, GPUError, GPUNotFoundError, MPSError, NoDriverError
+from mpsrun.errors import ConfigError, GPUError, GPUNotFoundError, NoDriverError
 
 __all__ = [
     "GPU",
@@ -25,9 +27,9 @@ __all__ = [
     "nvml_held",
     "nvml_kept",
     "parse_visible_devices",
+    "read_ahead",
     "select_gpus",
     "visible_gpus",
-    "warm_up",
 ]
 
 _COMPUTE_MODES = {0: "Default", 1: "Exclusive_Thread", 2: "Prohibited", 3: "Exclusive_Process"}
@@ -58,31 +60,62 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-_warming: threading.Thread | None = None
+_ahead: tuple[int, int] | None = None  # (pid, pipe) of the child that read_ahead() forked
+_keeping = 0  # open nvml_kept() blocks
+_kept = False  # an initialisation they hold
 
 
-def warm_up() -> None:
-    """Begin initialising NVML in the background, for a process that will query it soon and end soon after
-    (the ``mpsrun`` command: its imports run meanwhile). The reference taken here is held until the process
-    ends, so each later query costs no initialisation; a failure is left for the queries to report."""
-    global _warming
+def read_ahead() -> None:
+    """Read the driver's GPU list in a forked child, for a process that imports meanwhile (the ``mpsrun``
+    command): NVML's import and initialisation (30 ms on the H100) then run on a core of their own instead of
+    taking turns with the imports. :func:`list_gpus` takes the answer; if the child fails, it asks itself."""
+    global _ahead
+    if _ahead is not None or threading.active_count() > 1:  # a fork must not copy a lock another thread holds
+        return
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        _answer(write)
+    os.close(write)
+    _ahead = (pid, read)
 
-    def initialise() -> None:
-        with contextlib.suppress(Exception):
-            import pynvml
 
-            pynvml.nvmlInit()
+def _answer(pipe: int) -> NoReturn:
+    """The forked child: the GPU list as JSON on ``pipe``, then an exit without its parent's cleanup."""
+    code = 1
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)  # a stopping signal ends it (the parent's handlers only note it)
+        from mpsrun.procs import set_parent_death_signal
 
-    if _warming is None:
-        _warming = threading.Thread(target=initialise, name="mpsrun-nvml", daemon=True)
-        _warming.start()
+        set_parent_death_signal()  # NVML could hang on a broken driver: it must not outlive the parent
+        with open(pipe, "w") as out:
+            json.dump([asdict(gpu) for gpu in list_gpus()], out)
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def _answer_ahead() -> list[GPU] | None:
+    """The forked child's GPU list, once; None without one, or when it failed."""
+    global _ahead
+    if _ahead is None:
+        return None
+    pid, pipe = _ahead
+    _ahead = None
+    with open(pipe, "rb") as answer:
+        data = answer.read()
+    _, status = os.waitpid(pid, 0)
+    try:
+        return [GPU(**fields) for fields in json.loads(data)] if status == 0 else None
+    except (ValueError, TypeError):
+        return None
 
 
 @contextlib.contextmanager
 def _nvml() -> Iterator[Any]:
     """Initialise NVML for the duration of a query; NVML reference-counts init/shutdown."""
-    if _warming is not None:
-        _warming.join()
+    global _kept
     try:
         import pynvml
     except ImportError as exc:  # pragma: no cover - nvidia-ml-py is a hard dependency
@@ -93,6 +126,9 @@ def _nvml() -> Iterator[Any]:
         raise NoDriverError(
             f"no usable NVIDIA driver: NVML failed to initialise ({_text(exc)})", reason=_text(exc)
         ) from exc
+    if _keeping and not _kept:  # one more reference, held until the nvml_kept() blocks close
+        pynvml.nvmlInit()
+        _kept = True
     try:
         yield pynvml
     except pynvml.NVMLError as exc:
@@ -109,12 +145,22 @@ def nvml_held() -> Iterator[None]:
         yield
 
 
-def nvml_kept() -> contextlib.AbstractContextManager[object]:
-    """:func:`nvml_held` where there is a driver, nothing where there is none (each query then says why)."""
-    stack = contextlib.ExitStack()
-    with contextlib.suppress(MPSError):
-        stack.enter_context(nvml_held())
-    return stack
+@contextlib.contextmanager
+def nvml_kept() -> Iterator[None]:
+    """NVML stays initialised from the block's first query to its end, so each later one costs no
+    initialisation; a block that makes none (a job that ends before its first look) initialises nothing."""
+    global _keeping, _kept
+    _keeping += 1
+    try:
+        yield
+    finally:
+        _keeping -= 1
+        if not _keeping and _kept:
+            _kept = False
+            import pynvml
+
+            with contextlib.suppress(pynvml.NVMLError):
+                pynvml.nvmlShutdown()
 
 
 def driver_info() -> DriverInfo:
@@ -146,6 +192,9 @@ def _describe(nvml: Any, index: int) -> GPU:
 
 def list_gpus() -> list[GPU]:
     """Every GPU the driver knows, in NVML order, ignoring ``CUDA_VISIBLE_DEVICES``."""
+    ahead = _answer_ahead()
+    if ahead is not None:
+        return ahead
     with _nvml() as nvml:
         return [_describe(nvml, i) for i in range(int(nvml.nvmlDeviceGetCount()))]
 

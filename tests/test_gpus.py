@@ -1,5 +1,9 @@
 """Unit tests: CUDA_VISIBLE_DEVICES handling and GPU selection (pure), and the NVML seam on the fake."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from mpsrun import gpus
@@ -73,3 +77,41 @@ def test_no_driver_is_a_clear_error(no_gpu):
     """Without a driver NVML fails to initialise and mpsrun raises NoDriverError saying so."""
     with pytest.raises(NoDriverError, match="no usable NVIDIA driver"):
         gpus.list_gpus()
+
+
+@pytest.mark.parametrize("fake_gpu", [2], indirect=True)
+def test_the_gpu_list_read_ahead_is_the_drivers(fake_gpu):
+    """read_ahead() forks a child that reads the GPU list; list_gpus() then returns the child's answer once,
+    the same records a query of its own gives."""
+    import threading
+
+    if threading.active_count() > 1:
+        pytest.skip("another thread runs here: read_ahead() rightly does not fork")
+    gpus.read_ahead()
+    assert gpus._ahead is not None
+    child = gpus._ahead[0]
+    assert gpus.list_gpus() == gpus.list_gpus()  # the child's answer, then a query of this process
+    assert gpus._ahead is None
+    with pytest.raises(ChildProcessError):
+        os.waitpid(child, os.WNOHANG)  # reaped
+
+
+def test_without_a_driver_the_read_ahead_leaves_the_error_to_the_query(no_gpu):
+    """A child that cannot read the GPUs answers nothing; list_gpus() then asks itself and says why."""
+    gpus.read_ahead()
+    with pytest.raises(NoDriverError, match="no usable NVIDIA driver"):
+        gpus.list_gpus()
+    assert gpus._ahead is None
+
+
+def test_a_short_job_never_initialises_nvml_in_the_launcher(fake_gpu, short_tmp, monkeypatch):
+    """The launcher's GPU list comes from its read-ahead child, and a job that ends before the first client
+    look initialises NVML nowhere else: once in all, in another process (it used to be the launcher's)."""
+    log = short_tmp / "inits"
+    monkeypatch.setenv("FAKE_NVML_INIT_LOG", str(log))
+    job = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "local", "true"],
+                           stderr=subprocess.PIPE, text=True)
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == 0, err
+    inits = log.read_text().split()
+    assert len(inits) == 1 and inits[0] != str(job.pid), inits
