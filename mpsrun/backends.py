@@ -19,14 +19,16 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from mpsrun import mpi
 from mpsrun.errors import ConfigError
-from mpsrun.forked import ForkedSupervisor
-from mpsrun.loop import EventLoop
 from mpsrun.options import JobConfig, option_variables, to_argv
 from mpsrun.procs import physical_cores, pidfd, python_without_site, set_parent_death_signal
+
+if TYPE_CHECKING:
+    from mpsrun.forked import ForkedSupervisor
+    from mpsrun.loop import EventLoop
 
 __all__ = [
     "Backend",
@@ -60,6 +62,8 @@ class Launched:
     """A started process, in its own session, watched through a pidfd; it gets SIGTERM if we die."""
 
     def __init__(self, spec: LaunchSpec) -> None:
+        from mpsrun.forked import ForkedSupervisor  # only where ranks start: see job._import_the_launch
+
         self.spec = spec
         self.popen: subprocess.Popen[bytes] | ForkedSupervisor = ForkedSupervisor(spec.argv, spec.env, spec.stdin) \
             if spec.fork else subprocess.Popen(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from mpsrun.daemon import ControlDaemon
 from mpsrun.errors import ConfigError, DaemonError
@@ -16,7 +17,9 @@ from mpsrun.gpus import GPU
 from mpsrun.interrupts import uninterrupted
 from mpsrun.paths import SessionDirs
 from mpsrun.placement import GpuTarget
-from mpsrun.watch import ClientWatcher
+
+if TYPE_CHECKING:
+    from mpsrun.watch import ClientWatcher
 
 __all__ = ["GpuDaemons"]
 
@@ -86,6 +89,8 @@ class GpuDaemons:
 
     def watcher(self) -> ClientWatcher:
         """The client watcher over every GPU and the daemon that serves it."""
+        from mpsrun.watch import ClientWatcher  # with the controller, while the daemons start
+
         return ClientWatcher(self.gpus, [self.of(p) for p in range(len(self.gpus))])
 
     def target(self, position: int, session_dir: str | None) -> GpuTarget:

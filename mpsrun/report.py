@@ -14,10 +14,10 @@ from mpsrun.errors import DaemonError
 from mpsrun.gpus import GPU
 from mpsrun.mpslog import diagnose_log, torn_down_clients
 from mpsrun.outcome import ranges
-from mpsrun.watch import RankWatch
 
 if TYPE_CHECKING:
     from mpsrun.session import Session
+    from mpsrun.watch import RankWatch
 
 __all__ = ["MPS_CLIENT_LIMIT", "crowding_warnings", "mps_report", "session_status", "verified_line"]
 

@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpsrun import gpus as gpu_info
 from mpsrun import limits
@@ -30,7 +30,9 @@ from mpsrun.procs import ProcessRef
 from mpsrun.reaper import Reaper
 from mpsrun.records import SessionRecord
 from mpsrun.report import session_status
-from mpsrun.watch import ClientWatcher
+
+if TYPE_CHECKING:
+    from mpsrun.watch import ClientWatcher
 
 __all__ = ["START_TIMEOUT", "Session", "mps_session"]
 
