@@ -169,16 +169,20 @@ class Backend(Protocol):
     control: str
     #: False when each host's node keeper starts that host's MPS daemons instead of the controller.
     owns_daemons: bool
-    #: Start each MPS server as soon as its daemon answers, not with its first client: an MPI launcher takes
-    #: longer to start its ranks (0.3 s) than a server to become ready (0.26 s on the H100), so the server is
-    #: ready when the first rank needs it, as mpirun's own CUDA probe makes it under MPS started by hand.
-    early_server: bool
+    #: When each MPS server is asked for, in seconds after the ranks start; None: with its first client, as a
+    #: hand-started daemon does. A server takes 0.17-0.26 s to become ready (H100) and its first client waits for
+    #: it. 0: as soon as its daemon answers (an MPI launcher takes 0.3 s to start its ranks, and under MPS
+    #: started by hand mpirun's own CUDA probe starts the server then). The local launcher asks at 0.25 s, unless
+    #: every rank has ended: ranks that use the GPU from Python take longer than that to reach CUDA (importing
+    #: CuPy, PyTorch or JAX), and a job over by then never pays for a server it did not use.
+    server_after: float | None
 
     def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]: ...
 
 
 class LocalBackend:
-    name, control, owns_daemons, early_server = "local", "unix", True, False
+    name, control, owns_daemons = "local", "unix", True
+    server_after: float | None = 0.25
 
     def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]:
         n = config.ranks
@@ -191,7 +195,8 @@ class LocalBackend:
 
 
 class MpiexecBackend:
-    name, control, owns_daemons, early_server = "mpiexec", "unix", True, True
+    name, control, owns_daemons = "mpiexec", "unix", True
+    server_after: float | None = 0.0
 
     def __init__(self, mpiexec: str) -> None:
         self.mpiexec = mpiexec
@@ -218,7 +223,8 @@ class MpiexecBackend:
 
 
 class HostsBackend(MpiexecBackend):
-    name, control, owns_daemons, early_server = "hosts", "tcp", False, False
+    name, control, owns_daemons = "hosts", "tcp", False
+    server_after: float | None = None
     EXPORT = ("MPSRUN_CONTROL", "MPSRUN_CONTROL_TOKEN", "MPSRUN_JOB_ID")
 
     def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]:

@@ -22,6 +22,7 @@ from mpsrun.errors import (
     CommandNotExecutableError,
     CommandNotFoundError,
     ConfigError,
+    DaemonError,
     DaemonTimeoutError,
     JobTimeoutError,
     TeardownError,
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
 __all__ = ["run_job"]
 
 log = logging.getLogger("mpsrun")
-
 
 
 def _import_the_launch() -> None:
@@ -132,7 +132,7 @@ class Job:
         with Interrupts() as interrupts, gpu_info.nvml_kept():  # NVML initialised once for the whole job
             session = self._session(backend)
             if session is not None:
-                self._start(session, backend.early_server)
+                self._start(session, backend.server_after == 0)
             try:
                 result = self._run(backend, session, program, interrupts.received)
             finally:
@@ -147,7 +147,6 @@ class Job:
 
     def _start(self, session: Session, early_server: bool) -> None:
         try:
-            # Each server starts with its first client, or at once for an MPI launcher (Backend.early_server).
             session.start(kind="job", early_server=early_server, meanwhile=_import_the_launch)
         except DaemonTimeoutError as exc:
             if self.deadline.expired():
@@ -182,6 +181,8 @@ class Job:
             log.info(f"mpsrun: {backend.name} launcher, MPS {mps}, {config.ranks} rank(s)")
             controller.launch(backend.specs(config, program, env))
             self._elapsed("ranks starting")
+            if watch is not None and backend.server_after:
+                controller.loop.after(backend.server_after, lambda: self._ask_servers(controller, session))
 
         try:
             result = controller.run(first=start, pending=list(pending))  # a signal a finalizer swallowed
@@ -190,6 +191,17 @@ class Job:
             listener.close()
         self._report(result, controller, session, watch)
         return result
+
+    def _ask_servers(self, controller: Controller, session: Session | None) -> None:
+        """Start each server before its first client needs it (Backend.server_after), unless the job is stopping or
+        over: once every rank has ended the daemons may be quitting already."""
+        if session is None or controller.stopping is not None or controller.table.ended(range(self.config.ranks)):
+            return
+        for daemon in session.daemons:
+            try:
+                daemon.start_server(wait=False)
+            except DaemonError as exc:  # the watch reports a daemon that died
+                log.debug("mpsrun: could not ask for an MPS server: %s", exc)
 
     def _report(self, result: JobResult, controller: Controller, session: Session | None,
                 watch: RankWatch | None) -> None:

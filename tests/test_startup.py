@@ -35,12 +35,11 @@ def remove_kept(fake_gpu):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_the_server_starts_with_the_first_client(fake_gpu, path):
-    """As with a daemon started by hand, a job whose ranks never touch the GPU starts no MPS server, except under
-    the mpiexec launcher, which asks for its one server as soon as the daemon answers (mpiexec takes longer to start
-    its ranks than the server to come up); a job whose ranks do use the GPU starts exactly one per daemon, and every
-    rank is still proven connected."""
-    out = subprocess.run(job_argv(path, ["--keep-logs"], [sys.executable, "-c", "pass"]), capture_output=True,
-                         text=True, timeout=120)
+    """As with a daemon started by hand, a short job whose ranks never touch the GPU starts no MPS server, except
+    under the mpiexec launcher, which asks for its one server as soon as the daemon answers (mpiexec takes longer
+    to start its ranks than the server to come up); a job whose ranks do use the GPU starts exactly one per daemon,
+    and every rank is still proven connected."""
+    out = subprocess.run(job_argv(path, ["--keep-logs"], ["true"]), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     settle(fake_gpu)
     logs = control_logs(fake_gpu)
@@ -261,3 +260,19 @@ def test_a_signal_inside_an_uninterrupted_block_is_acted_on_as_it_ends():
     with uninterrupted():  # no job's handlers: nothing to defer
         steps.append("plain")
     assert steps[-1] == "plain"
+
+
+@pytest.mark.parametrize(("program", "servers"), [
+    (["sleep", "1"], 1),
+    (["sh", "-c", 'if [ "$RANK" = 1 ]; then exit 3; fi; trap "" TERM; sleep 1'], 0),  # rank 0 outlives the stop
+])
+def test_the_local_launcher_asks_for_the_server_while_the_ranks_start(fake_gpu, program, servers):
+    """Under --launcher local each server is asked for 0.25 s after the ranks start, before ranks that import a
+    GPU framework reach CUDA (its first client would otherwise wait for it): a job still running then gets its
+    server without any client, and its teardown ends it; a job already stopping (a rank failed) asks for none."""
+    out = subprocess.run([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "local", "--keep-logs", *program],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == (0 if servers else 3), out.stderr
+    settle(fake_gpu)
+    assert sum(text.count("Starting new server") for text in control_logs(fake_gpu)) == servers
+    remove_kept(fake_gpu)
