@@ -136,9 +136,10 @@ def _main(args: list[str]) -> int:
         return ExitCode.USAGE
     except SystemExit as exc:  # --help/--version further along the line
         return int(exc.code or 0)
-    from mpsrun import gpus
+    if not (config.per_node or config.hosts or config.hostfile):  # else each host's node keeper reads them
+        from mpsrun import gpus
 
-    gpus.read_ahead()  # the GPU list is read in a forked child while the job's modules are imported
+        gpus.read_ahead()  # the GPU list is read in a forked child while the job's modules are imported
     level = logging.DEBUG if config.verbose else logging.ERROR if config.quiet else logging.WARNING
     logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
     logging.getLogger("mpsrun").setLevel(level)

@@ -276,3 +276,18 @@ def test_the_local_launcher_asks_for_the_server_while_the_ranks_start(fake_gpu, 
     settle(fake_gpu)
     assert sum(text.count("Starting new server") for text in control_logs(fake_gpu)) == servers
     remove_kept(fake_gpu)
+
+
+@pytest.mark.parametrize("path", ["per-node", "hosts"])
+def test_no_gpu_list_is_read_ahead_where_node_keepers_read_it(fake_gpu, path):
+    """Under --per-node and --hosts each host's node keeper reads the GPUs: the launcher and the per-node ranks
+    fork no read-ahead child, which would stay a zombie under them for the whole job."""
+    import psutil
+
+    job = subprocess.Popen(job_argv(path, [], ["sleep", "2"], ranks=2), stderr=subprocess.PIPE, text=True)
+    time.sleep(1.2)
+    zombies = [p.pid for p in psutil.Process(job.pid).children(recursive=True) if p.status() == psutil.STATUS_ZOMBIE]
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 0, err
+    assert zombies == []
+    settle(fake_gpu)
