@@ -68,7 +68,8 @@ class Launched:
         self.popen: subprocess.Popen[bytes] | ForkedSupervisor = ForkedSupervisor(spec.argv, spec.env, spec.stdin) \
             if spec.fork else subprocess.Popen(
                 list(spec.argv), env=dict(spec.env), stdin=None if spec.stdin else subprocess.DEVNULL,
-                start_new_session=True, preexec_fn=lambda: set_parent_death_signal(signal.SIGTERM))
+                start_new_session=True,
+                preexec_fn=functools.partial(set_parent_death_signal, signal.SIGTERM, os.getpid()))
         self.fd = pidfd(self.popen.pid)
 
     @property

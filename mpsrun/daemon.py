@@ -16,6 +16,7 @@ Processes are identified by pid and start time, never by name.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -158,7 +159,8 @@ class ControlDaemon:
                 self._popen = subprocess.Popen(
                     [self.executable, "-f"], stdin=subprocess.DEVNULL, stdout=log_out, stderr=subprocess.STDOUT,
                     env=self.env, cwd=self.log_dir, start_new_session=True,
-                    preexec_fn=set_parent_death_signal if parent_death else None,
+                    preexec_fn=functools.partial(set_parent_death_signal, signal.SIGKILL, os.getpid())
+                    if parent_death else None,
                 )
             except OSError as exc:
                 raise DaemonStartError(f"cannot start {self.executable}: {exc.strerror}", command="-f") from exc

@@ -31,11 +31,12 @@ class ForkedSupervisor:
     def __init__(self, args: Sequence[str], env: Mapping[str, str], stdin: bool) -> None:
         flush_output()  # what is buffered is the parent's to write, not the child's
         self.returncode: int | None = None
+        parent = os.getpid()
         self.pid = os.fork()
         if self.pid == 0:
             code: int = ExitCode.SETUP
             try:
-                code = _become_supervisor(list(args), env, stdin)
+                code = _become_supervisor(list(args), env, stdin, parent)
             except BaseException:  # said; the child then ends like a supervisor that failed
                 traceback.print_exc()
             finally:
@@ -55,13 +56,13 @@ class ForkedSupervisor:
         return self.returncode
 
 
-def _become_supervisor(args: list[str], env: Mapping[str, str], stdin: bool) -> int:
+def _become_supervisor(args: list[str], env: Mapping[str, str], stdin: bool, parent: int) -> int:
     signal.set_wakeup_fd(-1)  # the controller's loop is not ours: a signal here must not wake it
     for number in CAUGHT:
         if signal.getsignal(number) not in (signal.SIG_IGN, signal.SIG_DFL, None):
             signal.signal(number, signal.SIG_DFL)
     os.setsid()
-    set_parent_death_signal(signal.SIGTERM)  # as a started supervisor gets it: the controller gone, stop
+    set_parent_death_signal(signal.SIGTERM, parent)  # as a started supervisor gets it: the controller gone, stop
     if not stdin:
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)

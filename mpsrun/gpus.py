@@ -72,15 +72,19 @@ def read_ahead() -> None:
     global _ahead
     if _ahead is not None or threading.active_count() > 1:  # a fork must not copy a lock another thread holds
         return
+    from mpsrun.interrupts import uninterrupted
+
     read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        _answer(write)
+    parent = os.getpid()
+    with uninterrupted():  # a signal must not land in logging's at-fork hook, which would swallow it
+        pid = os.fork()
+        if pid == 0:
+            _answer(write, parent)
     os.close(write)
     _ahead = (pid, read)
 
 
-def _answer(pipe: int) -> NoReturn:
+def _answer(pipe: int, parent: int) -> NoReturn:
     """The forked child: the GPU list as JSON on ``pipe``, then an exit without its parent's cleanup."""
     code = 1
     try:
@@ -88,7 +92,7 @@ def _answer(pipe: int) -> NoReturn:
             signal.signal(sig, signal.SIG_DFL)  # a stopping signal ends it (the parent's handlers only note it)
         from mpsrun.procs import set_parent_death_signal
 
-        set_parent_death_signal()  # NVML could hang on a broken driver: it must not outlive the parent
+        set_parent_death_signal(signal.SIGKILL, parent)  # NVML could hang on a broken driver: not outlive the parent
         with open(pipe, "w") as out:
             json.dump([asdict(gpu) for gpu in list_gpus()], out)
         code = 0

@@ -142,7 +142,8 @@ class Job:
             return JobResult(ExitCode.SETUP, "teardown-failed", failure)
         if interrupts.received and result.exit_code == ExitCode.OK:
             sig = interrupts.received[0]
-            return JobResult(128 + sig, "signal", f"interrupted by {signal_name(sig)} while ending the job")
+            result = JobResult(128 + sig, "signal", f"interrupted by {signal_name(sig)} while ending the job")
+            self.note(result.message)
         return result
 
     def _start(self, session: Session, early_server: bool) -> None:

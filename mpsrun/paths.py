@@ -33,6 +33,7 @@ __all__ = [
     "base_directory",
     "check_private_dir",
     "make_user_root",
+    "new_session_name",
     "session_base",
     "user_root",
     "user_root_lock",
@@ -180,10 +181,21 @@ def make_user_root(base: Path) -> Path:
     return user_root(base)
 
 
+def _random_name() -> str:
+    return "s" + os.urandom(4).hex()  # as secrets.token_hex(4), without importing hashlib
+
+
+def new_session_name(base: Path) -> str:
+    """A random session name not in use under ``base``, for :meth:`SessionDirs.create` to make later."""
+    while (user_root(base) / (name := _random_name())).exists():
+        pass
+    return name
+
+
 def _new_directory(root_fd: int) -> str:
     """Make a directory with a fresh random name in ``root_fd`` (atomically) and return the name."""
     while True:
-        name = "s" + os.urandom(4).hex()  # as secrets.token_hex(4), without importing hashlib
+        name = _random_name()
         try:
             os.mkdir(name, 0o700, dir_fd=root_fd)
         except FileExistsError:

@@ -148,9 +148,12 @@ def kill_group(pgid: int, sig: int) -> bool:
     return True
 
 
-def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
-    """Ask the kernel to send ``sig`` to this process when the thread that forked it ends."""
+def set_parent_death_signal(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
+    """Ask the kernel to send ``sig`` to this process when the thread that forked it ends. ``parent``: the pid
+    that forked it, read before the fork; one that died before this request sends no signal, so it comes now."""
     _prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), sig)
 
 
 def inherited_fds() -> list[int]:

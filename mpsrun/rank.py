@@ -92,10 +92,10 @@ class RankSupervisor:
         return self._finish(self.returncode)
 
     def _spawn(self, program: str) -> None:
-        piped = subprocess.PIPE if self.tag else None
+        piped, supervisor = subprocess.PIPE if self.tag else None, os.getpid()
         self.process = subprocess.Popen(
-            self.command, executable=program, env=self.env, stdout=piped, stderr=piped,
-            start_new_session=True, pass_fds=self.fds, preexec_fn=set_parent_death_signal,
+            self.command, executable=program, env=self.env, stdout=piped, stderr=piped, start_new_session=True,
+            pass_fds=self.fds, preexec_fn=lambda: set_parent_death_signal(signal.SIGKILL, supervisor),
         )
         close_all(self.fds)  # the rank has them now; holding them would keep its launcher's connections open
         pid = self.process.pid

@@ -69,7 +69,7 @@ def main(argv: Sequence[str]) -> NoReturn:
         site.main()
     from mpsrun.registry import reap  # the owner died: now the heavier imports are worth it
 
-    reap(Path(argv[0]))
+    reap(Path(argv[0]), force=True)  # the pipe's end proves its owner gone, even before it wrote the record
     exit_now(0)
 
 

@@ -24,7 +24,7 @@ from mpsrun.errors import ConfigError, MPSError, MPSUnavailableError, NoDriverEr
 from mpsrun.exported import Export
 from mpsrun.gpus import GPU
 from mpsrun.interrupts import uninterrupted
-from mpsrun.paths import SessionDirs, session_base, user_root
+from mpsrun.paths import SessionDirs, new_session_name, session_base, user_root
 from mpsrun.placement import MANAGED_VARIABLES, GpuTarget, RankPlan, rank_environment
 from mpsrun.procs import ProcessRef
 from mpsrun.reaper import Reaper
@@ -206,12 +206,13 @@ class Session:
 
                 for session_id, what in registry.cleanup(self.base, lock_timeout=0, remove_kept=False):
                     log.info("mpsrun: stale session %s %s", session_id, what)
+        name = name or new_session_name(self.base)
+        with uninterrupted():  # first, for the path to come: a SIGKILL from here on leaves nothing behind
+            self._reaper = Reaper(user_root(self.base) / name)
         self.dirs = SessionDirs.create(self.base, [group[0].index for group in self._daemons.groups()], name=name)
         self.record = SessionRecord.new(kind, gpus=tuple(g.uuid for g in self.gpus), argv=tuple(sys.argv),
                                         keep_logs=self.keep_logs)
         self.record.write(self.dirs.record_file)
-        with uninterrupted():  # a signal waits until the reaper is on record
-            self._reaper = Reaper(self.dirs.root)
 
     def _start_daemons(self, server: str, meanwhile: Callable[[], object] | None) -> None:
         assert self.dirs is not None

@@ -291,3 +291,54 @@ def test_no_gpu_list_is_read_ahead_where_node_keepers_read_it(fake_gpu, path):
     assert job.returncode == 0, err
     assert zombies == []
     settle(fake_gpu)
+
+
+def test_a_signal_during_the_teardown_is_said(fake_gpu):
+    """A SIGTERM once the ranks have ended, while a daemon will not quit: teardown finishes within its deadlines,
+    the job exits 143 and says so in one line (it used to exit 143 in silence)."""
+    fake_gpu.daemon_env(FAKE_MPS_QUIT_HANG="1")
+    job = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "local", *fake("--hold", "0.2")],
+                           stderr=subprocess.PIPE, text=True)
+    time.sleep(2.5)  # the ranks are over; `quit` hangs for its 10 s
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 143, err
+    assert "mpsrun: interrupted by SIGTERM while ending the job" in err.splitlines(), err
+    settle(fake_gpu)
+
+
+def test_a_parent_gone_before_the_death_signal_was_asked_for_still_ends_the_child():
+    """A child whose parent died between the fork and its PR_SET_PDEATHSIG request would never get the signal (a
+    SIGKILLed mpsrun left a live daemon so, 2 in 25 tries): given the pid that forked it, it ends itself at once."""
+    from mpsrun.procs import set_parent_death_signal
+
+    pid = os.fork()
+    if pid == 0:  # our "parent" is not the pid the caller read before the fork: it counts as gone
+        set_parent_death_signal(signal.SIGTERM, parent=os.getppid() + 1)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+    pid = os.fork()
+    if pid == 0:  # the real parent: no signal
+        set_parent_death_signal(signal.SIGTERM, parent=os.getppid())
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+@pytest.mark.parametrize("launcher", ["local", "mpiexec"])
+def test_a_sigkill_as_the_session_directory_appears_leaves_nothing(fake_gpu, launcher):
+    """mpsrun SIGKILLed the moment its session directory appears: the reaper was started first (for the path to
+    come), so it removes the directory; before, a kill between the directory and the reaper left it for good."""
+    root = fake_gpu.tmpdir
+    for _ in range(5):
+        job = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", launcher,
+                                "--mpiexec", shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec",
+                                "true"], stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while not fake_gpu.session_dirs() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        job.kill()
+        job.wait()
+        settle(fake_gpu)
+        assert not fake_gpu.session_dirs(), list(root.rglob("*"))
