@@ -31,12 +31,6 @@ def new_token() -> str:
     return os.urandom(16).hex()  # as secrets.token_hex(16), without importing hashlib in every shim
 
 
-def token_matches(offered: object, token: str) -> bool:
-    import hmac  # the controller's side only
-
-    return isinstance(offered, str) and hmac.compare_digest(offered.encode(), token.encode())
-
-
 class Link:
     """One connected peer. :meth:`send` and :meth:`receive` never raise.
 

@@ -342,3 +342,15 @@ def test_a_sigkill_as_the_session_directory_appears_leaves_nothing(fake_gpu, lau
         job.wait()
         settle(fake_gpu)
         assert not fake_gpu.session_dirs(), list(root.rglob("*"))
+
+
+def test_only_the_jobs_token_admits_a_rank():
+    """The controller admits a hello only with the job's token (compared in constant time; OpenSSL's
+    compare_digest is imported with the controller, while the daemons start, not at the first hello)."""
+    from mpsrun.protocol import new_token
+    from mpsrun.ranks import token_matches
+
+    token = new_token()
+    assert token_matches(token, token)
+    assert not token_matches(new_token(), token) and not token_matches(token[:-1], token)
+    assert not token_matches(None, token) and not token_matches(token.encode(), token)
