@@ -24,7 +24,6 @@ __all__ = [
     "compute_processes",
     "driver_info",
     "list_gpus",
-    "nvml_held",
     "nvml_kept",
     "parse_visible_devices",
     "read_ahead",
@@ -140,13 +139,6 @@ def _nvml() -> Iterator[Any]:
     finally:
         with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
-
-
-@contextlib.contextmanager
-def nvml_held() -> Iterator[None]:
-    """Keep NVML initialised across many queries (a job's client checks), so each costs no initialisation."""
-    with _nvml():
-        yield
 
 
 @contextlib.contextmanager

@@ -52,6 +52,7 @@ def _import_the_launch() -> None:
 
 
 def resolve_command(command: tuple[str, ...]) -> str:
+    """The program of a job's command by absolute path; raises as a shell would say it (127, 126)."""
     program, code, reason = find_program(command[0], None)
     if program is None:
         error = CommandNotFoundError if code == ExitCode.NOT_FOUND else CommandNotExecutableError
@@ -129,7 +130,7 @@ class Job:
         config = self.config
         program = resolve_command(config.command)
         backend = choose_backend(config)
-        with Interrupts() as interrupts, gpu_info.nvml_kept():  # NVML initialised once for the whole job
+        with Interrupts() as interrupts, gpu_info.nvml_kept():  # NVML, once initialised, kept for the job
             session = self._session(backend)
             if session is not None:
                 self._start(session, backend.server_after == 0)
