@@ -293,12 +293,15 @@ def test_no_gpu_list_is_read_ahead_where_node_keepers_read_it(fake_gpu, path):
     settle(fake_gpu)
 
 
-def test_a_signal_during_the_teardown_is_said(fake_gpu):
+@pytest.mark.parametrize("launcher", ["local", "mpiexec"])
+def test_a_signal_during_the_teardown_is_said(fake_gpu, launcher):
     """A SIGTERM once the ranks have ended, while a daemon will not quit: teardown finishes within its deadlines,
     the job exits 143 and says so in one line (it used to exit 143 in silence)."""
     fake_gpu.daemon_env(FAKE_MPS_QUIT_HANG="1")
-    job = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "local", *fake("--hold", "0.2")],
-                           stderr=subprocess.PIPE, text=True)
+    where = ["--mpiexec", shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"] \
+        if launcher == "mpiexec" else []
+    job = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", launcher, *where,
+                            *fake("--hold", "0.2")], stderr=subprocess.PIPE, text=True)
     time.sleep(2.5)  # the ranks are over; `quit` hangs for its 10 s
     job.send_signal(signal.SIGTERM)
     _, err = job.communicate(timeout=60)
