@@ -162,6 +162,17 @@ def _open_private(name: str, parent_fd: int, path: Path, create: bool) -> int:
     return _checked(fd, lambda: _check_private(os.fstat(fd), path))
 
 
+def _make_gpu_dirs(session_fd: int, gpu_indices: list[int]) -> None:
+    for index in gpu_indices:
+        os.mkdir(f"gpu{index}", 0o700, dir_fd=session_fd)
+        gpu_fd = os.open(f"gpu{index}", _DIR_FLAGS, dir_fd=session_fd)
+        try:
+            for part in ("pipe", "log"):
+                os.mkdir(part, 0o700, dir_fd=gpu_fd)
+        finally:
+            os.close(gpu_fd)
+
+
 def _user_root_fd(base: Path) -> int:
     """This user's private root under ``base``: made 0700 if missing, refused if unsafe; an open descriptor.
 
@@ -258,15 +269,22 @@ class SessionDirs:
         finally:
             os.close(root_fd)
         try:
-            for index in gpu_indices:
-                os.mkdir(f"gpu{index}", 0o700, dir_fd=session_fd)
-                gpu_fd = os.open(f"gpu{index}", _DIR_FLAGS, dir_fd=session_fd)
-                for part in ("pipe", "log"):
-                    os.mkdir(part, 0o700, dir_fd=gpu_fd)
-                os.close(gpu_fd)
+            _make_gpu_dirs(session_fd, gpu_indices)
         finally:
             os.close(session_fd)
         return cls(root=user_root(base) / name)
+
+    def add_gpus(self, gpu_indices: list[int]) -> None:
+        """Make the pipe and log directories of more GPUs (a session's directory is made before its GPUs are read)."""
+        parent_fd = os.open(self.root.parent, _DIR_FLAGS)
+        try:
+            session_fd = _open_private(self.root.name, parent_fd, self.root, create=False)
+        finally:
+            os.close(parent_fd)
+        try:
+            _make_gpu_dirs(session_fd, gpu_indices)
+        finally:
+            os.close(session_fd)
 
     @property
     def session_id(self) -> str:

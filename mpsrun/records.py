@@ -112,6 +112,9 @@ class SessionRecord:
     def with_daemon(self, daemon: DaemonRecord) -> SessionRecord:
         return replace(self, daemons=(*self.daemons, daemon))
 
+    def with_gpus(self, gpus: tuple[str, ...]) -> SessionRecord:
+        return replace(self, gpus=gpus)
+
     def with_rank(self, rank: ProcessRef) -> SessionRecord:
         return replace(self, ranks=(*self.ranks, rank))
 

@@ -11,24 +11,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from mpsrun import gpus as gpu_info
 from mpsrun import limits
+from mpsrun.claim import SessionClaim
 from mpsrun.daemon import ControlDaemon, unavailable_reason
 from mpsrun.daemons import GpuDaemons
 from mpsrun.errors import ConfigError, MPSError, MPSUnavailableError, NoDriverError, TeardownError
 from mpsrun.exported import Export
 from mpsrun.gpus import GPU
-from mpsrun.interrupts import uninterrupted
-from mpsrun.paths import SessionDirs, new_session_name, session_base, user_root
+from mpsrun.paths import SessionDirs, session_base
 from mpsrun.placement import MANAGED_VARIABLES, GpuTarget, RankPlan, rank_environment
 from mpsrun.procs import ProcessRef
-from mpsrun.reaper import Reaper
-from mpsrun.records import SessionRecord
 from mpsrun.report import session_status
 
 if TYPE_CHECKING:
@@ -109,12 +106,11 @@ class Session:
         self.quiet = quiet  # the launcher and node keepers say themselves why MPS is off
         self.gpus: list[GPU] = []
         self._daemons = GpuDaemons([], shared=False)
-        self.dirs: SessionDirs | None = None
-        self.record: SessionRecord | None = None
+        self._claim: SessionClaim | None = None
+        self._claimed_early = False  # by claim(): a failed start leaves the directory to close()
         self.enabled = False
         self.disabled_reason: str | None = None
         self.teardown_errors: list[BaseException] = []
-        self._reaper: Reaper | None = None
         self._exported: Export | None = None
         self._mem_limits: list[str | None] = []  # per GPU position, once the GPUs are known
         self._depth = 0  # nested `with` blocks on this session
@@ -161,6 +157,23 @@ class Session:
         self.thread_percentage = thread_percentage
         self._mem_limits = list(mem_limits)
 
+    @property
+    def dirs(self) -> SessionDirs | None:
+        """The session's directories, once it has them."""
+        return self._claim.dirs if self._claim is not None else None
+
+    def claim(self, kind: str) -> SessionDirs:
+        """Make the session's directory now, before its GPUs are read: :meth:`start` then uses it, and if the start
+        fails the directory stays until :meth:`close` (the launcher's control socket, which mpiexec's ranks may
+        still reach, lives there)."""
+        if self._state not in ("new", "resolved") or self._claim is not None:
+            raise MPSError(f"this session is {self._state} and has its directory already")
+        self._owner_pid = os.getpid()
+        self._claim = SessionClaim(self.base, kind, keep_logs=self.keep_logs)
+        self._claimed_early = True
+        assert self._claim.dirs is not None
+        return self._claim.dirs
+
     def start(self, wait_active: bool = True, kind: str = "api", name: str | None = None,
               early_server: bool = False, meanwhile: Callable[[], object] | None = None) -> Session:
         """Start the daemons and wait until each GPU's server is ACTIVE.
@@ -194,32 +207,22 @@ class Session:
         except BaseException:
             self._state = "failed"
             with contextlib.suppress(Exception):
-                self._teardown()
+                self._teardown(release=not self._claimed_early)
             raise
         self._state = "running"
         return self
 
     def _make_directory(self, kind: str, name: str | None) -> None:
-        with contextlib.suppress(Exception):  # best effort, never waiting: what a killed earlier run left
-            if any(os.scandir(user_root(self.base))):  # nothing there, nothing to read (nor to import)
-                from mpsrun import registry
-
-                for session_id, what in registry.cleanup(self.base, lock_timeout=0, remove_kept=False):
-                    log.info("mpsrun: stale session %s %s", session_id, what)
-        name = name or new_session_name(self.base)
-        with uninterrupted():  # first, for the path to come: a SIGKILL from here on leaves nothing behind
-            self._reaper = Reaper(user_root(self.base) / name)
-        self.dirs = SessionDirs.create(self.base, [group[0].index for group in self._daemons.groups()], name=name)
-        self.record = SessionRecord.new(kind, gpus=tuple(g.uuid for g in self.gpus), argv=tuple(sys.argv),
-                                        keep_logs=self.keep_logs)
-        self.record.write(self.dirs.record_file)
+        if self._claim is None:
+            self._claim = SessionClaim(self.base, kind, name, self.keep_logs)
+        self._claim.add_gpus([g.uuid for g in self.gpus], [group[0].index for group in self._daemons.groups()])
 
     def _start_daemons(self, server: str, meanwhile: Callable[[], object] | None) -> None:
         assert self.dirs is not None
 
         def started(daemon: ControlDaemon) -> None:
-            assert self.record is not None
-            self._update(self.record.with_daemon(daemon.record()))
+            assert self._claim is not None
+            self._claim.update(self._claim.record.with_daemon(daemon.record()))
 
         self._daemons.start(self.dirs, self.thread_percentage, self._mem_limits, self.start_timeout, server, started,
                             meanwhile)
@@ -237,15 +240,10 @@ class Session:
         """The client watcher over every GPU of the session and the daemon that serves it."""
         return self._daemons.watcher()
 
-    def _update(self, record: SessionRecord) -> None:
-        assert self.dirs is not None
-        self.record = record
-        record.write(self.dirs.record_file)
-
     def add_rank(self, rank: ProcessRef) -> None:
         """Record a local rank's process group, so a reaper can end it if we die."""
-        if self.record is not None and self._state == "running":
-            self._update(self.record.with_rank(rank))
+        if self._claim is not None and self._state == "running":
+            self._claim.update(self._claim.record.with_rank(rank))
 
     @property
     def state(self) -> str:
@@ -318,22 +316,13 @@ class Session:
 
     # -- stopping -------------------------------------------------------------------------
 
-    def _teardown(self) -> list[BaseException]:
+    def _teardown(self, release: bool = True) -> list[BaseException]:
         if self._exported is not None:
             self._exported.restore()
             self._exported = None
         errors = self._daemons.stop(self.stop_timeout)
-        if self.dirs is not None:
-            if self.keep_logs:
-                log.warning("mpsrun: kept session logs in %s", self.dirs.root)
-            else:
-                try:
-                    self.dirs.remove()
-                except OSError as exc:
-                    errors.append(exc)
-        if self._reaper is not None:
-            self._reaper.release()
-            self._reaper = None
+        if self._claim is not None and release:
+            errors += self._claim.release()
         return errors
 
     def begin_close(self) -> None:
@@ -344,13 +333,13 @@ class Session:
     def close(self) -> None:
         """Stop the daemons and servers, restore the environment, remove the directories; raise
         :class:`TeardownError` if something could not be (nothing in a forked child, or when called again)."""
-        if self._state in ("new", "resolved"):  # never started: it cannot be started any more either
+        if self._state in ("new", "resolved") and self._claim is None:  # never started: nor can it be any more
             self._state = "closed"
             return
         if self._owner_pid != os.getpid() or self._state == "closed":
             return
-        self._state = "closed"
-        self.teardown_errors = self._teardown()
+        failed, self._state = self._state == "failed", "closed"
+        self.teardown_errors = self._claim.release() if failed and self._claim else self._teardown()
         if self.teardown_errors:
             raise TeardownError("session teardown failed: " + "; ".join(str(e) for e in self.teardown_errors),
                                 errors=self.teardown_errors)
