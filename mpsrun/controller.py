@@ -74,6 +74,7 @@ class Controller:
         self.before_last_verdict: Callable[[], list[str]] | None = None
         self.expected_count: int | None = None  # a node keeper: how many ranks the launcher put on the node
         self.give_up = False  # a node keeper that no rank ever joined, or that waited for late ranks in vain
+        self.abandoned = False  # the job cannot run: see abandon()
         self._kill_timer: Timer | None = None
         self._summary_pending = self._detached = self._nodes_timer = self._nodes_overdue = False
         self._interrupts: dict[int, float] = {}  # source -> when its first interrupt came
@@ -147,7 +148,7 @@ class Controller:
         elif self.expected is not None and rank not in self.expected:
             refusal = (ExitCode.SETUP, f"rank {rank} is not part of this job (ranks {ranges(sorted(self.expected))})")
         elif self.stopping is not None:
-            refusal = (self.judge.exit_code(), "")
+            refusal = (0 if self.abandoned else self.judge.exit_code(), "")
         if refusal is None:
             try:
                 link.send("welcome", **self.welcome(identity, hello))
@@ -267,6 +268,15 @@ class Controller:
             self._summary_pending = True
         self.stop(signal.SIGTERM)
 
+    def abandon(self) -> None:
+        """The job cannot run (its set-up failed after its MPI launcher had started): each rank supervisor that
+        comes is refused, quietly and with exit 0 (no launcher's banner about a failed rank), the launcher gets
+        --grace to end (then SIGTERM, SIGKILL), and a stopping signal meanwhile kills it. The job's own error is
+        its caller's to report."""
+        self.abandoned = True
+        self.stop(signal.SIGTERM)
+        self.launchers.wind_down(self.policy.grace)
+
     def stop(self, sig: int, restart: bool = False) -> None:
         """Start no more ranks; detach connected ranks from MPS, send ``sig`` to every rank; SIGKILL after --grace."""
         if self.stopping is not None and not restart:
@@ -313,6 +323,10 @@ class Controller:
     # -- events -----------------------------------------------------------------------------------
 
     def _on_signal(self, sig: int) -> None:
+        if self.abandoned:
+            if sig in STOP_SIGNALS:
+                self.launchers.kill()
+            return
         if sig in FORWARD_SIGNALS:
             self._signal(sig, self.table.live())
         elif self.upstream is not None:  # the job's controller decides; the ranks here get the signal now

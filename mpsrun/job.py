@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from mpsrun import gpus as gpu_info
-from mpsrun.backends import Backend, choose_backend
+from mpsrun.backends import Backend, Launched, LaunchSpec, choose_backend
 from mpsrun.deadline import Deadline
 from mpsrun.errors import (
     CommandNotExecutableError,
@@ -25,13 +26,14 @@ from mpsrun.errors import (
     DaemonError,
     DaemonTimeoutError,
     JobTimeoutError,
+    MPSError,
     TeardownError,
 )
 from mpsrun.exitcodes import ExitCode, signal_name
-from mpsrun.interrupts import Interrupts
+from mpsrun.interrupts import InterruptionError, Interrupts, uninterrupted
 from mpsrun.launchers import RankIdentity
 from mpsrun.options import JobConfig
-from mpsrun.outcome import JobResult
+from mpsrun.outcome import JobResult, ranges
 from mpsrun.placement import RankPlan, plan_job, ranks_on_gpus, welcome, without_mps
 from mpsrun.procs import find_program
 from mpsrun.report import crowding_warnings, mps_report, verified_line
@@ -60,6 +62,45 @@ def resolve_command(command: tuple[str, ...]) -> str:
     return program
 
 
+class JobControl:
+    """Where the job's rank supervisors reach its controller: ``listener``, ``token`` and the variables that name
+    them (``env``); and the MPI launcher when it starts ahead of the session (``early``), until the controller
+    adopts it."""
+
+    def __init__(self, where: str) -> None:
+        from mpsrun.protocol import Listener, new_token
+
+        self.token = new_token()
+        self.listener = Listener(where)
+        self.env = {**os.environ, "MPSRUN_CONTROL": self.listener.address, "MPSRUN_CONTROL_TOKEN": self.token,
+                    "MPSRUN_JOB_ID": self.token[:16]}
+        self.early: Launched | None = None
+
+    def start_early(self, specs: list[LaunchSpec]) -> None:
+        """Start the launcher now; its ranks wait for their welcome until the controller runs."""
+        (spec,) = specs
+        try:
+            with uninterrupted():  # a Popen cut short would lose the process
+                self.early = Launched(spec)
+        except OSError as exc:  # as the controller says it when a launcher cannot start
+            raise MPSError(f"cannot start rank(s) {ranges(list(spec.ranks))}: {exc}", command=spec.argv[0]) from None
+
+    def hand_over(self) -> Launched | None:
+        early, self.early = self.early, None
+        return early
+
+    def close(self) -> None:
+        """Close the socket; a launcher never handed over (the job failed before its controller ran) is killed:
+        no rank of it has run."""
+        if self.early is not None:
+            self.early.signal_group(signal.SIGKILL)
+            self.early.reap()
+            if self.early.fd is not None:
+                os.close(self.early.fd)
+            self.early = None
+        self.listener.close()
+
+
 class Job:
     """One run of a :class:`JobConfig`; see :func:`run_job`."""
 
@@ -72,8 +113,8 @@ class Job:
     def _elapsed(self, what: str) -> None:
         log.info(f"mpsrun: {what} after {time.monotonic() - self.started:.3f} s")
 
-    def _session(self, backend: Backend) -> Session | None:
-        """The job's MPS session (None where each host's keeper owns its own), checked and planned first."""
+    def _new_session(self, backend: Backend) -> Session | None:
+        """The job's MPS session, not started (None where each host's keeper owns its own)."""
         config = self.config
         if isinstance(config.thread_percentage, tuple) and len(config.thread_percentage) != config.ranks:
             raise ConfigError(f"--thread-percentage lists {len(config.thread_percentage)} values but there are "
@@ -83,9 +124,14 @@ class Job:
             log.warning("mpsrun: warning: --mpiexec and --mpiexec-arg have no effect with --launcher local")
         if not backend.owns_daemons:
             return None
-        session = Session(gpus=list(config.gpus) if config.gpus is not None else "all", mps=config.mps,
-                          keep_logs=config.keep_logs, export=False, quiet=True, gpu_bind=config.gpu_bind,
-                          start_timeout=max(0.1, self.deadline.cap(START_TIMEOUT))).resolve()
+        return Session(gpus=list(config.gpus) if config.gpus is not None else "all", mps=config.mps,
+                       keep_logs=config.keep_logs, export=False, quiet=True, gpu_bind=config.gpu_bind,
+                       start_timeout=max(0.1, self.deadline.cap(START_TIMEOUT)))
+
+    def _plan(self, session: Session) -> None:
+        """Read the GPUs, plan the ranks on them, and give the daemons the plans' defaults."""
+        config = self.config
+        session.resolve()
         if session.disabled_reason is not None:
             for line in without_mps(config, session.disabled_reason):
                 log.warning(f"mpsrun: {line}")
@@ -99,7 +145,6 @@ class Job:
         cap = max(p for p in percentages if p is not None) if None not in percentages else None
         by_gpu = {plan.gpu: plan.mem_limit for plan in plans}  # every rank on a GPU has the same limit
         session.set_defaults(cap, [by_gpu.get(p) for p in range(len(session.gpus))])  # the daemons' defaults
-        return session
 
     def _placed(self, session: Session, plan: RankPlan) -> str:
         """Where a rank runs and with what limits, for -v."""
@@ -127,25 +172,38 @@ class Job:
 
     def run(self) -> JobResult:
         """Interrupts before the ranks run undo what was made and raise Interrupted; during teardown they wait."""
-        config = self.config
-        program = resolve_command(config.command)
-        backend = choose_backend(config)
+        program = resolve_command(self.config.command)
+        backend = choose_backend(self.config)
         with Interrupts() as interrupts, gpu_info.nvml_kept():  # NVML, once initialised, kept for the job
-            session = self._session(backend)
-            if session is not None:
-                self._start(session, backend.server_after == 0)
+            session = self._new_session(backend)
+            control: JobControl | None = None
             try:
-                result = self._run(backend, session, program, interrupts.received)
+                control = JobControl(f"unix:{session.claim('job').control_socket}" if session else "tcp")
+                if backend.head_start:
+                    control.start_early(backend.specs(self.config, program, control.env))
+                    self._elapsed("launcher started")
+                failure = self._set_up(backend, session, control)
+                result = self._run(backend, session, program, control, interrupts, failure)
             finally:
                 with interrupts.deferred():
-                    failure = self._close(session)
-        if failure and result.exit_code == ExitCode.OK:
-            return JobResult(ExitCode.SETUP, "teardown-failed", failure)
-        if interrupts.received and result.exit_code == ExitCode.OK:
-            sig = interrupts.received[0]
-            result = JobResult(128 + sig, "signal", f"interrupted by {signal_name(sig)} while ending the job")
-            self.note(result.message)
-        return result
+                    if control is not None:
+                        control.close()
+                    teardown_failure = self._close(session)
+        return self._with_teardown(result, teardown_failure, interrupts.received)
+
+    def _set_up(self, backend: Backend, session: Session | None, control: JobControl) -> MPSError | None:
+        """Plan and start the session. A failure is raised, or, with the launcher started ahead, returned: its
+        ranks are refused before the failure is reported (:meth:`Controller.abandon`)."""
+        if session is None:
+            return None
+        try:
+            self._plan(session)
+            self._start(session, backend.server_after == 0)
+        except MPSError as exc:  # an interrupt too
+            if control.early is None:
+                raise
+            return exc
+        return None
 
     def _start(self, session: Session, early_server: bool) -> None:
         try:
@@ -157,41 +215,61 @@ class Job:
             raise
         self._elapsed("daemons ready")
 
-    def _run(self, backend: Backend, session: Session | None, program: str, pending: list[int]) -> JobResult:
+    def _controller(self, backend: Backend, session: Session | None, control: JobControl) -> Controller:
+        """The job's controller, with the launcher started ahead (if any) in its care."""
         from mpsrun.controller import Controller, Policy
-        from mpsrun.protocol import Listener, new_token
 
         config = self.config
-        token = new_token()
-        where = f"unix:{session.dirs.control_socket}" if backend.control == "unix" and session and session.dirs \
-            else "tcp"
-        listener = Listener(where)
         output_lock = None
         if config.tag_output and backend.name == "local" and session is not None and session.dirs is not None:
             session.dirs.output_lock.touch(mode=0o600)
             output_lock = str(session.dirs.output_lock)
         policy = Policy(grace=config.grace, timeout=self.deadline.remaining() if config.timeout else None,
                         timeout_total=config.timeout, mps_required=config.mps == "on")
-        controller = Controller(listener, token, self._welcome(session, output_lock), policy,
-                                expected=range(config.ranks),
-                                session=session, note=self.note)
+        controller = Controller(control.listener, control.token, self._welcome(session, output_lock), policy,
+                                expected=range(config.ranks), session=session, note=self.note)
+        early = control.hand_over()
+        if early is not None:
+            controller.launchers.adopt(early)
+        return controller
+
+    def _run(self, backend: Backend, session: Session | None, program: str, control: JobControl,
+             interrupts: Interrupts, failure: MPSError | None) -> JobResult:
+        config = self.config
+        with interrupts.deferred():  # until the controller's loop takes the signals; those meanwhile are pending
+            controller = self._controller(backend, None if failure else session, control)
+        pending = list(interrupts.received)  # and a signal a finalizer swallowed
+        if failure is not None:
+            if isinstance(failure, InterruptionError):
+                pending.remove(failure.signal)
+            controller.abandon()
+            controller.run(pending=pending)
+            raise failure
         watch = controller.watch
-        env = {**os.environ, "MPSRUN_CONTROL": listener.address, "MPSRUN_CONTROL_TOKEN": token,
-               "MPSRUN_JOB_ID": token[:16]}
+
         def start() -> None:  # in the controller's loop, which handles signals from here on
             mps = "on" if watch else "per host" if not backend.owns_daemons else "off"
             log.info(f"mpsrun: {backend.name} launcher, MPS {mps}, {config.ranks} rank(s)")
-            controller.launch(backend.specs(config, program, env))
+            if not controller.launchers.started:
+                controller.launch(backend.specs(config, program, control.env))
             self._elapsed("ranks starting")
             if watch is not None and backend.server_after:
                 controller.loop.after(backend.server_after, lambda: self._ask_servers(controller, session))
+            if watch is not None and backend.head_start:  # mpiexec's ranks are 0.2 s away: the watch gets ready
+                controller.loop.after(0, watch.prepare)
 
-        try:
-            result = controller.run(first=start, pending=list(pending))  # a signal a finalizer swallowed
-            self._elapsed("ranks done")
-        finally:
-            listener.close()
+        result = controller.run(first=start, pending=pending)
+        self._elapsed("ranks done")
         self._report(result, controller, session, watch)
+        return result
+
+    def _with_teardown(self, result: JobResult, failure: str, received: list[int]) -> JobResult:
+        if failure and result.exit_code == ExitCode.OK:
+            return JobResult(ExitCode.SETUP, "teardown-failed", failure)
+        if received and result.exit_code == ExitCode.OK:
+            sig = received[0]
+            result = JobResult(128 + sig, "signal", f"interrupted by {signal_name(sig)} while ending the job")
+            self.note(result.message)
         return result
 
     def _ask_servers(self, controller: Controller, session: Session | None) -> None:

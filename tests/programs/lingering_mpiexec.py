@@ -36,11 +36,12 @@ def main(argv: list[str]) -> int:
         return 0
     assert argv[0] == "-n", argv
     n, command = int(argv[1]), argv[2:]
-    pids = daemon_pids()
     ranks = [subprocess.Popen(command, env={**os.environ, "PMI_RANK": str(r), "PMI_SIZE": str(n),
                                             "PMI_LOCAL_RANK": str(r), "MPI_LOCALNRANKS": str(n)})
              for r in range(n)]
     codes = [rank.wait() for rank in ranks]
+    pids = daemon_pids()  # on record by now: mpsrun starts mpiexec before its daemons, its ranks after them
+    assert pids, "no daemon on record"
     deadline = time.monotonic() + float(os.environ.get("LINGER_SECONDS", "3"))
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.01)
