@@ -23,6 +23,7 @@ __all__ = [
     "compute_pids",
     "compute_processes",
     "driver_info",
+    "initialise",
     "list_gpus",
     "nvml_kept",
     "parse_visible_devices",
@@ -139,6 +140,12 @@ def _nvml() -> Iterator[Any]:
     finally:
         with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
+
+
+def initialise() -> None:
+    """Initialise NVML now, for an enclosing :func:`nvml_kept` to keep (its first query then pays nothing)."""
+    with _nvml():
+        pass
 
 
 @contextlib.contextmanager
