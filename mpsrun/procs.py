@@ -68,12 +68,13 @@ def python_without_site(module: str) -> list[str]:
     """The command that runs ``module.main(sys.argv[1:])`` in a new interpreter started without ``site`` (-S).
 
     It starts in milliseconds: no site-packages scan, no ``.pth`` hooks (tens of milliseconds on
-    some machines). Only for mpsrun's own modules whose imports are the standard library's;
-    mpsrun is found where this process found it.
+    some machines), and ends with :func:`exit_now`, without the interpreter's teardown. Only for
+    mpsrun's own modules whose imports are the standard library's; mpsrun is found where this
+    process found it.
     """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return [sys.executable, "-S", "-c",
-            f"import sys; sys.path.append({root!r}); from {module} import main; sys.exit(main(sys.argv[1:]))"]
+    return [sys.executable, "-S", "-c", f"import sys; sys.path.append({root!r}); from {module} import main; "
+            "from mpsrun.procs import exit_now; exit_now(main(sys.argv[1:]))"]
 
 
 def parent_pid(pid: int) -> int | None:
