@@ -173,12 +173,11 @@ class Backend(Protocol):
     control: str
     #: False when each host's node keeper starts that host's MPS daemons instead of the controller.
     owns_daemons: bool
-    #: When each MPS server is asked for, in seconds after the ranks start; None: with its first client, as a
-    #: hand-started daemon does. A server takes 0.17-0.26 s to become ready (H100) and its first client waits for
-    #: it. 0: as soon as its daemon answers (an MPI launcher takes 0.3 s to start its ranks, and under MPS
-    #: started by hand mpirun's own CUDA probe starts the server then). The local launcher asks at 0.25 s, unless
-    #: every rank has ended: ranks that use the GPU from Python take longer than that to reach CUDA (importing
-    #: CuPy, PyTorch or JAX), and a job over by then never pays for a server it did not use.
+    #: When each MPS server is asked for, in seconds after the first rank starts, unless every rank has ended by
+    #: then; None: with its first client, as a hand-started daemon does. A server takes 0.17-0.26 s to become ready
+    #: (H100) and its first client waits for it: ranks that use the GPU from Python take longer than 0.25 s to reach
+    #: CUDA (importing CuPy, PyTorch or JAX), so they do not wait, and a job over by then never pays for a server
+    #: it did not use (its quit alone takes 0.1 s).
     server_after: float | None
     #: The launcher starts before the MPS session (``Job``), its ranks waiting for their welcome: an MPI launcher
     #: takes 0.3 s to start its ranks, in which the session comes up.
@@ -203,7 +202,7 @@ class LocalBackend:
 
 class MpiexecBackend:
     name, control, owns_daemons, head_start = "mpiexec", "unix", True, True
-    server_after: float | None = 0.0
+    server_after: float | None = 0.25
 
     def __init__(self, mpiexec: str) -> None:
         self.mpiexec = mpiexec

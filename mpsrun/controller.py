@@ -75,6 +75,7 @@ class Controller:
         self.expected_count: int | None = None  # a node keeper: how many ranks the launcher put on the node
         self.give_up = False  # a node keeper that no rank ever joined, or that waited for late ranks in vain
         self.abandoned = False  # the job cannot run: see abandon()
+        self.first_started: Callable[[], object] | None = None  # called as the first rank starts
         self._kill_timer: Timer | None = None
         self._summary_pending = self._detached = self._nodes_timer = self._nodes_overdue = False
         self._interrupts: dict[int, float] = {}  # source -> when its first interrupt came
@@ -173,6 +174,9 @@ class Controller:
         return refusal
 
     def rank_started(self, state: RankState, message: Mapping[str, Any]) -> None:
+        if self.first_started is not None:
+            first, self.first_started = self.first_started, None
+            first()
         if state.process is not None and self.session is not None:
             self.session.add_rank(state.process)
         if self.upstream is not None:

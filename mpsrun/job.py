@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import signal
 import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from mpsrun import gpus as gpu_info
-from mpsrun.backends import Backend, Launched, LaunchSpec, choose_backend
+from mpsrun.backends import Backend, choose_backend
+from mpsrun.claim import SessionClaim
 from mpsrun.deadline import Deadline
 from mpsrun.errors import (
     CommandNotExecutableError,
@@ -30,17 +29,18 @@ from mpsrun.errors import (
     TeardownError,
 )
 from mpsrun.exitcodes import ExitCode, signal_name
-from mpsrun.interrupts import InterruptionError, Interrupts, uninterrupted
+from mpsrun.interrupts import InterruptionError, Interrupts
+from mpsrun.jobcontrol import JobControl
 from mpsrun.launchers import RankIdentity
 from mpsrun.options import JobConfig
-from mpsrun.outcome import JobResult, ranges
-from mpsrun.placement import RankPlan, plan_job, ranks_on_gpus, welcome, without_mps
+from mpsrun.outcome import JobResult
+from mpsrun.paths import session_base
 from mpsrun.procs import find_program
-from mpsrun.report import crowding_warnings, mps_report, verified_line
-from mpsrun.session import START_TIMEOUT, Session
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the modules of the session and the plan are imported once mpiexec has started (Job.run)
     from mpsrun.controller import Controller
+    from mpsrun.placement import RankPlan
+    from mpsrun.session import Session
     from mpsrun.watch import RankWatch
 
 __all__ = ["run_job"]
@@ -62,45 +62,6 @@ def resolve_command(command: tuple[str, ...]) -> str:
     return program
 
 
-class JobControl:
-    """Where the job's rank supervisors reach its controller: ``listener``, ``token`` and the variables that name
-    them (``env``); and the MPI launcher when it starts ahead of the session (``early``), until the controller
-    adopts it."""
-
-    def __init__(self, where: str) -> None:
-        from mpsrun.protocol import Listener, new_token
-
-        self.token = new_token()
-        self.listener = Listener(where)
-        self.env = {**os.environ, "MPSRUN_CONTROL": self.listener.address, "MPSRUN_CONTROL_TOKEN": self.token,
-                    "MPSRUN_JOB_ID": self.token[:16]}
-        self.early: Launched | None = None
-
-    def start_early(self, specs: list[LaunchSpec]) -> None:
-        """Start the launcher now; its ranks wait for their welcome until the controller runs."""
-        (spec,) = specs
-        try:
-            with uninterrupted():  # a Popen cut short would lose the process
-                self.early = Launched(spec)
-        except OSError as exc:  # as the controller says it when a launcher cannot start
-            raise MPSError(f"cannot start rank(s) {ranges(list(spec.ranks))}: {exc}", command=spec.argv[0]) from None
-
-    def hand_over(self) -> Launched | None:
-        early, self.early = self.early, None
-        return early
-
-    def close(self) -> None:
-        """Close the socket; a launcher never handed over (the job failed before its controller ran) is killed:
-        no rank of it has run."""
-        if self.early is not None:
-            self.early.signal_group(signal.SIGKILL)
-            self.early.reap()
-            if self.early.fd is not None:
-                os.close(self.early.fd)
-            self.early = None
-        self.listener.close()
-
-
 class Job:
     """One run of a :class:`JobConfig`; see :func:`run_job`."""
 
@@ -113,8 +74,7 @@ class Job:
     def _elapsed(self, what: str) -> None:
         log.info(f"mpsrun: {what} after {time.monotonic() - self.started:.3f} s")
 
-    def _new_session(self, backend: Backend) -> Session | None:
-        """The job's MPS session, not started (None where each host's keeper owns its own)."""
+    def _check(self, backend: Backend) -> None:
         config = self.config
         if isinstance(config.thread_percentage, tuple) and len(config.thread_percentage) != config.ranks:
             raise ConfigError(f"--thread-percentage lists {len(config.thread_percentage)} values but there are "
@@ -122,14 +82,21 @@ class Job:
                               setting="--thread-percentage")
         if backend.name == "local" and (config.mpiexec or config.mpiexec_args):
             log.warning("mpsrun: warning: --mpiexec and --mpiexec-arg have no effect with --launcher local")
-        if not backend.owns_daemons:
-            return None
+
+    def _new_session(self) -> Session:
+        """The job's MPS session, not started yet."""
+        from mpsrun.session import START_TIMEOUT, Session
+
+        config = self.config
         return Session(gpus=list(config.gpus) if config.gpus is not None else "all", mps=config.mps,
                        keep_logs=config.keep_logs, export=False, quiet=True, gpu_bind=config.gpu_bind,
                        start_timeout=max(0.1, self.deadline.cap(START_TIMEOUT)))
 
     def _plan(self, session: Session) -> None:
         """Read the GPUs, plan the ranks on them, and give the daemons the plans' defaults."""
+        from mpsrun.placement import plan_job, ranks_on_gpus, without_mps
+        from mpsrun.report import crowding_warnings
+
         config = self.config
         session.resolve()
         if session.disabled_reason is not None:
@@ -157,6 +124,8 @@ class Job:
             if plan.mem_limit else "")
 
     def _welcome(self, session: Session | None, output_lock: str | None) -> Callable[..., dict[str, Any]]:
+        from mpsrun.placement import welcome
+
         n = self.config.ranks
 
         def answer(identity: RankIdentity, hello: Mapping[str, Any]) -> dict[str, Any]:
@@ -171,43 +140,50 @@ class Job:
         return answer
 
     def run(self) -> JobResult:
-        """Interrupts before the ranks run undo what was made and raise Interrupted; during teardown they wait."""
+        """Interrupts before the ranks run undo what was made and raise Interrupted; during teardown they wait.
+
+        The session's directory comes first (the control socket lives there), then, for the mpiexec launcher,
+        mpiexec itself (``Backend.head_start``), then the session: the GPUs, the plan and the daemons.
+        """
         program = resolve_command(self.config.command)
         backend = choose_backend(self.config)
+        self._check(backend)
         with Interrupts() as interrupts, gpu_info.nvml_kept():  # NVML, once initialised, kept for the job
-            session = self._new_session(backend)
-            control: JobControl | None = None
+            claim = control = session = None
             try:
-                control = JobControl(f"unix:{session.claim('job').control_socket}" if session else "tcp")
+                if backend.owns_daemons:
+                    claim = SessionClaim(session_base(None), "job", keep_logs=self.config.keep_logs)
+                control = JobControl(f"unix:{claim.dirs.control_socket}" if claim and claim.dirs else "tcp")
                 if backend.head_start:
                     control.start_early(backend.specs(self.config, program, control.env))
                     self._elapsed("launcher started")
-                failure = self._set_up(backend, session, control)
+                session = self._new_session() if claim else None
+                failure = self._set_up(session, claim, control)
                 result = self._run(backend, session, program, control, interrupts, failure)
             finally:
                 with interrupts.deferred():
                     if control is not None:
                         control.close()
-                    teardown_failure = self._close(session)
+                    teardown_failure = self._close(session, claim)
         return self._with_teardown(result, teardown_failure, interrupts.received)
 
-    def _set_up(self, backend: Backend, session: Session | None, control: JobControl) -> MPSError | None:
+    def _set_up(self, session: Session | None, claim: SessionClaim | None, control: JobControl) -> MPSError | None:
         """Plan and start the session. A failure is raised, or, with the launcher started ahead, returned: its
         ranks are refused before the failure is reported (:meth:`Controller.abandon`)."""
         if session is None:
             return None
         try:
             self._plan(session)
-            self._start(session, backend.server_after == 0)
+            self._start(session, claim)
         except MPSError as exc:  # an interrupt too
             if control.early is None:
                 raise
             return exc
         return None
 
-    def _start(self, session: Session, early_server: bool) -> None:
+    def _start(self, session: Session, claim: SessionClaim | None) -> None:
         try:
-            session.start(kind="job", early_server=early_server, meanwhile=_import_the_launch)
+            session.start(kind="job", meanwhile=_import_the_launch, claim=claim)
         except DaemonTimeoutError as exc:
             if self.deadline.expired():
                 raise JobTimeoutError(f"timed out after {self.config.timeout:g} s while the MPS daemons started "
@@ -253,10 +229,12 @@ class Job:
             if not controller.launchers.started:
                 controller.launch(backend.specs(config, program, control.env))
             self._elapsed("ranks starting")
-            if watch is not None and backend.server_after:
-                controller.loop.after(backend.server_after, lambda: self._ask_servers(controller, session))
+            if watch is not None and backend.server_after is not None:
+                after = backend.server_after
+                controller.first_started = lambda: controller.loop.after(after, lambda: self._ask_servers(controller,
+                                                                                                       session))
             if watch is not None and backend.head_start:  # mpiexec's ranks are 0.2 s away: the watch gets ready
-                controller.loop.after(0, watch.prepare)
+                controller.loop.after(0, lambda: None if controller.ranks else watch.prepare())
 
         result = controller.run(first=start, pending=pending)
         self._elapsed("ranks done")
@@ -285,6 +263,8 @@ class Job:
 
     def _report(self, result: JobResult, controller: Controller, session: Session | None,
                 watch: RankWatch | None) -> None:
+        from mpsrun.report import mps_report, verified_line
+
         if watch is not None:
             controller.settle_watch()
             log.info(f"mpsrun: {verified_line(watch, range(self.config.ranks))}")
@@ -296,16 +276,20 @@ class Job:
         for line in controller.notes:  # what each host's node keeper had to say (under --hosts)
             self.note(line)
 
-    def _close(self, session: Session | None) -> str:
-        """Tear the session down; what failed, if anything (reported, never hiding the job's outcome)."""
-        if session is None:
-            return ""
+    def _close(self, session: Session | None, claim: SessionClaim | None) -> str:
+        """Tear the session down (and its directory, should it never have started); what failed, if anything
+        (reported, never hiding the job's outcome)."""
         try:
-            session.close()
+            if session is not None:
+                session.close()
+            errors = claim.release() if claim is not None else []  # nothing more once the session released it
+            if errors:
+                raise TeardownError("session teardown failed: " + "; ".join(map(str, errors)), errors=errors)
         except TeardownError as exc:
             self.note(str(exc))
             return str(exc)
-        self._elapsed("torn down")
+        if claim is not None:
+            self._elapsed("torn down")
         return ""
 
 

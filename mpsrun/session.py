@@ -107,7 +107,6 @@ class Session:
         self.gpus: list[GPU] = []
         self._daemons = GpuDaemons([], shared=False)
         self._claim: SessionClaim | None = None
-        self._claimed_early = False  # by claim(): a failed start leaves the directory to close()
         self.enabled = False
         self.disabled_reason: str | None = None
         self.teardown_errors: list[BaseException] = []
@@ -162,20 +161,8 @@ class Session:
         """The session's directories, once it has them."""
         return self._claim.dirs if self._claim is not None else None
 
-    def claim(self, kind: str) -> SessionDirs:
-        """Make the session's directory now, before its GPUs are read: :meth:`start` then uses it, and if the start
-        fails the directory stays until :meth:`close` (the launcher's control socket, which mpiexec's ranks may
-        still reach, lives there)."""
-        if self._state not in ("new", "resolved") or self._claim is not None:
-            raise MPSError(f"this session is {self._state} and has its directory already")
-        self._owner_pid = os.getpid()
-        self._claim = SessionClaim(self.base, kind, keep_logs=self.keep_logs)
-        self._claimed_early = True
-        assert self._claim.dirs is not None
-        return self._claim.dirs
-
     def start(self, wait_active: bool = True, kind: str = "api", name: str | None = None,
-              early_server: bool = False, meanwhile: Callable[[], object] | None = None) -> Session:
+              meanwhile: Callable[[], object] | None = None, claim: SessionClaim | None = None) -> Session:
         """Start the daemons and wait until each GPU's server is ACTIVE.
 
         ``wait_active=False`` returns once every daemon answers and has its settings, with
@@ -184,9 +171,11 @@ class Session:
         ``"job"``) and node keepers (``"node"``, with a fixed ``name``) always get a
         directory, for their control socket, even without MPS; their servers start with
         the first client, as a hand-started daemon's do (a job that never uses the GPU
-        pays for none), and their watch checks each server once its first client is in
-        (``early_server``: asked for at once, not waited for; the mpiexec launcher). ``meanwhile`` runs
-        while the daemons come up (never without MPS).
+        pays for none), and their watch checks each server once its first client is in.
+        ``meanwhile`` runs while the daemons come up (never without MPS). ``claim``: the
+        directory, made already (the launcher makes it before mpiexec starts); the session
+        releases it on :meth:`close`, also after a failed start (not before: mpiexec's ranks
+        may still reach the control socket in it).
         """
         self.resolve()
         if self._state != "resolved":
@@ -195,10 +184,9 @@ class Session:
         self._owner_pid = os.getpid()
         try:
             if self.disabled_reason is None or kind != "api":
-                self._make_directory(kind, name)
+                self._make_directory(kind, name, claim)
             if self.disabled_reason is None:
-                self._start_daemons("active" if kind == "api" and wait_active else "lazy"
-                                    if kind != "api" and not early_server else "requested", meanwhile)
+                self._start_daemons("active" if kind == "api" and wait_active else "lazy", meanwhile)
                 self.enabled = True
             elif not self.quiet:
                 log.warning("mpsrun: running without MPS: %s", self.disabled_reason)
@@ -207,14 +195,13 @@ class Session:
         except BaseException:
             self._state = "failed"
             with contextlib.suppress(Exception):
-                self._teardown(release=not self._claimed_early)
+                self._teardown(release=claim is None)
             raise
         self._state = "running"
         return self
 
-    def _make_directory(self, kind: str, name: str | None) -> None:
-        if self._claim is None:
-            self._claim = SessionClaim(self.base, kind, name, self.keep_logs)
+    def _make_directory(self, kind: str, name: str | None, claim: SessionClaim | None) -> None:
+        self._claim = claim or SessionClaim(self.base, kind, name, self.keep_logs)
         self._claim.add_gpus([g.uuid for g in self.gpus], [group[0].index for group in self._daemons.groups()])
 
     def _start_daemons(self, server: str, meanwhile: Callable[[], object] | None) -> None:
@@ -333,7 +320,7 @@ class Session:
     def close(self) -> None:
         """Stop the daemons and servers, restore the environment, remove the directories; raise
         :class:`TeardownError` if something could not be (nothing in a forked child, or when called again)."""
-        if self._state in ("new", "resolved") and self._claim is None:  # never started: nor can it be any more
+        if self._state in ("new", "resolved"):  # never started: nor can it be any more
             self._state = "closed"
             return
         if self._owner_pid != os.getpid() or self._state == "closed":
