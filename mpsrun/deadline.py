@@ -8,11 +8,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from typing import TypeVar
 
 __all__ = ["Deadline", "backoff", "poll_until"]
 
-T = TypeVar("T")
+TYPE_CHECKING = False  # imported by every rank supervisor: typing's import is left out
+if TYPE_CHECKING:
+    from typing import TypeVar
+
+    T = TypeVar("T")
 
 
 class Deadline:

@@ -9,9 +9,12 @@ boundaries in multiprocessing pools).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from mpsrun.exitcodes import ExitCode
+
+TYPE_CHECKING = False  # imported by every rank supervisor: typing's import is left out
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = [
     "CommandNotExecutableError",

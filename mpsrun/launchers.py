@@ -6,10 +6,23 @@ in order (Open MPI, MPICH/Hydra and Intel MPI, PMIx, Cray PALS, MVAPICH2, Slurm'
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+
+TYPE_CHECKING = False  # the rank supervisor imports this: typing's import (3-5 ms) is left out
+if TYPE_CHECKING:
+    from typing import NamedTuple
+
+    class _Identity(NamedTuple):
+        rank: int
+        local_rank: int
+        world_size: int | None = None
+        local_world_size: int | None = None
+else:
+    _Identity = collections.namedtuple("_Identity", "rank local_rank world_size local_world_size",
+                                       defaults=(None, None))
 
 __all__ = ["RankIdentity", "first_int", "identity_from_env", "job_key", "slurm_tasks_on_node"]
 
@@ -54,13 +67,10 @@ def slurm_tasks_on_node(env: Mapping[str, str]) -> int | None:
     return counts[node] if node < len(counts) else None
 
 
-class RankIdentity(NamedTuple):
+class RankIdentity(_Identity):
     """A rank's place: its rank, its rank on the node, and the sizes when the launcher says them."""
 
-    rank: int
-    local_rank: int
-    world_size: int | None = None
-    local_world_size: int | None = None
+    __slots__ = ()
 
     def to_json(self) -> dict[str, int | None]:
         return {

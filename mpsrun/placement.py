@@ -6,7 +6,6 @@ Pure functions, no I/O. Every path (local ranks, ranks under mpiexec, per-node r
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 from mpsrun.errors import ConfigError
 from mpsrun.launchers import RankIdentity
 from mpsrun.limits import auto_mem_limit, client_variables
+from mpsrun.mpi import mpi4py_available
 from mpsrun.options import JobConfig
 
 __all__ = [
@@ -208,6 +208,6 @@ def welcome(
         "tag": config.tag_output,
         "grace": config.grace,
         # Asked here, where site-packages are on the path (the shim starts without them).
-        "mpi4py_abort": config.mpi4py_abort == "on" and importlib.util.find_spec("mpi4py") is not None,
+        "mpi4py_abort": config.mpi4py_abort == "on" and mpi4py_available(),
         "output_lock": output_lock,
     }

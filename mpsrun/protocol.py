@@ -18,9 +18,12 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
 
 from mpsrun.deadline import Deadline, backoff
+
+TYPE_CHECKING = False  # imported by every rank supervisor: typing's import is left out
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["Link", "Listener", "connect", "new_token"]
 

@@ -23,7 +23,6 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO, Any
 
 from mpsrun.deadline import Deadline
 from mpsrun.errors import MPSError
@@ -34,6 +33,12 @@ from mpsrun.loop import EventLoop
 from mpsrun.output import LineTagger
 from mpsrun.procs import close_all, find_program, inherited_fds, kill_group, pidfd, set_parent_death_signal, start_ticks
 from mpsrun.protocol import Link, connect
+
+TYPE_CHECKING = False  # the rank supervisor starts once per rank: typing's import (3-5 ms) is left out
+if TYPE_CHECKING:
+    from typing import IO, Any
+
+    Join = Callable[[Mapping[str, Any]], tuple[Link, dict[str, Any] | None]]
 
 __all__ = ["CONTROL_VARIABLES", "direct", "greet", "main", "report_failure", "run_rank"]
 
@@ -236,9 +241,6 @@ def rank_env(base: Mapping[str, str], welcome: Mapping[str, Any]) -> dict[str, s
     env = {k: v for k, v in base.items() if k not in managed}
     env.update({str(k): str(v) for k, v in (welcome.get("env") or {}).items()})
     return env
-
-
-Join = Callable[[Mapping[str, Any]], "tuple[Link, dict[str, Any] | None]"]
 
 
 def greet(link: Link, hello: Mapping[str, Any]) -> dict[str, Any] | None:
