@@ -349,6 +349,8 @@ class Controller:
             self.stop(sig, restart=True)
 
     def _timed_out(self) -> None:
+        if self.abandoned:  # the job never ran: its own error is the one to report
+            return
         timeout = self.policy.timeout_total or self.policy.timeout
         self.note(f"timeout: the job ran longer than {timeout:g} s; stopping it")
         if self.judge.decide("timeout", ExitCode.TIMEOUT, f"timed out after {timeout:g} s"):

@@ -216,8 +216,8 @@ class Job:
             controller = self._controller(backend, None if failure else session, control)
         pending = list(interrupts.received)  # and a signal a finalizer swallowed
         if failure is not None:
-            if isinstance(failure, InterruptionError):
-                pending.remove(failure.signal)
+            if isinstance(failure, InterruptionError) and failure.signal in pending:
+                pending.remove(failure.signal)  # the interrupt that is the failure: not a second one
             controller.abandon()
             controller.run(pending=pending)
             raise failure
