@@ -206,11 +206,10 @@ class MpiexecBackend:
 
     def __init__(self, mpiexec: str) -> None:
         self.mpiexec = mpiexec
-        self._probe = mpi.FlavourProbe(mpiexec)  # read once the command line is built
 
     @functools.cached_property
     def flavour(self) -> str:
-        return self._probe.result()
+        return mpi.detect_flavour(self.mpiexec)  # asked as the command line is built
 
     def _argv(self, config: JobConfig, rank_command: Sequence[str], extra: Sequence[str] = (),
               export: Sequence[str] = (), cores: int | None = None) -> tuple[str, ...]:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from mpsrun.interrupts import uninterrupted
 from mpsrun.paths import SessionDirs, new_session_name, user_root
+from mpsrun.procs import ProcessRef
 from mpsrun.reaper import Reaper
 from mpsrun.records import SessionRecord
 
@@ -65,16 +66,23 @@ class SessionClaim:
         self.dirs.add_gpus(dir_indices)
         self.update(self.record.with_gpus(tuple(uuids)))
 
+    def add_launcher(self, pid: int) -> None:
+        """Record the job's MPI launcher (its process group), for the reaper to end with the session."""
+        launcher = ProcessRef.of(pid)
+        if launcher is not None:
+            self.update(self.record.with_launcher(launcher))
+
     def update(self, record: SessionRecord) -> None:
         assert self.dirs is not None
         self.record = record
         record.write(self.dirs.record_file)
 
-    def release(self) -> list[BaseException]:
-        """Remove the directory (unless its logs are kept) and tell the reaper; what could not be removed."""
+    def release(self, keep_logs: bool | None = None) -> list[BaseException]:
+        """Remove the directory (unless its logs are kept: ``keep_logs``, by default as the claim was made) and
+        tell the reaper; what could not be removed."""
         errors: list[BaseException] = []
         if self.dirs is not None and not self._released:
-            if self.keep_logs:
+            if self.keep_logs if keep_logs is None else keep_logs:
                 log.warning("mpsrun: kept session logs in %s", self.dirs.root)
             else:
                 try:

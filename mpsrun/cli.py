@@ -18,6 +18,7 @@ from mpsrun.errors import ConfigError, MPSError
 from mpsrun.exitcodes import ExitCode
 from mpsrun.interrupts import InterruptionError, Interrupts
 from mpsrun.options import build_parser, options, parse_args
+from mpsrun.output import say
 
 __all__ = ["main"]
 
@@ -71,7 +72,7 @@ environment:
 
 
 def _print_error(message: str) -> None:
-    print(f"mpsrun: error: {message}", file=sys.stderr, flush=True)
+    say(f"mpsrun: error: {message}")
 
 
 def _subcommand(args: list[str]) -> int | None:

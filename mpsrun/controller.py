@@ -17,40 +17,22 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from mpsrun import policy as rules
 from mpsrun.backends import Launched, Launchers, LaunchSpec
 from mpsrun.errors import MPSError
 from mpsrun.exitcodes import ExitCode, describe_returncode, exit_code_of, signal_name
 from mpsrun.launchers import RankIdentity
 from mpsrun.loop import EventLoop, Timer
 from mpsrun.outcome import JobResult, Judge, RankEnd, ranges
+from mpsrun.policy import Policy, Welcome
 from mpsrun.protocol import Link, Listener
 from mpsrun.ranks import RankState, RankTable
 from mpsrun.session import Session
 from mpsrun.watch import Finding, RankWatch, with_descendants
 
 __all__ = ["Controller", "Policy"]
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-FORWARD_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
-KILL_WAIT = 10.0  # after SIGKILL, how long a rank's supervisor gets to report before the rank is given up
-VERDICT_WAIT = 30.0  # how long a relaying node keeper waits for the job's verdicts once its ranks have ended
-LATE_WAIT = 30.0  # how long a node keeper keeps its session for ranks the launcher said would come
-NODE_CLOSE_WAIT = 60.0  # how long the job's controller waits for the hosts' node keepers to end their sessions
-SAME_INTERRUPT = 0.25  # one Ctrl-C can reach a rank twice (terminal and launcher) within this
-Welcome = Callable[[RankIdentity, Mapping[str, Any]], dict[str, Any]]
-
-
-@dataclass(frozen=True, slots=True)
-class Policy:
-    grace: float = 5.0
-    timeout: float | None = None  # seconds left of the job's --timeout when the ranks start
-    timeout_total: float | None = None  # the --timeout itself, for the message
-    mps_required: bool = False  # --mps on: a rank found without MPS fails the job
-    watch_interval: float = 0.2  # NVML is sampled this often: two looks in a row find a rank off MPS
-
 
 class Controller:
     """``expected``: the job's ranks (None for a node keeper: whoever joins). ``session``: the MPS
@@ -85,15 +67,12 @@ class Controller:
     def ranks(self) -> dict[int, RankState]:
         return self.table.ranks
 
-    def launch(self, specs: Sequence[LaunchSpec]) -> None:
-        self.launchers.launch(specs)
-
     def run(self, first: Callable[[], object] | None = None, pending: Sequence[int] = ()) -> JobResult:
         """Run the job to its end; ``first`` runs once the loop handles signals (it may raise MPSError).
 
         ``pending``: stopping signals that arrived before the loop took over (acted on first).
         """
-        with self.loop.signals((*STOP_SIGNALS, *FORWARD_SIGNALS), self._on_signal):
+        with self.loop.signals((*rules.STOP_SIGNALS, *rules.FORWARD_SIGNALS), self._on_signal):
             if self.upstream is not None:
                 self.loop.watch(upstream_fd := self.upstream.fileno(), lambda: self._on_upstream(upstream_fd))
             elif self.policy.timeout is not None:
@@ -192,7 +171,7 @@ class Controller:
         if self.upstream is not None:
             self.upstream.send("exited", rank=end.rank, pid=end.pid, returncode=end.returncode, reason=end.reason)
             if not self.table.live():  # the job's controller answers at once; should it not, the node must close
-                self.loop.after(VERDICT_WAIT, self._verdicts_overdue)
+                self.loop.after(rules.VERDICT_WAIT, self._verdicts_overdue)
             return
         if self.judge.rank_ended(end):
             self._summary_pending = True
@@ -211,7 +190,7 @@ class Controller:
             self.launchers.wind_down(self.policy.grace)
         elif not self._nodes_timer:
             self._nodes_timer = True
-            self.loop.after(NODE_CLOSE_WAIT, self._nodes_late)
+            self.loop.after(rules.NODE_CLOSE_WAIT, self._nodes_late)
 
     def _nodes_late(self) -> None:
         self._nodes_overdue = True
@@ -230,7 +209,7 @@ class Controller:
         """
         now = time.monotonic()
         first = self._interrupts.setdefault(source, now)
-        if self.interrupted_by is None or (sig == signal.SIGINT and now - first > SAME_INTERRUPT):
+        if self.interrupted_by is None or (sig == signal.SIGINT and now - first > rules.SAME_INTERRUPT):
             self._on_signal(sig)
 
     def relayed(self, kind: str, message: Mapping[str, Any]) -> None:
@@ -258,7 +237,7 @@ class Controller:
         last = closing is not None and all(s.verdict_sent for s in self.ranks.values())
         if closing is not None and last and len(self.ranks) < (self.expected_count or 0):
             last = False  # a rank of the node has yet to come: keep the session for it a while
-            self.loop.after(LATE_WAIT, self._late_ranks_overdue)
+            self.loop.after(rules.LATE_WAIT, self._late_ranks_overdue)
         if closing is not None and last:
             lines += closing()  # the last rank out waits for the node's teardown
         if state.link is not None:  # ... and, with linger, for this process to end
@@ -273,13 +252,13 @@ class Controller:
         self.stop(signal.SIGTERM)
 
     def abandon(self) -> None:
-        """The job cannot run (its set-up failed after its MPI launcher had started): each rank supervisor that
-        comes is refused, quietly and with exit 0 (no launcher's banner about a failed rank), the launcher gets
-        --grace to end (then SIGTERM, SIGKILL), and a stopping signal meanwhile kills it. The job's own error is
-        its caller's to report."""
+        """The job cannot run (its set-up failed after its MPI launcher had started): every rank supervisor that
+        comes is refused quietly with exit 0 (no launcher's banner), the launcher gets --grace (at least 5 s, at
+        most what is left of --timeout), then SIGTERM, SIGKILL; a stopping signal kills it. Its caller reports."""
         self.abandoned = True
         self.stop(signal.SIGTERM)
-        self.launchers.wind_down(self.policy.grace)
+        wait = max(self.policy.grace, rules.ABANDON_WAIT)  # SIGTERM while mpiexec starts ranks makes it print a banner
+        self.launchers.wind_down(wait if self.policy.timeout is None else min(wait, max(self.policy.timeout, 0.0)))
 
     def stop(self, sig: int, restart: bool = False) -> None:
         """Start no more ranks; detach connected ranks from MPS, send ``sig`` to every rank; SIGKILL after --grace."""
@@ -294,11 +273,13 @@ class Controller:
         self._kill_timer = self.loop.after(self.policy.grace, self._kill)
 
     def _kill(self) -> None:
-        """``--grace`` is over: SIGKILL; a rank that still does not report after that is given up as lost."""
+        """``--grace`` is over: SIGKILL; a rank that still does not report is given up as lost, and an MPI launcher
+        still starting ranks (or hung before them) gets --grace more, then SIGTERM, then SIGKILL."""
         self._signal(signal.SIGKILL, self.table.live())
-        self.loop.after(KILL_WAIT, self._abandon)
+        self.loop.after(rules.KILL_WAIT, self._lost)
+        self.launchers.wind_down(self.policy.grace)
 
-    def _abandon(self) -> None:
+    def _lost(self) -> None:
         for state in self.table.live():
             pid = state.process.pid if state.process is not None else None
             self.rank_ended(state, RankEnd(state.rank, pid, None, "no word from it after SIGKILL"))
@@ -328,10 +309,10 @@ class Controller:
 
     def _on_signal(self, sig: int) -> None:
         if self.abandoned:
-            if sig in STOP_SIGNALS:
+            if sig in rules.STOP_SIGNALS:
                 self.launchers.kill()
             return
-        if sig in FORWARD_SIGNALS:
+        if sig in rules.FORWARD_SIGNALS:
             self._signal(sig, self.table.live())
         elif self.upstream is not None:  # the job's controller decides; the ranks here get the signal now
             self.interrupted_by = self.interrupted_by or sig
@@ -412,7 +393,7 @@ class Controller:
             ranks = message.get("ranks")
             chosen = [s for s in self.ranks.values() if not isinstance(ranks, list) or s.rank in ranks]
             if message.get("type") == "signal" and isinstance(message.get("signal"), int):
-                if message["signal"] in STOP_SIGNALS:
+                if message["signal"] in rules.STOP_SIGNALS:
                     self._detach_once()
                 self._signal(message["signal"], chosen)
             elif message.get("type") == "verdict" and message.get("rank") in self.ranks:

@@ -165,7 +165,7 @@ class ControlDaemon:
             except OSError as exc:
                 raise DaemonStartError(f"cannot start {self.executable}: {exc.strerror}", command="-f") from exc
         self.process = ProcessRef.of(self._popen.pid) or ProcessRef(self._popen.pid, -1)
-        log.debug("started MPS control daemon pid %d for %s", self._popen.pid, self.devices)
+        log.debug("mpsrun: started MPS control daemon pid %d for %s", self._popen.pid, self.devices)
 
     def await_answer(self, timeout: float) -> None:
         """:meth:`wait_ready`; a daemon that does not answer is ended at once (no quit to wait for)."""

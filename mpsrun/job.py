@@ -7,9 +7,7 @@ only what the backend starts differs (:mod:`mpsrun.backends`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -34,6 +32,7 @@ from mpsrun.jobcontrol import JobControl
 from mpsrun.launchers import RankIdentity
 from mpsrun.options import JobConfig
 from mpsrun.outcome import JobResult
+from mpsrun.output import say
 from mpsrun.paths import session_base
 from mpsrun.procs import find_program
 
@@ -157,6 +156,8 @@ class Job:
                 if backend.head_start:
                     control.start_early(backend.specs(self.config, program, control.env))
                     self._elapsed("launcher started")
+                    if claim is not None and control.early is not None:  # for the reaper, should we be killed
+                        claim.add_launcher(control.early.popen.pid)
                 session = self._new_session() if claim else None
                 failure = self._set_up(session, claim, control)
                 result = self._run(backend, session, program, control, interrupts, failure)
@@ -227,7 +228,7 @@ class Job:
             mps = "on" if watch else "per host" if not backend.owns_daemons else "off"
             log.info(f"mpsrun: {backend.name} launcher, MPS {mps}, {config.ranks} rank(s)")
             if not controller.launchers.started:
-                controller.launch(backend.specs(config, program, control.env))
+                controller.launchers.launch(backend.specs(config, program, control.env))
             self._elapsed("ranks starting")
             if watch is not None and backend.server_after is not None:
                 after = backend.server_after
@@ -279,10 +280,11 @@ class Job:
     def _close(self, session: Session | None, claim: SessionClaim | None) -> str:
         """Tear the session down (and its directory, should it never have started); what failed, if anything
         (reported, never hiding the job's outcome)."""
+        started = session is not None and session.state not in ("new", "resolved")  # with daemons' logs to keep
         try:
             if session is not None:
                 session.close()
-            errors = claim.release() if claim is not None else []  # nothing more once the session released it
+            errors = claim.release(None if started else False) if claim is not None else []  # once, whoever first
             if errors:
                 raise TeardownError("session teardown failed: " + "; ".join(map(str, errors)), errors=errors)
         except TeardownError as exc:
@@ -294,8 +296,7 @@ class Job:
 
 
 def _stderr_note(text: str) -> None:
-    with contextlib.suppress(OSError):
-        print(f"mpsrun: {text}", file=sys.stderr, flush=True)
+    say(f"mpsrun: {text}")
 
 
 def run_job(config: JobConfig, note: Callable[[str], None] | None = None) -> JobResult:

@@ -32,6 +32,7 @@ from mpsrun.errors import ConfigError, DaemonTimeoutError, JobTimeoutError, MPSE
 from mpsrun.interrupts import Interrupts
 from mpsrun.launchers import RankIdentity
 from mpsrun.options import JobConfig, parse_options
+from mpsrun.output import say
 from mpsrun.paths import user_root_lock
 from mpsrun.placement import welcome, without_mps
 from mpsrun.procs import exit_now
@@ -108,7 +109,7 @@ class NodeKeeper:
 
     def _log(self, text: str) -> None:
         """Into keeper.log, and through one of the node's ranks to the user (the job's controller says its own)."""
-        print(f"mpsrun keeper: {text}", file=sys.stderr, flush=True)
+        say(f"mpsrun keeper: {text}")
         controller = getattr(self, "controller", None)
         if controller is not None and controller.upstream is None:
             for state in sorted(controller.table.live(), key=lambda s: s.rank):

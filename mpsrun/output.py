@@ -15,10 +15,19 @@ import errno
 import fcntl
 import os
 import select
+import sys
 
-__all__ = ["LineTagger"]
+__all__ = ["LineTagger", "say"]
 
 PIPE_BUF = select.PIPE_BUF
+
+
+def say(line: str) -> None:
+    """Write a line of ours to stderr in one write (print writes the newline apart: with unbuffered output the
+    lines of several processes then run into each other); nothing if stderr is gone."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
 
 
 class LineTagger:

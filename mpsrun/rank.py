@@ -30,7 +30,7 @@ from mpsrun.exitcodes import ExitCode, exit_code_of, signal_name
 from mpsrun.interrupts import InterruptionError, Interrupts
 from mpsrun.launchers import RankIdentity, identity_from_env
 from mpsrun.loop import EventLoop
-from mpsrun.output import LineTagger
+from mpsrun.output import LineTagger, say
 from mpsrun.procs import close_all, find_program, inherited_fds, kill_group, pidfd, set_parent_death_signal, start_ticks
 from mpsrun.protocol import Link, connect
 
@@ -54,8 +54,7 @@ DRAIN_TIMEOUT = 2.0  # output still open after the rank's group is gone (a write
 
 
 def _say(text: str) -> None:
-    with contextlib.suppress(OSError):
-        print(f"mpsrun: {text}", file=sys.stderr, flush=True)
+    say(f"mpsrun: {text}")
 
 
 class RankSupervisor:
@@ -302,8 +301,9 @@ def run_rank(command: Sequence[str], identity: RankIdentity, join: Join, token: 
         _say(f"rank {identity.rank}: cannot reach the job's controller: {exc}")
         return ExitCode.SETUP
     if answer is None or answer["type"] == "refuse":
-        message = answer.get("message") if answer else "the job's controller went away before this rank started"
-        if message:  # a rank refused because the job is already stopping says nothing
+        message = answer.get("message") if answer else \
+            "the job's controller went away before the ranks started" if identity.local_rank == 0 else ""
+        if message:  # a rank refused because the job is already stopping says nothing; a lost controller, once
             _say(str(message).removeprefix("mpsrun: "))
         link.close()
         code = (answer or {}).get("exit_code")

@@ -54,6 +54,7 @@ class SessionRecord:
     gpus: tuple[str, ...] = ()
     daemons: tuple[DaemonRecord, ...] = ()
     ranks: tuple[ProcessRef, ...] = ()  # process groups of local ranks
+    launchers: tuple[ProcessRef, ...] = ()  # process groups of the job's MPI launcher (mpiexec)
     argv: tuple[str, ...] = ()
     keep_logs: bool = False
 
@@ -72,6 +73,7 @@ class SessionRecord:
             "gpus": list(self.gpus),
             "daemons": [d.to_json() for d in self.daemons],
             "ranks": [r.to_json() for r in self.ranks],
+            "launchers": [r.to_json() for r in self.launchers],
             "argv": list(self.argv),
             "keep_logs": self.keep_logs,
         }
@@ -89,6 +91,7 @@ class SessionRecord:
                 gpus=tuple(_typed(g, str) for g in _typed(data.get("gpus", []), list)),
                 daemons=tuple(DaemonRecord.from_json(d) for d in _typed(data.get("daemons", []), list)),
                 ranks=tuple(ProcessRef.from_json(r) for r in _typed(data.get("ranks", []), list)),
+                launchers=tuple(ProcessRef.from_json(r) for r in _typed(data.get("launchers", []), list)),
                 argv=tuple(str(a) for a in _typed(data.get("argv", []), list)),
                 keep_logs=bool(data.get("keep_logs", False)),
             )
@@ -117,6 +120,9 @@ class SessionRecord:
 
     def with_rank(self, rank: ProcessRef) -> SessionRecord:
         return replace(self, ranks=(*self.ranks, rank))
+
+    def with_launcher(self, launcher: ProcessRef) -> SessionRecord:
+        return replace(self, launchers=(*self.launchers, launcher))
 
 
 def _typed(value: Any, kind: type | tuple[type, ...]) -> Any:

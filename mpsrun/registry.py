@@ -150,8 +150,8 @@ def reap(root: Path, force: bool = False, keep_logs: bool | None = None, lock_ti
         if forced and not force:
             return None
         stopped = _stop_daemons(record) if record is not None else 0
-        for rank in record.ranks if record is not None else ():
-            rank.signal_group(signal.SIGKILL)
+        for group in (*record.ranks, *record.launchers) if record is not None else ():
+            group.signal_group(signal.SIGKILL)
         keep = record.keep_logs if keep_logs is None and record is not None else bool(keep_logs)
         if not keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -6,6 +6,7 @@ promise of a job that cannot start must still hold then: one line, its exit code
 from the rank supervisors mpiexec did start (nor a banner from mpiexec), and nothing left behind.
 """
 
+import os
 import signal
 import subprocess
 import sys
@@ -112,3 +113,146 @@ def test_the_ranks_run_only_once_the_daemons_answer(fake_gpu, short_tmp, monkeyp
     assert (short_tmp / "mpiexec-started").exists()
     settle(fake_gpu)
 
+
+
+def wrapper(directory: Path, name: str, body: str) -> Path:
+    """An mpiexec stand-in: ``--version`` goes to the real mpiexec unless ``body`` handles it first."""
+    path = directory / name
+    path.write_text(f"#!/bin/sh\n{body}\nexec {mpiexec()} \"$@\"\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_a_timeout_ends_a_job_whose_mpiexec_never_starts_its_ranks(fake_gpu, short_tmp):
+    """--timeout holds when mpiexec hangs before starting any rank: once --grace has passed after the ranks were
+    stopped, the MPI launcher gets --grace more, then SIGTERM, then SIGKILL (it used to be waited for, here
+    300 s). Exit 124, nothing left."""
+    hung = wrapper(short_tmp, "hung", 'if [ "$1" != --version ]; then exec sleep 300; fi')
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "mpsrun", "-np", "2", "--timeout", "1", "--grace", "0.5",
+                          "--launcher", "mpiexec", "--mpiexec", str(hung), "true"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 124, out.stderr
+    assert time.monotonic() - started < 20, "the hung mpiexec was waited for"
+    assert "timed out after 1 s" in out.stderr
+    settle(fake_gpu)
+
+
+def test_a_timeout_while_the_daemons_start_is_one_line(fake_gpu):
+    """--timeout expiring while the daemons start, with mpiexec already running: the one line says so and the
+    job exits 124; the abandoned launch adds no timeout message of its own."""
+    fake_gpu.daemon_env(FAKE_MPS_NO_ANSWER="1")
+    out = subprocess.run([sys.executable, "-m", "mpsrun", "-np", "2", "--timeout", "0.3", "--launcher", "mpiexec",
+                          "--mpiexec", mpiexec(), "sleep", "10"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 124, out.stderr
+    assert out.stderr.startswith("mpsrun: error: timed out after 0.3 s while the MPS daemons started")
+    assert out.stderr.count("\n") == 1, out.stderr
+    settle(fake_gpu)
+
+
+def test_a_signal_during_mpiexec_version_ends_it_and_its_children(fake_gpu, short_tmp):
+    """The flavour probe (``mpiexec --version``) runs in a group of its own: a signal while it hangs kills the
+    whole group, a wrapper script's children and those ignoring SIGTERM included. One line, 143, nothing left."""
+    slow = wrapper(short_tmp, "slow", "trap '' TERM INT HUP\nif [ \"$1\" = --version ]; then sleep 300; fi")
+    proc = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "mpiexec", "--mpiexec",
+                             str(slow), "true"], stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143 and err == "mpsrun: error: interrupted by SIGTERM\n", err
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("launcher", ["local", "mpiexec"])
+def test_keep_logs_keeps_nothing_of_a_job_refused_before_its_daemons(fake_gpu, launcher):
+    """--keep-logs keeps the daemons' logs; a job refused before any daemon started (a GPU that is not visible)
+    has none: its directory, made first, goes, and the one line is the refusal."""
+    where = ["--mpiexec", mpiexec()] if launcher == "mpiexec" else []
+    out = subprocess.run([sys.executable, "-m", "mpsrun", "-np", "2", "--gpus", "7", "--keep-logs", "--launcher",
+                          launcher, *where, "true"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("mpsrun: error: GPU 7 is not visible") and out.stderr.count("\n") == 1, out.stderr
+    assert not fake_gpu.session_dirs()
+
+
+def test_an_abandoned_launch_lets_a_slow_mpiexec_start_its_ranks(fake_gpu, short_tmp):
+    """With --grace 0 and an mpiexec slow to start its ranks, the abandoned launch still waits (at least 5 s) for
+    mpiexec to start and turn away every supervisor: SIGTERM in the middle of that makes MPICH print its
+    'BAD TERMINATION' banner. One line, exit 3."""
+    fake_gpu.daemon_env(FAKE_MPS_START_FAIL="1")
+    slow = wrapper(short_tmp, "slow", 'if [ "$1" != --version ]; then sleep 0.3; fi')
+    out = subprocess.run([sys.executable, "-m", "mpsrun", "-np", "16", "--grace", "0", "--mps", "on", "--launcher",
+                          "mpiexec", "--mpiexec", str(slow), "true"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3, out.stderr
+    assert "BAD TERMINATION" not in out.stdout + out.stderr
+    assert out.stderr.count("\n") == 1, out.stderr
+    settle(fake_gpu)
+
+
+def test_mpsrun_killed_ends_an_mpiexec_that_ignores_sigterm(fake_gpu, short_tmp):
+    """mpiexec is on the session's record: when mpsrun is SIGKILLed, its reaper SIGKILLs mpiexec's process group,
+    which the parent-death SIGTERM alone would not end (a launcher that ignores it)."""
+    fake_gpu.daemon_env(FAKE_MPS_NO_ANSWER="1")
+    marker = short_tmp / "launcher-started"
+    stubborn = wrapper(short_tmp, "stubborn", f"if [ \"$1\" != --version ]; then trap '' TERM; touch {marker}; "
+                                              "exec sleep 60; fi")
+    proc = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "mpiexec", "--mpiexec",
+                             str(stubborn), "true"], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not marker.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "the launcher did not start"
+        time.sleep(0.02)
+    proc.kill()
+    proc.communicate(timeout=30)
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_a_controller_gone_before_the_welcome_is_said_once_per_node(short_tmp, local_rank):
+    """A rank supervisor whose controller goes away before its welcome (mpsrun SIGKILLed while its daemons start,
+    the window the head start widens) exits 3; only the node's first local rank says why, so a job of N ranks
+    prints one line, not N, and that line is written whole (one write, however unbuffered stderr is)."""
+    import socket
+    import threading
+
+    path = short_tmp / "control"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+
+    def answer_nothing() -> None:
+        conn, _ = server.accept()
+        conn.recv(65536)  # the hello
+        conn.close()
+
+    thread = threading.Thread(target=answer_nothing)
+    thread.start()
+    env = {**os.environ, "MPSRUN_CONTROL": f"unix:{path}", "MPSRUN_CONTROL_TOKEN": "x", "PYTHONUNBUFFERED": "1"}
+    out = subprocess.run([sys.executable, "-m", "mpsrun.rank", "--rank", str(local_rank), "--local-rank",
+                          str(local_rank), "--size", "2", "--local-size", "2", "--", "true"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    thread.join()
+    server.close()
+    assert out.returncode == 3, out.stderr
+    expected = "mpsrun: the job's controller went away before the ranks started\n" if local_rank == 0 else ""
+    assert out.stderr == expected
+
+
+def test_a_line_of_ours_is_one_write(monkeypatch):
+    """``output.say`` hands stderr the line and its newline in one write: print() writes the newline apart, and
+    with unbuffered output the lines of several supervisors then ran into each other."""
+    from mpsrun import output
+
+    writes: list[str] = []
+
+    class Recorder:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    output.say("mpsrun: rank 3: something")
+    assert writes == ["mpsrun: rank 3: something\n"]
