@@ -63,6 +63,7 @@ def _text(value: Any) -> str:
 _ahead: tuple[int, int] | None = None  # (pid, pipe) of the child that read_ahead() forked
 _keeping = 0  # open nvml_kept() blocks
 _kept = False  # an initialisation they hold
+_kept_lock = threading.Lock()  # the watch may initialise NVML in a thread (RankWatch.prepare_meanwhile)
 
 
 def read_ahead() -> None:
@@ -130,9 +131,10 @@ def _nvml() -> Iterator[Any]:
         raise NoDriverError(
             f"no usable NVIDIA driver: NVML failed to initialise ({_text(exc)})", reason=_text(exc)
         ) from exc
-    if _keeping and not _kept:  # one more reference, held until the nvml_kept() blocks close
-        pynvml.nvmlInit()
-        _kept = True
+    with _kept_lock:
+        if _keeping and not _kept:  # one more reference, held until the nvml_kept() blocks close
+            pynvml.nvmlInit()
+            _kept = True
     try:
         yield pynvml
     except pynvml.NVMLError as exc:
@@ -158,12 +160,13 @@ def nvml_kept() -> Iterator[None]:
         yield
     finally:
         _keeping -= 1
-        if not _keeping and _kept:
-            _kept = False
-            import pynvml
+        with _kept_lock:
+            if not _keeping and _kept:
+                _kept = False
+                import pynvml
 
-            with contextlib.suppress(pynvml.NVMLError):
-                pynvml.nvmlShutdown()
+                with contextlib.suppress(pynvml.NVMLError):
+                    pynvml.nvmlShutdown()
 
 
 def driver_info() -> DriverInfo:

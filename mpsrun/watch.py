@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,10 +156,17 @@ class RankWatch:
         self._known: dict[int, int] = {}  # every pid seen as a rank or a rank's descendant: {pid: rank}
         self._unplaced: set[int] = set()  # clients in a log not (yet) known as ours
         self._connected: set[int] = set()  # every client the logs named
+        self._preparing: threading.Thread | None = None
 
-    def held(self) -> contextlib.AbstractContextManager[object]:
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
         """NVML initialised once for the job's looks (each is then cheap); without NVML each look says so."""
-        return gpu_info.nvml_kept()
+        with gpu_info.nvml_kept():
+            try:
+                yield
+            finally:
+                if self._preparing is not None:
+                    self._preparing.join()
 
     def settle(self, rank_pids: Mapping[int, int]) -> None:
         """Read the logs once more, at the job's end: ``rank_pids`` are every rank's pids, ended ones too."""
@@ -197,12 +205,18 @@ class RankWatch:
                        fatal=True)
 
     def prepare(self) -> None:
-        """Pay now for what the first look needs (importing psutil and pynvml, initialising NVML: 25-45 ms on the
-        H100 machine), for a caller that has the time before its ranks come (the MPI launcher's 0.3 s)."""
+        """Pay now for what the first look needs: importing psutil and pynvml, initialising NVML (20-140 ms on the
+        H100 machine)."""
         import psutil  # noqa: F401
 
         with contextlib.suppress(GPUError):  # the first look says so
             gpu_info.initialise()
+
+    def prepare_meanwhile(self) -> None:
+        """:meth:`prepare` in a thread, while the loop answers ranks (the MPI launcher's 0.3 s before they come;
+        only where the loop forks no Python code, which a thread importing modules could deadlock)."""
+        self._preparing = threading.Thread(target=self.prepare, name="mpsrun-watch-prepare", daemon=True)
+        self._preparing.start()
 
     def check(self, rank_pids: Mapping[int, int]) -> list[Finding]:
         pids = with_descendants(rank_pids)
