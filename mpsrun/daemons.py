@@ -59,8 +59,9 @@ class GpuDaemons:
         """Start each daemon with its default limits; ``started`` hears of each at once.
 
         The daemons come up together, and ``meanwhile`` runs while they do (about 25 ms each).
-        ``server``: ``active`` starts each server and waits until it is ACTIVE; ``lazy`` leaves it to the
-        first client (or to a later :meth:`ControlDaemon.start_server`), as a hand-started daemon does.
+        ``server``: ``active`` starts each server and waits until it is ACTIVE; ``requested`` asks for it
+        and returns; ``lazy`` leaves it to the first client (or to a later :meth:`ControlDaemon.start_server`),
+        as a hand-started daemon does.
         """
         main_thread = threading.current_thread() is threading.main_thread()
         for group in self.groups():
@@ -75,8 +76,8 @@ class GpuDaemons:
         for position, daemon in enumerate(self.daemons):
             daemon.await_answer(timeout)
             daemon.set_defaults(thread_percentage, mem_limits[position] if mem_limits else None)
-            if server == "active":
-                daemon.start_server(timeout=timeout)
+            if server != "lazy":
+                daemon.start_server(timeout=timeout, wait=server == "active")
 
     def of(self, position: int) -> ControlDaemon:
         """The daemon serving the GPU at ``position``."""

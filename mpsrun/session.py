@@ -186,7 +186,7 @@ class Session:
             if self.disabled_reason is None or kind != "api":
                 self._make_directory(kind, name, claim)
             if self.disabled_reason is None:
-                self._start_daemons("active" if kind == "api" and wait_active else "lazy", meanwhile)
+                self._start_daemons("lazy" if kind != "api" else "active" if wait_active else "requested", meanwhile)
                 self.enabled = True
             elif not self.quiet:
                 log.warning("mpsrun: running without MPS: %s", self.disabled_reason)
