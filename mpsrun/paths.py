@@ -163,14 +163,18 @@ def _open_private(name: str, parent_fd: int, path: Path, create: bool) -> int:
 
 
 def _make_gpu_dirs(session_fd: int, gpu_indices: list[int]) -> None:
-    for index in gpu_indices:
-        os.mkdir(f"gpu{index}", 0o700, dir_fd=session_fd)
-        gpu_fd = os.open(f"gpu{index}", _DIR_FLAGS, dir_fd=session_fd)
-        try:
-            for part in ("pipe", "log"):
-                os.mkdir(part, 0o700, dir_fd=gpu_fd)
-        finally:
-            os.close(gpu_fd)
+    """Each GPU's ``gpuN/pipe`` and ``gpuN/log`` in the session's directory; ``session_fd`` is closed after."""
+    try:
+        for index in gpu_indices:
+            os.mkdir(f"gpu{index}", 0o700, dir_fd=session_fd)
+            gpu_fd = os.open(f"gpu{index}", _DIR_FLAGS, dir_fd=session_fd)
+            try:
+                for part in ("pipe", "log"):
+                    os.mkdir(part, 0o700, dir_fd=gpu_fd)
+            finally:
+                os.close(gpu_fd)
+    finally:
+        os.close(session_fd)
 
 
 def _user_root_fd(base: Path) -> int:
@@ -268,10 +272,7 @@ class SessionDirs:
             session_fd = _open_private(name, root_fd, user_root(base) / name, create=False)
         finally:
             os.close(root_fd)
-        try:
-            _make_gpu_dirs(session_fd, gpu_indices)
-        finally:
-            os.close(session_fd)
+        _make_gpu_dirs(session_fd, gpu_indices)
         return cls(root=user_root(base) / name)
 
     def add_gpus(self, gpu_indices: list[int]) -> None:
@@ -281,10 +282,7 @@ class SessionDirs:
             session_fd = _open_private(self.root.name, parent_fd, self.root, create=False)
         finally:
             os.close(parent_fd)
-        try:
-            _make_gpu_dirs(session_fd, gpu_indices)
-        finally:
-            os.close(session_fd)
+        _make_gpu_dirs(session_fd, gpu_indices)
 
     @property
     def session_id(self) -> str:
