@@ -149,7 +149,7 @@ class Launchers:
         self.on_exit(started, started.reap())
 
     def wind_down(self, grace: float) -> None:
-        """Every rank has ended: the launchers get ``grace`` to exit, then SIGTERM, then SIGKILL."""
+        """Every rank has ended (or was killed): the launchers get ``grace`` to exit, then SIGTERM, then SIGKILL."""
         if self._winding_down or self.ended:
             return
         self._winding_down = True
@@ -186,9 +186,13 @@ class Backend(Protocol):
     def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]: ...
 
 
+#: When the mpiexec and the local launcher ask for each MPS server: see Backend.server_after.
+SERVER_AFTER = 0.25
+
+
 class LocalBackend:
     name, control, owns_daemons, head_start = "local", "unix", True, False
-    server_after: float | None = 0.25
+    server_after: float | None = SERVER_AFTER
 
     def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]:
         n = config.ranks
@@ -202,7 +206,7 @@ class LocalBackend:
 
 class MpiexecBackend:
     name, control, owns_daemons, head_start = "mpiexec", "unix", True, True
-    server_after: float | None = 0.25
+    server_after: float | None = SERVER_AFTER
 
     def __init__(self, mpiexec: str) -> None:
         self.mpiexec = mpiexec
