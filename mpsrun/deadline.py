@@ -1,18 +1,18 @@
 """The one deadline and poll helper: every wait in mpsrun has a deadline, nothing sleeps blind.
 
-Standard library only (the rank shim imports it).
+Built-in modules only (every rank supervisor imports it).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
 
 __all__ = ["Deadline", "backoff", "poll_until"]
 
-TYPE_CHECKING = False  # imported by every rank supervisor: typing's import is left out
+TYPE_CHECKING = False  # imported by every rank supervisor: typing's and collections' imports are left out
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
     from typing import TypeVar
 
     T = TypeVar("T")

@@ -8,12 +8,11 @@ boundaries in multiprocessing pools).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from mpsrun.exitcodes import ExitCode
 
-TYPE_CHECKING = False  # imported by every rank supervisor: typing's import is left out
+TYPE_CHECKING = False  # imported by every rank supervisor: typing's and collections' imports are left out
 if TYPE_CHECKING:
+    from collections.abc import Sequence
     from typing import Any
 
 __all__ = [

@@ -1,6 +1,6 @@
 """SIGINT, SIGTERM and SIGHUP outside an event loop: one line and the documented exit code, never a traceback.
 
-Standard library only (the rank shim imports it). While a job is being set up, a stopping
+Built-in modules only (every rank supervisor imports it). While a job is being set up, a stopping
 signal raises :class:`InterruptionError`, so whatever was made so far is torn down by the same code
 that handles any failure; from then on (and during teardown, see :meth:`Interrupts.deferred`)
 further signals are only remembered, so a teardown with deadlines is never cut short. Inside
@@ -9,24 +9,43 @@ an :class:`~mpsrun.loop.EventLoop` the loop's own handling takes over and is res
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import threading
-from collections.abc import Iterable, Iterator
-from types import FrameType, TracebackType
+import _signal  # ``signal`` without its enums (5 ms in every rank supervisor)
+import _thread
 
 from mpsrun.errors import MPSError
 from mpsrun.exitcodes import signal_name
 
+TYPE_CHECKING = False  # imported by every rank supervisor: typing's and collections' imports are left out
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from types import FrameType, TracebackType
+
 __all__ = ["InterruptionError", "Interrupts", "catchable", "uninterrupted"]
 
-STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOPPING = (_signal.SIGINT, _signal.SIGTERM, _signal.SIGHUP)
 _active: list[Interrupts] = []  # the handlers in force, innermost last
 
 
 def catchable(numbers: Iterable[int]) -> list[int]:
     """The signals this process may take over: one it inherited as ignored stays ignored (``nohup``)."""
-    return [n for n in numbers if signal.getsignal(n) is not signal.SIG_IGN]
+    return [n for n in numbers if _signal.getsignal(n) != _signal.SIG_IGN]
+
+
+def take_signals(numbers: Iterable[int], handler: object) -> dict[int, object] | None:
+    """Install ``handler`` for each of ``numbers``; their previous handlers, or None outside the main thread
+    (where Python delivers no signals)."""
+    previous: dict[int, object] = {}
+    try:
+        for number in numbers:
+            previous[number] = _signal.signal(number, handler)
+    except ValueError:  # not the main thread: signal() refuses before changing anything
+        return None
+    return previous
+
+
+def restore_signals(previous: dict[int, object]) -> None:
+    for number, handler in previous.items():
+        _signal.signal(number, handler)
 
 
 class InterruptionError(MPSError):
@@ -45,17 +64,18 @@ class Interrupts:
     def __init__(self) -> None:
         self.received: list[int] = []
         self.deferring = False
+        self.thread = _thread.get_ident()
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> Interrupts:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in catchable(STOPPING)}
+        previous = take_signals(catchable(STOPPING), self._handle)
+        if previous is not None:
+            self._previous, self.thread = previous, _thread.get_ident()
             _active.append(self)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+        restore_signals(self._previous)
         if self in _active:
             _active.remove(self)
 
@@ -65,27 +85,42 @@ class Interrupts:
             self.deferring = True  # the teardown this starts is not cut short by the next one
             raise InterruptionError(signal=sig)
 
-    @contextlib.contextmanager
-    def deferred(self) -> Iterator[None]:
+    def deferred(self) -> Deferred:
         """Signals in the block are remembered in ``received``, not acted on."""
-        before, self.deferring = self.deferring, True
-        try:
-            yield
-        finally:
-            self.deferring = before
+        return Deferred(self)
 
 
-@contextlib.contextmanager
-def uninterrupted() -> Iterator[None]:
+class Deferred:
+    """The block of :meth:`Interrupts.deferred` (a class, not a generator: ``contextlib``'s imports are left out)."""
+
+    def __init__(self, interrupts: Interrupts) -> None:
+        self.interrupts = interrupts
+        self.before = interrupts.deferring
+
+    def __enter__(self) -> None:
+        self.before, self.interrupts.deferring = self.interrupts.deferring, True
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.interrupts.deferring = self.before
+
+
+class uninterrupted:  # noqa: N801 - used as a function: ``with uninterrupted():``
     """A stopping signal in the block is acted on as it ends, not inside it: a process being started there
-    (``Popen`` cut short would lose it) is then on record, for the teardown to end it."""
-    if not _active or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    interrupts = _active[-1]
-    count = len(interrupts.received)
-    with interrupts.deferred():
-        yield
-    if len(interrupts.received) > count and not interrupts.deferring:
-        interrupts.deferring = True
-        raise InterruptionError(signal=interrupts.received[count])
+    (``Popen`` cut short would lose it) is then on record, for the teardown to end it. In another thread than the
+    main one, whose handlers are in ``_active``, this does nothing."""
+
+    def __enter__(self) -> None:
+        self.interrupts = _active[-1] if _active and _active[-1].thread == _thread.get_ident() else None
+        if self.interrupts is not None:
+            self.count = len(self.interrupts.received)
+            self.deferred = self.interrupts.deferred()
+            self.deferred.__enter__()
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        interrupts = self.interrupts
+        if interrupts is None:
+            return
+        self.deferred.__exit__(kind, exc, tb)
+        if len(interrupts.received) > self.count and not interrupts.deferring and kind is None:
+            interrupts.deferring = True
+            raise InterruptionError(signal=interrupts.received[self.count])

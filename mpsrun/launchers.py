@@ -1,6 +1,6 @@
 """What MPI launchers and batch systems tell a process about its place in the job.
 
-Standard library only (the rank shim imports it). One table of variables per fact, tried
+Built-in modules and ``collections`` only (every rank supervisor imports it). One table of variables per fact, tried
 in order (Open MPI, MPICH/Hydra and Intel MPI, PMIx, Cray PALS, MVAPICH2, Slurm's srun).
 """
 
@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import collections
 import os
-import re
-from collections.abc import Mapping, Sequence
 
 TYPE_CHECKING = False  # the rank supervisor imports this: typing's import (3-5 ms) is left out
 if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
     from typing import NamedTuple
 
     class _Identity(NamedTuple):
@@ -58,6 +57,8 @@ def slurm_tasks_on_node(env: Mapping[str, str]) -> int | None:
     node = first_int(env, ("SLURM_NODEID",))
     if not text or node is None:
         return None
+    import re  # only under Slurm without a local size (re and its enums: 5 ms in every rank supervisor)
+
     counts: list[int] = []
     for part in text.split(","):
         match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())

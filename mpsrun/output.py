@@ -1,6 +1,6 @@
 """``--tag-output``: a rank's output copied line by line, each line prefixed ``[rank N] ``.
 
-Standard library only (the rank shim imports it). Lines are written whole, with one write
+Built-in modules only (every rank supervisor imports it). Lines are written whole, with one write
 each: the kernel keeps a pipe write of up to ``PIPE_BUF`` bytes (and any terminal or file
 write) in one piece, and longer lines take an advisory lock shared by the job's shims. A
 partial line is written when the rank's stream ends (with a newline added), or once it
@@ -10,7 +10,6 @@ stays bounded whatever the rank prints.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import os
@@ -25,9 +24,11 @@ PIPE_BUF = select.PIPE_BUF
 def say(line: str) -> None:
     """Write a line of ours to stderr in one write (print writes the newline apart: with unbuffered output the
     lines of several processes then run into each other); nothing if stderr is gone."""
-    with contextlib.suppress(OSError, ValueError):
+    try:
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
 
 
 class LineTagger:
@@ -81,6 +82,7 @@ class LineTagger:
 def _open_lock(path: str | None) -> int | None:
     if path is None:
         return None
-    with contextlib.suppress(OSError):
+    try:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    return None
+    except OSError:
+        return None

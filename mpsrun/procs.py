@@ -1,22 +1,21 @@
 """Processes by identity: a pid plus its start time, so a reused pid is never signalled.
 
-Standard library only (the rank shim imports it). A :class:`ProcessRef` names one process
+Built-in modules, ``collections`` and ``ctypes`` only (every rank supervisor imports it). A :class:`ProcessRef` names one process
 exactly: its pid and the kernel's start time (``/proc/<pid>/stat`` field 22, in clock ticks
 since boot). Every process mpsrun ends that it did not just spawn itself is checked this way.
 """
 
 from __future__ import annotations
 
+import _signal  # ``signal`` without its enums (5 ms in every rank supervisor)
 import collections
-import contextlib
 import ctypes
 import os
-import signal
 import sys
-from collections.abc import Iterable
 
 TYPE_CHECKING = False  # the rank supervisor imports this: typing's import (3-5 ms) is left out
 if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping, Sequence
     from typing import NamedTuple, NoReturn
 
     class _Process(NamedTuple):
@@ -37,7 +36,10 @@ __all__ = [
     "pidfd",
     "python_without_site",
     "set_parent_death_signal",
+    "spawn",
     "start_ticks",
+    "wait",
+    "which",
 ]
 
 _PR_SET_PDEATHSIG = 1
@@ -58,8 +60,10 @@ def _stat_fields(pid: int) -> list[str] | None:
 def flush_output() -> None:
     """Write out what Python holds of stdout and stderr (a closed or broken stream: nothing more to say there)."""
     for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
+        try:
             stream.flush()
+        except (OSError, ValueError):
+            pass
 
 
 def exit_now(code: int) -> NoReturn:
@@ -116,10 +120,11 @@ class ProcessRef(_Process):
         """Send ``sig`` to this process if it is still the same one; True if sent."""
         if not self.alive():
             return False
-        with contextlib.suppress(ProcessLookupError, PermissionError):
+        try:
             os.kill(self.pid, sig)
-            return True
-        return False
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
 
     def signal_group(self, sig: int) -> bool:
         """Send ``sig`` to the process group this process leads, if it still runs and leads it.
@@ -129,11 +134,13 @@ class ProcessRef(_Process):
         """
         if not self.alive():
             return False
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            if os.getpgid(self.pid) == self.pid:
-                os.killpg(self.pid, sig)
-                return True
-        return False
+        try:
+            if os.getpgid(self.pid) != self.pid:
+                return False
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
 
     def to_json(self) -> dict[str, int]:
         return {"pid": self.pid, "start": self.start}
@@ -154,7 +161,7 @@ def kill_group(pgid: int, sig: int) -> bool:
     return True
 
 
-def set_parent_death_signal(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
+def set_parent_death_signal(sig: int = _signal.SIGKILL, parent: int | None = None) -> None:
     """Ask the kernel to send ``sig`` to this process when the thread that forked it ends. ``parent``: the pid
     that forked it, read before the fork; one that died before this request sends no signal, so it comes now."""
     _prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
@@ -172,18 +179,17 @@ def inherited_fds() -> list[int]:
     found = []
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
-        if fd > 2:
-            with contextlib.suppress(OSError):
-                if os.get_inheritable(fd):
-                    found.append(fd)
+        try:
+            if fd > 2 and os.get_inheritable(fd):
+                found.append(fd)
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
     return sorted(found)
 
 
 def find_program(name: str, path: str | None) -> tuple[str | None, int, str]:
     """The program to run for ``name``, or why not, as a shell says it: (None, 127, ...) or (None, 126, ...)."""
-    import shutil  # not on the rank shim's path
-
-    found = shutil.which(name, path=path)
+    found = which(name, path)
     if found is not None:
         return found, 0, ""
     if os.sep in name and os.path.lexists(name):
@@ -199,13 +205,18 @@ def physical_cores() -> int | None:
     """
     root = "/sys/devices/system/cpu"
     siblings = set()
-    with contextlib.suppress(OSError):
-        for name in os.listdir(root):
-            if name.startswith("cpu") and name[3:].isdecimal():
-                for part in ("core_cpus_list", "thread_siblings_list"):
-                    with contextlib.suppress(OSError), open(f"{root}/{name}/topology/{part}") as file:
-                        siblings.add(file.read().strip())
-                        break
+    try:
+        names = [name for name in os.listdir(root) if name.startswith("cpu") and name[3:].isdecimal()]
+    except OSError:
+        return None
+    for name in names:
+        for part in ("core_cpus_list", "thread_siblings_list"):
+            try:
+                with open(f"{root}/{name}/topology/{part}") as file:
+                    siblings.add(file.read().strip())
+                    break
+            except OSError:
+                pass
     return len(siblings) or None
 
 
@@ -219,5 +230,88 @@ def pidfd(pid: int) -> int | None:
 
 def close_all(fds: Iterable[int]) -> None:
     for fd in fds:
-        with contextlib.suppress(OSError):
+        try:
             os.close(fd)
+        except OSError:
+            pass
+
+
+def which(name: str, path: str | None = None) -> str | None:
+    """``shutil.which(name, path=path)`` on POSIX, without importing ``shutil`` (bz2, lzma, fnmatch: about 3 ms in
+    every rank supervisor)."""
+
+    def runnable(candidate: str) -> bool:
+        return os.path.exists(candidate) and os.access(candidate, os.F_OK | os.X_OK) and not os.path.isdir(candidate)
+
+    if os.path.dirname(name):
+        return name if runnable(name) else None
+    if path is None:
+        path = os.environ.get("PATH") or os.defpath
+    seen = set()
+    for directory in path.split(os.pathsep):
+        if directory not in seen:
+            seen.add(directory)
+            if runnable(candidate := os.path.join(directory, name)):
+                return candidate
+    return None
+
+
+#: Signals Python sets to ignored at its start (and ``Popen(restore_signals=True)`` restores for its children).
+_RESTORED = tuple(getattr(_signal, name) for name in ("SIGPIPE", "SIGXFZ", "SIGXFSZ") if hasattr(_signal, name))
+
+
+def spawn(program: str, argv: Sequence[str], env: Mapping[str, str], *, stdout: int | None = None,
+          stderr: int | None = None, death_signal: int = _signal.SIGKILL) -> int:
+    """Start ``program`` in a session of its own, as ``subprocess.Popen(argv, executable=program, env=env,
+    start_new_session=True, restore_signals=True)`` does, with ``death_signal`` once this process ends; its pid.
+
+    Every inheritable descriptor is passed on (those this process inherited: Python opens its own
+    non-inheritable); ``stdout`` and ``stderr`` take the place of 1 and 2. Raises OSError (FileNotFoundError,
+    PermissionError, ...) when the program cannot be executed, as Popen does. Not ``subprocess``: its imports
+    (threading, selectors, locale, ...: about 10 ms) would be paid by every rank supervisor. Signals are held
+    across the fork, so none reaches this process's handlers in the child (whose wake-up descriptor is ours).
+    """
+    parent = os.getpid()
+    failure_read, failure_write = os.pipe()  # not inheritable: the exec closes it, or the child writes its errno
+    mask = _signal.pthread_sigmask(_signal.SIG_BLOCK, _signal.valid_signals())
+    try:
+        pid = os.fork()
+        if pid == 0:
+            _become(program, argv, env, (stdout, stderr), (death_signal, parent, mask), failure_write)
+    finally:
+        _signal.pthread_sigmask(_signal.SIG_SETMASK, mask)
+        os.close(failure_write)
+    with open(failure_read, "rb") as failure:
+        errno = failure.read()
+    if errno:
+        wait(pid)
+        raise OSError(int(errno), os.strerror(int(errno)), program)
+    return pid
+
+
+def _become(program: str, argv: Sequence[str], env: Mapping[str, str], streams: tuple[int | None, int | None],
+            death: tuple[int, int, object], failure: int) -> NoReturn:
+    """The child of :func:`spawn`, from the fork to the exec; it never returns into the parent's code."""
+    try:
+        _signal.set_wakeup_fd(-1)
+        for number in _signal.valid_signals():
+            if callable(_signal.getsignal(number)) or number in _RESTORED:
+                _signal.signal(number, _signal.SIG_DFL)
+        os.setsid()
+        set_parent_death_signal(death[0], death[1])
+        for fd, target in zip(streams, (1, 2), strict=True):
+            if fd is not None:
+                os.dup2(fd, target)
+        _signal.pthread_sigmask(_signal.SIG_SETMASK, death[2])
+        os.execve(program, list(argv), dict(env))
+    except OSError as exc:
+        os.write(failure, str(exc.errno or 0).encode())
+    finally:
+        os._exit(255)
+
+
+def wait(pid: int, block: bool = True) -> int | None:
+    """The exit status of our child ``pid`` as ``Popen.returncode`` gives it (-N: killed by signal N); None while it
+    runs (``block=False``)."""
+    done, status = os.waitpid(pid, 0 if block else os.WNOHANG)
+    return os.waitstatus_to_exitcode(status) if done else None

@@ -1,6 +1,7 @@
 """How rank shims, node keepers and the launcher talk: JSON lines over a stream socket.
 
-Standard library only (the rank shim imports it). A controller listens on a UNIX socket in
+Built-in modules only on the rank supervisor's side (:func:`connect` to a UNIX socket, :class:`Link`,
+:mod:`mpsrun.wire`); :class:`Listener` and TCP import ``socket``. A controller listens on a UNIX socket in
 its private session directory (one node), or on TCP for jobs over several hosts; every
 peer's first message carries the job's token, so a stranger that reaches a TCP port is
 turned away. Messages, each a JSON object with a ``type``:
@@ -12,17 +13,17 @@ turned away. Messages, each a JSON object with a ``type``:
 
 from __future__ import annotations
 
-import contextlib
-import json
+import _socket  # ``socket`` without its enums and ``selectors`` (4 ms in every rank supervisor)
 import os
-import socket
 import time
-from collections.abc import Callable
 
+from mpsrun import wire
 from mpsrun.deadline import Deadline, backoff
 
-TYPE_CHECKING = False  # imported by every rank supervisor: typing's import is left out
+TYPE_CHECKING = False  # imported by every rank supervisor: typing's and collections' imports are left out
 if TYPE_CHECKING:
+    import socket
+    from collections.abc import Callable
     from typing import Any
 
 __all__ = ["Link", "Listener", "connect", "new_token"]
@@ -45,7 +46,7 @@ class Link:
     the new descriptor's (the kernel drops a registration only once no process holds it).
     """
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket | _socket.socket) -> None:
         self.sock = sock
         self.fd = sock.fileno()  # kept after close, to stop waiting on it
         self.closed = False
@@ -65,7 +66,7 @@ class Link:
         if not self.usable:
             return False
         try:
-            self.sock.sendall(json.dumps({"type": kind, **fields}).encode() + b"\n")
+            self.sock.sendall(wire.dumps({"type": kind, **fields}).encode() + b"\n")
         except OSError:
             self.broken = True
             return False
@@ -113,14 +114,16 @@ class Link:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            with contextlib.suppress(OSError):
+            try:
                 self.sock.close()
+            except OSError:
+                pass
 
 
 def _decode(line: bytes) -> dict[str, Any] | None:
     try:
-        message = json.loads(line)
-    except ValueError:
+        message = wire.loads(line)
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than Python parses
         return None
     return message if isinstance(message, dict) and isinstance(message.get("type"), str) else None
 
@@ -129,6 +132,8 @@ class Listener:
     """A listening socket: ``unix:PATH``, or ``tcp`` (every interface, a free port)."""
 
     def __init__(self, where: str) -> None:
+        import socket  # the controller's side
+
         if where.startswith("unix:"):
             self.path: str | None = where[5:]
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -152,17 +157,21 @@ class Listener:
         return Link(conn)
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
+        try:
             self.sock.close()
+        except OSError:
+            pass
         if self.path is not None:
-            with contextlib.suppress(OSError):
+            try:
                 os.unlink(self.path)
+            except OSError:
+                pass
 
 
-def _connect_unix(path: str, deadline: Deadline) -> socket.socket:
+def _connect_unix(path: str, deadline: Deadline) -> _socket.socket:
     """Connect, waiting while the listener's backlog is full (EAGAIN: hundreds of ranks join at once)."""
     for pause in backoff():
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
         sock.settimeout(max(deadline.remaining(), 0.001))
         try:
             sock.connect(path)
@@ -183,6 +192,8 @@ def connect(address: str, timeout: float = 10.0) -> Link:
     if address.startswith("unix:"):
         sock = _connect_unix(address[5:], Deadline(timeout))
     elif address.startswith("tcp:"):
+        import socket  # only under --hosts
+
         host, _, port = address[4:].rpartition(":")
         sock = socket.create_connection((host, int(port)), timeout=timeout)
     else:

@@ -11,18 +11,17 @@ descriptor it inherited (MPICH's ``PMI_FD``, Slurm's PMI2), forwards signals, ta
 lines, and reports the rank's start and end. When the rank's main process ends, whatever
 it left in its group is killed. The controller's verdict then sets this process's exit code.
 
-Standard library only: one of these starts per rank.
+Built-in modules only, on its whole import path (``ctypes`` and ``collections`` aside): one of these starts per
+rank, on the path of every job, so no ``subprocess``, ``socket``, ``signal``, ``json``, ``contextlib``, ``re`` or
+``threading`` (their imports cost a supervisor about 30 ms; ``tests/test_rank.py`` holds the line).
 """
 
 from __future__ import annotations
 
-import contextlib
+import _signal as signal  # ``signal`` without its enums
+import _socket
 import os
-import signal
-import socket
-import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
 
 from mpsrun.deadline import Deadline
 from mpsrun.errors import MPSError
@@ -31,12 +30,23 @@ from mpsrun.interrupts import InterruptionError, Interrupts
 from mpsrun.launchers import RankIdentity, identity_from_env
 from mpsrun.loop import EventLoop
 from mpsrun.output import LineTagger, say
-from mpsrun.procs import close_all, find_program, inherited_fds, kill_group, pidfd, set_parent_death_signal, start_ticks
+from mpsrun.procs import (
+    close_all,
+    find_program,
+    inherited_fds,
+    kill_group,
+    pidfd,
+    set_parent_death_signal,
+    spawn,
+    start_ticks,
+    wait,
+)
 from mpsrun.protocol import Link, connect
 
 TYPE_CHECKING = False  # the rank supervisor starts once per rank: typing's import (3-5 ms) is left out
 if TYPE_CHECKING:
-    from typing import IO, Any
+    from collections.abc import Callable, Mapping, Sequence
+    from typing import Any
 
     Join = Callable[[Mapping[str, Any]], tuple[Link, dict[str, Any] | None]]
 
@@ -73,9 +83,9 @@ class RankSupervisor:
         self.mpi4py_abort = bool(welcome.get("mpi4py_abort"))
         self.lock = welcome.get("output_lock")
         self.loop = EventLoop()
-        self.process: subprocess.Popen[bytes] | None = None
+        self.pid: int | None = None
         self.returncode: int | None = None
-        self.streams: dict[int, tuple[IO[bytes], LineTagger]] = {}
+        self.streams: dict[int, LineTagger] = {}  # the read ends of the rank's stdout and stderr, when tagged
         self.killing = False
         self.controller_lost = False
 
@@ -96,33 +106,32 @@ class RankSupervisor:
         return self._finish(self.returncode)
 
     def _spawn(self, program: str) -> None:
-        piped, supervisor = subprocess.PIPE if self.tag else None, os.getpid()
-        self.process = subprocess.Popen(
-            self.command, executable=program, env=self.env, stdout=piped, stderr=piped, start_new_session=True,
-            pass_fds=self.fds, preexec_fn=lambda: set_parent_death_signal(signal.SIGKILL, supervisor),
-        )
+        pipes = (os.pipe(), os.pipe()) if self.tag else None
+        try:
+            self.pid = pid = spawn(program, self.command, self.env, stdout=pipes and pipes[0][1],
+                                   stderr=pipes and pipes[1][1], death_signal=signal.SIGKILL)
+        except OSError:
+            close_all([fd for pipe in pipes or () for fd in pipe])
+            raise
         close_all(self.fds)  # the rank has them now; holding them would keep its launcher's connections open
-        pid = self.process.pid
-        self.link.send("started", rank=self.rank, pid=pid, start=start_ticks(pid), host=socket.gethostname())
+        self.link.send("started", rank=self.rank, pid=pid, start=start_ticks(pid), host=_socket.gethostname())
         exit_fd = pidfd(pid)
         if exit_fd is None:
             self._poll_exit()
         else:
             self.loop.watch(exit_fd, lambda: self._on_exit(exit_fd))
         self.loop.watch(self.link_fd, self._on_link)
-        if self.tag:
-            self._tag(self.process.stdout, 1)
-            self._tag(self.process.stderr, 2)
+        for (read_end, write_end), sink in zip(pipes or (), (1, 2), strict=False):
+            os.close(write_end)
+            self._tag(read_end, sink)
 
-    def _tag(self, stream: IO[bytes] | None, sink: int) -> None:
-        assert stream is not None
-        fd = stream.fileno()
+    def _tag(self, fd: int, sink: int) -> None:
         os.set_blocking(fd, False)
-        self.streams[fd] = (stream, LineTagger(self.rank, sink, self.lock))
+        self.streams[fd] = LineTagger(self.rank, sink, self.lock)
         self.loop.watch(fd, lambda: self._copy(fd))
 
     def _copy(self, fd: int) -> None:
-        tagger = self.streams[fd][1]
+        tagger = self.streams[fd]
         try:
             data = os.read(fd, 65536)
         except BlockingIOError:
@@ -132,25 +141,26 @@ class RankSupervisor:
         self._close_stream(fd)  # end of the stream, or our own output is gone: the rank gets EPIPE
 
     def _close_stream(self, fd: int) -> None:
-        stream, tagger = self.streams.pop(fd)
+        tagger = self.streams.pop(fd)
         self.loop.unwatch(fd)
         tagger.finish()
-        stream.close()
+        os.close(fd)
 
     def _poll_exit(self) -> None:  # kernels without pidfds: a bounded poll interval
-        if self.process is not None and self.process.poll() is None:
+        assert self.pid is not None
+        if os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:  # not reaped: see below
             self.loop.after(0.02, self._poll_exit)
         else:
             self._on_exit(None)
 
     def _on_exit(self, exit_fd: int | None) -> None:
-        assert self.process is not None
+        assert self.pid is not None
         if exit_fd is not None:
             self.loop.unwatch(exit_fd)
             os.close(exit_fd)
         # The leader is a zombie until reaped, so its pid still names our group: end what it left.
-        kill_group(self.process.pid, signal.SIGKILL)
-        self.returncode = self.process.wait()
+        kill_group(self.pid, signal.SIGKILL)
+        self.returncode = wait(self.pid)
         self.loop.unwatch(self.link_fd)
         self.loop.after(DRAIN_TIMEOUT, self._close_streams)
 
@@ -159,8 +169,8 @@ class RankSupervisor:
             self._close_stream(fd)
 
     def _signal(self, sig: int) -> None:
-        if self.process is not None and self.returncode is None:
-            kill_group(self.process.pid, sig)
+        if self.pid is not None and self.returncode is None:
+            kill_group(self.pid, sig)
         if sig == signal.SIGTERM and not self.killing:  # what launchers send before SIGKILL
             self.killing = True
             self.loop.after(self.grace, lambda: self._signal(signal.SIGKILL))
@@ -253,18 +263,22 @@ def report_failure(exc: MPSError, local_rank: int | None) -> None:
     """A rank that cannot start says why once: under ``--hosts`` to the job's controller, which makes it
     the job's one summary line; otherwise the node's first local rank prints it."""
     address = os.environ.get("MPSRUN_CONTROL")
-    if address:
-        with contextlib.suppress(OSError):
-            link = connect(address)
-            link.send("hello", role="node", token=os.environ.get("MPSRUN_CONTROL_TOKEN", ""),
-                      node=socket.gethostname())
-            told = link.expect(("welcome",), Deadline(5.0)) is not None and link.send(
-                "finding", message=str(exc), fatal=True, code=int(exc.exit_code))
-            link.close()
-            if told:
-                return
+    if address and _tell_controller(address, exc):
+        return
     if local_rank in (0, None):
         _say(f"error: {exc}")
+
+
+def _tell_controller(address: str, exc: MPSError) -> bool:
+    try:
+        link = connect(address)
+        link.send("hello", role="node", token=os.environ.get("MPSRUN_CONTROL_TOKEN", ""), node=_socket.gethostname())
+        told = link.expect(("welcome",), Deadline(5.0)) is not None and link.send(
+            "finding", message=str(exc), fatal=True, code=int(exc.exit_code))
+        link.close()
+    except OSError:
+        return False
+    return told
 
 
 def direct(address: str) -> Join:
@@ -285,7 +299,7 @@ def run_rank(command: Sequence[str], identity: RankIdentity, join: Join, token: 
     set_parent_death_signal(signal.SIGTERM)  # our launcher gone: stop the rank like a SIGTERM
     if os.getppid() != parent:
         return exit_code_of(-signal.SIGTERM)
-    fields = {"role": "rank", "token": token, "identity": identity.to_json(), "host": socket.gethostname(),
+    fields = {"role": "rank", "token": token, "identity": identity.to_json(), "host": _socket.gethostname(),
               "shim": os.getpid(), "devices": os.environ.get("CUDA_VISIBLE_DEVICES"), **(hello or {})}
     try:
         with Interrupts():
