@@ -62,11 +62,14 @@ class Launched:
     """A started process, in its own session, watched through a pidfd; it gets SIGTERM if we die."""
 
     def __init__(self, spec: LaunchSpec) -> None:
-        from mpsrun.forked import ForkedSupervisor  # only where ranks start: see job._import_the_launch
-
         self.spec = spec
-        self.popen: subprocess.Popen[bytes] | ForkedSupervisor = ForkedSupervisor(spec.argv, spec.env, spec.stdin) \
-            if spec.fork else subprocess.Popen(
+        self.popen: subprocess.Popen[bytes] | ForkedSupervisor
+        if spec.fork:
+            from mpsrun.forked import ForkedSupervisor  # only for local ranks (3 ms): see job._import_the_launch
+
+            self.popen = ForkedSupervisor(spec.argv, spec.env, spec.stdin)
+        else:
+            self.popen = subprocess.Popen(
                 list(spec.argv), env=dict(spec.env), stdin=None if spec.stdin else subprocess.DEVNULL,
                 start_new_session=True,
                 preexec_fn=functools.partial(set_parent_death_signal, signal.SIGTERM, os.getpid()))

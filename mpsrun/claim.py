@@ -10,13 +10,13 @@ job's control socket (in this directory) must exist before mpiexec starts.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from mpsrun.interrupts import uninterrupted
+from mpsrun.logs import Log
 from mpsrun.paths import SessionDirs, new_session_name, user_root
 from mpsrun.procs import ProcessRef
 from mpsrun.reaper import Reaper
@@ -24,7 +24,7 @@ from mpsrun.records import SessionRecord
 
 __all__ = ["SessionClaim"]
 
-log = logging.getLogger("mpsrun")
+log = Log("mpsrun")
 
 
 def _remove_stale(base: Path) -> None:

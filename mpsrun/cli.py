@@ -8,12 +8,11 @@ Options end at the first word that is not an option (or its value), at ``--``, o
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Sequence
 
-from mpsrun import __version__
+from mpsrun import __version__, ahead, logs
 from mpsrun.errors import ConfigError, MPSError
 from mpsrun.exitcodes import ExitCode
 from mpsrun.interrupts import InterruptionError, Interrupts
@@ -107,6 +106,8 @@ def main(argv: Sequence[str] | None = None, pending: Sequence[int] = ()) -> int:
     except InterruptionError as exc:
         _print_error(f"{exc} before the job started")
         return exc.exit_code
+    finally:
+        ahead.cancel()  # a GPU list read ahead and never asked for (the job ended before, or needed none)
 
 
 def _usage_error(args: list[str], exc: ConfigError) -> None:
@@ -137,13 +138,11 @@ def _main(args: list[str]) -> int:
         return ExitCode.USAGE
     except SystemExit as exc:  # --help/--version further along the line
         return int(exc.code or 0)
-    if not (config.per_node or config.hosts or config.hostfile):  # else each host's node keeper reads them
-        from mpsrun import gpus
-
-        gpus.read_ahead()  # the GPU list is read in a forked child while the job's modules are imported
-    level = logging.DEBUG if config.verbose else logging.ERROR if config.quiet else logging.WARNING
-    logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
-    logging.getLogger("mpsrun").setLevel(level)
+    if config.per_node or config.hosts or config.hostfile:  # each host's node keeper reads its GPUs
+        ahead.cancel()
+    else:
+        ahead.start()  # the GPU list is read in a forked child while the job's modules are imported (if not yet)
+    logs.to_stderr(logs.DEBUG if config.verbose else logs.ERROR if config.quiet else logs.WARNING)
     try:
         if config.per_node:
             from mpsrun.pernode import run_per_node

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import os
 import shutil
 import signal
@@ -29,6 +28,7 @@ from pathlib import Path
 from mpsrun.deadline import Deadline, poll_until
 from mpsrun.errors import DaemonError, DaemonStartError, DaemonTimeoutError, MPSUnavailableError
 from mpsrun.limits import stored_mem_limit
+from mpsrun.logs import Log
 from mpsrun.mpslog import (
     NO_DAEMON,
     PsEntry,
@@ -46,7 +46,7 @@ from mpsrun.records import DaemonRecord
 
 __all__ = ["CONTROL_EXECUTABLE", "ControlDaemon", "find_control_executable"]
 
-log = logging.getLogger(__name__)
+log = Log(__name__)
 
 CONTROL_EXECUTABLE = "nvidia-cuda-mps-control"
 

@@ -7,7 +7,11 @@ signal N gives 128+N); 2 usage error; 3 set-up failure; 124 timeout; 126 not exe
 
 from __future__ import annotations
 
-import _signal  # ``signal`` without its enums: ``signal`` and ``enum`` would cost every rank supervisor 5 ms
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the stubs of ``signal`` describe it
+    import signal as _signal
+else:
+    import _signal  # ``signal`` without its enums: ``signal`` and ``enum`` would cost every rank supervisor 5 ms
 
 __all__ = ["ExitCode", "describe_returncode", "exit_code_of", "signal_name"]
 
@@ -32,9 +36,9 @@ def _signal_names() -> dict[int, str]:
     """``SIGTERM`` for 15, as ``signal.Signals`` names them (an alias, such as SIGIOT or SIGCLD, yields)."""
     names: dict[int, str] = {}
     for name, number in sorted(vars(_signal).items()):
-        if name.startswith("SIG") and not name.startswith("SIG_") and isinstance(number, int):
-            if number not in names or name in ("SIGABRT", "SIGCHLD", "SIGIO"):
-                names[number] = name
+        signal = name.startswith("SIG") and not name.startswith("SIG_") and isinstance(number, int)
+        if signal and (number not in names or name in ("SIGABRT", "SIGCHLD", "SIGIO")):
+            names[number] = name
     return names
 
 

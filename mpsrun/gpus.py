@@ -7,14 +7,14 @@ This is the one place mpsrun talks to NVML. Everything else sees plain
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, NoReturn
+from typing import Any
 
+from mpsrun import ahead, wire
 from mpsrun.errors import ConfigError, GPUError, GPUNotFoundError, NoDriverError
 
 __all__ = [
@@ -27,7 +27,6 @@ __all__ = [
     "list_gpus",
     "nvml_kept",
     "parse_visible_devices",
-    "read_ahead",
     "select_gpus",
     "visible_gpus",
 ]
@@ -60,59 +59,27 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-_ahead: tuple[int, int] | None = None  # (pid, pipe) of the child that read_ahead() forked
 _keeping = 0  # open nvml_kept() blocks
 _kept = False  # an initialisation they hold
 _kept_lock = threading.Lock()  # the watch may initialise NVML in a thread (RankWatch.prepare_meanwhile)
 
 
-def read_ahead() -> None:
-    """Read the driver's GPU list in a forked child, for a process that imports meanwhile (the ``mpsrun``
-    command): NVML's import and initialisation (30 ms on the H100) then run on a core of their own instead of
-    taking turns with the imports. :func:`list_gpus` takes the answer; if the child fails, it asks itself."""
-    global _ahead
-    if _ahead is not None or threading.active_count() > 1:  # a fork must not copy a lock another thread holds
-        return
-    from mpsrun.interrupts import uninterrupted
+def write_gpu_list(pipe: int, parent: int) -> None:
+    """In the child that :mod:`mpsrun.ahead` forks: the GPU list as JSON on ``pipe``."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)  # a stopping signal ends it (the parent's handlers only note it)
+    from mpsrun.procs import set_parent_death_signal
 
-    read, write = os.pipe()
-    parent = os.getpid()
-    with uninterrupted():  # a signal must not land in logging's at-fork hook, which would swallow it
-        pid = os.fork()
-        if pid == 0:
-            _answer(write, parent)
-    os.close(write)
-    _ahead = (pid, read)
-
-
-def _answer(pipe: int, parent: int) -> NoReturn:
-    """The forked child: the GPU list as JSON on ``pipe``, then an exit without its parent's cleanup."""
-    code = 1
-    try:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL)  # a stopping signal ends it (the parent's handlers only note it)
-        from mpsrun.procs import set_parent_death_signal
-
-        set_parent_death_signal(signal.SIGKILL, parent)  # NVML could hang on a broken driver: not outlive the parent
-        with open(pipe, "w") as out:
-            json.dump([asdict(gpu) for gpu in list_gpus()], out)
-        code = 0
-    finally:
-        os._exit(code)
+    set_parent_death_signal(signal.SIGKILL, parent)  # NVML could hang on a broken driver: not outlive the parent
+    with open(pipe, "w") as out:
+        out.write(wire.dumps([asdict(gpu) for gpu in list_gpus()]))
 
 
 def _answer_ahead() -> list[GPU] | None:
-    """The forked child's GPU list, once; None without one, or when it failed."""
-    global _ahead
-    if _ahead is None:
-        return None
-    pid, pipe = _ahead
-    _ahead = None
-    with open(pipe, "rb") as answer:
-        data = answer.read()
-    _, status = os.waitpid(pid, 0)
+    """The GPU list read ahead (:mod:`mpsrun.ahead`), once; None without one, or when it failed."""
+    data = ahead.answer()
     try:
-        return [GPU(**fields) for fields in json.loads(data)] if status == 0 else None
+        return None if data is None else [GPU(**fields) for fields in wire.loads(data)]
     except (ValueError, TypeError):
         return None
 
@@ -198,9 +165,9 @@ def _describe(nvml: Any, index: int) -> GPU:
 
 def list_gpus() -> list[GPU]:
     """Every GPU the driver knows, in NVML order, ignoring ``CUDA_VISIBLE_DEVICES``."""
-    ahead = _answer_ahead()
-    if ahead is not None:
-        return ahead
+    read = _answer_ahead()
+    if read is not None:
+        return read
     with _nvml() as nvml:
         return [_describe(nvml, i) for i in range(int(nvml.nvmlDeviceGetCount()))]
 

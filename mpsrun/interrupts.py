@@ -9,16 +9,21 @@ an :class:`~mpsrun.loop.EventLoop` the loop's own handling takes over and is res
 
 from __future__ import annotations
 
-import _signal  # ``signal`` without its enums (5 ms in every rank supervisor)
 import _thread
 
 from mpsrun.errors import MPSError
 from mpsrun.exitcodes import signal_name
 
 TYPE_CHECKING = False  # imported by every rank supervisor: typing's and collections' imports are left out
-if TYPE_CHECKING:
-    from collections.abc import Iterable
+if TYPE_CHECKING:  # the stubs of ``signal`` describe ``_signal``: ``signal`` without its enums (5 ms per supervisor)
+    import signal as _signal
+    from collections.abc import Callable, Iterable
     from types import FrameType, TracebackType
+    from typing import Any
+
+    Handler = Callable[[int, FrameType | None], Any] | int | None
+else:
+    import _signal
 
 __all__ = ["InterruptionError", "Interrupts", "catchable", "uninterrupted"]
 
@@ -31,10 +36,10 @@ def catchable(numbers: Iterable[int]) -> list[int]:
     return [n for n in numbers if _signal.getsignal(n) != _signal.SIG_IGN]
 
 
-def take_signals(numbers: Iterable[int], handler: object) -> dict[int, object] | None:
+def take_signals(numbers: Iterable[int], handler: Handler) -> dict[int, Handler] | None:
     """Install ``handler`` for each of ``numbers``; their previous handlers, or None outside the main thread
     (where Python delivers no signals)."""
-    previous: dict[int, object] = {}
+    previous: dict[int, Handler] = {}
     try:
         for number in numbers:
             previous[number] = _signal.signal(number, handler)
@@ -43,7 +48,7 @@ def take_signals(numbers: Iterable[int], handler: object) -> dict[int, object] |
     return previous
 
 
-def restore_signals(previous: dict[int, object]) -> None:
+def restore_signals(previous: dict[int, Handler]) -> None:
     for number, handler in previous.items():
         _signal.signal(number, handler)
 
@@ -65,7 +70,7 @@ class Interrupts:
         self.received: list[int] = []
         self.deferring = False
         self.thread = _thread.get_ident()
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Handler] = {}
 
     def __enter__(self) -> Interrupts:
         previous = take_signals(catchable(STOPPING), self._handle)

@@ -7,7 +7,6 @@ only what the backend starts differs (:mod:`mpsrun.backends`).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -30,6 +29,7 @@ from mpsrun.exitcodes import ExitCode, signal_name
 from mpsrun.interrupts import InterruptionError, Interrupts
 from mpsrun.jobcontrol import JobControl
 from mpsrun.launchers import RankIdentity
+from mpsrun.logs import Log
 from mpsrun.options import JobConfig
 from mpsrun.outcome import JobResult
 from mpsrun.output import say
@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # the modules of the session and the plan are imported once m
 
 __all__ = ["run_job"]
 
-log = logging.getLogger("mpsrun")
+log = Log("mpsrun")
 
 
 def _import_the_launch() -> None:

@@ -14,7 +14,6 @@ import signal
 from mpsrun.backends import Launched, LaunchSpec
 from mpsrun.errors import MPSError
 from mpsrun.interrupts import uninterrupted
-from mpsrun.outcome import ranges
 
 __all__ = ["JobControl"]
 
@@ -40,6 +39,8 @@ class JobControl:
             with uninterrupted():  # a Popen cut short would lose the process
                 self.early = Launched(spec)
         except OSError as exc:  # as the controller says it when a launcher cannot start
+            from mpsrun.outcome import ranges
+
             raise MPSError(f"cannot start rank(s) {ranges(list(spec.ranks))}: {exc}", command=spec.argv[0]) from None
 
     def hand_over(self) -> Launched | None:

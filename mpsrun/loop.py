@@ -8,7 +8,6 @@ runs in the middle of the process's own work.
 
 from __future__ import annotations
 
-import _signal
 import heapq
 import itertools
 import math
@@ -19,9 +18,14 @@ import time
 from mpsrun.interrupts import catchable, restore_signals, take_signals
 
 TYPE_CHECKING = False  # imported by every rank supervisor: typing's and collections' imports are left out
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the stubs of ``signal`` describe ``_signal``: ``signal`` without its enums (5 ms per supervisor)
+    import signal as _signal
     from collections.abc import Callable, Iterable
     from types import FrameType, TracebackType
+
+    from mpsrun.interrupts import Handler
+else:
+    import _signal
 
 __all__ = ["EventLoop", "Timer"]
 
@@ -130,7 +134,7 @@ class SignalDelivery:
 
     def __init__(self, loop: EventLoop, numbers: Iterable[int], callback: Callable[[int], object]) -> None:
         self.loop, self.numbers, self.callback = loop, list(numbers), callback
-        self.previous: dict[int, object] | None = None
+        self.previous: dict[int, Handler] | None = None
 
     def __enter__(self) -> None:
         read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)

@@ -1,20 +1,21 @@
 """Processes by identity: a pid plus its start time, so a reused pid is never signalled.
 
-Built-in modules, ``collections`` and ``ctypes`` only (every rank supervisor imports it). A :class:`ProcessRef` names one process
-exactly: its pid and the kernel's start time (``/proc/<pid>/stat`` field 22, in clock ticks
-since boot). Every process mpsrun ends that it did not just spawn itself is checked this way.
+Built-in modules, ``collections`` and ``ctypes`` only (every rank supervisor imports it). A
+:class:`ProcessRef` names one process exactly: its pid and the kernel's start time
+(``/proc/<pid>/stat`` field 22, in clock ticks since boot). Every process mpsrun ends that it did
+not just spawn itself is checked this way.
 """
 
 from __future__ import annotations
 
-import _signal  # ``signal`` without its enums (5 ms in every rank supervisor)
 import collections
 import ctypes
 import os
 import sys
 
 TYPE_CHECKING = False  # the rank supervisor imports this: typing's import (3-5 ms) is left out
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the stubs of ``signal`` describe ``_signal``: ``signal`` without its enums (5 ms per supervisor)
+    import signal as _signal
     from collections.abc import Iterable, Mapping, Sequence
     from typing import NamedTuple, NoReturn
 
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
         pid: int
         start: int
 else:
+    import _signal
+
     _Process = collections.namedtuple("_Process", "pid start")
 
 __all__ = [
@@ -80,10 +83,11 @@ def python_without_site(module: str) -> list[str]:
     It starts in milliseconds: no site-packages scan, no ``.pth`` hooks (tens of milliseconds on
     some machines), and ends with :func:`exit_now`, without the interpreter's teardown. Only for
     mpsrun's own modules whose imports are the standard library's; mpsrun is found where this
-    process found it.
+    process found it, before anything of the working directory (``-c`` puts it first on the path: a
+    directory named ``mpsrun`` there, another checkout, would otherwise be imported).
     """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return [sys.executable, "-S", "-c", f"import sys; sys.path.append({root!r}); from {module} import main; "
+    return [sys.executable, "-S", "-c", f"import sys; sys.path.insert(0, {root!r}); from {module} import main; "
             "from mpsrun.procs import exit_now; exit_now(main(sys.argv[1:]))"]
 
 
@@ -290,7 +294,7 @@ def spawn(program: str, argv: Sequence[str], env: Mapping[str, str], *, stdout: 
 
 
 def _become(program: str, argv: Sequence[str], env: Mapping[str, str], streams: tuple[int | None, int | None],
-            death: tuple[int, int, object], failure: int) -> NoReturn:
+            death: tuple[int, int, set[int]], failure: int) -> NoReturn:
     """The child of :func:`spawn`, from the fork to the exec; it never returns into the parent's code."""
     try:
         _signal.set_wakeup_fd(-1)

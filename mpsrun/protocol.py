@@ -1,7 +1,7 @@
 """How rank shims, node keepers and the launcher talk: JSON lines over a stream socket.
 
-Built-in modules only on the rank supervisor's side (:func:`connect` to a UNIX socket, :class:`Link`,
-:mod:`mpsrun.wire`); :class:`Listener` and TCP import ``socket``. A controller listens on a UNIX socket in
+Built-in modules only (:mod:`_socket` rather than :mod:`socket`: every rank supervisor and every job's
+start imports this; only a TCP :func:`connect` imports ``socket``). A controller listens on a UNIX socket in
 its private session directory (one node), or on TCP for jobs over several hosts; every
 peer's first message carries the job's token, so a stranger that reaches a TCP port is
 turned away. Messages, each a JSON object with a ``type``:
@@ -132,27 +132,28 @@ class Listener:
     """A listening socket: ``unix:PATH``, or ``tcp`` (every interface, a free port)."""
 
     def __init__(self, where: str) -> None:
-        import socket  # the controller's side
-
         if where.startswith("unix:"):
             self.path: str | None = where[5:]
-            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
             self.sock.bind(self.path)
             self.address = where
         else:
             self.path = None
-            self.sock = socket.create_server(("", 0), family=socket.AF_INET, backlog=128)
-            self.address = f"tcp:{socket.gethostname()}:{self.sock.getsockname()[1]}"
-        self.sock.listen(socket.SOMAXCONN)  # every rank of a job may connect at once
+            self.sock = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
+            self.sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
+            self.sock.bind(("", 0))
+            self.address = f"tcp:{_socket.gethostname()}:{self.sock.getsockname()[1]}"
+        self.sock.listen(_socket.SOMAXCONN)  # every rank of a job may connect at once
 
     def fileno(self) -> int:
         return self.sock.fileno()
 
     def accept(self) -> Link | None:
         try:
-            conn, _ = self.sock.accept()
+            fd, _ = self.sock._accept()  # type: ignore[attr-defined] # _socket's accept: a descriptor (``socket`` wraps it, at 3 ms of imports)
         except OSError:
             return None
+        conn = _socket.socket(fileno=fd)
         conn.setblocking(True)
         return Link(conn)
 

@@ -18,7 +18,6 @@ rank, on the path of every job, so no ``subprocess``, ``socket``, ``signal``, ``
 
 from __future__ import annotations
 
-import _signal as signal  # ``signal`` without its enums
 import _socket
 import os
 import sys
@@ -44,11 +43,14 @@ from mpsrun.procs import (
 from mpsrun.protocol import Link, connect
 
 TYPE_CHECKING = False  # the rank supervisor starts once per rank: typing's import (3-5 ms) is left out
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the stubs of ``signal`` describe ``_signal``, which is ``signal`` without its enums
+    import signal
     from collections.abc import Callable, Mapping, Sequence
     from typing import Any
 
     Join = Callable[[Mapping[str, Any]], tuple[Link, dict[str, Any] | None]]
+else:
+    import _signal as signal
 
 __all__ = ["CONTROL_VARIABLES", "direct", "greet", "main", "report_failure", "run_rank"]
 

@@ -9,7 +9,6 @@ the reaper, and removes the directory.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
@@ -23,6 +22,7 @@ from mpsrun.daemons import GpuDaemons
 from mpsrun.errors import ConfigError, MPSError, MPSUnavailableError, NoDriverError, TeardownError
 from mpsrun.exported import Export
 from mpsrun.gpus import GPU
+from mpsrun.logs import Log
 from mpsrun.paths import SessionDirs, session_base
 from mpsrun.placement import MANAGED_VARIABLES, GpuTarget, RankPlan, rank_environment
 from mpsrun.procs import ProcessRef
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = ["START_TIMEOUT", "Session", "mps_session"]
 
-log = logging.getLogger("mpsrun")
+log = Log("mpsrun")
 
 START_TIMEOUT = 30.0  # default: for each daemon to answer and its server to come up
 

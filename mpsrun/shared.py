@@ -30,7 +30,6 @@ import atexit
 import base64
 import hashlib
 import json
-import logging
 import math
 import operator
 import os
@@ -44,11 +43,12 @@ from mpsrun.deadline import Deadline
 from mpsrun.devicememory import Memory, Region, memory_for_this_process
 from mpsrun.errors import SharedArrayError
 from mpsrun.handoff import HandoffError, Publisher, Subscription, join, take_over
+from mpsrun.logs import Log
 from mpsrun.paths import SOCKET_PATH_MAX
 
 __all__ = ["DEFAULT_TIMEOUT", "SharedArrayError", "array", "release"]
 
-log = logging.getLogger("mpsrun")
+log = Log("mpsrun")
 
 DEFAULT_TIMEOUT = 600.0  # how long a rank waits for the array to be filled (loading a large table takes a while)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")

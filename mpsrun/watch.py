@@ -12,7 +12,6 @@ launcher and node keepers look repeatedly through :class:`RankWatch`.
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,11 +21,12 @@ from mpsrun import gpus as gpu_info
 from mpsrun.daemon import ControlDaemon
 from mpsrun.errors import DaemonError, GPUError, NotMPSClientError
 from mpsrun.gpus import GPU
+from mpsrun.logs import Log
 from mpsrun.mpslog import ServerStatus, connected_clients, started_servers
 
 __all__ = ["ClientWatcher", "ConnectionLog", "Finding", "LogNews", "Look", "RankWatch", "with_descendants"]
 
-log = logging.getLogger("mpsrun")
+log = Log("mpsrun")
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ def _accelerated() -> tuple[Callable[[str], object], Callable[[object], str]] | 
     try:
         import _json
 
-        scan = _json.make_scanner(_Decoding())
+        scan = _json.make_scanner(_Decoding())  # type: ignore[arg-type]
         encode = _json.make_encoder(None, _refuse, _json.encode_basestring_ascii, None, ":", ",", False, False, True)
     except (ImportError, AttributeError, TypeError):
         return None

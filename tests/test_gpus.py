@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from mpsrun import gpus
+from mpsrun import ahead, gpus
 from mpsrun.errors import ConfigError, GPUNotFoundError, NoDriverError
 from mpsrun.gpus import GPU, parse_visible_devices, select_gpus
 
@@ -81,27 +81,27 @@ def test_no_driver_is_a_clear_error(no_gpu):
 
 @pytest.mark.parametrize("fake_gpu", [2], indirect=True)
 def test_the_gpu_list_read_ahead_is_the_drivers(fake_gpu):
-    """read_ahead() forks a child that reads the GPU list; list_gpus() then returns the child's answer once,
+    """ahead.start() forks a child that reads the GPU list; list_gpus() then returns the child's answer once,
     the same records a query of its own gives."""
     import threading
 
     if threading.active_count() > 1:
-        pytest.skip("another thread runs here: read_ahead() rightly does not fork")
-    gpus.read_ahead()
-    assert gpus._ahead is not None
-    child = gpus._ahead[0]
+        pytest.skip("another thread runs here: ahead.start() rightly does not fork")
+    ahead.start()
+    assert ahead._child is not None
+    child = ahead._child[0]
     assert gpus.list_gpus() == gpus.list_gpus()  # the child's answer, then a query of this process
-    assert gpus._ahead is None
+    assert ahead._child is None
     with pytest.raises(ChildProcessError):
         os.waitpid(child, os.WNOHANG)  # reaped
 
 
 def test_without_a_driver_the_read_ahead_leaves_the_error_to_the_query(no_gpu):
     """A child that cannot read the GPUs answers nothing; list_gpus() then asks itself and says why."""
-    gpus.read_ahead()
+    ahead.start()
     with pytest.raises(NoDriverError, match="no usable NVIDIA driver"):
         gpus.list_gpus()
-    assert gpus._ahead is None
+    assert ahead._child is None
 
 
 def test_a_short_job_never_initialises_nvml_in_the_launcher(fake_gpu, short_tmp, monkeypatch):
