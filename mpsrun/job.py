@@ -7,11 +7,11 @@ only what the backend starts differs (:mod:`mpsrun.backends`).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from mpsrun import gpus as gpu_info
 from mpsrun.backends import Backend, choose_backend
 from mpsrun.claim import SessionClaim
 from mpsrun.deadline import Deadline
@@ -31,13 +31,13 @@ from mpsrun.jobcontrol import JobControl
 from mpsrun.launchers import RankIdentity
 from mpsrun.logs import Log
 from mpsrun.options import JobConfig
-from mpsrun.outcome import JobResult
 from mpsrun.output import say
 from mpsrun.paths import session_base
 from mpsrun.procs import find_program
 
 if TYPE_CHECKING:  # the modules of the session and the plan are imported once mpiexec has started (Job.run)
     from mpsrun.controller import Controller
+    from mpsrun.outcome import JobResult
     from mpsrun.placement import RankPlan
     from mpsrun.session import Session
     from mpsrun.watch import RankWatch
@@ -147,7 +147,7 @@ class Job:
         program = resolve_command(self.config.command)
         backend = choose_backend(self.config)
         self._check(backend)
-        with Interrupts() as interrupts, gpu_info.nvml_kept():  # NVML, once initialised, kept for the job
+        with Interrupts() as interrupts, contextlib.ExitStack() as nvml:
             claim = control = session = None
             try:
                 if backend.owns_daemons:
@@ -158,6 +158,9 @@ class Job:
                     self._elapsed("launcher started")
                     if claim is not None and control.early is not None:  # for the reaper, should we be killed
                         claim.add_launcher(control.early.popen.pid)
+                from mpsrun import gpus  # after mpiexec's start: its dataclasses cost 3-4 ms
+
+                nvml.enter_context(gpus.nvml_kept())  # NVML, once initialised, kept for the job
                 session = self._new_session() if claim else None
                 failure = self._set_up(session, claim, control)
                 result = self._run(backend, session, program, control, interrupts, failure)
@@ -243,6 +246,8 @@ class Job:
         return result
 
     def _with_teardown(self, result: JobResult, failure: str, received: list[int]) -> JobResult:
+        from mpsrun.outcome import JobResult
+
         if failure and result.exit_code == ExitCode.OK:
             return JobResult(ExitCode.SETUP, "teardown-failed", failure)
         if received and result.exit_code == ExitCode.OK:
