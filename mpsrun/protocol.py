@@ -114,10 +114,14 @@ class Link:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            try:
-                self.sock.close()
-            except OSError:
-                pass
+            _close(self.sock)
+
+
+def _close(sock: socket.socket | _socket.socket) -> None:
+    try:
+        sock.close()
+    except OSError:
+        pass
 
 
 def _decode(line: bytes) -> dict[str, Any] | None:
@@ -158,10 +162,7 @@ class Listener:
         return Link(conn)
 
     def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        _close(self.sock)
         if self.path is not None:
             try:
                 os.unlink(self.path)

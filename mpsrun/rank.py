@@ -13,7 +13,7 @@ it left in its group is killed. The controller's verdict then sets this process'
 
 Built-in modules only, on its whole import path (``ctypes`` and ``collections`` aside): one of these starts per
 rank, on the path of every job, so no ``subprocess``, ``socket``, ``signal``, ``json``, ``contextlib``, ``re`` or
-``threading`` (their imports cost a supervisor about 30 ms; ``tests/test_rank.py`` holds the line).
+``threading`` (their imports cost a supervisor about 20 ms; ``tests/test_lean_start.py`` holds the line).
 """
 
 from __future__ import annotations

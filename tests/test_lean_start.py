@@ -216,3 +216,12 @@ def test_a_command_that_needs_no_gpu_list_ends_the_child_read_ahead(fake_gpu):
     assert ahead._child is None
     with pytest.raises(ChildProcessError):
         os.waitpid(child, os.WNOHANG)
+
+
+def test_a_line_nested_deeper_than_python_parses_is_dropped_not_raised():
+    """A peer's line of 100,000 opening brackets is garbage like any other: the link drops it (it used to raise
+    RecursionError out of the controller's loop)."""
+    from mpsrun.protocol import _decode
+
+    assert _decode(b"[" * 100_000) is None
+    assert _decode(b'{"type": "hello"}') == {"type": "hello"}
