@@ -61,7 +61,7 @@ def _text(value: Any) -> str:
 
 _keeping = 0  # open nvml_kept() blocks
 _kept = False  # an initialisation they hold
-_kept_lock = threading.Lock()  # the watch may initialise NVML in a thread (RankWatch.prepare_meanwhile)
+_kept_lock = threading.Lock()  # NVML's reference is the process's, whichever thread queries
 
 
 def write_gpu_list(pipe: int, parent: int) -> None:

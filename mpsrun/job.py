@@ -237,8 +237,6 @@ class Job:
                 after = backend.server_after
                 controller.first_started = lambda: controller.loop.after(after, lambda: self._ask_servers(controller,
                                                                                                        session))
-            if watch is not None and backend.head_start:  # mpiexec's ranks are 0.2 s away: the watch gets ready
-                watch.prepare_meanwhile()
 
         result = controller.run(first=start, pending=pending)
         self._elapsed("ranks done")

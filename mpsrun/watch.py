@@ -12,7 +12,6 @@ launcher and node keepers look repeatedly through :class:`RankWatch`.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,17 +155,12 @@ class RankWatch:
         self._known: dict[int, int] = {}  # every pid seen as a rank or a rank's descendant: {pid: rank}
         self._unplaced: set[int] = set()  # clients in a log not (yet) known as ours
         self._connected: set[int] = set()  # every client the logs named
-        self._preparing: threading.Thread | None = None
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
         """NVML initialised once for the job's looks (each is then cheap); without NVML each look says so."""
         with gpu_info.nvml_kept():
-            try:
-                yield
-            finally:
-                if self._preparing is not None:
-                    self._preparing.join()
+            yield
 
     def settle(self, rank_pids: Mapping[int, int]) -> None:
         """Read the logs once more, at the job's end: ``rank_pids`` are every rank's pids, ended ones too."""
@@ -203,20 +197,6 @@ class RankWatch:
                         if d is daemon)
         return Finding(f"the MPS server {faulty[0]} of GPU {gpus} is in FAULT state (its log: {daemon.log_file})",
                        fatal=True)
-
-    def prepare(self) -> None:
-        """Pay now for what the first look needs: importing psutil and pynvml, initialising NVML (20-140 ms on the
-        H100 machine)."""
-        import psutil  # noqa: F401
-
-        with contextlib.suppress(GPUError):  # the first look says so
-            gpu_info.initialise()
-
-    def prepare_meanwhile(self) -> None:
-        """:meth:`prepare` in a thread, while the loop answers ranks (the MPI launcher's 0.3 s before they come;
-        only where the loop forks no Python code, which a thread importing modules could deadlock)."""
-        self._preparing = threading.Thread(target=self.prepare, name="mpsrun-watch-prepare", daemon=True)
-        self._preparing.start()
 
     def check(self, rank_pids: Mapping[int, int]) -> list[Finding]:
         pids = with_descendants(rank_pids)

@@ -115,24 +115,3 @@ def test_a_short_job_never_initialises_nvml_in_the_launcher(fake_gpu, short_tmp,
     assert job.returncode == 0, err
     inits = log.read_text().split()
     assert len(inits) == 1 and inits[0] != str(job.pid), inits
-
-
-def test_the_watch_gets_ready_in_a_thread_and_keeps_nvml(fake_gpu, monkeypatch):
-    """``RankWatch.prepare_meanwhile`` initialises NVML in a thread while the controller's loop goes on answering
-    ranks (under the mpiexec launcher it took 20-140 ms of the loop as supervisors said hello); the job keeps that
-    one initialisation for its looks (the fake counts real ones), and leaving the watch's hold waits for the
-    thread, which ends released."""
-    import sys
-
-    from mpsrun import gpus as gpu_info
-    from mpsrun.watch import ClientWatcher, RankWatch
-
-    fake = sys.modules["pynvml"]
-    watch = RankWatch(ClientWatcher([], []), required=False)
-    with gpu_info.nvml_kept(), watch.held():
-        watch.prepare_meanwhile()
-        assert watch._preparing is not None
-        watch._preparing.join(10)
-        assert fake._references == 1  # kept after the thread's own query ended
-    assert not watch._preparing.is_alive()
-    assert fake._references == 0
