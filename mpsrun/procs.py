@@ -83,11 +83,12 @@ def python_without_site(module: str) -> list[str]:
     It starts in milliseconds: no site-packages scan, no ``.pth`` hooks (tens of milliseconds on
     some machines), and ends with :func:`exit_now`, without the interpreter's teardown. Only for
     mpsrun's own modules whose imports are the standard library's; mpsrun is found where this
-    process found it, before anything of the working directory (``-c`` puts it first on the path: a
-    directory named ``mpsrun`` there, another checkout, would otherwise be imported).
+    process found it, and nothing is imported from the working directory (``-c`` puts it first on the
+    path as ``''``: another checkout of mpsrun there, or a ``math.py``, would otherwise be imported).
     """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return [sys.executable, "-S", "-c", f"import sys; sys.path.insert(0, {root!r}); from {module} import main; "
+    return [sys.executable, "-S", "-c", f"import sys; sys.path[:] = [{root!r}, *(p for p in sys.path if p)]; "
+            f"from {module} import main; "
             "from mpsrun.procs import exit_now; exit_now(main(sys.argv[1:]))"]
 
 

@@ -102,7 +102,7 @@ class SessionRecord:
     def read(cls, path: Path) -> SessionRecord:
         try:
             data = wire.loads(path.read_text())
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # nested deeper than Python parses: not a record
             raise RecordError(f"cannot read {path}: {exc}") from None
         return cls.from_json(data)
 

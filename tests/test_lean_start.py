@@ -38,16 +38,17 @@ def test_the_rank_supervisor_imports_no_heavy_module():
 
 
 def test_the_supervisor_comes_from_mpsrun_not_from_the_working_directory(tmp_path):
-    """A job run from a directory that holds another ``mpsrun`` package (a checkout, a stray directory) still
-    runs its own supervisor: the supervisor's command puts mpsrun's directory first (``-c`` puts the working
-    directory first, and it used to win)."""
+    """A job run from a directory that holds another ``mpsrun`` package (a checkout, a stray directory) or a module
+    named as one of the standard library's (a project's ``math.py``) still runs its own supervisor on the standard
+    library: nothing comes from the working directory, which ``-c`` puts first on the path (it used to win)."""
     foreign = tmp_path / "mpsrun"
     foreign.mkdir()
     (foreign / "__init__.py").write_text("raise SystemExit('the foreign mpsrun was imported')\n")
+    (tmp_path / "math.py").write_text("raise SystemExit('the project math.py was imported')\n")
     argv = [*python_without_site("mpsrun.rank"), "--", "true"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MPSRUN_CONTROL")}
     out = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
-    assert "foreign" not in out.stderr
+    assert "foreign" not in out.stderr and "project" not in out.stderr
     assert "needs MPSRUN_CONTROL" in out.stderr  # mpsrun's own supervisor, refusing to run without a job
     assert out.returncode == 2
 
@@ -225,3 +226,14 @@ def test_a_line_nested_deeper_than_python_parses_is_dropped_not_raised():
 
     assert _decode(b"[" * 100_000) is None
     assert _decode(b'{"type": "hello"}') == {"type": "hello"}
+
+
+def test_a_session_record_nested_deeper_than_python_parses_is_unreadable(tmp_path):
+    """A corrupt session.json of 100,000 nested brackets is a RecordError (``status`` lists it as unreadable and
+    ``cleanup`` goes on), not a RecursionError out of the command."""
+    from mpsrun.records import RecordError, SessionRecord
+
+    record = tmp_path / "session.json"
+    record.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(RecordError):
+        SessionRecord.read(record)
