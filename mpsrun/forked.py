@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 
 from mpsrun.exitcodes import ExitCode
-from mpsrun.procs import exit_now, flush_output, set_parent_death_signal
+from mpsrun.procs import exit_now, flush_output, set_parent_death_signal, wait
 from mpsrun.rank import main  # imported once, here: every forked supervisor has it
 
 __all__ = ["ForkedSupervisor"]
@@ -44,15 +44,13 @@ class ForkedSupervisor:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
+            self.returncode = wait(self.pid, block=False)
         return self.returncode
 
     def wait(self) -> int:
         if self.returncode is None:
-            _, status = os.waitpid(self.pid, 0)
-            self.returncode = os.waitstatus_to_exitcode(status)
+            self.returncode = wait(self.pid)
+        assert self.returncode is not None
         return self.returncode
 
 

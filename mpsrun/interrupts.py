@@ -69,7 +69,7 @@ class Interrupts:
     def __init__(self) -> None:
         self.received: list[int] = []
         self.deferring = False
-        self.thread = _thread.get_ident()
+        self.thread: int | None = None  # the thread whose handlers these are, once in force
         self._previous: dict[int, Handler] = {}
 
     def __enter__(self) -> Interrupts:
@@ -100,7 +100,7 @@ class Deferred:
 
     def __init__(self, interrupts: Interrupts) -> None:
         self.interrupts = interrupts
-        self.before = interrupts.deferring
+        self.before = False  # the state the block restores, read as it is entered
 
     def __enter__(self) -> None:
         self.before, self.interrupts.deferring = self.interrupts.deferring, True
