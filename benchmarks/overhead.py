@@ -42,11 +42,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from mpsrun.mpi import detect_flavour
+from mpsrun.job.mpiexec import detect_flavour
 
 REPO = Path(__file__).resolve().parent.parent
 KERNEL_JOB = [sys.executable, "-c", (
-    "import sys; from mpsrun._benchwork import KERNEL, BLOCKS, THREADS; import cupy; "
+    "import sys; from mpsrun.tools.benchwork import KERNEL, BLOCKS, THREADS; import cupy; "
     "k = cupy.RawKernel(KERNEL, 'fma_loop'); out = cupy.empty(BLOCKS * THREADS, dtype=cupy.float32); "
     "[k((BLOCKS,), (THREADS,), (out, cupy.int32(int(sys.argv[1])))) for _ in range(int(sys.argv[2]))]; "
     "cupy.cuda.Device().synchronize()")]
@@ -163,7 +163,7 @@ def measure(jobs: dict[str, Callable[[], None]], repeats: int, rng: random.Rando
 
 
 def calibrate(ms: float) -> int:
-    out = subprocess.run([sys.executable, "-m", "mpsrun._benchwork", "--calibrate", str(ms)], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "mpsrun.tools.benchwork", "--calibrate", str(ms)], capture_output=True,
                          text=True, check=True)
     return int(out.stdout.split()[-1])
 

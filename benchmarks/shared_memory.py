@@ -1,4 +1,4 @@
-"""Device memory and attach time: every rank loading its own copy of a table, against mpsrun.shared.
+"""Device memory and attach time: every rank loading its own copy of a table, against mpsrun.shared.api.
 
     python benchmarks/shared_memory.py [--ranks 16] [--gib 2] [--big-gib 60] [--json FILE]
 

@@ -22,8 +22,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from mpsrun import bench, mps_session
-from mpsrun import gpus as gpu_info
+from mpsrun import mps_session
+from mpsrun.mps import gpus as gpu_info
+from mpsrun.tools import bench
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

@@ -3,7 +3,7 @@
     mpsrun -np 8 python examples/shared_table.py [--mib 1024] [--samples 20000000]
 
 Each rank of an ensemble needs the same read-only table (here a synthetic cross-section table with
-a resonance; in practice one loaded from a file). With ``mpsrun.shared`` the first rank on each GPU
+a resonance; in practice one loaded from a file). With ``mpsrun.shared.api`` the first rank on each GPU
 builds it and the others map that one copy: 8 ranks of a 1 GiB table use 1 GiB of device memory,
 not 8. Each rank then draws its own samples (its own seed) and estimates the table's mean.
 

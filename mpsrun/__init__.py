@@ -28,15 +28,15 @@ if TYPE_CHECKING:
         TeardownError,
         UnsafeDirectoryError,
     )
-    from mpsrun.session import Session, mps_session
+    from mpsrun.session.session import Session, mps_session
 
 
 def __getattr__(name: str) -> "Any":
     # Imported on first use: the command's entry point must take the signals before any
-    # import work, and the in-rank shim (python -m mpsrun.rank) starts once per rank and
+    # import work, and the in-rank shim (python -m mpsrun.rank.supervisor) starts once per rank and
     # should not pay for NVML, psutil and the session machinery.
     if name in ("Session", "mps_session"):
-        from mpsrun import session
+        from mpsrun.session import session
 
         return getattr(session, name)
     if name in __all__:

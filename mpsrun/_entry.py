@@ -35,13 +35,13 @@ def main() -> NoReturn:
     import os
     import sys
 
-    from mpsrun import ahead
+    from mpsrun.mps import readahead as ahead
 
     if ahead.wanted(sys.argv[1:], os.environ):
         ahead.start()  # NVML in a child from the first millisecond (a local job's daemon waits for it)
     from mpsrun.cli import main as command
 
     code = command(pending=_pending)
-    from mpsrun.procs import exit_now
+    from mpsrun.runtime.processes import exit_now
 
     exit_now(code)

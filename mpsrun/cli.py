@@ -2,7 +2,7 @@
 
 Options end at the first word that is not an option (or its value), at ``--``, or at
 ``-m MODULE``. Every option can also come from an ``MPSRUN_<NAME>`` environment variable
-(:mod:`mpsrun.options` declares each once); the command line wins.
+(:mod:`mpsrun.config.options` declares each once); the command line wins.
 """
 
 from __future__ import annotations
@@ -12,12 +12,14 @@ import os
 import sys
 from collections.abc import Sequence
 
-from mpsrun import __version__, ahead, logs
+from mpsrun import __version__
+from mpsrun.config.options import build_parser, options, parse_args
 from mpsrun.errors import ConfigError, MPSError
 from mpsrun.exitcodes import ExitCode
-from mpsrun.interrupts import InterruptionError, Interrupts
-from mpsrun.options import build_parser, options, parse_args
-from mpsrun.output import say
+from mpsrun.mps import readahead as ahead
+from mpsrun.runtime import logs
+from mpsrun.runtime.interrupts import InterruptionError, Interrupts
+from mpsrun.runtime.output import say
 
 __all__ = ["main"]
 
@@ -77,15 +79,15 @@ def _print_error(message: str) -> None:
 def _subcommand(args: list[str]) -> int | None:
     """Run ``bench``, ``doctor``, ``status`` or ``cleanup``; None when the words are a job."""
     if args[:1] == ["bench"]:  # a program named "bench" runs as: mpsrun -- bench
-        from mpsrun import bench
+        from mpsrun.tools import bench
 
         return bench.main(args[1:])
     if args[:1] == ["doctor"]:
-        from mpsrun import doctor
+        from mpsrun.tools import doctor
 
         return doctor.main(args[1:])
     if args[:1] in (["status"], ["cleanup"]):
-        from mpsrun import registry
+        from mpsrun.session import registry
 
         return registry.main(args[1:], args[0])
     return None
@@ -116,8 +118,8 @@ def _usage_error(args: list[str], exc: ConfigError) -> None:
     if "--per-node" not in (args[: args.index("--")] if "--" in args else args):
         _print_error(f"{exc} (see mpsrun --help)")
         return
-    from mpsrun.launchers import identity_from_env
-    from mpsrun.rank import report_failure
+    from mpsrun.rank.identity import identity_from_env
+    from mpsrun.rank.supervisor import report_failure
 
     identity = identity_from_env(os.environ)
     report_failure(exc, identity.local_rank if identity is not None else None)
@@ -145,10 +147,10 @@ def _main(args: list[str]) -> int:
     logs.to_stderr(logs.DEBUG if config.verbose else logs.ERROR if config.quiet else logs.WARNING)
     try:
         if config.per_node:
-            from mpsrun.pernode import run_per_node
+            from mpsrun.node.pernode import run_per_node
 
             return run_per_node(config)
-        from mpsrun.job import run_job
+        from mpsrun.job.runner import run_job
 
         return run_job(config).exit_code
     except MPSError as exc:

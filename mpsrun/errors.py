@@ -201,7 +201,7 @@ class CommandNotFoundError(MPSError, FileNotFoundError):
 
 
 class SharedArrayError(MPSError, RuntimeError):
-    """A shared array (:mod:`mpsrun.shared`) could not be had: outside a job, shapes that differ between ranks,
+    """A shared array (:mod:`mpsrun.shared.api`) could not be had: outside a job, shapes that differ between ranks,
     a filling rank that failed, or a deadline. Attribute: ``name``."""
 
     name: str

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from mpsrun.bench import BenchRow, _rank_list, format_table, main
+from mpsrun.tools.bench import BenchRow, _rank_list, format_table, main
 
 META = {"gpu": "H100", "driver": "580", "cuda": "13.0", "kernel": "k", "launches_per_rank": 20, "repeats": 3}
 
@@ -48,7 +48,7 @@ def test_bench_prints_its_table():
 def test_plot_writes_a_png(tmp_path):
     """--plot draws the three curves into a PNG file (when matplotlib is installed)."""
     pytest.importorskip("matplotlib")
-    from mpsrun.bench import plot
+    from mpsrun.tools.bench import plot
 
     rows = [BenchRow(n, {"timesliced": 0.16 * n, "mps": 0.16, "reference": 0.16}, {}) for n in (1, 2, 4)]
     target = tmp_path / "bench.png"

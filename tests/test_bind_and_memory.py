@@ -14,8 +14,8 @@ import pytest
 from test_contract import PATHS, fake, job_argv, settle
 
 from mpsrun import mps_session
+from mpsrun.config.values import auto_mem_limit
 from mpsrun.errors import ConfigError
-from mpsrun.limits import auto_mem_limit
 
 GIB = 1 << 30
 

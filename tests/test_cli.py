@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mpsrun.cli import main
+from mpsrun.config.options import JobConfig, build_parser, options, parse_args, split_argv, to_argv
 from mpsrun.errors import ConfigError
-from mpsrun.options import JobConfig, build_parser, options, parse_args, split_argv, to_argv
 
 
 @pytest.mark.parametrize(
@@ -152,7 +152,7 @@ def test_split_leaves_the_command_untouched(argv):
 
 def test_mpiexec_command_per_flavour():
     """Open MPI as root gets --allow-run-as-root, more ranks than cores --oversubscribe, -x per exported variable."""
-    from mpsrun.mpi import mpiexec_command
+    from mpsrun.job.mpiexec import mpiexec_command
 
     argv = mpiexec_command("mpiexec", "openmpi", 8, ["prog"], ["-x", "A"], as_root=True, cores=4, export=["B"])
     assert argv == ["mpiexec", "-n", "8", "--allow-run-as-root", "--oversubscribe", "-x", "B", "-x", "A", "prog"]

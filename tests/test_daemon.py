@@ -9,10 +9,10 @@ import time
 import psutil
 import pytest
 
-from mpsrun.daemon import ControlDaemon
 from mpsrun.errors import DaemonError, DaemonStartError, DaemonTimeoutError
-from mpsrun.mpslog import ServerStatus
-from mpsrun.paths import SessionDirs
+from mpsrun.mps.daemon import ControlDaemon
+from mpsrun.mps.replies import ServerStatus
+from mpsrun.session.paths import SessionDirs
 
 
 @pytest.fixture
@@ -129,7 +129,7 @@ def test_daemon_dies_with_its_parent(fake_gpu, short_tmp):
     script = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from mpsrun.daemon import ControlDaemon\n"
+        "from mpsrun.mps.daemon import ControlDaemon\n"
         f"d = ControlDaemon(devices='GPU-x', pipe_dir=Path({str(short_tmp)!r}), log_dir=Path({str(short_tmp)!r}))\n"
         "d.start(timeout=10)\n"
         "print(d.pid, flush=True)\n"

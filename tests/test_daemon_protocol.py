@@ -2,7 +2,7 @@
 
 import pytest
 
-from mpsrun.mpslog import ServerStatus, parse_pid_list, parse_ps, parse_server_status
+from mpsrun.mps.replies import ServerStatus, parse_pid_list, parse_ps, parse_server_status
 
 
 def test_pid_lists():
@@ -36,7 +36,7 @@ def test_log_diagnosis_from_recorded_h100_logs():
     """The client-limit refusal and the fatal-fault teardown, as the H100 logged them, are recognised."""
     from pathlib import Path
 
-    from mpsrun.mpslog import diagnose_log
+    from mpsrun.mps.replies import diagnose_log
 
     data = Path(__file__).parent / "data" / "h100"
     limit = (data.parent.parent.parent / "benchmarks" / "results" / "h100-scale64-control.log").read_text()
@@ -52,7 +52,7 @@ def test_torn_down_clients_from_the_recorded_fault():
     """The clients torn down after the recorded H100 fault are read from the server log."""
     from pathlib import Path
 
-    from mpsrun.mpslog import torn_down_clients
+    from mpsrun.mps.replies import torn_down_clients
 
     log = (Path(__file__).parent / "data" / "h100" / "daemon_stdout.txt").read_text()
     assert torn_down_clients(log) == [8315, 8336]

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from replay import recorded_records, run_script, send
 
-from mpsrun.daemon import ControlDaemon, find_control_executable
-from mpsrun.paths import SessionDirs
+from mpsrun.mps.daemon import ControlDaemon, find_control_executable
+from mpsrun.session.paths import SessionDirs
 
 
 @pytest.fixture

@@ -22,9 +22,9 @@ import pytest
 from conftest import FAKE_MPS, FAKECUDA
 
 from mpsrun import UnsafeDirectoryError, mps_session
-from mpsrun.paths import SessionDirs
-from mpsrun.procs import ProcessRef
-from mpsrun.records import DaemonRecord, SessionRecord
+from mpsrun.runtime.processes import ProcessRef
+from mpsrun.session.paths import SessionDirs
+from mpsrun.session.record import DaemonRecord, SessionRecord
 
 
 def mpsrun(*args, timeout=60, **kwargs):
@@ -212,7 +212,7 @@ def other_user(tmp_path_factory):
     if made.returncode == 0:
         made = subprocess.run([str(python), "-m", "pip", "install", "-q", str(Path(__file__).parent.parent)],
                               capture_output=True, timeout=600)
-    check = subprocess.run([str(python), "-c", "import mpsrun.registry"], user=OTHER_USER, capture_output=True,
+    check = subprocess.run([str(python), "-c", "import mpsrun.session.registry"], user=OTHER_USER, capture_output=True,
                            cwd="/tmp")
     if made.returncode != 0 or check.returncode != 0:
         shutil.rmtree(env_dir, ignore_errors=True)

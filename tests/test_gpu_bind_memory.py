@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 #: how many devices, the chosen device's UUID, and whether NVML lists this process as an MPS client there.
 CHOOSER = (
     "import json, os, sys, time, cupy\n"
-    "from mpsrun.gpus import compute_processes\n"
+    "from mpsrun.mps.gpus import compute_processes\n"
     "local = int(os.environ['LOCAL_RANK'])\n"
     "device = local % int(sys.argv[1]) if len(sys.argv) > 1 else local\n"
     "cupy.cuda.Device(device).use()\n"

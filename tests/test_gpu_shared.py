@@ -1,4 +1,4 @@
-"""GPU tier: mpsrun.shared with the real MPS daemon, CuPy and cuda.core's IPC memory pools."""
+"""GPU tier: mpsrun.shared.api with the real MPS daemon, CuPy and cuda.core's IPC memory pools."""
 
 import json
 import os

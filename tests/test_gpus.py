@@ -6,9 +6,10 @@ import sys
 
 import pytest
 
-from mpsrun import ahead, gpus
 from mpsrun.errors import ConfigError, GPUNotFoundError, NoDriverError
-from mpsrun.gpus import GPU, parse_visible_devices, select_gpus
+from mpsrun.mps import gpus
+from mpsrun.mps import readahead as ahead
+from mpsrun.mps.gpus import GPU, parse_visible_devices, select_gpus
 
 PHYSICAL = [GPU(i, f"GPU-{i}{i}aa-0000", "H100", 80 << 30, "Default", False) for i in range(4)]
 

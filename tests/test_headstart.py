@@ -228,7 +228,7 @@ def test_a_controller_gone_before_the_welcome_is_said_once_per_node(short_tmp, l
     thread = threading.Thread(target=answer_nothing)
     thread.start()
     env = {**os.environ, "MPSRUN_CONTROL": f"unix:{path}", "MPSRUN_CONTROL_TOKEN": "x", "PYTHONUNBUFFERED": "1"}
-    out = subprocess.run([sys.executable, "-m", "mpsrun.rank", "--rank", str(local_rank), "--local-rank",
+    out = subprocess.run([sys.executable, "-m", "mpsrun.rank.supervisor", "--rank", str(local_rank), "--local-rank",
                           str(local_rank), "--size", "2", "--local-size", "2", "--", "true"], env=env,
                          capture_output=True, text=True, timeout=60)
     thread.join()
@@ -241,7 +241,7 @@ def test_a_controller_gone_before_the_welcome_is_said_once_per_node(short_tmp, l
 def test_a_line_of_ours_is_one_write(monkeypatch):
     """``output.say`` hands stderr the line and its newline in one write: print() writes the newline apart, and
     with unbuffered output the lines of several supervisors then ran into each other."""
-    from mpsrun import output
+    from mpsrun.runtime import output
 
     writes: list[str] = []
 

@@ -157,7 +157,7 @@ def test_a_killed_node_keeper_is_named(fake_gpu, short_tmp):
     while len(list(short_tmp.glob("*.json"))) < 2:
         assert time.monotonic() < deadline and job.poll() is None
         time.sleep(0.05)
-    keeper = next(p for p in psutil.process_iter(["cmdline"]) if "mpsrun.keeper" in " ".join(p.info["cmdline"] or [])
+    keeper = next(p for p in psutil.process_iter(["cmdline"]) if "mpsrun.node.keeper" in " ".join(p.info["cmdline"] or [])
                   and p.environ().get("MPSRUN_FAKE_NVML") == str(fake_gpu.nvml_dir))
     keeper.kill()
     _, err = job.communicate(timeout=120)

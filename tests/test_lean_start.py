@@ -1,7 +1,7 @@
 """What keeps the rank supervisor's start and the command's start short, and what that must not break.
 
 The supervisor starts once per rank on the path of every job: its imports are the built-in modules
-(``_signal``, ``_socket``, ``select``; :mod:`mpsrun.wire` for JSON, :func:`mpsrun.procs.spawn` for the
+(``_signal``, ``_socket``, ``select``; :mod:`mpsrun.runtime.wire` for JSON, :func:`mpsrun.runtime.processes.spawn` for the
 rank's process). These tests hold that line and check that the replacements behave as what they replace.
 """
 
@@ -19,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from mpsrun import ahead, cli, wire
-from mpsrun.procs import python_without_site, spawn, wait
+from mpsrun import cli
+from mpsrun.mps import readahead as ahead
+from mpsrun.runtime import wire
+from mpsrun.runtime.processes import python_without_site, spawn, wait
 
 REPO = Path(__file__).resolve().parent.parent
 #: Standard-library modules whose imports cost a supervisor milliseconds each, and that it does without.
@@ -31,7 +33,7 @@ HEAVY = {"subprocess", "socket", "signal", "json", "contextlib", "re", "threadin
 def test_the_rank_supervisor_imports_no_heavy_module():
     """The supervisor's whole import path (as mpiexec starts it: ``python -S``) leaves out every module of HEAVY;
     one of them imported again by any of its modules fails here."""
-    code = "import sys; import mpsrun.rank; print(','.join(sorted(m for m in sys.modules)))"
+    code = "import sys; import mpsrun.rank.supervisor; print(','.join(sorted(m for m in sys.modules)))"
     out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True,
                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert HEAVY & set(out.stdout.strip().split(",")) == set()
@@ -45,7 +47,7 @@ def test_the_supervisor_comes_from_mpsrun_not_from_the_working_directory(tmp_pat
     foreign.mkdir()
     (foreign / "__init__.py").write_text("raise SystemExit('the foreign mpsrun was imported')\n")
     (tmp_path / "math.py").write_text("raise SystemExit('the project math.py was imported')\n")
-    argv = [*python_without_site("mpsrun.rank"), "--", "true"]
+    argv = [*python_without_site("mpsrun.rank.supervisor"), "--", "true"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MPSRUN_CONTROL")}
     out = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
     assert "foreign" not in out.stderr and "project" not in out.stderr
@@ -59,7 +61,7 @@ def test_the_supervisor_comes_from_mpsrun_not_from_the_working_directory(tmp_pat
     [1, [2, [3, {}]], []], "text", 0, None, True,
 ])
 def test_wire_writes_what_json_writes_and_reads_it_back(value):
-    """mpsrun.wire's bytes are json.dumps(..., separators=(",", ":")) byte for byte, and both read them alike."""
+    """mpsrun.runtime.wire's bytes are json.dumps(..., separators=(",", ":")) byte for byte, and both read them alike."""
     text = wire.dumps(value)
     assert text == json.dumps(value, separators=(",", ":"))
     assert wire.loads(text.encode()) == json.loads(text) == value
@@ -143,7 +145,7 @@ def test_spawn_gives_the_program_the_parent_death_signal():
     code = textwrap.dedent("""
         import os, sys, time
         sys.path.insert(0, sys.argv[1])
-        from mpsrun.procs import spawn
+        from mpsrun.runtime.processes import spawn
         pid = spawn("/bin/sleep", ["sleep", "30"], dict(os.environ))
         print(pid, flush=True)
         time.sleep(30)
@@ -222,7 +224,7 @@ def test_a_command_that_needs_no_gpu_list_ends_the_child_read_ahead(fake_gpu):
 def test_a_line_nested_deeper_than_python_parses_is_dropped_not_raised():
     """A peer's line of 100,000 opening brackets is garbage like any other: the link drops it (it used to raise
     RecursionError out of the controller's loop)."""
-    from mpsrun.protocol import _decode
+    from mpsrun.runtime.protocol import _decode
 
     assert _decode(b"[" * 100_000) is None
     assert _decode(b'{"type": "hello"}') == {"type": "hello"}
@@ -231,7 +233,7 @@ def test_a_line_nested_deeper_than_python_parses_is_dropped_not_raised():
 def test_a_session_record_nested_deeper_than_python_parses_is_unreadable(tmp_path):
     """A corrupt session.json of 100,000 nested brackets is a RecordError (``status`` lists it as unreadable and
     ``cleanup`` goes on), not a RecursionError out of the command."""
-    from mpsrun.records import RecordError, SessionRecord
+    from mpsrun.session.record import RecordError, SessionRecord
 
     record = tmp_path / "session.json"
     record.write_text("[" * 100_000 + "]" * 100_000)

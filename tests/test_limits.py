@@ -4,8 +4,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mpsrun.config.values import (
+    parse_mem_limit,
+    parse_mps_mode,
+    parse_priority,
+    parse_thread_percentage,
+    parse_thread_spec,
+)
 from mpsrun.errors import ConfigError
-from mpsrun.limits import parse_mem_limit, parse_mps_mode, parse_priority, parse_thread_percentage, parse_thread_spec
 
 
 @pytest.mark.parametrize(("value", "expected"), [(1, 1), (100, 100), ("25", 25), (" 50 ", 50)])

@@ -11,8 +11,8 @@ import os
 import socket
 import time
 
-from mpsrun.loop import EventLoop
-from mpsrun.protocol import Link
+from mpsrun.runtime.loop import EventLoop
+from mpsrun.runtime.protocol import Link
 
 
 def test_a_link_that_ended_stays_open_until_its_owner_closes_it():

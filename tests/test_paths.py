@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from mpsrun.errors import ConfigError, UnsafeDirectoryError
-from mpsrun.paths import SOCKET_PATH_MAX, SessionDirs, base_directory, check_private_dir, longest_socket_path
+from mpsrun.session.paths import SOCKET_PATH_MAX, SessionDirs, base_directory, check_private_dir, longest_socket_path
 
 
 def test_base_directory_order():

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import FAKECUDA
 
-from mpsrun.launchers import RankIdentity, identity_from_env, job_key, slurm_tasks_on_node
+from mpsrun.rank.identity import RankIdentity, identity_from_env, job_key, slurm_tasks_on_node
 
 
 def start_rank(node_dir, node, local, global_rank, per_node, *args, job="77"):
@@ -142,7 +142,7 @@ def test_hosts_run_through_mpiexec_with_a_session_per_host(fake_gpu, short_tmp):
 def test_host_arguments_per_flavour():
     """Hosts are passed the way each MPI flavour takes them; an unknown flavour is a usage error."""
     from mpsrun.errors import ConfigError
-    from mpsrun.mpi import host_arguments
+    from mpsrun.job.mpiexec import host_arguments
 
     assert host_arguments("openmpi", ["a", "b"]) == ["--host", "a,b"]
     assert host_arguments("mpich", hostfile="hf") == ["-f", "hf"]

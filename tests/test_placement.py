@@ -2,10 +2,10 @@
 
 import pytest
 
+from mpsrun.config.options import JobConfig
 from mpsrun.errors import ConfigError
-from mpsrun.launchers import RankIdentity
-from mpsrun.options import JobConfig
-from mpsrun.placement import GpuTarget, RankPlan, plan_job, plan_rank, rank_environment, welcome
+from mpsrun.job.placement import GpuTarget, RankPlan, plan_job, plan_rank, rank_environment, welcome
+from mpsrun.rank.identity import RankIdentity
 
 MPS_GPUS = [GpuTarget("GPU-a", "/p/a", "/l/a", "/s"), GpuTarget("GPU-b", "/p/b", "/l/b", "/s")]
 

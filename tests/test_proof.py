@@ -12,9 +12,9 @@ import pytest
 from conftest import TESTS
 from test_contract import PATHS, fake, job_argv, settle
 
-from mpsrun.mpslog import connected_clients
-from mpsrun.report import verified_line
-from mpsrun.watch import ClientWatcher, RankWatch
+from mpsrun.job.report import verified_line
+from mpsrun.mps.replies import connected_clients
+from mpsrun.mps.watch import ClientWatcher, RankWatch
 
 RECORDED = TESTS / "data" / "h100" / "daemon_stdout.txt"
 

@@ -24,7 +24,7 @@ from mpsrun import (
     TeardownError,
     mps_session,
 )
-from mpsrun.daemon import ControlDaemon
+from mpsrun.mps.daemon import ControlDaemon
 
 
 def run_client(fake_gpu, tmp, *args, env=None):

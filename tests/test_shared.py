@@ -1,4 +1,4 @@
-"""mpsrun.shared without a GPU: publishing, waiting, attaching, releasing, and what a killed rank leaves.
+"""mpsrun.shared.api without a GPU: publishing, waiting, attaching, releasing, and what a killed rank leaves.
 
 The CUDA calls go to a test double (tests/fake_cuda: cuda.core's IPC memory pools over a memfd, CuPy over NumPy),
 so the code that runs on a GPU runs here too, with real UNIX sockets and real descriptor passing between the
@@ -19,9 +19,9 @@ from conftest import TESTS
 from test_contract import PATHS, job_argv, settle
 
 from mpsrun import mps_session
-from mpsrun.deadline import Deadline
-from mpsrun.devicememory import HostMemory
-from mpsrun.handoff import HandoffError, Publisher, Subscription, join, take_over
+from mpsrun.runtime.deadline import Deadline
+from mpsrun.shared.handoff import HandoffError, Publisher, Subscription, join, take_over
+from mpsrun.shared.memory import HostMemory
 
 pytestmark = pytest.mark.mpiexec
 
@@ -170,7 +170,7 @@ def test_without_the_cuda_libraries_it_shares_host_memory_and_says_so(fake_gpu, 
     monkeypatch.setenv("REPORT_DIR", str(short_tmp))
     out = run(RANK, ranks=3)
     assert out.returncode == 0, out.stderr
-    assert "mpsrun.shared: cupy is not installed: sharing host memory as read-only NumPy arrays" in out.stderr
+    assert "mpsrun.shared.api: cupy is not installed: sharing host memory as read-only NumPy arrays" in out.stderr
     seen = reports(short_tmp)
     assert all(r["sum"] == EXPECTED_SUM for r in seen.values())
     assert not any(r["writable"] for r in seen.values())  # read-only everywhere, the filling rank's view too
@@ -227,8 +227,8 @@ def test_handles_travel_only_through_a_private_directory(fake_gpu, fake_cuda, sh
 SUBSCRIBER = """
 import os, sys, time
 from pathlib import Path
-from mpsrun.deadline import Deadline
-from mpsrun.handoff import join
+from mpsrun.runtime.deadline import Deadline
+from mpsrun.shared.handoff import join
 held = join(Path(sys.argv[1]), "k", Deadline(30))
 print(type(held).__name__, held.header["n"], flush=True)
 time.sleep(float(sys.argv[2]))
@@ -259,7 +259,7 @@ def test_a_killed_subscriber_releases_its_hold(short_tmp):
 def test_a_publisher_killed_before_it_was_ready_is_replaced(short_tmp):
     """A publisher dies (SIGKILL) before publishing: a waiting subscriber takes the lock and publishes itself."""
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom pathlib import Path\n"
-                               "from mpsrun.deadline import Deadline\nfrom mpsrun.handoff import join\n"
+                               "from mpsrun.runtime.deadline import Deadline\nfrom mpsrun.shared.handoff import join\n"
                                f"join(Path({str(short_tmp)!r}), 'k', Deadline(5))\nprint('locked', flush=True)\n"
                                "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:
@@ -409,9 +409,9 @@ def test_a_session_directory_too_long_for_a_socket_is_a_clear_error(monkeypatch,
 PUBLISHER = """
 import sys, time
 from pathlib import Path
-from mpsrun.deadline import Deadline
-from mpsrun.devicememory import HostMemory
-from mpsrun.handoff import join
+from mpsrun.runtime.deadline import Deadline
+from mpsrun.shared.memory import HostMemory
+from mpsrun.shared.handoff import join
 publisher = join(Path(sys.argv[1]), "k", Deadline(5))
 region, fd, _ = HostMemory().allocate(16)
 region.view((16,), "uint8")[:] = 9

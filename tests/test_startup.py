@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from test_contract import PATHS, fake, job_argv, settle
 
-from mpsrun.daemon import ControlDaemon
-from mpsrun.gpus import GPU
-from mpsrun.mpslog import ServerStatus
-from mpsrun.procs import ProcessRef
-from mpsrun.watch import ClientWatcher, RankWatch
+from mpsrun.mps.daemon import ControlDaemon
+from mpsrun.mps.gpus import GPU
+from mpsrun.mps.replies import ServerStatus
+from mpsrun.mps.watch import ClientWatcher, RankWatch
+from mpsrun.runtime.processes import ProcessRef
 
 pytestmark = pytest.mark.mpiexec
 
@@ -163,7 +163,7 @@ def test_nvml_is_initialised_once_per_job(fake_gpu, short_tmp, monkeypatch):
 def test_the_rank_shim_reads_only_its_own_option_pairs():
     """The shim's own line, as mpsrun writes it: ``--name N`` pairs, ``--``, the command; anything else (an
     unknown name, a value that is not a whole number, a name without a value, no ``--``) is a usage error."""
-    from mpsrun.rank import _parse
+    from mpsrun.rank.supervisor import _parse
 
     assert _parse(["--rank", "3", "--local-rank", "1", "--size", "4", "--local-size", "2", "--", "a", "-b"]) == (
         {"rank": 3, "local_rank": 1, "size": 4, "local_size": 2}, ["a", "-b"])
@@ -178,7 +178,7 @@ def test_the_rank_shim_starts_without_heavy_imports():
     (inspect, ast, dis), argparse, hmac/OpenSSL or psutil, which cost it tens of milliseconds on the H100."""
     root = Path(__file__).resolve().parent.parent
     heavy = ("dataclasses", "inspect", "argparse", "hmac", "_hashlib", "psutil", "attrs")
-    code = f"import sys; sys.path.insert(0, {str(root)!r}); import mpsrun.rank; print([m for m in {heavy!r} if m in " \
+    code = f"import sys; sys.path.insert(0, {str(root)!r}); import mpsrun.rank.supervisor; print([m for m in {heavy!r} if m in " \
            "sys.modules])"
     out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
@@ -189,8 +189,8 @@ def test_the_launchers_path_leaves_out_what_it_does_not_use():
     nor concurrent.futures (5 ms: the mpiexec launcher asks for mpiexec's flavour as it needs it, 3-6 ms)."""
     root = Path(__file__).resolve().parent.parent
     unused = ("attrs", "attr", "psutil", "secrets", "concurrent.futures")
-    code = (f"import sys; sys.path.insert(0, {str(root)!r}); import mpsrun.cli, mpsrun.job; "
-            "from mpsrun.options import parse_args; from mpsrun.backends import choose_backend; "
+    code = (f"import sys; sys.path.insert(0, {str(root)!r}); import mpsrun.cli, mpsrun.job.runner; "
+            "from mpsrun.config.options import parse_args; from mpsrun.job.backends import choose_backend; "
             "choose_backend(parse_args(['--launcher', 'local', 'true'], {}, '0')); "
             f"choose_backend(parse_args(['--launcher', 'mpiexec', '--mpiexec', {sys.executable!r}, 'true'], {{}}, '0'))"
             f".flavour; print([m for m in {unused!r} if m in sys.modules])")
@@ -247,7 +247,7 @@ def test_a_signal_inside_an_uninterrupted_block_is_acted_on_as_it_ends():
     """``uninterrupted()``: a stopping signal is raised as InterruptionError once the block has ended (a
     process started there is on record by then), never inside it; outside a job's handlers, and during a
     teardown that defers signals, the block changes nothing."""
-    from mpsrun.interrupts import InterruptionError, Interrupts, uninterrupted
+    from mpsrun.runtime.interrupts import InterruptionError, Interrupts, uninterrupted
 
     steps = []
     with Interrupts() as interrupts:
@@ -316,7 +316,7 @@ def test_a_signal_during_the_teardown_is_said(fake_gpu, launcher):
 def test_a_parent_gone_before_the_death_signal_was_asked_for_still_ends_the_child():
     """A child whose parent died between the fork and its PR_SET_PDEATHSIG request would never get the signal (a
     SIGKILLed mpsrun left a live daemon so, 2 in 25 tries): given the pid that forked it, it ends itself at once."""
-    from mpsrun.procs import set_parent_death_signal
+    from mpsrun.runtime.processes import set_parent_death_signal
 
     pid = os.fork()
     if pid == 0:  # our "parent" is not the pid the caller read before the fork: it counts as gone
@@ -353,8 +353,8 @@ def test_a_sigkill_as_the_session_directory_appears_leaves_nothing(fake_gpu, lau
 def test_only_the_jobs_token_admits_a_rank():
     """The controller admits a hello only with the job's token (compared in constant time; OpenSSL's
     compare_digest is imported with the controller, while the daemons start, not at the first hello)."""
-    from mpsrun.protocol import new_token
-    from mpsrun.ranks import token_matches
+    from mpsrun.job.table import token_matches
+    from mpsrun.runtime.protocol import new_token
 
     token = new_token()
     assert token_matches(token, token)

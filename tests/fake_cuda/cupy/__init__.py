@@ -1,4 +1,4 @@
-"""A test double of CuPy for machines without a GPU: the little ``mpsrun.shared`` uses, over NumPy.
+"""A test double of CuPy for machines without a GPU: the little ``mpsrun.shared.api`` uses, over NumPy.
 
 ``from_dlpack`` of a fake ``cuda.core`` buffer gives a NumPy view of its memory (zero-copy, as DLPack is).
 """

@@ -1,5 +1,5 @@
 """A test double of NVIDIA's ``cuda.core`` for machines without a GPU: the IPC-enabled memory pools that
-``mpsrun.shared`` uses, with real file descriptors.
+``mpsrun.shared.api`` uses, with real file descriptors.
 
 A pool is a ``memfd`` (its allocation handle is that descriptor, as ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``
 is), a buffer is a page-aligned stretch of it, and importing a pool or a buffer maps the same ``memfd``. So

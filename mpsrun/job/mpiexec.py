@@ -1,0 +1,118 @@
+"""What mpsrun knows of MPI launchers: finding mpiexec, telling its flavour, building its command line."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Sequence
+
+from mpsrun.errors import ConfigError
+from mpsrun.runtime.processes import kill_group
+
+__all__ = [
+    "FLAVOURS",
+    "detect_flavour",
+    "find_mpiexec",
+    "flavour_of_version",
+    "host_arguments",
+    "mpi4py_available",
+    "mpiexec_command",
+]
+
+FLAVOURS = ("openmpi", "mpich", "intel", "unknown")
+
+
+def find_mpiexec(explicit: str | None = None) -> str | None:
+    """The mpiexec to use: ``explicit`` if given (must exist), else ``mpiexec`` on PATH."""
+    if explicit:
+        found = shutil.which(explicit)
+        if found is None:
+            raise ConfigError(f"--mpiexec {explicit}: no such executable", setting="--mpiexec", value=explicit)
+        return found
+    return shutil.which("mpiexec") or shutil.which("mpirun")
+
+
+@functools.cache
+def mpi4py_available() -> bool:
+    """Whether this interpreter has mpi4py (asked once: a search of every path entry)."""
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+def flavour_of_version(text: str) -> str:
+    """Tell the MPI implementation from ``mpiexec --version`` output."""
+    lowered = text.lower()
+    if "open mpi" in lowered or "openrte" in lowered or "open-mpi" in lowered:
+        return "openmpi"
+    if "intel(r) mpi" in lowered or "intel mpi" in lowered:
+        return "intel"
+    if "hydra" in lowered or "mpich" in lowered:
+        return "mpich"
+    return "unknown"
+
+
+def detect_flavour(mpiexec: str) -> str:
+    """The flavour from ``mpiexec --version`` (3-6 ms for Open MPI 4.1 on the H100 machine).
+
+    It runs in a process group of its own: on a timeout or an interrupt the whole group is killed, so a wrapper
+    script's children are not left behind.
+    """
+    try:
+        probe = subprocess.Popen([mpiexec, "--version"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    except OSError:
+        return "unknown"
+    try:
+        output, _ = probe.communicate(timeout=20)
+    except BaseException as exc:
+        kill_group(probe.pid, signal.SIGKILL)
+        probe.communicate()
+        if isinstance(exc, subprocess.TimeoutExpired):
+            return "unknown"
+        raise
+    return flavour_of_version(output)
+
+
+def mpiexec_command(
+    mpiexec: str,
+    flavour: str,
+    nranks: int,
+    rank_command: Sequence[str],
+    extra_args: Sequence[str] = (),
+    *,
+    as_root: bool | None = None,
+    cores: int | None = None,
+    export: Sequence[str] = (),
+) -> list[str]:
+    """The full mpiexec command line, with what the flavour needs added.
+
+    Open MPI refuses to run as root without ``--allow-run-as-root`` and refuses more
+    ranks than slots (cores) without ``--oversubscribe``; it passes a variable to ranks on
+    other hosts only when named with ``-x`` (``export``). Hydra passes the whole environment.
+    """
+    as_root = (os.geteuid() == 0) if as_root is None else as_root
+    argv = [mpiexec, "-n", str(nranks)]
+    if flavour == "openmpi":
+        if as_root and "--allow-run-as-root" not in extra_args:
+            argv.append("--allow-run-as-root")
+        if (cores is None or nranks > cores) and "--oversubscribe" not in extra_args:
+            argv.append("--oversubscribe")
+        for name in export:
+            argv += ["-x", name]
+    return [*argv, *extra_args, *rank_command]
+
+
+def host_arguments(flavour: str, hosts: Sequence[str] = (), hostfile: str | None = None) -> list[str]:
+    """The flavour's way to name the hosts: Open MPI ``--host``/``--hostfile``, MPICH/Intel ``-hosts``/``-f``."""
+    if flavour == "openmpi":
+        return ["--hostfile", hostfile] if hostfile else ["--host", ",".join(hosts)]
+    if flavour in ("mpich", "intel"):
+        return ["-f", hostfile] if hostfile else ["-hosts", ",".join(hosts)]
+    raise ConfigError(
+        "--hosts/--hostfile: cannot tell how this mpiexec takes hosts (not Open MPI, MPICH or Intel MPI); "
+        "pass them with --mpiexec-arg",
+        setting="--hosts",
+    )

@@ -1,0 +1,94 @@
+"""What a job's end says beyond its first failure: MPS log findings and the proof of MPS.
+
+Used by the launcher and by node keepers alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from mpsrun.errors import DaemonError
+from mpsrun.job.outcome import ranges
+from mpsrun.mps.daemon import ControlDaemon
+from mpsrun.mps.gpus import GPU
+from mpsrun.mps.replies import diagnose_log, torn_down_clients
+
+if TYPE_CHECKING:
+    from mpsrun.mps.watch import RankWatch
+    from mpsrun.session.session import Session
+
+__all__ = ["MPS_CLIENT_LIMIT", "crowding_warnings", "mps_report", "session_status", "verified_line"]
+
+#: Clients an MPS server accepts on Volta and later (documented; the H100 with driver 580
+#: logged "Maximum number of clients (48) reached" for the 49th).
+MPS_CLIENT_LIMIT = 48
+
+
+def mps_report(daemons: Sequence[ControlDaemon], rank_of: Mapping[int, int]) -> list[str]:
+    """What the MPS logs tell about a failed job; the log's end when a daemon died."""
+    lines: list[str] = []
+    for daemon in daemons:
+        try:
+            text = daemon.log_file.read_text(errors="replace")
+        except OSError:
+            continue
+        lines += diagnose_log(text)
+        victims = sorted({rank_of[pid] for pid in torn_down_clients(text) if pid in rank_of})
+        if victims:
+            lines.append(
+                f"rank(s) {ranges(victims)} were torn down by the MPS server after the fatal GPU fault "
+                "(MPS does not say which client caused it; the first rank to fail is reported above)"
+            )
+        if not daemon.alive and not daemon.quitting:
+            lines.append(f"the MPS control daemon stopped; its log ({daemon.log_file}) ends:\n{daemon.log_tail(10)}")
+    return lines
+
+
+def verified_line(watch: RankWatch, ranks: Iterable[int], where: str = "") -> str:
+    """Per rank: connected to MPS, used the GPU WITHOUT MPS, or no CUDA context seen."""
+    ranks = sorted(ranks)
+    connected = sorted(watch.verified.intersection(ranks))
+    without = sorted(watch.without_mps.intersection(ranks) - watch.verified)
+    unseen = sorted(set(ranks) - watch.verified - watch.without_mps)
+    noun = "rank" if len(ranks) == 1 else "ranks"
+    line = f"{where}{len(connected)} of {len(ranks)} {noun} connected to MPS"
+    if connected and (without or unseen):
+        line += f" ({ranges(connected)})"
+    if without:
+        line += f"; used the GPU WITHOUT MPS: rank(s) {ranges(without)}"
+    if unseen:
+        line += f"; no CUDA context seen: rank(s) {ranges(unseen)}"
+    return line
+
+
+def crowding_warnings(per_gpu: Mapping[int, int]) -> list[str]:
+    return [
+        f"warning: {n} ranks share GPU {gpu}, but an MPS server accepts at most {MPS_CLIENT_LIMIT} clients on "
+        "Volta and later GPUs; use more GPUs or fewer ranks"
+        for gpu, n in sorted(per_gpu.items())
+        if n > MPS_CLIENT_LIMIT
+    ]
+
+
+def session_status(session: Session, served: Sequence[tuple[GPU, ControlDaemon]]) -> dict[str, Any]:
+    """A session's snapshot: directories, and per GPU (``served``: with its daemon) the servers and their clients."""
+    report: dict[str, Any] = {
+        "enabled": session.enabled,
+        "state": session.state,
+        "reason": session.disabled_reason,
+        "directory": str(session.dirs.root) if session.dirs else None,
+        "gpus": [],
+    }
+    for gpu, daemon in served:
+        entry: dict[str, Any] = {"index": gpu.index, "uuid": gpu.uuid, "daemon_pid": daemon.pid}
+        entry["daemon_alive"] = daemon.alive
+        entry["servers"], entry["clients"] = {}, {}
+        if daemon.alive:
+            with contextlib.suppress(DaemonError):
+                for server in daemon.server_list():
+                    entry["servers"][server] = daemon.server_status(server).value
+                    entry["clients"][server] = daemon.client_list(server)
+        report["gpus"].append(entry)
+    return report

@@ -1,0 +1,159 @@
+"""The ranks of a job as a controller hears of them: who joined over which link, their processes, their ends.
+
+This is the protocol side of the controller (:mod:`mpsrun.job.controller` decides): it accepts
+rank supervisors and node keepers on the listener, checks the job's token, keeps one
+:class:`RankState` per rank, and turns messages (and lost links) into events.
+"""
+
+from __future__ import annotations
+
+import hmac  # OpenSSL's compare_digest, 5 ms to import: with the controller, while the daemons start
+import signal
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from mpsrun.exitcodes import ExitCode
+from mpsrun.job.outcome import RankEnd
+from mpsrun.rank.identity import RankIdentity
+from mpsrun.runtime.loop import EventLoop
+from mpsrun.runtime.processes import ProcessRef, kill_group
+from mpsrun.runtime.protocol import Link, Listener
+
+__all__ = ["RankEvents", "RankState", "RankTable"]
+
+
+def token_matches(offered: object, token: str) -> bool:
+    """The token a rank offered is the job's (compared in constant time)."""
+    return isinstance(offered, str) and hmac.compare_digest(offered.encode(), token.encode())
+
+
+@dataclass(slots=True, eq=False)
+class RankState:
+    rank: int
+    link: Link | None = None
+    process: ProcessRef | None = None  # set when the rank runs on this host
+    end: RankEnd | None = None
+    verdict_sent: bool = False
+
+
+class RankEvents(Protocol):
+    """What the controller is told."""
+
+    def admit(self, link: Link, identity: RankIdentity, hello: Mapping[str, Any]) -> None: ...
+
+    def rank_started(self, state: RankState, message: Mapping[str, Any]) -> None: ...
+
+    def rank_ended(self, state: RankState, end: RankEnd) -> None: ...
+
+    def interrupted(self, sig: int, source: int) -> None: ...
+
+    def relayed(self, kind: str, message: Mapping[str, Any]) -> None: ...
+
+    def node_closed(self) -> None: ...
+
+
+class RankTable:
+    def __init__(self, loop: EventLoop, listener: Listener, token: str, events: RankEvents, host: str) -> None:
+        self.loop, self.listener, self.token, self.events, self.host = loop, listener, token, events, host
+        self.ranks: dict[int, RankState] = {}
+        self.nodes: set[Link] = set()  # open links of node keepers (each closes once its host's session is gone)
+        self.accepting = True  # False while a node keeper closes: a rank that comes now starts a new one
+        loop.watch(listener.fileno(), self._accept)
+
+    def live(self) -> list[RankState]:
+        return [s for s in self.ranks.values() if s.end is None]
+
+    def local_pids(self) -> dict[int, int]:
+        """``{pid: rank}`` for the live ranks on this host."""
+        return {s.process.pid: s.rank for s in self.live() if s.process is not None}
+
+    def ended(self, ranks: Iterable[int]) -> bool:
+        return all(r in self.ranks and self.ranks[r].end is not None for r in ranks)
+
+    def _accept(self) -> None:
+        link = self.listener.accept()
+        if link is not None:
+            self.loop.watch(link.fd, lambda: self._on_link(link))
+
+    def close(self, link: Link) -> None:
+        self.loop.unwatch(link.fd)
+        link.close()
+        self._forget_node(link)
+
+    def _forget_node(self, link: Link) -> None:
+        if link in self.nodes:
+            self.nodes.discard(link)
+            self.events.node_closed()
+
+    def _on_link(self, link: Link) -> None:
+        messages = link.receive()
+        if messages is None:
+            self.loop.unwatch(link.fd)  # before the close: see Link
+            link.close()
+            self._lost(link)
+            return
+        for message in messages:
+            kind = str(message.get("type"))
+            if not link.peer and kind != "hello":
+                self.close(link)  # a peer must say who it is first
+                return
+            if kind == "hello":
+                self._hello(link, message)
+            elif kind in ("started", "exited"):
+                self._report(link, kind, message)
+            elif kind == "interrupted" and message.get("signal") in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                self.events.interrupted(int(message["signal"]), id(link))
+            elif kind in ("finding", "note") and link.peer.get("role") == "node":
+                self.events.relayed(kind, message)
+
+    def _hello(self, link: Link, message: Mapping[str, Any]) -> None:
+        if not token_matches(message.get("token"), self.token):
+            self.close(link)
+        elif not self.accepting:
+            link.send("refuse", retry=True)
+            self.close(link)
+        elif message.get("role") == "node":  # a node keeper relaying for its ranks
+            link.peer = {"role": "node", "node": message.get("node")}
+            self.nodes.add(link)
+            link.send("welcome")
+        else:
+            try:
+                identity = RankIdentity.from_json(message.get("identity") or {})
+            except ValueError as exc:
+                link.send("refuse", exit_code=ExitCode.SETUP, message=f"mpsrun: bad hello: {exc}")
+                self.close(link)
+                return
+            link.peer = {"role": "rank", "rank": identity.rank}
+            self.events.admit(link, identity, message)
+
+    def _state_of(self, link: Link, message: Mapping[str, Any]) -> RankState | None:
+        rank = link.peer.get("rank") if link.peer.get("role") == "rank" else message.get("rank")
+        if not isinstance(rank, int):
+            return None
+        if link.peer.get("role") == "node" and rank not in self.ranks:
+            self.ranks[rank] = RankState(rank, link)  # a rank a node keeper welcomed
+        return self.ranks.get(rank)
+
+    def _report(self, link: Link, kind: str, message: Mapping[str, Any]) -> None:
+        state = self._state_of(link, message)
+        if state is None or state.end is not None:
+            return
+        if kind == "started":
+            pid, start = message.get("pid"), message.get("start")
+            if message.get("host") == self.host and isinstance(pid, int) and isinstance(start, int):
+                state.process = ProcessRef(pid, start)
+            self.events.rank_started(state, message)
+            return
+        returncode = message.get("returncode")  # None: a node keeper lost the rank without a report
+        if returncode is None or isinstance(returncode, int):
+            pid = state.process.pid if state.process is not None else message.get("pid")
+            self.events.rank_ended(state, RankEnd(state.rank, pid, returncode, str(message.get("reason") or "")))
+
+    def _lost(self, link: Link) -> None:
+        for state in [s for s in self.live() if s.link is link]:
+            if state.process is not None:  # its leader died with its supervisor; end what it left
+                kill_group(state.process.pid, signal.SIGKILL)
+            pid = state.process.pid if state.process is not None else None
+            self.events.rank_ended(state, RankEnd(state.rank, pid, None, "its supervisor is gone"))
+        self._forget_node(link)

@@ -1,0 +1,279 @@
+"""What the NVIDIA driver says about the GPUs, through NVML (``import pynvml``).
+
+This is the one place mpsrun talks to NVML. Everything else sees plain
+:class:`GPU` records. ``nvidia-smi`` text is never parsed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from mpsrun.errors import ConfigError, GPUError, GPUNotFoundError, NoDriverError
+from mpsrun.mps import readahead as ahead
+from mpsrun.runtime import wire
+
+__all__ = [
+    "GPU",
+    "DriverInfo",
+    "compute_pids",
+    "compute_processes",
+    "driver_info",
+    "initialise",
+    "list_gpus",
+    "nvml_kept",
+    "parse_visible_devices",
+    "select_gpus",
+    "visible_gpus",
+]
+
+_COMPUTE_MODES = {0: "Default", 1: "Exclusive_Thread", 2: "Prohibited", 3: "Exclusive_Process"}
+
+
+@dataclass(frozen=True, slots=True)
+class GPU:
+    """One physical GPU as NVML reports it. ``index`` is NVML's (PCI bus) order."""
+
+    index: int
+    uuid: str
+    name: str
+    memory_total: int
+    compute_mode: str
+    mig_enabled: bool
+    memory_free: int = 0  # when it was looked at (for --mem-limit auto)
+
+
+@dataclass(frozen=True, slots=True)
+class DriverInfo:
+    """The driver version and the newest CUDA version it supports (e.g. ``"13.0"``)."""
+
+    driver_version: str
+    cuda_version: str
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+_keeping = 0  # open nvml_kept() blocks
+_kept = False  # an initialisation they hold
+_kept_lock = threading.Lock()  # NVML's reference is the process's, whichever thread queries
+
+
+def write_gpu_list(pipe: int, parent: int) -> None:
+    """In the child that :mod:`mpsrun.mps.readahead` forks: the GPU list as JSON on ``pipe``."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)  # a stopping signal ends it (the parent's handlers only note it)
+    from mpsrun.runtime.processes import set_parent_death_signal
+
+    set_parent_death_signal(signal.SIGKILL, parent)  # NVML could hang on a broken driver: not outlive the parent
+    with open(pipe, "w") as out:
+        out.write(wire.dumps([asdict(gpu) for gpu in list_gpus()]))
+
+
+def _answer_ahead() -> list[GPU] | None:
+    """The GPU list read ahead (:mod:`mpsrun.mps.readahead`), once; None without one, or when it failed."""
+    data = ahead.answer()
+    try:
+        return None if data is None else [GPU(**fields) for fields in wire.loads(data)]
+    except (ValueError, TypeError):
+        return None
+
+
+@contextlib.contextmanager
+def _nvml() -> Iterator[Any]:
+    """Initialise NVML for the duration of a query; NVML reference-counts init/shutdown."""
+    global _kept
+    try:
+        import pynvml
+    except ImportError as exc:  # pragma: no cover - nvidia-ml-py is a hard dependency
+        raise NoDriverError("nvidia-ml-py is not installed (pip install nvidia-ml-py)", reason=str(exc)) from exc
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        raise NoDriverError(
+            f"no usable NVIDIA driver: NVML failed to initialise ({_text(exc)})", reason=_text(exc)
+        ) from exc
+    with _kept_lock:
+        if _keeping and not _kept:  # one more reference, held until the nvml_kept() blocks close
+            pynvml.nvmlInit()
+            _kept = True
+    try:
+        yield pynvml
+    except pynvml.NVMLError as exc:
+        raise GPUError(f"NVML query failed: {_text(exc)}") from exc
+    finally:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+
+
+def initialise() -> None:
+    """Initialise NVML now, for an enclosing :func:`nvml_kept` to keep (its first query then pays nothing)."""
+    with _nvml():
+        pass
+
+
+@contextlib.contextmanager
+def nvml_kept() -> Iterator[None]:
+    """NVML stays initialised from the block's first query to its end, so each later one costs no
+    initialisation; a block that makes none (a job that ends before its first look) initialises nothing."""
+    global _keeping, _kept
+    _keeping += 1
+    try:
+        yield
+    finally:
+        _keeping -= 1
+        with _kept_lock:
+            if not _keeping and _kept:
+                _kept = False
+                import pynvml
+
+                with contextlib.suppress(pynvml.NVMLError):
+                    pynvml.nvmlShutdown()
+
+
+def driver_info() -> DriverInfo:
+    """Return the driver and CUDA versions; raise :class:`NoDriverError` without a driver."""
+    with _nvml() as nvml:
+        driver = _text(nvml.nvmlSystemGetDriverVersion())
+        cuda = int(nvml.nvmlSystemGetCudaDriverVersion())
+    return DriverInfo(driver_version=driver, cuda_version=f"{cuda // 1000}.{cuda % 1000 // 10}")
+
+
+def _describe(nvml: Any, index: int) -> GPU:
+    handle = nvml.nvmlDeviceGetHandleByIndex(index)
+    try:
+        mig_current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+        mig = bool(mig_current)
+    except nvml.NVMLError:  # GPUs without MIG support answer "not supported"
+        mig = False
+    memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+    return GPU(
+        index=index,
+        uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
+        name=_text(nvml.nvmlDeviceGetName(handle)),
+        memory_total=int(memory.total),
+        compute_mode=_COMPUTE_MODES.get(int(nvml.nvmlDeviceGetComputeMode(handle)), "Unknown"),
+        mig_enabled=mig,
+        memory_free=int(memory.free),
+    )
+
+
+def list_gpus() -> list[GPU]:
+    """Every GPU the driver knows, in NVML order, ignoring ``CUDA_VISIBLE_DEVICES``."""
+    read = _answer_ahead()
+    if read is not None:
+        return read
+    with _nvml() as nvml:
+        return [_describe(nvml, i) for i in range(int(nvml.nvmlDeviceGetCount()))]
+
+
+def parse_visible_devices(value: str | None, gpus: Sequence[GPU]) -> list[GPU]:
+    """Apply a ``CUDA_VISIBLE_DEVICES`` value to the physical GPUs, as CUDA does.
+
+    Entries are indices or (prefixes of) ``GPU-`` UUIDs; CUDA stops at the first entry
+    that names no device, so this does too. ``None`` means the variable is unset.
+    """
+    if value is None:
+        return list(gpus)
+    chosen: list[GPU] = []
+    for raw in value.split(","):
+        entry = raw.strip()
+        if entry.startswith("MIG-"):
+            raise ConfigError(
+                f"CUDA_VISIBLE_DEVICES names a MIG instance ({entry}); mpsrun does not manage MPS on MIG yet",
+                setting="CUDA_VISIBLE_DEVICES",
+                value=value,
+            )
+        if entry.startswith("GPU-"):
+            matches = [g for g in gpus if g.uuid.startswith(entry)]
+            found = matches[0] if len(matches) == 1 else None
+        elif entry.isdigit():
+            found = next((g for g in gpus if g.index == int(entry)), None)
+        else:
+            found = None
+        if found is None or found in chosen:
+            break
+        chosen.append(found)
+    return chosen
+
+
+def visible_gpus(environ: Mapping[str, str] | None = None) -> list[GPU]:
+    """The GPUs this process may use: the driver's list filtered by ``CUDA_VISIBLE_DEVICES``."""
+    env = os.environ if environ is None else environ
+    return parse_visible_devices(env.get("CUDA_VISIBLE_DEVICES"), list_gpus())
+
+
+def select_gpus(requested: Sequence[int | str] | None, visible: Sequence[GPU]) -> list[GPU]:
+    """Pick GPUs by position in ``visible`` (as CUDA numbers them) or by UUID.
+
+    ``None`` selects every visible GPU. Raises :class:`GPUNotFoundError` naming what exists.
+    """
+    if requested is None:
+        if not visible:
+            raise GPUNotFoundError("no GPU is visible (check CUDA_VISIBLE_DEVICES)", requested=None)
+        return list(visible)
+    chosen: list[GPU] = []
+    for item in requested:
+        if isinstance(item, bool) or not isinstance(item, (int, str)):
+            raise ConfigError(f"a GPU is an index or a UUID string, not {item!r}", setting="gpus", value=item)
+        if isinstance(item, str) and item.startswith("GPU-"):
+            matches = [g for g in visible if g.uuid.startswith(item)]
+            if len(matches) > 1:
+                raise ConfigError(f"GPU {item!r} names {len(matches)} GPUs ({', '.join(g.uuid for g in matches)}); "
+                                  "give more of the UUID", setting="gpus", value=item)
+            found = matches[0] if matches else None
+        else:
+            try:
+                position = int(item)
+            except ValueError:
+                raise ConfigError(
+                    f"a GPU is an index or a UUID string, not {item!r}", setting="gpus", value=item
+                ) from None
+            found = visible[position] if 0 <= position < len(visible) else None
+        if found is None:
+            names = [f"{i}: {g.name} {g.uuid}" for i, g in enumerate(visible)] or ["none"]
+            raise GPUNotFoundError(
+                f"GPU {item!r} is not visible; visible GPUs: {'; '.join(names)}",
+                requested=item,
+                visible=[g.uuid for g in visible],
+            )
+        if found in chosen:
+            raise ConfigError(f"GPU {item!r} is listed twice", setting="gpus", value=list(requested))
+        chosen.append(found)
+    return chosen
+
+
+def compute_processes(uuid: str) -> dict[int, bool]:
+    """Processes holding a CUDA context on the GPU: ``{pid: is_mps_client}``.
+
+    NVML lists MPS clients (type ``M+C``) both as compute processes and as MPS compute
+    processes, and the MPS server and plain CUDA processes (type ``C``) only as compute
+    processes (recorded on an H100 and on two H200s).
+    """
+    with _nvml() as nvml:
+        handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+        found: dict[int, bool] = {}
+        for name, is_mps in (
+            ("nvmlDeviceGetComputeRunningProcesses", False),
+            ("nvmlDeviceGetMPSComputeRunningProcesses", True),
+        ):
+            query = getattr(nvml, name, None)
+            if query is None:
+                continue
+            try:
+                for process in query(handle):
+                    found[int(process.pid)] = found.get(int(process.pid), False) or is_mps
+            except nvml.NVMLError_NotSupported:
+                continue
+        return found
+
+
+def compute_pids(uuid: str) -> set[int]:
+    """PIDs of processes holding a CUDA context on the GPU (plain and MPS clients)."""
+    return set(compute_processes(uuid))

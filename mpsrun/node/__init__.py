@@ -1,0 +1,1 @@
+"""mpsrun.node."""

@@ -1,0 +1,122 @@
+"""Per-node mode: ``srun -n 8 mpsrun --per-node python sim.py`` (or under ``mpiexec -n 8``).
+
+Every process the batch system or MPI launcher starts is one rank, run by a rank
+supervisor. The local ranks of one job step on one node share that node's MPS session,
+owned by a node keeper (:mod:`mpsrun.node.keeper`): the first local rank starts it, under this
+user's lock on the session root, and every rank joins it through its socket. The keeper
+welcomes each rank with its environment, applies fail-fast to the node's ranks (or relays
+to the job's controller under ``mpsrun --hosts``), and when the last of them is gone, however
+it died, stops the daemons and removes the node's session before that rank may exit.
+
+The session is named after the job step (``SLURM_JOB_ID.SLURM_STEP_ID``, else the MPI job,
+else the launcher process) and the node (``MPSRUN_NODE_ID`` overrides the host name; tests
+use it, with separate ``MPSRUN_TMPDIR`` directories, to simulate several nodes on one machine).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import select
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from mpsrun.config.options import JobConfig, to_argv
+from mpsrun.errors import ConfigError, JobTimeoutError, MPSError
+from mpsrun.exitcodes import ExitCode
+from mpsrun.rank.identity import RankIdentity, identity_from_env, job_key
+from mpsrun.rank.supervisor import greet, report_failure, run_rank
+from mpsrun.runtime.protocol import Link, connect
+from mpsrun.session import registry
+from mpsrun.session.paths import base_directory, make_user_root, user_root, user_root_lock, validate_base
+
+__all__ = ["node_session_name", "run_per_node"]
+
+KEEPER_START_TIMEOUT = 120.0
+JOIN_ATTEMPTS = 3  # a keeper may close just as a late rank arrives; the rank then starts a new one
+
+
+def node_session_name(env: Mapping[str, str]) -> str:
+    node = env.get("MPSRUN_NODE_ID") or socket.gethostname()
+    return "j" + hashlib.sha256(f"{node}:{job_key(env)}".encode()).hexdigest()[:8]
+
+
+def _start_keeper(base: Path, name: str, config: JobConfig) -> None:
+    """Start the node keeper and wait until it answers or says why it cannot."""
+    request = {"name": name, "base": str(base), "argv": to_argv(config),
+               "upstream": os.environ.get("MPSRUN_CONTROL"), "token": os.environ.get("MPSRUN_CONTROL_TOKEN", "")}
+    keeper = subprocess.Popen([sys.executable, "-m", "mpsrun.node.keeper"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    assert keeper.stdin is not None and keeper.stdout is not None
+    keeper.stdin.write(json.dumps(request).encode())
+    keeper.stdin.close()
+    keeper.wait()  # it forks into the background at once and says ready on the pipe
+    # The keeper bounds its own start-up by --timeout and then says so; a little later we stop waiting.
+    wait = KEEPER_START_TIMEOUT if config.timeout is None else min(KEEPER_START_TIMEOUT, config.timeout + 10)
+    ready, _, _ = select.select([keeper.stdout], [], [], wait)
+    answer = keeper.stdout.readline().decode(errors="replace").strip() if ready else ""
+    keeper.stdout.close()
+    if answer != "ready":
+        code, _, message = answer.partition(" ")
+        if code == str(ExitCode.TIMEOUT) or (not answer and config.timeout is not None):
+            raise JobTimeoutError(message or f"timed out after {config.timeout:g} s while this node's session started",
+                                  timeout=config.timeout or 0.0)
+        error = ConfigError if code == str(ExitCode.USAGE) else MPSError
+        raise error(message or f"this node's session did not start within {wait:g} s")
+
+
+def _join_node(base: Path, name: str, config: JobConfig) -> tuple[Link, dict[str, Any] | None]:
+    with user_root_lock(base):
+        address = f"unix:{user_root(base) / name / 'control'}"
+        try:
+            return connect(address), None
+        except OSError:
+            pass  # no keeper: ours to start
+        stale = user_root(base) / name
+        if stale.exists():  # a keeper that died left it (or kept its logs)
+            registry.reap(stale, locked=True)
+            if stale.exists():
+                stale.rename(stale.with_name(f"{name}-{secrets.token_hex(3)}"))
+        _start_keeper(base, name, config)
+        return connect(address), None
+
+
+def run_per_node(config: JobConfig, environ: Mapping[str, str] | None = None) -> int:
+    """Run ``config.command`` as this process's rank, in the node's shared session; the rank's exit code."""
+    env = os.environ if environ is None else environ
+    identity: RankIdentity | None = identity_from_env(env)
+    if identity is None:
+        raise MPSError("--per-node: no local-rank variable from the launcher (OMPI_COMM_WORLD_LOCAL_RANK, "
+                       "MPI_LOCALRANKID, SLURM_LOCALID, ...): start mpsrun --per-node with srun or mpiexec")
+    if identity.world_size is None and config.nranks is not None:
+        identity = RankIdentity(identity.rank, identity.local_rank, config.nranks, identity.local_world_size)
+    base = base_directory(env)
+    try:
+        if config.nranks is not None and config.nranks != identity.world_size:
+            raise ConfigError(f"--per-node: -np {config.nranks}, but the launcher started {identity.world_size} "
+                              "ranks", setting="-np", value=config.nranks)
+        validate_base(base)
+        make_user_root(base)  # refused here, before any keeper, if it is not safe
+    except MPSError as exc:
+        report_failure(exc, identity.local_rank)
+        return exc.exit_code
+    name = node_session_name(env)
+    settings = " ".join(to_argv(config))
+    rank = identity.rank
+
+    def join(hello: Mapping[str, Any]) -> tuple[Link, dict[str, Any] | None]:
+        for _ in range(JOIN_ATTEMPTS):
+            link, _ = _join_node(base, name, config)
+            answer = greet(link, {**hello, "settings": settings})
+            if answer is not None:
+                return link, answer
+            link.close()
+        raise MPSError(f"--per-node: this node's session kept closing before rank {rank} could join")
+
+    return run_rank(config.command, identity, join, token=name)

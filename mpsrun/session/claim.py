@@ -1,0 +1,96 @@
+"""A session's claim: its reaper, its private directory and its record, made before anything of it starts.
+
+The reaper comes first, for the directory to come: from the moment the directory exists, a
+SIGKILL of its owner leaves nothing behind (the reaper stops what the record names by then
+and removes the directory). A session makes its claim when it starts; the ``mpsrun`` launcher
+makes it earlier, before the session's GPUs are read, because under the mpiexec launcher the
+job's control socket (in this directory) must exist before mpiexec starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from mpsrun.runtime.interrupts import uninterrupted
+from mpsrun.runtime.logs import Log
+from mpsrun.runtime.processes import ProcessRef
+from mpsrun.session.paths import SessionDirs, new_session_name, user_root
+from mpsrun.session.reaper import Reaper
+from mpsrun.session.record import SessionRecord
+
+__all__ = ["SessionClaim"]
+
+log = Log("mpsrun")
+
+
+def _remove_stale(base: Path) -> None:
+    """Best effort, never waiting: stop and remove what a killed earlier run of this user left."""
+    with contextlib.suppress(Exception):
+        if any(os.scandir(user_root(base))):  # nothing there, nothing to read (nor to import)
+            from mpsrun.session import registry
+
+            for session_id, what in registry.cleanup(base, lock_timeout=0, remove_kept=False):
+                log.info("mpsrun: stale session %s %s", session_id, what)
+
+
+class SessionClaim:
+    """A session's directory (``dirs``), its record (``record``, rewritten by :meth:`update`) and its reaper.
+
+    ``kind``: ``api``, ``job`` or ``node`` (see :mod:`mpsrun.session.record`); ``name``: a fixed name (a node
+    session's, which every local rank computes), else a fresh random one.
+    """
+
+    def __init__(self, base: Path, kind: str, name: str | None = None, keep_logs: bool = False) -> None:
+        _remove_stale(base)
+        name = name or new_session_name(base)
+        self.keep_logs = keep_logs
+        self.dirs: SessionDirs | None = None  # kept after release(): what it was, for a last word about it
+        self._released = False
+        with uninterrupted():  # first, for the path to come: a SIGKILL from here on leaves nothing behind
+            self._reaper: Reaper | None = Reaper(user_root(base) / name)
+        try:
+            self.dirs = SessionDirs.create(base, [], name=name)
+            self.record = SessionRecord.new(kind, argv=tuple(sys.argv), keep_logs=keep_logs)
+            self.record.write(self.dirs.record_file)
+        except BaseException:
+            self.release()
+            raise
+
+    def add_gpus(self, uuids: Sequence[str], dir_indices: list[int]) -> None:
+        """The session's GPUs are known: their directories (by ``dir_indices``) and the record's GPU list."""
+        assert self.dirs is not None
+        self.dirs.add_gpus(dir_indices)
+        self.update(self.record.with_gpus(tuple(uuids)))
+
+    def add_launcher(self, pid: int) -> None:
+        """Record the job's MPI launcher (its process group), for the reaper to end with the session."""
+        launcher = ProcessRef.of(pid)
+        if launcher is not None:
+            self.update(self.record.with_launcher(launcher))
+
+    def update(self, record: SessionRecord) -> None:
+        assert self.dirs is not None
+        self.record = record
+        record.write(self.dirs.record_file)
+
+    def release(self, keep_logs: bool | None = None) -> list[BaseException]:
+        """Remove the directory (unless its logs are kept: ``keep_logs``, by default as the claim was made) and
+        tell the reaper; what could not be removed."""
+        errors: list[BaseException] = []
+        if self.dirs is not None and not self._released:
+            if self.keep_logs if keep_logs is None else keep_logs:
+                log.warning("mpsrun: kept session logs in %s", self.dirs.root)
+            else:
+                try:
+                    self.dirs.remove()
+                except OSError as exc:
+                    errors.append(exc)
+        self._released = True
+        if self._reaper is not None:
+            self._reaper.release()
+            self._reaper = None
+        return errors

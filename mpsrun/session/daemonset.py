@@ -1,0 +1,151 @@
+"""A session's daemons: which daemon serves which GPU, how a worker reaches it, and the clients they serve.
+
+One daemon per GPU by default; under ``gpu_bind="none"`` one daemon serves every GPU of the
+session (its ``CUDA_VISIBLE_DEVICES`` lists them all) and every worker sees them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from mpsrun.errors import ConfigError, DaemonError
+from mpsrun.job.placement import GpuTarget
+from mpsrun.mps.daemon import ControlDaemon
+from mpsrun.mps.gpus import GPU
+from mpsrun.runtime.interrupts import uninterrupted
+from mpsrun.session.paths import SessionDirs
+
+if TYPE_CHECKING:
+    from mpsrun.mps.watch import ClientWatcher
+
+__all__ = ["GpuDaemons"]
+
+
+class GpuDaemons:
+    """The daemons serving ``gpus``: one each, or one for all of them (``shared``)."""
+
+    def __init__(self, gpus: Sequence[GPU], shared: bool) -> None:
+        self.gpus = list(gpus)
+        self.shared = shared and len(self.gpus) > 1
+        self.daemons: list[ControlDaemon] = []
+        self._stopper: threading.Thread | None = None  # stop_soon()'s
+        self._stop_errors: list[BaseException] = []
+
+    @property
+    def one_view(self) -> bool:
+        """Every worker gets the same variables: one GPU, or one daemon for all of them."""
+        return len(self.gpus) <= 1 or self.shared
+
+    def position(self, rank: int | None) -> int:
+        """The GPU position of worker ``rank`` (``rank % len(gpus)``; 0 when every worker sees the same)."""
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+            raise ConfigError(f"rank must be a non-negative integer, not {rank!r}", setting="rank", value=rank)
+        if self.one_view:
+            return 0
+        if rank is None:
+            raise ConfigError("this session has several GPUs: pass rank= to env() to choose one", setting="rank")
+        return rank % len(self.gpus)
+
+    def groups(self) -> list[list[GPU]]:
+        """The GPUs each daemon serves, in order."""
+        return [list(self.gpus)] if self.shared else [[gpu] for gpu in self.gpus]
+
+    def start(self, dirs: SessionDirs, thread_percentage: int | None, mem_limits: Sequence[str | None],
+              timeout: float, server: str, started: Callable[[ControlDaemon], None],
+              meanwhile: Callable[[], object] | None = None) -> None:
+        """Start each daemon with its default limits; ``started`` hears of each at once.
+
+        The daemons come up together, and ``meanwhile`` runs while they do (about 25 ms each).
+        ``server``: ``active`` starts each server and waits until it is ACTIVE; ``requested`` asks for it
+        and returns; ``lazy`` leaves it to the first client (or to a later :meth:`ControlDaemon.start_server`),
+        as a hand-started daemon does.
+        """
+        main_thread = threading.current_thread() is threading.main_thread()
+        for group in self.groups():
+            first = group[0].index
+            daemon = ControlDaemon(",".join(g.uuid for g in group), dirs.pipe_dir(first), dirs.log_dir(first))
+            self.daemons.append(daemon)
+            with uninterrupted():  # a signal waits until the daemon is on record, for the teardown to end it
+                daemon.spawn(parent_death=main_thread)  # the reaper covers other threads
+                started(daemon)  # recorded before anything else can fail
+        if meanwhile is not None:
+            meanwhile()
+        for position, daemon in enumerate(self.daemons):
+            daemon.await_answer(timeout)
+            daemon.set_defaults(thread_percentage, mem_limits[position] if mem_limits else None)
+            if server != "lazy":
+                daemon.start_server(timeout=timeout, wait=server == "active")
+
+    def of(self, position: int) -> ControlDaemon:
+        """The daemon serving the GPU at ``position``."""
+        return self.daemons[0 if self.shared else position]
+
+    def started(self) -> list[tuple[GPU, ControlDaemon]]:
+        """Each GPU whose daemon has been started, with that daemon (a failed start leaves some without)."""
+        count = len(self.gpus) if self.shared and self.daemons else len(self.daemons)
+        return [(self.gpus[p], self.of(p)) for p in range(count)]
+
+    def watcher(self) -> ClientWatcher:
+        """The client watcher over every GPU and the daemon that serves it."""
+        from mpsrun.mps.watch import ClientWatcher  # with the controller, while the daemons start
+
+        return ClientWatcher(self.gpus, [self.of(p) for p in range(len(self.gpus))])
+
+    def target(self, position: int, session_dir: str | None) -> GpuTarget:
+        """How a worker reaches the GPU at ``position`` (every GPU, when shared): its UUID(s) and, under MPS
+        (a ``session_dir``), its daemon."""
+        group = self.gpus if self.shared else [self.gpus[position]]
+        visible = ",".join(g.uuid for g in group)
+        if session_dir is None:
+            return GpuTarget(visible, devices=len(group))
+        daemon = self.of(position)
+        return GpuTarget(visible, str(daemon.pipe_dir), str(daemon.log_dir), session_dir, len(group))
+
+    def wait_active(self, timeout: float) -> None:
+        for daemon in self.daemons:
+            daemon.wait_active(timeout=timeout)
+
+    def clients(self) -> set[int]:
+        """PIDs connected as clients to any of the servers."""
+        result: set[int] = set()
+        for daemon in self.daemons:
+            result |= daemon.clients()
+        return result
+
+    def detach(self, pids: Iterable[int]) -> list[int]:
+        """``terminate_client`` for those ``pids`` that are clients; the PIDs detached."""
+        wanted = set(pids)
+        detached: list[int] = []
+        for daemon in (d for d in self.daemons if d.alive):
+            for server in daemon.server_list():
+                for client in sorted(wanted & set(daemon.client_list(server))):
+                    with contextlib.suppress(DaemonError):  # it may have exited meanwhile
+                        daemon.terminate_client(server, client)
+                        detached.append(client)
+        return detached
+
+    def stop_soon(self, timeout: float) -> None:
+        """Begin :meth:`stop` in a thread, for a caller with other waiting to do (every client has ended)."""
+        if self._stopper is None and self.daemons:
+            self._stopper = threading.Thread(target=lambda: self._stop_errors.extend(self._stop_each(timeout)),
+                                             name="mpsrun-teardown", daemon=True)
+            self._stopper.start()
+
+    def stop(self, timeout: float) -> list[BaseException]:
+        """Stop every daemon (the last started first), or wait for :meth:`stop_soon`'s; what failed."""
+        if self._stopper is None:
+            return self._stop_each(timeout)
+        self._stopper.join()
+        return self._stop_errors
+
+    def _stop_each(self, timeout: float) -> list[BaseException]:
+        errors: list[BaseException] = []
+        for daemon in reversed(self.daemons):
+            try:
+                daemon.stop(timeout=timeout)
+            except Exception as exc:  # keep stopping the others
+                errors.append(exc)
+        return errors

@@ -1,0 +1,131 @@
+"""``session.json``: the typed record of one session, so that whoever outlives its owner can clean up.
+
+A session directory's record names its owner (the ``mpsrun`` of a job, a node keeper, or a
+program using ``mps_session()``), each daemon, and the process groups of its local ranks,
+every process by pid and start time. The session's reaper, the next session and
+``mpsrun cleanup`` read it to stop what the owner left when it died.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from mpsrun.runtime import wire
+from mpsrun.runtime.processes import ProcessRef
+
+__all__ = ["KINDS", "DaemonRecord", "RecordError", "SessionRecord"]
+
+KINDS = ("api", "job", "node")
+
+
+class RecordError(ValueError):
+    """A session.json that cannot be read or does not hold a session record."""
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonRecord:
+    gpu: str
+    process: ProcessRef
+    pipe_dir: str
+    log_dir: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"gpu": self.gpu, "process": self.process.to_json(), "pipe_dir": self.pipe_dir, "log_dir": self.log_dir}
+
+    @classmethod
+    def from_json(cls, data: Any) -> DaemonRecord:
+        fields = ("gpu", "pipe_dir", "log_dir")
+        if not isinstance(data, Mapping) or not all(isinstance(data.get(k), str) for k in fields):
+            raise ValueError(f"not a daemon record: {data!r}")
+        return cls(data["gpu"], ProcessRef.from_json(data.get("process")), data["pipe_dir"], data["log_dir"])
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRecord:
+    kind: str
+    owner: ProcessRef
+    uid: int
+    started: float
+    gpus: tuple[str, ...] = ()
+    daemons: tuple[DaemonRecord, ...] = ()
+    ranks: tuple[ProcessRef, ...] = ()  # process groups of local ranks
+    launchers: tuple[ProcessRef, ...] = ()  # process groups of the job's MPI launcher (mpiexec)
+    argv: tuple[str, ...] = ()
+    keep_logs: bool = False
+
+    @classmethod
+    def new(cls, kind: str, **fields: Any) -> SessionRecord:
+        owner = ProcessRef.of(os.getpid())
+        assert owner is not None
+        return cls(kind=kind, owner=owner, uid=os.getuid(), started=time.time(), **fields)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "owner": self.owner.to_json(),
+            "uid": self.uid,
+            "started": self.started,
+            "gpus": list(self.gpus),
+            "daemons": [d.to_json() for d in self.daemons],
+            "ranks": [r.to_json() for r in self.ranks],
+            "launchers": [r.to_json() for r in self.launchers],
+            "argv": list(self.argv),
+            "keep_logs": self.keep_logs,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> SessionRecord:
+        try:
+            if not isinstance(data, Mapping) or data.get("kind") not in KINDS:
+                raise ValueError("no session kind")
+            return cls(
+                kind=data["kind"],
+                owner=ProcessRef.from_json(data.get("owner")),
+                uid=_typed(data.get("uid"), int),
+                started=float(_typed(data.get("started"), (int, float))),
+                gpus=tuple(_typed(g, str) for g in _typed(data.get("gpus", []), list)),
+                daemons=tuple(DaemonRecord.from_json(d) for d in _typed(data.get("daemons", []), list)),
+                ranks=tuple(ProcessRef.from_json(r) for r in _typed(data.get("ranks", []), list)),
+                launchers=tuple(ProcessRef.from_json(r) for r in _typed(data.get("launchers", []), list)),
+                argv=tuple(str(a) for a in _typed(data.get("argv", []), list)),
+                keep_logs=bool(data.get("keep_logs", False)),
+            )
+        except (ValueError, TypeError) as exc:
+            raise RecordError(f"not a session record: {exc}") from None
+
+    @classmethod
+    def read(cls, path: Path) -> SessionRecord:
+        try:
+            data = wire.loads(path.read_text())
+        except (OSError, ValueError, RecursionError) as exc:  # nested deeper than Python parses: not a record
+            raise RecordError(f"cannot read {path}: {exc}") from None
+        return cls.from_json(data)
+
+    def write(self, path: Path) -> None:
+        """Replace the record atomically (a reader never sees half of one)."""
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(wire.dumps(self.to_json()))  # compact: json's import (3 ms) is not on every job's path
+        tmp.replace(path)
+
+    def with_daemon(self, daemon: DaemonRecord) -> SessionRecord:
+        return replace(self, daemons=(*self.daemons, daemon))
+
+    def with_gpus(self, gpus: tuple[str, ...]) -> SessionRecord:
+        return replace(self, gpus=gpus)
+
+    def with_rank(self, rank: ProcessRef) -> SessionRecord:
+        return replace(self, ranks=(*self.ranks, rank))
+
+    def with_launcher(self, launcher: ProcessRef) -> SessionRecord:
+        return replace(self, launchers=(*self.launchers, launcher))
+
+
+def _typed(value: Any, kind: type | tuple[type, ...]) -> Any:
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ValueError(f"unexpected value {value!r}")
+    return value

@@ -1,0 +1,260 @@
+"""This user's sessions on this node: ``mpsrun status``, ``mpsrun cleanup``, and the reaper's work.
+
+Every session directory holds ``session.json`` (:mod:`mpsrun.session.record`): its owner, its
+daemons and its local ranks, each by pid and start time. A session whose owner is gone is
+stale. :func:`reap` ends what a stale session's record names (daemons by ``quit`` then by
+signals to their verified process group, rank process groups by SIGKILL) and removes the
+directory; never by name, never another user's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from mpsrun.errors import DaemonError, MPSError, MPSUnavailableError
+from mpsrun.mps.daemon import CONTROL_EXECUTABLE, ControlDaemon, find_control_executable
+from mpsrun.runtime.deadline import Deadline, poll_until
+from mpsrun.session.paths import base_directory, user_root, user_root_lock
+from mpsrun.session.record import RecordError, SessionRecord
+
+__all__ = ["SessionState", "cleanup", "list_sessions", "main", "reap"]
+
+#: A directory without a record is a session still being made for this long.
+_GRACE_WITHOUT_RECORD = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class SessionState:
+    root: Path
+    record: SessionRecord | None
+    problem: str = ""  # why there is no record
+
+    @property
+    def session_id(self) -> str:
+        return self.root.name
+
+    @property
+    def owner_alive(self) -> bool:
+        if self.root.is_symlink():
+            return False
+        if self.record is None:  # still being made, or something of it still runs
+            with contextlib.suppress(OSError):
+                if time.time() - self.root.stat().st_mtime < _GRACE_WITHOUT_RECORD:
+                    return True
+            return bool(processes_using(self.root))
+        return self.record.owner.alive()
+
+    @property
+    def stale(self) -> bool:
+        return not self.owner_alive
+
+    @property
+    def kept(self) -> bool:
+        """Logs kept on request (``--keep-logs``): its owner is gone and nothing of it runs."""
+        record = self.record
+        return record is not None and record.keep_logs and self.stale and not any(
+            d.process.alive() for d in record.daemons)
+
+    @property
+    def age(self) -> float:
+        if self.record is not None:
+            return time.time() - self.record.started
+        with contextlib.suppress(OSError):
+            return time.time() - self.root.stat().st_mtime
+        return 0.0
+
+
+def read_state(root: Path) -> SessionState:
+    if root.is_symlink():
+        return SessionState(root, None, "a symbolic link, not a session directory")
+    try:
+        return SessionState(root, SessionRecord.read(root / "session.json"))
+    except RecordError as exc:
+        return SessionState(root, None, f"unreadable record: {exc}")
+
+
+def processes_using(root: Path) -> list[int]:
+    """This user's live processes whose MPS pipe directory (or session) lies in ``root``: with no readable record,
+    what proves that nothing of the session still runs."""
+    import psutil  # rarely needed: not imported on every job's path
+
+    found = []
+    for proc in psutil.process_iter(["pid", "uids"]):
+        try:
+            if proc.info["uids"].real != os.getuid() or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            env = proc.environ()
+        except (psutil.Error, AttributeError):
+            continue
+        if any(str(root) in env.get(name, "") for name in ("CUDA_MPS_PIPE_DIRECTORY", "MPSRUN_SESSION_DIR")):
+            found.append(proc.pid)
+    return found
+
+
+def list_sessions(base: Path | None = None) -> list[SessionState]:
+    """This user's session directories under ``base`` (default: where new sessions go)."""
+    root = user_root(base or base_directory())
+    try:
+        if not root.is_dir() or root.is_symlink() or root.stat().st_uid != os.getuid():
+            return []  # only ever our own sessions
+        entries = sorted(root.iterdir())
+    except OSError:  # e.g. a base directory we may not enter: then we have no sessions there
+        return []
+    return [read_state(entry) for entry in entries if entry.is_dir() or entry.is_symlink()]
+
+
+def _stop_daemons(record: SessionRecord) -> int:
+    try:
+        executable = find_control_executable()
+    except MPSUnavailableError:
+        executable = CONTROL_EXECUTABLE
+    stopped = 0
+    for entry in record.daemons:
+        if entry.process.alive():
+            with contextlib.suppress(DaemonError):
+                ControlDaemon.attach(entry, executable).stop(timeout=5.0, grace=2.0)
+            stopped += 1
+    return stopped
+
+
+def reap(root: Path, force: bool = False, keep_logs: bool | None = None, lock_timeout: float = 60.0,
+         locked: bool = False) -> str | None:
+    """End what a session whose owner is gone left behind, and remove it; what was done, or None.
+
+    A live owner's session is left alone unless ``force``. Runs under the user's lock (taken
+    here unless the caller holds it: ``locked``), so the reaper, ``cleanup``, node keepers
+    and new sessions never work on one directory at once.
+    """
+    lock = contextlib.nullcontext() if locked else user_root_lock(root.parent.parent, lock_timeout)
+    with lock:
+        if root.is_symlink():  # not one of ours to follow: only the link goes
+            root.unlink()
+            return "removed (a symbolic link)"
+        if not root.is_dir():
+            return None
+        state = read_state(root)
+        record = state.record
+        if not force and record is not None:
+            poll_until(lambda: (not record.owner.alive()) or None, Deadline(5.0))  # a dying owner
+        forced = state.owner_alive
+        if forced and not force:
+            return None
+        stopped = _stop_daemons(record) if record is not None else 0
+        for group in (*record.ranks, *record.launchers) if record is not None else ():
+            group.signal_group(signal.SIGKILL)
+        keep = record.keep_logs if keep_logs is None and record is not None else bool(keep_logs)
+        if not keep:
+            shutil.rmtree(root, ignore_errors=True)
+    owner = f"owner {record.owner.pid}" if record is not None else f"no record ({state.problem})"
+    return f"{'kept' if keep else 'removed'} ({'forced, ' if forced else ''}{owner}, {stopped} daemon(s) stopped)"
+
+
+def cleanup(base: Path | None = None, force: Sequence[str] = (), dry_run: bool = False,
+            lock_timeout: float = 60.0, remove_kept: bool = True) -> list[tuple[str, str]]:
+    """Stop and remove stale sessions (and those named in ``force``); return (session, what was done).
+
+    Kept logs are removed only when asked (``mpsrun cleanup``), never by a new session.
+    """
+    done = []
+    for state in list_sessions(base):
+        named = state.session_id in force
+        if (not state.stale and not named) or (state.kept and not remove_kept):
+            continue
+        if dry_run:
+            done.append((state.session_id, "would remove"))
+            continue
+        what = reap(state.root, force=named, keep_logs=False, lock_timeout=lock_timeout)
+        if what is not None:
+            done.append((state.session_id, what))
+    return done
+
+
+def _age(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def _as_json(state: SessionState) -> dict[str, object]:
+    record = state.record
+    return {
+        "session": state.session_id,
+        "directory": str(state.root),
+        "kind": record.kind if record else None,
+        "owner_pid": record.owner.pid if record else None,
+        "owner_alive": state.owner_alive,
+        "age_s": round(state.age, 1),
+        "stale": state.stale,
+        "kept": state.kept,
+        "problem": state.problem or None,
+        "daemons": [{"gpu": d.gpu, "pid": d.process.pid, "alive": d.process.alive()} for d in record.daemons]
+        if record
+        else [],
+        "ranks": [r.pid for r in record.ranks if r.alive()] if record else [],
+    }
+
+
+def _print_status(states: Sequence[SessionState]) -> None:
+    if not states:
+        print("mpsrun status: no sessions")
+        return
+    print(f"{'SESSION':<11} {'KIND':<5} {'OWNER':<14} {'AGE':>7}  {'DAEMONS (pid state)':<28} DIRECTORY")
+    for state in states:
+        record = state.record
+        owner = f"{record.owner.pid} {'alive' if state.owner_alive else 'KEPT' if state.kept else 'GONE'}" \
+            if record else "unreadable"
+        daemons = "; ".join(f"{d.process.pid} {'up' if d.process.alive() else 'gone'}" for d in record.daemons) \
+            if record else state.problem
+        kind = record.kind if record else "?"
+        print(f"{state.session_id:<11} {kind:<5} {owner:<14} {_age(state.age):>7}  {daemons or '-':<28} {state.root}")
+    stale = sum(state.stale and not state.kept for state in states)
+    if stale:
+        print(f"{stale} stale session(s): run `mpsrun cleanup`")
+    kept = sum(state.kept for state in states)
+    if kept:
+        print(f"{kept} session(s) with kept logs: `mpsrun cleanup` removes them")
+
+
+def main(argv: Sequence[str], command: str) -> int:
+    parser = argparse.ArgumentParser(prog=f"mpsrun {command}")
+    parser.add_argument("--tmpdir", type=Path, default=None, help="where sessions live (default as for new ones)")
+    if command == "status":
+        parser.description = "List this user's mpsrun sessions on this node."
+        parser.add_argument("--json", action="store_true", help="print JSON")
+    else:
+        parser.description = "Stop and remove this user's stale sessions (owner gone); never another user's."
+        parser.add_argument("--force", action="append", default=[], metavar="SESSION",
+                            help="also stop and remove this live session (repeatable)")
+        parser.add_argument("--dry-run", action="store_true", help="say what would be done")
+    args = parser.parse_args(argv)
+    if command == "cleanup":
+        unknown = set(args.force) - {s.session_id for s in list_sessions(args.tmpdir)}
+        if unknown:
+            print(f"mpsrun cleanup: error: no session {', '.join(sorted(unknown))} of yours here", file=sys.stderr)
+            return 2
+        try:
+            done = cleanup(args.tmpdir, args.force, args.dry_run)
+        except MPSError as exc:
+            print(f"mpsrun cleanup: error: {exc}")
+            return exc.exit_code
+        for session, what in done:
+            print(f"{session}: {what}")
+        if not done:
+            print("mpsrun cleanup: nothing to clean up")
+        return 0
+    states = list_sessions(args.tmpdir)
+    if args.json:
+        print(json.dumps([_as_json(s) for s in states], indent=1))
+    else:
+        _print_status(states)
+    return 0

@@ -1,0 +1,376 @@
+"""``mps_session()``: a private MPS control daemon per GPU for the duration of a ``with`` block.
+
+The same :class:`Session` is the one daemon life cycle of every path: the ``mpsrun``
+launcher and node keepers start one too. Starting makes the private directory, writes
+the typed record, starts the reaper, then the daemons; closing stops the daemons, tells
+the reaper, and removes the directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from mpsrun.config import values as limits
+from mpsrun.errors import ConfigError, MPSError, MPSUnavailableError, NoDriverError, TeardownError
+from mpsrun.job.placement import MANAGED_VARIABLES, GpuTarget, RankPlan, rank_environment
+from mpsrun.job.report import session_status
+from mpsrun.mps import gpus as gpu_info
+from mpsrun.mps.daemon import ControlDaemon, unavailable_reason
+from mpsrun.mps.gpus import GPU
+from mpsrun.runtime.logs import Log
+from mpsrun.runtime.processes import ProcessRef
+from mpsrun.session.claim import SessionClaim
+from mpsrun.session.daemonset import GpuDaemons
+from mpsrun.session.export import Export
+from mpsrun.session.paths import SessionDirs, session_base
+
+if TYPE_CHECKING:
+    from mpsrun.mps.watch import ClientWatcher
+
+__all__ = ["START_TIMEOUT", "Session", "mps_session"]
+
+log = Log("mpsrun")
+
+START_TIMEOUT = 30.0  # default: for each daemon to answer and its server to come up
+
+#: Variables a session may set in a worker's environment (restored on close when exported).
+SESSION_VARIABLES = ("CUDA_VISIBLE_DEVICES", *MANAGED_VARIABLES)
+
+
+class Session:
+    """A running (or ready to run) set of private MPS daemons, one per GPU.
+
+    Make one with :func:`mps_session`; use it as a context manager, or call
+    :meth:`start` and :meth:`close` yourself. Arguments are checked when it is made,
+    before anything starts.
+
+    Args:
+        gpu: one GPU, by index among the visible GPUs or by UUID (default 0).
+        gpus: several GPUs (a list, ``"0,1"`` or ``"all"``); one daemon each.
+        thread_percentage: cap on each client's share of SMs (1-100).
+        mem_limit: pinned device memory per client, e.g. ``"4G"``, or ``"auto"``: each GPU's
+            free memory split among ``workers`` (spread evenly over the GPUs).
+        priority: client priority, 0 (normal) or 1 (below normal).
+        tmpdir: where session directories go (default ``$MPSRUN_TMPDIR``,
+            ``$XDG_RUNTIME_DIR`` or ``/tmp``).
+        mps: ``"auto"`` runs without MPS (and says why) when there is no driver or
+            control daemon; ``"on"`` raises instead; ``"off"`` never starts MPS.
+        keep_logs: keep the session directory (with the daemon logs) after exit.
+        export: set the workers' variables in ``os.environ`` during the session so
+            ``multiprocessing`` and ``subprocess`` children inherit them (default: yes
+            with one GPU; several GPUs need ``session.env(rank)`` per worker).
+        start_timeout, stop_timeout: deadlines in seconds for each daemon.
+        gpu_bind: ``"single"`` (default): a worker sees one GPU, its daemon's; ``"none"``: one
+            daemon serves every GPU of the session and every worker sees them all (for codes
+            that choose their own device).
+        workers: how many workers will use the session (for ``mem_limit="auto"``).
+    """
+
+    def __init__(
+        self,
+        gpu: int | str | None = None,
+        gpus: Sequence[int | str] | str | None = None,
+        thread_percentage: int | None = None,
+        mem_limit: str | int | None = None,
+        priority: int | None = None,
+        tmpdir: str | os.PathLike[str] | None = None,
+        mps: str = "auto",
+        keep_logs: bool = False,
+        export: bool | None = None,
+        start_timeout: float = START_TIMEOUT,
+        stop_timeout: float = 10.0,
+        quiet: bool = False,
+        gpu_bind: str = "single",
+        workers: int | None = None,
+    ) -> None:
+        self._requested = limits.parse_gpu_request(gpu, gpus)
+        self.mps = limits.parse_mps_mode(mps)
+        self.thread_percentage = None if thread_percentage is None else \
+            limits.parse_thread_percentage(thread_percentage)
+        self.mem_limit = None if mem_limit is None else limits.parse_mem_limit(mem_limit)
+        self.priority = None if priority is None else limits.parse_priority(priority)
+        self.gpu_bind = limits.parse_gpu_bind(gpu_bind)
+        self.workers = None if workers is None else limits.parse_count(workers, "workers")
+        if self.mem_limit == "auto" and self.workers is None:
+            raise ConfigError("mem_limit='auto' needs workers=N: how many workers will share the session's GPUs",
+                              setting="workers")
+        self.base = session_base(tmpdir)
+        self.start_timeout = limits.parse_seconds(start_timeout, "start_timeout")
+        self.stop_timeout = limits.parse_seconds(stop_timeout, "stop_timeout")
+        self.keep_logs = limits.parse_flag(keep_logs, "keep_logs")
+        self.export = None if export is None else limits.parse_flag(export, "export")
+        self.quiet = quiet  # the launcher and node keepers say themselves why MPS is off
+        self.gpus: list[GPU] = []
+        self._daemons = GpuDaemons([], shared=False)
+        self._claim: SessionClaim | None = None
+        self.enabled = False
+        self.disabled_reason: str | None = None
+        self.teardown_errors: list[BaseException] = []
+        self._exported: Export | None = None
+        self._mem_limits: list[str | None] = []  # per GPU position, once the GPUs are known
+        self._depth = 0  # nested `with` blocks on this session
+        self._owner_pid: int | None = None
+        self._state = "new"
+
+    # -- starting -------------------------------------------------------------------------
+
+    def resolve(self) -> Session:
+        """Find the session's GPUs and decide whether MPS will run; starts nothing.
+
+        :meth:`start` does this first; call it earlier to learn ``gpus`` (e.g. to plan
+        ranks) before anything is started. Raises for an unknown GPU, or when
+        ``mps="on"`` and MPS cannot run here.
+        """
+        if self._state != "new":
+            return self
+        try:
+            self.gpus = gpu_info.select_gpus(self._requested, gpu_info.visible_gpus())
+        except NoDriverError as exc:
+            self.disabled_reason = exc.message
+        if self.mps == "off" or self.disabled_reason is None:
+            self.disabled_reason = unavailable_reason(self.mps)
+        if self.disabled_reason is not None and self.mps == "on":
+            raise MPSUnavailableError(f"MPS is required (mps='on') but unavailable: {self.disabled_reason}",
+                                      reason=self.disabled_reason)
+        self._daemons = GpuDaemons(self.gpus, shared=self.gpu_bind == "none")
+        if self.export is True and not self._daemons.one_view:
+            raise ConfigError("export=True needs a single GPU: a process can reach only one MPS daemon; with several "
+                              "GPUs give each worker session.env(rank), or use gpu_bind='none'",
+                              setting="export", value=True)
+        self._mem_limits = limits.session_mem_limits(self.mem_limit, [g.memory_free for g in self.gpus],
+                                              self.workers if self.disabled_reason is None else None,
+                                              self.gpu_bind == "none")
+        self._state = "resolved"
+        return self
+
+    def free_memory(self) -> list[int]:
+        """Each GPU's free memory in bytes when the session looked (empty without MPS: no limit applies)."""
+        return [g.memory_free for g in self.gpus] if self.disabled_reason is None else []
+
+    def set_defaults(self, thread_percentage: int | None, mem_limits: Sequence[str | None]) -> None:
+        """The daemons' default limits, per GPU position (before :meth:`start`): what the ranks' plans share."""
+        self.thread_percentage = thread_percentage
+        self._mem_limits = list(mem_limits)
+
+    @property
+    def dirs(self) -> SessionDirs | None:
+        """The session's directories, once it has them."""
+        return self._claim.dirs if self._claim is not None else None
+
+    def start(self, wait_active: bool = True, kind: str = "api", name: str | None = None,
+              meanwhile: Callable[[], object] | None = None, claim: SessionClaim | None = None) -> Session:
+        """Start the daemons and wait until each GPU's server is ACTIVE.
+
+        ``wait_active=False`` returns once every daemon answers and has its settings, with
+        the servers still starting (clients that connect meanwhile are queued by the
+        daemon); call :meth:`wait_active` before relying on them. The launcher (``kind``
+        ``"job"``) and node keepers (``"node"``, with a fixed ``name``) always get a
+        directory, for their control socket, even without MPS; their servers start with
+        the first client, as a hand-started daemon's do (a job that never uses the GPU
+        pays for none), and their watch checks each server once its first client is in.
+        ``meanwhile`` runs while the daemons come up (never without MPS). ``claim``: the
+        directory, made already (the launcher makes it before mpiexec starts); the session
+        releases it on :meth:`close`, also after a failed start (not before: mpiexec's ranks
+        may still reach the control socket in it).
+        """
+        self.resolve()
+        if self._state != "resolved":
+            raise MPSError(f"this session is {self._state}; make a new one with mps_session()")
+        self._state = "starting"
+        self._owner_pid = os.getpid()
+        try:
+            if self.disabled_reason is None or kind != "api":
+                self._make_directory(kind, name, claim)
+            if self.disabled_reason is None:
+                self._start_daemons("lazy" if kind != "api" else "active" if wait_active else "requested", meanwhile)
+                self.enabled = True
+            elif not self.quiet:
+                log.warning("mpsrun: running without MPS: %s", self.disabled_reason)
+            if self.export is not False and self._daemons.one_view and kind == "api":
+                self._export(self.env())
+        except BaseException:
+            self._state = "failed"
+            with contextlib.suppress(Exception):
+                self._teardown(release=claim is None)
+            raise
+        self._state = "running"
+        return self
+
+    def _make_directory(self, kind: str, name: str | None, claim: SessionClaim | None) -> None:
+        self._claim = claim or SessionClaim(self.base, kind, name, self.keep_logs)
+        self._claim.add_gpus([g.uuid for g in self.gpus], [group[0].index for group in self._daemons.groups()])
+
+    def _start_daemons(self, server: str, meanwhile: Callable[[], object] | None) -> None:
+        assert self.dirs is not None
+
+        def started(daemon: ControlDaemon) -> None:
+            assert self._claim is not None
+            self._claim.update(self._claim.record.with_daemon(daemon.record()))
+
+        self._daemons.start(self.dirs, self.thread_percentage, self._mem_limits, self.start_timeout, server, started,
+                            meanwhile)
+
+    @property
+    def daemons(self) -> list[ControlDaemon]:
+        """The session's control daemons (one per GPU, or one for all under gpu_bind='none')."""
+        return self._daemons.daemons
+
+    def daemon_of(self, position: int) -> ControlDaemon:
+        """The daemon serving the session's GPU at ``position``."""
+        return self._daemons.of(position)
+
+    def watcher(self) -> ClientWatcher:
+        """The client watcher over every GPU of the session and the daemon that serves it."""
+        return self._daemons.watcher()
+
+    def add_rank(self, rank: ProcessRef) -> None:
+        """Record a local rank's process group, so a reaper can end it if we die."""
+        if self._claim is not None and self._state == "running":
+            self._claim.update(self._claim.record.with_rank(rank))
+
+    @property
+    def state(self) -> str:
+        """new, resolved, starting, running, failed or closed."""
+        return self._state
+
+    def wait_active(self) -> None:
+        """Wait (with ``start_timeout``) until every server of the session is ACTIVE."""
+        self._daemons.wait_active(self.start_timeout)
+
+    def _export(self, env: Mapping[str, str]) -> None:
+        self._exported = Export(SESSION_VARIABLES, env, drop_others=self.enabled)  # no stale MPS setting leaks
+
+    # -- using ----------------------------------------------------------------------------
+
+    def target(self, position: int) -> GpuTarget:
+        """How a worker reaches the session's GPU at ``position`` (every GPU, under gpu_bind='none'):
+        its UUID(s) and, under MPS, its daemon."""
+        return self._daemons.target(position, str(self.dirs.root) if self.enabled and self.dirs else None)
+
+    def _in_use(self) -> None:
+        """Refuse to hand out a session that is not running (its paths would not exist)."""
+        if self._state in ("new", "resolved", "closed", "failed"):
+            state = "not started" if self._state in ("new", "resolved") else self._state
+            raise MPSError(f"this session is {state}; use it inside `with` (or after start())")
+
+    def env(self, rank: int | None = None) -> dict[str, str]:
+        """Variables a worker needs to use this session (GPU ``rank % len(gpus)``, or all under gpu_bind='none')."""
+        self._in_use()
+        if not self.gpus:
+            return {}
+        position = self._daemons.position(rank)
+        mem_limit = self._mem_limits[position] if self._mem_limits else None
+        plan = RankPlan(0, position, self.thread_percentage, mem_limit, self.priority)
+        return rank_environment(self.target(position), plan)
+
+    def clients(self) -> set[int]:
+        """PIDs connected as clients to any of this session's servers."""
+        self._in_use()
+        return self._daemons.clients()
+
+    def detach_clients(self, pids: Iterable[int]) -> list[int]:
+        """Ask our servers to end the work of those ``pids`` that are their clients.
+
+        NVIDIA documents ``terminate_client`` as the safe way to stop a client with GPU
+        work in flight (killing it outright is undefined behaviour for the others).
+        Returns the PIDs detached.
+        """
+        return self._daemons.detach(pids)
+
+    def verify(self, pids: Iterable[int] | None = None) -> list[int]:
+        """Check that processes using our GPUs are clients of our MPS servers.
+
+        ``pids`` defaults to every descendant of this process. A process holding a CUDA
+        context on one of the session's GPUs without being a client of our server ran
+        into CUDA's silent fallback: :class:`NotMPSClientError` names it. Processes with no
+        context yet are not judged. Returns the PIDs verified as clients.
+        """
+        if not self.enabled:
+            return []
+        if pids is None:
+            import psutil  # not imported on every job's path
+
+            pids = [child.pid for child in psutil.Process().children(recursive=True)]
+        return self.watcher().verify(pids)
+
+    def status(self) -> dict[str, Any]:
+        """A snapshot: directories, and per GPU the daemon, its servers and clients."""
+        return session_status(self, self._daemons.started())
+
+    # -- stopping -------------------------------------------------------------------------
+
+    def _teardown(self, release: bool = True) -> list[BaseException]:
+        if self._exported is not None:
+            self._exported.restore()
+            self._exported = None
+        errors = self._daemons.stop(self.stop_timeout)
+        if self._claim is not None and release:
+            errors += self._claim.release()
+        return errors
+
+    def begin_close(self) -> None:
+        """Every worker has ended: begin stopping the daemons in the background; :meth:`close` finishes."""
+        if self._state == "running" and self._owner_pid == os.getpid():
+            self._daemons.stop_soon(self.stop_timeout)
+
+    def close(self) -> None:
+        """Stop the daemons and servers, restore the environment, remove the directories; raise
+        :class:`TeardownError` if something could not be (nothing in a forked child, or when called again)."""
+        if self._state in ("new", "resolved"):  # never started: nor can it be any more
+            self._state = "closed"
+            return
+        if self._owner_pid != os.getpid() or self._state == "closed":
+            return
+        failed, self._state = self._state == "failed", "closed"
+        self.teardown_errors = self._claim.release() if failed and self._claim else self._teardown()
+        if self.teardown_errors:
+            raise TeardownError("session teardown failed: " + "; ".join(str(e) for e in self.teardown_errors),
+                                errors=self.teardown_errors)
+
+    def __enter__(self) -> Session:
+        if self._state in ("new", "resolved"):
+            self.start()
+        elif self._state != "running":
+            raise MPSError(f"this session is {self._state}; make a new one with mps_session()")
+        self._depth += 1
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._depth -= 1
+        if self._depth > 0:  # an inner `with` of the same session: the outer one closes it
+            return
+        try:
+            self.close()
+        except TeardownError as teardown:
+            if exc is None:
+                raise
+            # Never hide the body's exception: attach the teardown failure to it.
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"mpsrun: {teardown}")
+            else:  # pragma: no cover - Python 3.10
+                log.error("mpsrun: %s", teardown)
+
+    def __repr__(self) -> str:
+        gpus = ",".join(str(g.index) for g in self.gpus) or "?"
+        return f"<mpsrun.Session {self._state} gpus={gpus} mps={'on' if self.enabled else 'off'}>"
+
+
+def mps_session(*args: Any, **kwargs: Any) -> Session:
+    """A private MPS session: one control daemon per GPU, started on ``with``; takes the arguments of
+    :class:`Session`. Example::
+
+        with mps_session(gpu=0) as session:
+            with multiprocessing.get_context("spawn").Pool(4) as pool:
+                pool.map(work, range(4))
+            session.verify()
+    """
+    return Session(*args, **kwargs)
+
+
+# help() and inspect.signature() show Session's arguments, without importing inspect on the launch path.
+mps_session.__wrapped__ = Session  # type: ignore[attr-defined]
