@@ -32,13 +32,6 @@ def main() -> NoReturn:
     interpreter's own finalisation (hundreds of modules) would add tens of milliseconds to every
     job, so the process ends at once, once its output is flushed.
     """
-    import os
-    import sys
-
-    from mpsrun.mps import readahead as ahead
-
-    if ahead.wanted(sys.argv[1:], os.environ):
-        ahead.start()  # NVML in a child from the first millisecond (a local job's daemon waits for it)
     from mpsrun.cli import main as command
 
     code = command(pending=_pending)

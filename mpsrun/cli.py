@@ -8,17 +8,20 @@ Options end at the first word that is not an option (or its value), at ``--``, o
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
 
 from mpsrun import __version__
-from mpsrun.config.options import build_parser, options, parse_args
-from mpsrun.errors import ConfigError, MPSError
+from mpsrun.config.commandline import build_parser, parse_args
+from mpsrun.config.options import JobConfig, options
+from mpsrun.errors import ConfigError, InterruptionError, MPSError
 from mpsrun.exitcodes import ExitCode
-from mpsrun.mps import readahead as ahead
-from mpsrun.runtime import logs
-from mpsrun.runtime.interrupts import InterruptionError, Interrupts
+from mpsrun.runtime.constants import CONFIG_VARIABLE, CONTROL_VARIABLE
+from mpsrun.runtime.interrupts import Interrupts
 from mpsrun.runtime.output import say
 
 __all__ = ["main"]
@@ -108,8 +111,6 @@ def main(argv: Sequence[str] | None = None, pending: Sequence[int] = ()) -> int:
     except InterruptionError as exc:
         _print_error(f"{exc} before the job started")
         return exc.exit_code
-    finally:
-        ahead.cancel()  # a GPU list read ahead and never asked for (the job ended before, or needed none)
 
 
 def _usage_error(args: list[str], exc: ConfigError) -> None:
@@ -119,7 +120,7 @@ def _usage_error(args: list[str], exc: ConfigError) -> None:
         _print_error(f"{exc} (see mpsrun --help)")
         return
     from mpsrun.rank.identity import identity_from_env
-    from mpsrun.rank.supervisor import report_failure
+    from mpsrun.rank.join import report_failure
 
     identity = identity_from_env(os.environ)
     report_failure(exc, identity.local_rank if identity is not None else None)
@@ -134,17 +135,13 @@ def _main(args: list[str]) -> int:
         parser.print_help(sys.stdout if args else sys.stderr)
         return ExitCode.OK if args else ExitCode.USAGE
     try:
-        config = parse_args(args, os.environ, __version__)
+        config = _config(args)
     except ConfigError as exc:
         _usage_error(args, exc)
         return ExitCode.USAGE
     except SystemExit as exc:  # --help/--version further along the line
         return int(exc.code or 0)
-    if config.per_node or config.hosts or config.hostfile:  # each host's node keeper reads its GPUs
-        ahead.cancel()
-    else:
-        ahead.start()  # the GPU list is read in a forked child while the job's modules are imported (if not yet)
-    logs.to_stderr(logs.DEBUG if config.verbose else logs.ERROR if config.quiet else logs.WARNING)
+    _log_to_stderr(logging.DEBUG if config.verbose else logging.ERROR if config.quiet else logging.WARNING)
     try:
         if config.per_node:
             from mpsrun.node.pernode import run_per_node
@@ -156,6 +153,25 @@ def _main(args: list[str]) -> int:
     except MPSError as exc:
         _print_error(str(exc))
         return exc.exit_code
+
+
+def _config(args: list[str]) -> JobConfig:
+    """The job's configuration from the command line; a host's ``mpsrun --per-node`` under ``mpsrun --hosts`` is
+    handed the job's, as data (:class:`~mpsrun.job.backends.HostsBackend`), and reads no option again."""
+    handed = os.environ.get(CONFIG_VARIABLE)
+    if handed and os.environ.get(CONTROL_VARIABLE) and args[:2] == ["--per-node", "--"] and len(args) > 2:
+        return dataclasses.replace(JobConfig.from_json(json.loads(handed)), command=tuple(args[2:]), per_node=True)
+    return parse_args(args, os.environ, __version__)
+
+
+def _log_to_stderr(level: int) -> None:
+    """The command's own warnings (and with -v its progress) as plain lines on stderr, one write each."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("mpsrun")
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
 
 
 if __name__ == "__main__":  # pragma: no cover

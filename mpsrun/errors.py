@@ -3,17 +3,16 @@
 Every error derives from :class:`MPSError` and, where one fits, from the matching
 builtin (``ValueError``, ``TimeoutError``, ...), so callers can catch either.
 Errors carry their data as attributes and survive pickling (they cross process
-boundaries in multiprocessing pools).
+boundaries in multiprocessing pools). ``__all__`` lists the public ones (the package's public
+list includes it); the few below it are mpsrun's own, raised and caught inside.
 """
 
 from __future__ import annotations
 
-from mpsrun.exitcodes import ExitCode
+from collections.abc import Sequence
+from typing import Any
 
-TYPE_CHECKING = False  # imported by every rank supervisor: typing's and collections' imports are left out
-if TYPE_CHECKING:
-    from collections.abc import Sequence
-    from typing import Any
+from mpsrun.exitcodes import ExitCode, signal_name
 
 __all__ = [
     "CommandNotExecutableError",
@@ -208,3 +207,24 @@ class SharedArrayError(MPSError, RuntimeError):
 
     def __init__(self, message: str, *, name: str = "") -> None:
         super().__init__(message, name=name)
+
+
+# -- mpsrun's own: raised and caught inside, never reaching a caller of the public API -------------------
+
+
+class InterruptionError(MPSError):
+    """mpsrun was stopped by a signal before its job ran (exit 128+N). Attribute: ``signal``."""
+
+    signal: int
+
+    def __init__(self, message: str = "", *, signal: int = 0) -> None:
+        super().__init__(message or f"interrupted by {signal_name(signal)}", signal=signal)
+        self.exit_code = 128 + signal
+
+
+class RecordError(MPSError, ValueError):
+    """A session.json that cannot be read or does not hold a session record."""
+
+
+class HandoffError(MPSError):
+    """A shared region could not be had: its publisher failed, or the deadline passed."""

@@ -1,23 +1,23 @@
-"""The exit-code contract, in one table. Built-in modules only: every rank supervisor imports it.
+"""The exit-code contract: the table, and the one function that turns a job's facts into its code.
 
 0 every rank succeeded; otherwise the code of the rank that failed first (a rank killed by
 signal N gives 128+N); 2 usage error; 3 set-up failure; 124 timeout; 126 not executable;
 127 command not found; 128+N when mpsrun itself was stopped by signal N.
+
+Every process of a job (the ``mpsrun`` command, a node keeper, each rank's supervisor) decides
+its exit status with :func:`exit_code`, so the paths cannot disagree. Standard library only.
 """
 
 from __future__ import annotations
 
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # the stubs of ``signal`` describe it
-    import signal as _signal
-else:
-    import _signal  # ``signal`` without its enums: ``signal`` and ``enum`` would cost every rank supervisor 5 ms
+import signal
+from typing import NamedTuple
 
-__all__ = ["ExitCode", "describe_returncode", "exit_code_of", "signal_name"]
+__all__ = ["CAUSES", "ExitCode", "Outcome", "describe_returncode", "exit_code", "signal_name"]
 
 
 class ExitCode:
-    """Codes mpsrun gives for its own reasons (a failing rank gives its own code): plain ints."""
+    """Codes mpsrun gives for its own reasons (a failing rank gives its own code)."""
 
     OK = 0
     USAGE = 2
@@ -25,28 +25,61 @@ class ExitCode:
     TIMEOUT = 124
     NOT_EXECUTABLE = 126
     NOT_FOUND = 127
+    KILLED = 128 + signal.SIGKILL  # a rank lost without a word: as if SIGKILLed
 
 
-def exit_code_of(returncode: int) -> int:
-    """A shell-style exit code: a process killed by signal N (returncode -N) gives 128+N."""
+#: Why a job ended. ``rank-failed``/``launcher-failed``: ``detail`` is the process's returncode (-N: killed by
+#: signal N; None: lost without a report); ``signal``: the signal's number; ``setup``/``check-failed``/``decided``:
+#: the code itself (``decided``: what the job's controller told a rank's supervisor).
+CAUSES = ("ok", "rank-failed", "launcher-failed", "timeout", "signal", "check-failed", "setup", "decided")
+
+
+class Outcome(NamedTuple):
+    """The facts a job's exit status is decided from: its first failure, and what came while it ended."""
+
+    cause: str = "ok"
+    detail: int | None = None
+    teardown_failed: bool = False  # the session could not be torn down
+    late_signal: int | None = None  # a stopping signal that came while the job was ending
+
+
+def _shell(returncode: int) -> int:
+    """A process's returncode as a shell reports it: killed by signal N (returncode -N) gives 128+N."""
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _signal_names() -> dict[int, str]:
-    """``SIGTERM`` for 15, as ``signal.Signals`` names them (an alias, such as SIGIOT or SIGCLD, yields)."""
-    names: dict[int, str] = {}
-    for name, number in sorted(vars(_signal).items()):
-        signal = name.startswith("SIG") and not name.startswith("SIG_") and isinstance(number, int)
-        if signal and (number not in names or name in ("SIGABRT", "SIGCHLD", "SIGIO")):
-            names[number] = name
-    return names
+def exit_code(outcome: Outcome) -> int:
+    """The exit status for ``outcome`` (the table in the module's docstring and in the README): the first
+    failure's code; a job that succeeded but could not be torn down gives 3, one stopped while it ended 128+N."""
+    code = _first_failure(outcome.cause, outcome.detail)
+    if code == ExitCode.OK and outcome.teardown_failed:
+        return ExitCode.SETUP
+    if code == ExitCode.OK and outcome.late_signal:
+        return 128 + outcome.late_signal
+    return code
 
 
-_SIGNAL_NAMES = _signal_names()
+def _first_failure(cause: str, detail: int | None) -> int:
+    if cause == "ok":
+        return ExitCode.OK
+    if cause in ("rank-failed", "launcher-failed"):
+        code = ExitCode.KILLED if detail is None else _shell(detail)
+        return code or ExitCode.SETUP  # a launcher that ended 0 before its ranks ran still failed the job
+    if cause == "timeout":
+        return ExitCode.TIMEOUT
+    if cause == "signal":
+        return 128 + (detail or 0)
+    if cause in ("setup", "check-failed", "decided"):
+        return ExitCode.SETUP if detail is None else detail
+    raise ValueError(f"unknown cause {cause!r}; one of {', '.join(CAUSES)}")
 
 
 def signal_name(number: int) -> str:
-    return _SIGNAL_NAMES.get(number, f"signal {number}")
+    """``SIGTERM`` for 15; ``signal 99`` for a number that names no signal."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def describe_returncode(returncode: int) -> str:

@@ -14,7 +14,7 @@ import pytest
 from test_contract import PATHS, fake, job_argv, settle
 
 from mpsrun import mps_session
-from mpsrun.config.values import auto_mem_limit
+from mpsrun.mps.limits import auto_mem_limit
 from mpsrun.errors import ConfigError
 
 GIB = 1 << 30

@@ -7,7 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mpsrun.cli import main
-from mpsrun.config.options import JobConfig, build_parser, options, parse_args, split_argv, to_argv
+from mpsrun.config.commandline import build_parser, parse_args, split_argv, to_argv
+from mpsrun.config.options import JobConfig, options
 from mpsrun.errors import ConfigError
 
 
@@ -26,7 +27,7 @@ from mpsrun.errors import ConfigError
 )
 def test_options_end_at_first_command_word(argv, options, command):
     """Options stop at the first non-option word, at --, or after -m MODULE; the rest is the command's."""
-    assert split_argv(argv, build_parser()) == (options, command)
+    assert split_argv(argv) == (options, command)
 
 
 def test_full_parse_builds_config():
@@ -145,7 +146,7 @@ def test_parser_only_ever_gives_a_config_or_a_usage_error(argv):
 @given(st.lists(st.one_of(_WORDS, st.text(max_size=12)), max_size=10))
 def test_split_leaves_the_command_untouched(argv):
     """The command is the unchanged tail of the command line; options come only from before it."""
-    options, command = split_argv(argv, build_parser())
+    options, command = split_argv(argv)
     assert argv[len(argv) - len(command):] == command
     assert len(options) <= len(argv) - len(command)
 

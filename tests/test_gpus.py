@@ -1,14 +1,13 @@
 """Unit tests: CUDA_VISIBLE_DEVICES handling and GPU selection (pure), and the NVML seam on the fake."""
 
-import os
 import subprocess
 import sys
 
 import pytest
 
+from mpsrun.config.values import parse_gpus
 from mpsrun.errors import ConfigError, GPUNotFoundError, NoDriverError
 from mpsrun.mps import gpus
-from mpsrun.mps import readahead as ahead
 from mpsrun.mps.gpus import GPU, parse_visible_devices, select_gpus
 
 PHYSICAL = [GPU(i, f"GPU-{i}{i}aa-0000", "H100", 80 << 30, "Default", False) for i in range(4)]
@@ -39,19 +38,20 @@ def test_visible_devices_reject_mig():
 
 
 def test_select_by_position_and_uuid():
-    """GPUs are chosen by position among the visible ones (as CUDA numbers them) or by UUID."""
+    """GPUs are chosen by position among the visible ones (as CUDA numbers them) or by UUID, from the one parser's
+    list (parse_gpus: the command line's and mps_session()'s alike)."""
     visible = [PHYSICAL[2], PHYSICAL[3]]
-    assert select_gpus([0], visible) == [PHYSICAL[2]]
-    assert select_gpus(["1"], visible) == [PHYSICAL[3]]
-    assert select_gpus(["GPU-22"], visible) == [PHYSICAL[2]]
-    assert select_gpus(None, visible) == visible
+    assert select_gpus(parse_gpus([0]), visible) == [PHYSICAL[2]]
+    assert select_gpus(parse_gpus(["1"]), visible) == [PHYSICAL[3]]
+    assert select_gpus(parse_gpus("GPU-22"), visible) == [PHYSICAL[2]]
+    assert select_gpus(parse_gpus("all"), visible) == visible
 
 
 @pytest.mark.parametrize("request_", [[2], [-1], ["GPU-00"], ["abc"], [0, 0], [1.5], [True]])
 def test_select_rejects_unknown_or_bad(request_):
     """An index out of range, an invisible UUID, junk or a repeat raises a ValueError naming the problem."""
     with pytest.raises(ValueError) as info:
-        select_gpus(request_, [PHYSICAL[2], PHYSICAL[3]])
+        select_gpus(parse_gpus(request_), [PHYSICAL[2], PHYSICAL[3]])
     if isinstance(info.value, GPUNotFoundError):
         assert "visible GPUs: 0: H100 GPU-22aa-0000; 1: H100 GPU-33aa-0000" in str(info.value)
 
@@ -80,34 +80,9 @@ def test_no_driver_is_a_clear_error(no_gpu):
         gpus.list_gpus()
 
 
-@pytest.mark.parametrize("fake_gpu", [2], indirect=True)
-def test_the_gpu_list_read_ahead_is_the_drivers(fake_gpu):
-    """ahead.start() forks a child that reads the GPU list; list_gpus() then returns the child's answer once,
-    the same records a query of its own gives."""
-    import threading
-
-    if threading.active_count() > 1:
-        pytest.skip("another thread runs here: ahead.start() rightly does not fork")
-    ahead.start()
-    assert ahead._child is not None
-    child = ahead._child[0]
-    assert gpus.list_gpus() == gpus.list_gpus()  # the child's answer, then a query of this process
-    assert ahead._child is None
-    with pytest.raises(ChildProcessError):
-        os.waitpid(child, os.WNOHANG)  # reaped
-
-
-def test_without_a_driver_the_read_ahead_leaves_the_error_to_the_query(no_gpu):
-    """A child that cannot read the GPUs answers nothing; list_gpus() then asks itself and says why."""
-    ahead.start()
-    with pytest.raises(NoDriverError, match="no usable NVIDIA driver"):
-        gpus.list_gpus()
-    assert ahead._child is None
-
-
 def test_a_short_job_never_initialises_nvml_in_the_launcher(fake_gpu, short_tmp, monkeypatch):
-    """The launcher's GPU list comes from its read-ahead child, and a job that ends before the first client
-    look initialises NVML nowhere else: once in all, in another process (it used to be the launcher's)."""
+    """A job that ends before the first client look initialises NVML once in all: for its GPU list, kept for the
+    job (nvml_kept), never again for the client watch."""
     log = short_tmp / "inits"
     monkeypatch.setenv("FAKE_NVML_INIT_LOG", str(log))
     job = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "local", "true"],
@@ -115,4 +90,4 @@ def test_a_short_job_never_initialises_nvml_in_the_launcher(fake_gpu, short_tmp,
     _, err = job.communicate(timeout=120)
     assert job.returncode == 0, err
     inits = log.read_text().split()
-    assert len(inits) == 1 and inits[0] != str(job.pid), inits
+    assert len(inits) == 1, inits

@@ -228,7 +228,7 @@ def test_a_controller_gone_before_the_welcome_is_said_once_per_node(short_tmp, l
     thread = threading.Thread(target=answer_nothing)
     thread.start()
     env = {**os.environ, "MPSRUN_CONTROL": f"unix:{path}", "MPSRUN_CONTROL_TOKEN": "x", "PYTHONUNBUFFERED": "1"}
-    out = subprocess.run([sys.executable, "-m", "mpsrun.rank.supervisor", "--rank", str(local_rank), "--local-rank",
+    out = subprocess.run([sys.executable, "-m", "mpsrun.rank", "--rank", str(local_rank), "--local-rank",
                           str(local_rank), "--size", "2", "--local-size", "2", "--", "true"], env=env,
                          capture_output=True, text=True, timeout=60)
     thread.join()

@@ -5,8 +5,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mpsrun.config.values import (
+    MPS_MODES,
+    parse_choice,
     parse_mem_limit,
-    parse_mps_mode,
     parse_priority,
     parse_thread_percentage,
     parse_thread_spec,
@@ -76,13 +77,13 @@ def test_thread_percentage_property(value):
 def test_priority_and_mode():
     """Priority takes 0 or 1; mps mode takes auto/on/off case-insensitively; others raise ConfigError."""
     assert parse_priority("1") == 1 and parse_priority(0) == 0
-    assert parse_mps_mode("ON") == "on"
+    assert parse_choice("ON", MPS_MODES, "mps") == "on"
     for bad in (2, "high", True):
         with pytest.raises(ConfigError, match="priority"):
             parse_priority(bad)
     for bad in ("yes", 1, None):
         with pytest.raises(ConfigError, match="mps must be one of"):
-            parse_mps_mode(bad)
+            parse_choice(bad, MPS_MODES, "mps")
 
 
 def test_thread_spec_text_and_values():

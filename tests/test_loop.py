@@ -20,7 +20,7 @@ def test_a_link_that_ended_stays_open_until_its_owner_closes_it():
     ours, theirs = socket.socketpair()
     link = Link(ours)
     theirs.close()
-    assert link.receive() is None and not link.usable and not link.send("hello")
+    assert link.receive() is None and not link.usable and not link.send("note", text="hello")
     assert ours.fileno() == link.fd  # still open
     assert link.receive() is None
     link.close()

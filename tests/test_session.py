@@ -369,7 +369,7 @@ def test_two_threads_cannot_both_export(fake_gpu):
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"gpus": ""}, "at least one GPU"), ({"gpus": ","}, "at least one GPU"), ({"gpus": b"0"}, "index or a UUID"),
+    ({"gpus": ""}, "at least one GPU"), ({"gpus": ","}, "at least one GPU"), ({"gpus": b"0"}, "GPU indices or GPU- UUIDs"),
     ({"keep_logs": "no"}, "keep_logs must be True or False"), ({"tmpdir": ""}, "tmpdir must name a directory"),
     ({"start_timeout": float("inf")}, "positive number of seconds"), ({"export": 1}, "export must be True or False"),
 ])

@@ -11,163 +11,25 @@ controller, so the backends differ only in what they start:
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
-import signal
-import subprocess
+import json
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
-from mpsrun.config.options import JobConfig, option_variables, to_argv
+import psutil
+
+from mpsrun.config.options import JobConfig, option_variables
 from mpsrun.errors import ConfigError
 from mpsrun.job import mpiexec as mpi
-from mpsrun.runtime.processes import physical_cores, pidfd, python_without_site, set_parent_death_signal
+from mpsrun.job.launch import LaunchSpec
+from mpsrun.runtime.constants import CONFIG_VARIABLE, CONTROL_VARIABLES, JOB_ID_VARIABLE, SERVER_AFTER
+from mpsrun.runtime.processes import python_without_site
 
-if TYPE_CHECKING:
-    from mpsrun.rank.forked import ForkedSupervisor
-    from mpsrun.runtime.loop import EventLoop
-
-__all__ = [
-    "Backend",
-    "HostsBackend",
-    "LaunchSpec",
-    "Launched",
-    "Launchers",
-    "LocalBackend",
-    "MpiexecBackend",
-    "choose_backend",
-]
+__all__ = ["Backend", "HostsBackend", "LocalBackend", "MpiexecBackend", "choose_backend"]
 
 #: The rank supervisor, started by an MPI launcher (the local launcher forks it: :mod:`mpsrun.rank.forked`).
 SHIM = tuple(python_without_site("mpsrun.rank.supervisor"))
-
-
-@dataclass(frozen=True, slots=True)
-class LaunchSpec:
-    """A process to start, and the ranks it is responsible for."""
-
-    name: str
-    argv: tuple[str, ...]
-    env: Mapping[str, str]
-    ranks: tuple[int, ...]
-    stdin: bool = False
-    #: ``argv`` are a rank supervisor's arguments: it is forked from this process (no interpreter to start).
-    fork: bool = False
-
-
-class Launched:
-    """A started process, in its own session, watched through a pidfd; it gets SIGTERM if we die."""
-
-    def __init__(self, spec: LaunchSpec) -> None:
-        self.spec = spec
-        self.popen: subprocess.Popen[bytes] | ForkedSupervisor
-        if spec.fork:
-            from mpsrun.rank.forked import ForkedSupervisor  # only for local ranks (3 ms): see job._import_the_launch
-
-            self.popen = ForkedSupervisor(spec.argv, spec.env, spec.stdin)
-        else:
-            self.popen = subprocess.Popen(
-                list(spec.argv), env=dict(spec.env), stdin=None if spec.stdin else subprocess.DEVNULL,
-                start_new_session=True,
-                preexec_fn=functools.partial(set_parent_death_signal, signal.SIGTERM, os.getpid()))
-        self.fd = pidfd(self.popen.pid)
-
-    @property
-    def ended(self) -> bool:
-        return self.popen.returncode is not None
-
-    def reap(self) -> int:
-        return self.popen.wait()
-
-    def signal_group(self, sig: int) -> None:
-        if self.popen.poll() is None:  # not reaped: its pid still names its group
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, sig)
-
-
-class Launchers:
-    """What a backend started, each watched through its pidfd; ``on_exit`` is called once it has been reaped."""
-
-    PER_TURN = 8  # each start takes a millisecond or two
-
-    def __init__(self, loop: EventLoop, on_exit: Callable[[Launched, int], None],
-                 on_error: Callable[[LaunchSpec, OSError], None]) -> None:
-        self.loop, self.on_exit, self.on_error = loop, on_exit, on_error
-        self.started: list[Launched] = []
-        self.pending: list[LaunchSpec] = []
-        self._winding_down = False
-
-    def launch(self, specs: Sequence[LaunchSpec]) -> None:
-        """Start ``specs``, a few per turn of the loop, so a signal or a failure is handled while hundreds start;
-        one that cannot be started goes to ``on_error``."""
-        self.pending = list(specs)
-        self._next()
-
-    def _next(self) -> None:
-        for _ in range(min(self.PER_TURN, len(self.pending))):
-            spec = self.pending.pop(0)
-            try:
-                self._start(spec)
-            except OSError as exc:
-                self.on_error(spec, exc)
-                break  # the job is failing: on_error cancels the rest
-        if self.pending:
-            self.loop.after(0, self._next)
-
-    def _start(self, spec: LaunchSpec) -> None:
-        self.adopt(Launched(spec))
-
-    def adopt(self, started: Launched) -> None:
-        """Watch a process started before the loop ran (the mpiexec launcher's head start)."""
-        self.started.append(started)
-        if started.fd is not None:
-            self.loop.watch(started.fd, functools.partial(self._exited, started))
-        else:  # no pidfds on this kernel: a bounded poll interval
-            self._poll(started)
-
-    def cancel(self) -> list[int]:
-        """Start nothing more (the job is stopping); the ranks that will now never start."""
-        ranks = [rank for spec in self.pending for rank in spec.ranks]
-        self.pending = []
-        return ranks
-
-    @property
-    def ended(self) -> bool:
-        return not self.pending and all(started.ended for started in self.started)
-
-    def _poll(self, started: Launched) -> None:
-        if started.popen.poll() is None:
-            self.loop.after(0.05, lambda: self._poll(started))
-        else:
-            self._exited(started)
-
-    def _exited(self, started: Launched) -> None:
-        if started.fd is not None:
-            self.loop.unwatch(started.fd)
-            os.close(started.fd)
-            started.fd = None
-        self.on_exit(started, started.reap())
-
-    def wind_down(self, grace: float) -> None:
-        """Every rank has ended (or was killed): the launchers get ``grace`` to exit, then SIGTERM, then SIGKILL."""
-        if self._winding_down or self.ended:
-            return
-        self._winding_down = True
-        grace = max(grace, 0.5)
-        self.loop.after(grace, lambda: self._signal(signal.SIGTERM))
-        self.loop.after(2 * grace, lambda: self._signal(signal.SIGKILL))
-
-    def kill(self) -> None:
-        """SIGKILL every launcher now (a second Ctrl-C), and start nothing more."""
-        self.pending = []
-        self._signal(signal.SIGKILL)
-
-    def _signal(self, sig: int) -> None:
-        for started in self.started:
-            started.signal_group(sig)
 
 
 class Backend(Protocol):
@@ -187,10 +49,6 @@ class Backend(Protocol):
     head_start: bool
 
     def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]: ...
-
-
-#: When the mpiexec and the local launcher ask for each MPS server: see Backend.server_after.
-SERVER_AFTER = 0.25
 
 
 class LocalBackend:
@@ -225,21 +83,24 @@ class MpiexecBackend:
 
     def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]:
         # The program by absolute path: Open MPI puts its own bin directory first on the ranks' PATH.
-        argv = self._argv(config, [*SHIM, "--", program, *config.command[1:]], cores=physical_cores())
+        cores = psutil.cpu_count(logical=False)
+        argv = self._argv(config, [*SHIM, "--", program, *config.command[1:]], cores=cores)
         return [LaunchSpec("mpiexec", argv, env, tuple(range(config.ranks)), stdin=True)]
 
 
 class HostsBackend(MpiexecBackend):
+    """Every rank runs as ``mpsrun --per-node`` on its host, handed the job's configuration as data (the
+    variable ``CONFIG_VARIABLE``, which Open MPI passes with ``-x``): nothing is parsed or validated again there."""
+
     name, control, owns_daemons, head_start = "hosts", "tcp", False, False
     server_after: float | None = None
-    EXPORT = ("MPSRUN_CONTROL", "MPSRUN_CONTROL_TOKEN", "MPSRUN_JOB_ID")
+    EXPORT = (*CONTROL_VARIABLES, JOB_ID_VARIABLE)
 
     def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]:
         hosts = mpi.host_arguments(self.flavour, config.hosts, config.hostfile)
-        # The options are forwarded on the command line (defaults left out): a rank must not read them again
-        # from MPSRUN_* variables, or a variable would beat a command-line value equal to the default.
         env = {name: value for name, value in env.items() if name not in option_variables()}
-        per_node = [sys.executable, "-m", "mpsrun", "--per-node", *to_argv(config), "--", program, *config.command[1:]]
+        env[CONFIG_VARIABLE] = json.dumps(config.to_json())
+        per_node = [sys.executable, "-m", "mpsrun", "--per-node", "--", program, *config.command[1:]]
         # Open MPI gives each --host one slot: the ranks are spread over them (--oversubscribe).
         argv = self._argv(config, per_node, hosts, export=self.EXPORT, cores=None if config.hosts else 1 << 20)
         return [LaunchSpec("mpiexec", argv, env, tuple(range(config.ranks)), stdin=True)]

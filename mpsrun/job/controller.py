@@ -1,12 +1,16 @@
-"""The controller: one job contract, applied to ranks wherever and however they were started.
+"""Controllers: one job contract, applied to ranks wherever and however they were started.
 
-Rank supervisors (and, for jobs over several hosts, node keepers relaying for theirs) join
-through :class:`~mpsrun.job.table.RankTable`. The controller welcomes each rank with its
-environment, watches that the ranks are MPS clients, and applies fail-fast to every path
-alike: at the first failure, ``terminate_client`` for connected ranks, SIGTERM, ``--grace``,
-SIGKILL, then the launcher processes. The first failure decides the exit code (128+N for a
-signal) and the summary. A controller with an ``upstream`` (a node keeper under a
-multi-host job) relays events up and carries out what comes down instead of judging.
+Rank supervisors (and, for jobs over several hosts, node keepers relaying for theirs) join a
+controller through its :class:`~mpsrun.job.table.RankTable`. Every controller welcomes each rank
+with its environment, watches that the ranks are MPS clients, and stops them the same way: at the
+first failure, ``terminate_client`` for connected ranks, SIGTERM, ``--grace``, SIGKILL.
+
+* :class:`Controller`: what every controller does (this module).
+* :class:`JudgingController`: decides the job's outcome itself: the first failure decides the exit
+  code (:class:`~mpsrun.job.outcome.Judge`) and each rank's verdict.
+* :class:`~mpsrun.job.jobcontroller.JobController`: the ``mpsrun`` command's, over every rank of the job.
+* :class:`~mpsrun.node.controller.NodeController` and :class:`~mpsrun.node.relay.RelayController`: a node
+  keeper's, over one node's ranks; the relay passes everything up to a multi-host job's controller.
 """
 
 from __future__ import annotations
@@ -17,49 +21,51 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from mpsrun.errors import MPSError
-from mpsrun.exitcodes import ExitCode, describe_returncode, exit_code_of, signal_name
-from mpsrun.job import policy as rules
-from mpsrun.job.backends import Launched, Launchers, LaunchSpec
-from mpsrun.job.outcome import JobResult, Judge, RankEnd, ranges
-from mpsrun.job.policy import Policy, Welcome
+from mpsrun.exitcodes import ExitCode, Outcome, exit_code, signal_name
+from mpsrun.job.outcome import JobResult, Judge, RankEnd
 from mpsrun.job.table import RankState, RankTable
 from mpsrun.mps.watch import Finding, RankWatch, with_descendants
 from mpsrun.rank.identity import RankIdentity
+from mpsrun.runtime.constants import FORWARDED_SIGNALS, KILL_WAIT, PASS_SIGNALS, SAME_INTERRUPT, WATCH_INTERVAL
 from mpsrun.runtime.loop import EventLoop, Timer
 from mpsrun.runtime.protocol import Link, Listener
 from mpsrun.session.session import Session
 
-__all__ = ["Controller", "Policy"]
+__all__ = ["Controller", "JudgingController", "Policy", "Welcome"]
+
+#: What a controller gives each rank it admits (its environment and settings), from its identity and hello.
+Welcome = Callable[[RankIdentity, Mapping[str, Any]], dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    grace: float = 5.0
+    timeout: float | None = None  # seconds left of the job's --timeout when the ranks start
+    timeout_total: float | None = None  # the --timeout itself, for the message
+    mps_required: bool = False  # --mps on: a rank found without MPS fails the job
+    watch_interval: float = WATCH_INTERVAL
+
 
 class Controller:
-    """``expected``: the job's ranks (None for a node keeper: whoever joins). ``session``: the MPS
-    session of this host's ranks, if this controller owns one (for the client watch and detaching)."""
+    """What every controller does: admit ranks, watch them, stop them. ``session``: the MPS session of this host's
+    ranks, if this controller owns one (for the client watch and detaching). Subclasses decide what a failure,
+    a rank's end and a signal mean (:meth:`fail`, :meth:`_ended`, :meth:`_stop_signal`) and when it is over."""
 
-    def __init__(self, listener: Listener, token: str, welcome: Welcome, policy: Policy, *,
-                 expected: Iterable[int] | None, session: Session | None = None, upstream: Link | None = None,
-                 note: Callable[[str], None] = print) -> None:
-        self.welcome, self.policy, self.session, self.upstream, self.note = welcome, policy, session, upstream, note
-        self.expected = None if expected is None else set(expected)
+    def __init__(self, listener: Listener, token: str, welcome: Welcome, policy: Policy,
+                 session: Session | None = None) -> None:
+        self.welcome, self.policy, self.session = welcome, policy, session
         self.loop = EventLoop()
         self.table = RankTable(self.loop, listener, token, self, socket.gethostname())
-        self.launchers = Launchers(self.loop, self._launcher_exited, self._launch_failed)
         self.watch = RankWatch(session.watcher(), policy.mps_required) \
             if session is not None and session.enabled else None
-        self.judge = Judge()
-        self.notes: list[str] = []  # lines for the end of the job (from node keepers)
         self.stopping: int | None = None
         self.interrupted_by: int | None = None
-        self.report_in_verdicts = False  # a node keeper without upstream: its ranks print the summary
-        self.before_last_verdict: Callable[[], list[str]] | None = None
-        self.expected_count: int | None = None  # a node keeper: how many ranks the launcher put on the node
-        self.give_up = False  # a node keeper that no rank ever joined, or that waited for late ranks in vain
-        self.abandoned = False  # the job cannot run: see abandon()
-        self.first_started: Callable[[], object] | None = None  # called as the first rank starts
         self._kill_timer: Timer | None = None
-        self._summary_pending = self._detached = self._nodes_timer = self._nodes_overdue = False
+        self._detached = False
         self._interrupts: dict[int, float] = {}  # source -> when its first interrupt came
         self._refusals: set[str] = set()  # refusals already said
 
@@ -67,16 +73,13 @@ class Controller:
     def ranks(self) -> dict[int, RankState]:
         return self.table.ranks
 
-    def run(self, first: Callable[[], object] | None = None, pending: Sequence[int] = ()) -> JobResult:
-        """Run the job to its end; ``first`` runs once the loop handles signals (it may raise MPSError).
+    def run(self, first: Callable[[], object] | None = None, pending: Sequence[int] = ()) -> None:
+        """Run to the end; ``first`` runs once the loop handles signals (it may raise MPSError).
 
         ``pending``: stopping signals that arrived before the loop took over (acted on first).
         """
-        with self.loop.signals((*rules.STOP_SIGNALS, *rules.FORWARD_SIGNALS), self._on_signal):
-            if self.upstream is not None:
-                self.loop.watch(upstream_fd := self.upstream.fileno(), lambda: self._on_upstream(upstream_fd))
-            elif self.policy.timeout is not None:
-                self.loop.after(self.policy.timeout, self._timed_out)
+        with self.loop.signals(FORWARDED_SIGNALS, self._on_signal):
+            self._arm()
             if self.watch is not None:
                 self.loop.after(self.policy.watch_interval, self._check)
             for sig in pending:
@@ -86,80 +89,99 @@ class Controller:
             with self.watch.held() if self.watch is not None else contextlib.nullcontext():
                 self.loop.run_until(self._done)
         self.loop.close()
-        return self.judge.result([s.end for s in self.ranks.values() if s.end is not None])
 
     def settle_watch(self) -> None:
         """Let the client watch read the daemons' logs once more, knowing every rank that ran."""
         if self.watch is not None:
             self.watch.settle({s.process.pid: s.rank for s in self.ranks.values() if s.process is not None})
 
-    def _guarded(self, step: Callable[[], object]) -> None:
-        try:
-            step()
-        except MPSError as exc:
-            self.fail("setup", exc.exit_code, str(exc))
+    def note(self, text: str) -> None:
+        """Say something to the user (how depends on where the controller runs)."""
+        raise NotImplementedError
 
-    def _launch_failed(self, spec: LaunchSpec, exc: OSError) -> None:
-        """A launcher (a rank's supervisor, or mpiexec) could not be started: the job fails, nothing more starts."""
-        self.fail("setup", ExitCode.SETUP, f"cannot start rank(s) {ranges(list(spec.ranks))}: {exc}")
-        self._never_started([r for r in spec.ranks if r not in self.ranks])
+    # -- what subclasses decide -------------------------------------------------------------------
 
-    def _never_started(self, ranks: Iterable[int]) -> None:
-        for rank in ranks:
-            self.ranks[rank] = RankState(rank, end=RankEnd(rank, None, None, "never started"), verdict_sent=True)
+    def fail(self, cause: str, code: int, message: str) -> None:
+        """The job fails for a reason of its own (unless something failed first): stop the ranks."""
+        raise NotImplementedError
+
+    def _ended(self, state: RankState, end: RankEnd) -> None:
+        raise NotImplementedError
+
+    def _stop_signal(self, sig: int) -> None:
+        raise NotImplementedError
 
     def _done(self) -> bool:
-        if self.give_up:
-            return True
-        if self.expected is not None:  # and the hosts' node keepers have closed their sessions (or are overdue)
-            return self.table.ended(self.expected) and self.launchers.ended and (
-                not self.table.nodes or self._nodes_overdue)
-        every = len(self.ranks) >= (self.expected_count or 1)
-        return every and all(s.end is not None and s.verdict_sent for s in self.ranks.values())
+        raise NotImplementedError
 
-    # -- what the ranks say (mpsrun.job.table.RankEvents) ---------------------------------------------
+    def _verdict_code(self, state: RankState) -> int:
+        """The exit code a rank's supervisor is told, when no one else decided it."""
+        return _own_code(state)
+
+    def _arm(self) -> None:
+        """Set what the loop waits for besides the ranks (timers, an upstream link)."""
+
+    def _started(self, state: RankState, message: Mapping[str, Any]) -> None:
+        """A rank has started (before it is recorded for the session's reaper)."""
+
+    def _warn(self, finding: Finding) -> None:
+        self.note(f"warning: {finding.message}")
+
+    def _cancel_launches(self) -> list[int]:
+        """Start nothing more; the ranks that will now never start (a controller that launches ranks has some)."""
+        return []
+
+    def _after_kill(self) -> None:
+        """``--grace`` is over and the ranks were SIGKILLed."""
+
+    # -- what the ranks say (mpsrun.job.table.RankEvents) -----------------------------------------
 
     def admit(self, link: Link, identity: RankIdentity, hello: Mapping[str, Any]) -> None:
         """Welcome a rank with its environment, or refuse it (the refusal is then its end)."""
-        rank, known = identity.rank, self.ranks.get(identity.rank)
-        refusal: tuple[int, str] | None = None
-        if known is not None:
-            refusal = (ExitCode.SETUP, f"rank {rank} is already part of this job")
-        elif self.expected is not None and rank not in self.expected:
-            refusal = (ExitCode.SETUP, f"rank {rank} is not part of this job (ranks {ranges(sorted(self.expected))})")
-        elif self.stopping is not None:
-            refusal = (0 if self.abandoned else self.judge.exit_code(), "")
+        known = identity.rank in self.ranks
+        refusal = self._refusal(identity)
         if refusal is None:
             try:
                 link.send("welcome", **self.welcome(identity, hello))
-                self.ranks[rank] = RankState(rank, link)
+                self.ranks[identity.rank] = RankState(identity.rank, link)
                 return
             except MPSError as exc:
                 refusal = (exc.exit_code, f"mpsrun: error: {exc}")
-        link.send("refuse", exit_code=refusal[0], message=self._once(*refusal))
+        code, why = refusal
+        message = self._once(code, why)
+        if not known:  # the refusal is its verdict; its end may be the node's last, which closes the node first
+            state = self.ranks[identity.rank] = RankState(identity.rank)
+            self.rank_ended(state, RankEnd(identity.rank, None, code, why.removeprefix("mpsrun: error: ")))
+        link.send("refuse", exit_code=code, message=message, linger=self._lingers())
         self.table.close(link)
-        if known is None:  # the refusal is its verdict; its end may still be the node's last
-            state = self.ranks[rank] = RankState(rank, link)
-            self.rank_ended(state, RankEnd(rank, None, refusal[0], refusal[1].removeprefix("mpsrun: error: ")))
+
+    def _lingers(self) -> bool:
+        """Whether a rank told its end now waits for this controller's process to end (a node keeper's, closed)."""
+        return False
+
+    def _refusal(self, identity: RankIdentity) -> tuple[int, str] | None:
+        """Why this rank may not join (its exit code and what to say), or None."""
+        if identity.rank in self.ranks:
+            return ExitCode.SETUP, f"rank {identity.rank} is already part of this job"
+        if self.stopping is not None:
+            return self._refusal_code(), ""
+        return None
+
+    def _refusal_code(self) -> int:
+        """The exit code of a rank turned away because the job is stopping."""
+        return ExitCode.OK
 
     def _once(self, code: int, refusal: str) -> str:
-        """A refusal is said once: by the first rank refused for it, or under --hosts by the job's controller."""
+        """A refusal is said once: by the first rank refused for it."""
         if not refusal or refusal in self._refusals:
             return ""
         self._refusals.add(refusal)
-        if self.upstream is not None:
-            self.upstream.send("finding", message=refusal.removeprefix("mpsrun: error: "), fatal=True, code=code)
-            return ""
         return refusal
 
     def rank_started(self, state: RankState, message: Mapping[str, Any]) -> None:
-        if self.first_started is not None:
-            first, self.first_started = self.first_started, None
-            first()
+        self._started(state, message)
         if state.process is not None and self.session is not None:
             self.session.add_rank(state.process)
-        if self.upstream is not None:
-            self.upstream.send("started", **{**message, "rank": state.rank})
         if self.stopping is not None:  # started while the job was already stopping
             self._signal(self.stopping, [state])
 
@@ -167,38 +189,8 @@ class Controller:
         if end.returncode != 0 and self.watch is not None and self.stopping is None:
             for finding in self.watch.dead_daemons():  # the rank failed because its server went away
                 self._finding(finding)
-        state.end = end
-        if self.upstream is not None:
-            self.upstream.send("exited", rank=end.rank, pid=end.pid, returncode=end.returncode, reason=end.reason)
-            if not self.table.live():  # the job's controller answers at once; should it not, the node must close
-                self.loop.after(rules.VERDICT_WAIT, self._verdicts_overdue)
-            return
-        if self.judge.rank_ended(end):
-            self._summary_pending = True
-            self.stop(signal.SIGTERM)
-        self._verdict(state)
-        if self.expected is not None and self.table.ended(self.expected):
-            self._wind_down()
-
-    def _wind_down(self) -> None:
-        """Every rank has ended: the launchers get --grace to exit, once every host's node keeper has closed
-        (a keeper's last rank waits for its teardown, and ending the launcher would cut that short)."""
-        if self.session is not None:  # no client is left (nor to detach): the daemons quit while the launchers exit
-            self._detached = True
-            self.session.begin_close()
-        if not self.table.nodes:
-            self.launchers.wind_down(self.policy.grace)
-        elif not self._nodes_timer:
-            self._nodes_timer = True
-            self.loop.after(rules.NODE_CLOSE_WAIT, self._nodes_late)
-
-    def _nodes_late(self) -> None:
-        self._nodes_overdue = True
-        self.launchers.wind_down(self.policy.grace)
-
-    def node_closed(self) -> None:
-        if self.expected is not None and self.table.ended(self.expected):
-            self._wind_down()
+        state.ended(end)
+        self._ended(state, end)
 
     def interrupted(self, sig: int, source: int) -> None:
         """A rank's supervisor (or a node keeper) got a stopping signal from outside: the job was interrupted.
@@ -209,63 +201,23 @@ class Controller:
         """
         now = time.monotonic()
         first = self._interrupts.setdefault(source, now)
-        if self.interrupted_by is None or (sig == signal.SIGINT and now - first > rules.SAME_INTERRUPT):
+        if self.interrupted_by is None or (sig == signal.SIGINT and now - first > SAME_INTERRUPT):
             self._on_signal(sig)
 
-    def relayed(self, kind: str, message: Mapping[str, Any]) -> None:
-        if kind == "note":
-            self.notes.append(str(message.get("text")))
-            return
-        self._finding(Finding(str(message.get("message")), bool(message.get("fatal"))))
-        if isinstance(message.get("code"), int) and self.judge.cause == "check-failed":
-            self.judge.code = message["code"]
+    def relayed(self, message: Mapping[str, Any]) -> None:
+        """A node keeper's finding or note (only a multi-host job's controller has node keepers)."""
 
-    # -- decisions --------------------------------------------------------------------------------
+    def node_closed(self) -> None:
+        """A node keeper's link ended (only a multi-host job's controller has node keepers)."""
 
-    def _verdict(self, state: RankState, code: int | None = None, lines: Sequence[str] = ()) -> None:
-        if state.verdict_sent:
-            return
-        state.verdict_sent = True
-        if code is None:
-            own = exit_code_of(state.end.returncode) if state.end and state.end.returncode is not None else 0
-            code = self.judge.exit_code() if self.judge.failed else own
-        lines = list(lines)
-        if self.report_in_verdicts and self._summary_pending and state.link is not None and state.link.usable:
-            lines.insert(0, self.judge.message)
-            self._summary_pending = False
-        closing = self.before_last_verdict
-        last = closing is not None and all(s.verdict_sent for s in self.ranks.values())
-        if closing is not None and last and len(self.ranks) < (self.expected_count or 0):
-            last = False  # a rank of the node has yet to come: keep the session for it a while
-            self.loop.after(rules.LATE_WAIT, self._late_ranks_overdue)
-        if closing is not None and last:
-            lines += closing()  # the last rank out waits for the node's teardown
-        if state.link is not None:  # ... and, with linger, for this process to end
-            state.link.send("verdict", rank=state.rank, exit_code=code, lines=lines, linger=last)
-
-    def fail(self, cause: str, code: int, message: str) -> None:
-        """Fail the job for a reason of its own (unless something failed first) and stop the ranks."""
-        if self.upstream is not None:
-            self.upstream.send("finding", message=message, fatal=True, code=code)
-        elif self.judge.decide(cause, code, message):
-            self._summary_pending = True
-        self.stop(signal.SIGTERM)
-
-    def abandon(self) -> None:
-        """The job cannot run (its set-up failed after its MPI launcher had started): every rank supervisor that
-        comes is refused quietly with exit 0 (no launcher's banner), the launcher gets --grace (at least 5 s, at
-        most what is left of --timeout), then SIGTERM, SIGKILL; a stopping signal kills it. Its caller reports."""
-        self.abandoned = True
-        self.stop(signal.SIGTERM)
-        wait = max(self.policy.grace, rules.ABANDON_WAIT)  # SIGTERM while mpiexec starts ranks makes it print a banner
-        self.launchers.wind_down(wait if self.policy.timeout is None else min(wait, max(self.policy.timeout, 0.0)))
+    # -- stopping ---------------------------------------------------------------------------------
 
     def stop(self, sig: int, restart: bool = False) -> None:
         """Start no more ranks; detach connected ranks from MPS, send ``sig`` to every rank; SIGKILL after --grace."""
         if self.stopping is not None and not restart:
             return
         self.stopping = sig
-        self._never_started(self.launchers.cancel())
+        self._never_started(self._cancel_launches())
         self._detach_once()
         self._signal(sig, self.table.live())
         if self._kill_timer is not None:
@@ -273,16 +225,26 @@ class Controller:
         self._kill_timer = self.loop.after(self.policy.grace, self._kill)
 
     def _kill(self) -> None:
-        """``--grace`` is over: SIGKILL; a rank that still does not report is given up as lost, and an MPI launcher
-        still starting ranks (or hung before them) gets --grace more, then SIGTERM, then SIGKILL."""
+        """``--grace`` is over: SIGKILL; a rank that still does not report is given up as lost."""
         self._signal(signal.SIGKILL, self.table.live())
-        self.loop.after(rules.KILL_WAIT, self._lost)
-        self.launchers.wind_down(self.policy.grace)
+        self.loop.after(KILL_WAIT, self._lost)
+        self._after_kill()
 
     def _lost(self) -> None:
         for state in self.table.live():
             pid = state.process.pid if state.process is not None else None
             self.rank_ended(state, RankEnd(state.rank, pid, None, "no word from it after SIGKILL"))
+
+    def _never_started(self, ranks: Iterable[int]) -> None:
+        for rank in ranks:
+            state = self.ranks[rank] = RankState(rank, end=RankEnd(rank, None, None, "never started"))
+            state.judged()
+
+    def _clients_gone(self) -> None:
+        """Every rank has ended: no client is left to detach, and the session's daemons may begin to quit."""
+        self._detached = True
+        if self.session is not None:
+            self.session.begin_close()
 
     def _detach_once(self) -> None:
         if self.watch is None or self.session is None or self._detached:
@@ -305,38 +267,33 @@ class Controller:
         for link, ranks in by_link.items():
             link.send("signal", signal=sig, ranks=ranks)
 
+    def _verdict(self, state: RankState, code: int | None = None, lines: Sequence[str] = ()) -> None:
+        """Tell a rank's supervisor how the job ended for it (once); ``code``: as decided elsewhere."""
+        if state.verdict_sent:
+            return
+        state.judged()
+        lines, linger = self._verdict_lines(state, list(lines))
+        if state.link is not None:
+            state.link.send("verdict", rank=state.rank, exit_code=self._verdict_code(state) if code is None else code,
+                            lines=lines, linger=linger)
+
+    def _verdict_lines(self, state: RankState, lines: list[str]) -> tuple[list[str], bool]:
+        """What a rank's supervisor says with its verdict, and whether it waits (lingers) for the node's end."""
+        return lines, False
+
     # -- events -----------------------------------------------------------------------------------
 
-    def _on_signal(self, sig: int) -> None:
-        if self.abandoned:
-            if sig in rules.STOP_SIGNALS:
-                self.launchers.kill()
-            return
-        if sig in rules.FORWARD_SIGNALS:
-            self._signal(sig, self.table.live())
-        elif self.upstream is not None:  # the job's controller decides; the ranks here get the signal now
-            self.interrupted_by = self.interrupted_by or sig
-            self.upstream.send("interrupted", signal=sig)
-            self._signal(sig, self.table.live())
-        elif self.interrupted_by is not None and sig == signal.SIGINT:
-            self.note("second interrupt: killing the ranks now")
-            self._signal(signal.SIGKILL, self.table.live())
-            self.launchers.kill()  # and the MPI launcher, which may still be starting ranks
-        elif self.interrupted_by is None:
-            self.interrupted_by = sig
-            self.note(f"received {signal_name(sig)}; stopping the ranks")
-            if self.judge.decide("signal", 128 + sig, f"stopped by {signal_name(sig)}"):
-                self._summary_pending = True
-            self.stop(sig, restart=True)
+    def _guarded(self, step: Callable[[], object]) -> None:
+        try:
+            step()
+        except MPSError as exc:
+            self.fail("setup", exc.exit_code, str(exc))
 
-    def _timed_out(self) -> None:
-        if self.abandoned:  # the job never ran: its own error is the one to report
-            return
-        timeout = self.policy.timeout_total or self.policy.timeout
-        self.note(f"timeout: the job ran longer than {timeout:g} s; stopping it")
-        if self.judge.decide("timeout", ExitCode.TIMEOUT, f"timed out after {timeout:g} s"):
-            self._summary_pending = True
-        self.stop(signal.SIGTERM)
+    def _on_signal(self, sig: int) -> None:
+        if sig in PASS_SIGNALS:
+            self._signal(sig, self.table.live())
+        else:
+            self._stop_signal(sig)
 
     def _check(self) -> None:
         if self.watch is None or self.stopping is not None or self._detached or not self.table.accepting:
@@ -347,54 +304,65 @@ class Controller:
 
     def _finding(self, finding: Finding) -> None:
         if finding.fatal:
-            self.fail("check-failed", ExitCode.SETUP, finding.message)
-        elif self.upstream is not None:
-            self.upstream.send("finding", message=finding.message, fatal=False)
+            self.fail("check-failed", ExitCode.SETUP if finding.code is None else finding.code, finding.message)
         else:
-            self.note(f"warning: {finding.message}")
+            self._warn(finding)
 
-    def _launcher_exited(self, started: Launched, returncode: int) -> None:
-        name = started.spec.name
-        self.judge.launcher_ended(name, returncode)
-        missing = [r for r in started.spec.ranks if r not in self.ranks]
-        running = [self.ranks[r] for r in started.spec.ranks if r in self.ranks and self.ranks[r].end is None]
-        if missing:
-            code = exit_code_of(returncode) or ExitCode.SETUP
-            self.fail("launcher-failed", code, f"{name} {describe_returncode(returncode)} before rank(s) "
-                      f"{ranges(missing)} started")
-            self._never_started(missing)
-        elif returncode != 0 and running:
-            self.fail("launcher-failed", exit_code_of(returncode),
-                      f"{name} {describe_returncode(returncode)} while rank(s) {ranges([s.rank for s in running])} ran")
 
-    # -- upstream (a node keeper in a multi-host job) ---------------------------------------------
+def _own_code(state: RankState) -> int:
+    """A rank's own exit code, as its end gives it."""
+    returncode = state.end.returncode if state.end is not None else 0
+    return exit_code(Outcome("ok" if returncode == 0 else "rank-failed", returncode))
 
-    def _late_ranks_overdue(self) -> None:
-        if self.before_last_verdict is not None and all(s.verdict_sent for s in self.ranks.values()):
-            self.before_last_verdict()
-            self.give_up = True
 
-    def _verdicts_overdue(self) -> None:
-        for state in self.ranks.values():
-            if state.end is not None and not state.verdict_sent:
-                self._verdict(state)
+class JudgingController(Controller):
+    """A controller that decides the job's outcome itself: the first failure (a rank's end, a signal, the
+    timeout, a check) sets the exit code of every rank after it and of the job."""
 
-    def _on_upstream(self, fd: int) -> None:
-        assert self.upstream is not None
-        messages = self.upstream.receive()
-        if messages is None:
-            self.loop.unwatch(fd)  # before the close: see Link
-            self.upstream.close()
-            self.upstream = None
-            self.fail("setup", ExitCode.SETUP, "lost the job's controller")
-            self._verdicts_overdue()
-            return
-        for message in messages:
-            ranks = message.get("ranks")
-            chosen = [s for s in self.ranks.values() if not isinstance(ranks, list) or s.rank in ranks]
-            if message.get("type") == "signal" and isinstance(message.get("signal"), int):
-                if message["signal"] in rules.STOP_SIGNALS:
-                    self._detach_once()
-                self._signal(message["signal"], chosen)
-            elif message.get("type") == "verdict" and message.get("rank") in self.ranks:
-                self._verdict(self.ranks[message["rank"]], message.get("exit_code"), message.get("lines") or ())
+    def __init__(self, listener: Listener, token: str, welcome: Welcome, policy: Policy,
+                 session: Session | None = None) -> None:
+        super().__init__(listener, token, welcome, policy, session)
+        self.judge = Judge()
+
+    def result(self, teardown_failure: str = "", late_signal: int | None = None) -> JobResult:
+        return self.judge.result([s.end for s in self.ranks.values() if s.end is not None], teardown_failure,
+                                 late_signal)
+
+    def fail(self, cause: str, code: int, message: str) -> None:
+        self.judge.decide(cause, code, message)
+        self.stop(signal.SIGTERM)
+
+    def _ended(self, state: RankState, end: RankEnd) -> None:
+        if self.judge.rank_ended(end):
+            self.stop(signal.SIGTERM)
+        self._verdict(state)
+
+    def _verdict_code(self, state: RankState) -> int:
+        return self.judge.exit_code() if self.judge.failed else _own_code(state)
+
+    def _refusal_code(self) -> int:
+        return self.judge.exit_code()
+
+    def _arm(self) -> None:
+        if self.policy.timeout is not None:
+            self.loop.after(self.policy.timeout, self._timed_out)
+
+    def _stop_signal(self, sig: int) -> None:
+        if self.interrupted_by is not None and sig == signal.SIGINT:
+            self.note("second interrupt: killing the ranks now")
+            self._signal(signal.SIGKILL, self.table.live())
+            self._kill_launchers()
+        elif self.interrupted_by is None:
+            self.interrupted_by = sig
+            self.note(f"received {signal_name(sig)}; stopping the ranks")
+            self.judge.decide("signal", sig, f"stopped by {signal_name(sig)}")
+            self.stop(sig, restart=True)
+
+    def _kill_launchers(self) -> None:
+        """SIGKILL whatever still starts ranks (a second Ctrl-C)."""
+
+    def _timed_out(self) -> None:
+        timeout = self.policy.timeout_total or self.policy.timeout
+        self.note(f"timeout: the job ran longer than {timeout:g} s; stopping it")
+        self.judge.decide("timeout", None, f"timed out after {timeout:g} s")
+        self.stop(signal.SIGTERM)

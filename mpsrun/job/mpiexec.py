@@ -27,13 +27,8 @@ FLAVOURS = ("openmpi", "mpich", "intel", "unknown")
 
 
 def find_mpiexec(explicit: str | None = None) -> str | None:
-    """The mpiexec to use: ``explicit`` if given (must exist), else ``mpiexec`` on PATH."""
-    if explicit:
-        found = shutil.which(explicit)
-        if found is None:
-            raise ConfigError(f"--mpiexec {explicit}: no such executable", setting="--mpiexec", value=explicit)
-        return found
-    return shutil.which("mpiexec") or shutil.which("mpirun")
+    """The mpiexec to use: ``explicit`` (``--mpiexec``, found when it was parsed) if given, else mpiexec on PATH."""
+    return explicit or shutil.which("mpiexec") or shutil.which("mpirun")
 
 
 @functools.cache

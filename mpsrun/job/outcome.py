@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from mpsrun.exitcodes import ExitCode, describe_returncode, exit_code_of
+from mpsrun.exitcodes import Outcome, describe_returncode, exit_code, signal_name
 
 __all__ = ["JobResult", "Judge", "RankEnd", "ranges"]
 
@@ -50,7 +50,7 @@ class RankEnd:
 
 @dataclass(slots=True)
 class JobResult:
-    """``cause``: ok, rank-failed, launcher-failed, timeout, signal, check-failed or setup."""
+    """How a job ended: its exit code, the cause (:data:`mpsrun.exitcodes.CAUSES`) and the summary line."""
 
     exit_code: int
     cause: str
@@ -60,46 +60,57 @@ class JobResult:
 
 
 class Judge:
-    """Keeps the first failure; everything after it only follows."""
+    """Keeps the job's first failure; everything after it only follows. The exit code comes from
+    :func:`mpsrun.exitcodes.exit_code`, as on every other path."""
 
     def __init__(self) -> None:
-        self.cause: str | None = None
-        self.code: int | None = None
+        self.outcome = Outcome()
         self.message = ""
         self.first: RankEnd | None = None
 
     @property
     def failed(self) -> bool:
-        return self.cause is not None
+        return self.outcome.cause != "ok"
+
+    @property
+    def cause(self) -> str:
+        return self.outcome.cause
 
     def rank_ended(self, end: RankEnd) -> bool:
         """Record a rank's end; True when it is the job's first failure."""
         if end.returncode == 0 or self.failed:
             return False
         self.first = end
-        code = None if end.returncode is None else exit_code_of(end.returncode)
-        return self.decide("rank-failed", code, end.describe(first=True))
+        return self.decide("rank-failed", end.returncode, end.describe(first=True))
 
-    def decide(self, cause: str, code: int | None, message: str) -> bool:
+    def decide(self, cause: str, detail: int | None, message: str) -> bool:
         """The job fails for this reason unless something failed first; True if this is first."""
         if self.failed:
             return False
-        self.cause, self.code, self.message = cause, code, message
+        self.outcome, self.message = Outcome(cause, detail), message
         return True
 
     def launcher_ended(self, name: str, returncode: int) -> None:
         """A launcher process's status gives a lost rank its code (MPI_Abort's, say)."""
-        if self.cause == "rank-failed" and self.code is None and returncode != 0:
-            self.code = exit_code_of(returncode)
+        if self.outcome == Outcome("rank-failed", None) and returncode != 0:
+            self.outcome = Outcome("rank-failed", returncode)
             self.message += f"; {name} {describe_returncode(returncode)}"
 
     def exit_code(self) -> int:
-        if self.cause is None:
-            return ExitCode.OK
-        return exit_code_of(-9) if self.code is None else self.code  # lost, no better word: as if SIGKILLed
+        return exit_code(self.outcome)
 
-    def result(self, ends: Sequence[RankEnd]) -> JobResult:
-        return JobResult(self.exit_code(), self.cause or "ok", self.message, self.first, sorted(ends, key=_by_rank))
+    def result(self, ends: Sequence[RankEnd], teardown_failure: str = "", late_signal: int | None = None
+               ) -> JobResult:
+        """The job's result once it has ended: a teardown that failed, or a signal while it ended, counts only
+        when nothing failed first."""
+        outcome = self.outcome._replace(teardown_failed=bool(teardown_failure), late_signal=late_signal)
+        code = exit_code(outcome)
+        cause, message = self.outcome.cause, self.message
+        if not self.failed and teardown_failure:
+            cause, message = "teardown-failed", teardown_failure
+        elif not self.failed and late_signal:
+            cause, message = "signal", f"interrupted by {signal_name(late_signal)} while ending the job"
+        return JobResult(code, cause, message, self.first, sorted(ends, key=_by_rank))
 
 
 def _by_rank(end: RankEnd) -> int:

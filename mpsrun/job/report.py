@@ -5,21 +5,14 @@ Used by the launcher and by node keepers alike.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
 
-from mpsrun.errors import DaemonError
 from mpsrun.job.outcome import ranges
 from mpsrun.mps.daemon import ControlDaemon
-from mpsrun.mps.gpus import GPU
 from mpsrun.mps.replies import diagnose_log, torn_down_clients
+from mpsrun.mps.watch import RankWatch
 
-if TYPE_CHECKING:
-    from mpsrun.mps.watch import RankWatch
-    from mpsrun.session.session import Session
-
-__all__ = ["MPS_CLIENT_LIMIT", "crowding_warnings", "mps_report", "session_status", "verified_line"]
+__all__ = ["MPS_CLIENT_LIMIT", "crowding_warnings", "mps_report", "verified_line"]
 
 #: Clients an MPS server accepts on Volta and later (documented; the H100 with driver 580
 #: logged "Maximum number of clients (48) reached" for the 49th).
@@ -70,25 +63,3 @@ def crowding_warnings(per_gpu: Mapping[int, int]) -> list[str]:
         for gpu, n in sorted(per_gpu.items())
         if n > MPS_CLIENT_LIMIT
     ]
-
-
-def session_status(session: Session, served: Sequence[tuple[GPU, ControlDaemon]]) -> dict[str, Any]:
-    """A session's snapshot: directories, and per GPU (``served``: with its daemon) the servers and their clients."""
-    report: dict[str, Any] = {
-        "enabled": session.enabled,
-        "state": session.state,
-        "reason": session.disabled_reason,
-        "directory": str(session.dirs.root) if session.dirs else None,
-        "gpus": [],
-    }
-    for gpu, daemon in served:
-        entry: dict[str, Any] = {"index": gpu.index, "uuid": gpu.uuid, "daemon_pid": daemon.pid}
-        entry["daemon_alive"] = daemon.alive
-        entry["servers"], entry["clients"] = {}, {}
-        if daemon.alive:
-            with contextlib.suppress(DaemonError):
-                for server in daemon.server_list():
-                    entry["servers"][server] = daemon.server_status(server).value
-                    entry["clients"][server] = daemon.client_list(server)
-        report["gpus"].append(entry)
-    return report

@@ -7,7 +7,7 @@ rank supervisors and node keepers on the listener, checks the job's token, keeps
 
 from __future__ import annotations
 
-import hmac  # OpenSSL's compare_digest, 5 ms to import: with the controller, while the daemons start
+import hmac
 import signal
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from mpsrun.exitcodes import ExitCode
 from mpsrun.job.outcome import RankEnd
 from mpsrun.rank.identity import RankIdentity
+from mpsrun.runtime.constants import STOP_SIGNALS
 from mpsrun.runtime.loop import EventLoop
 from mpsrun.runtime.processes import ProcessRef, kill_group
 from mpsrun.runtime.protocol import Link, Listener
@@ -30,11 +31,20 @@ def token_matches(offered: object, token: str) -> bool:
 
 @dataclass(slots=True, eq=False)
 class RankState:
+    """One rank as its controller knows it: the link it joined over, its process (when on this host), its end, and
+    whether it has had its verdict."""
+
     rank: int
     link: Link | None = None
-    process: ProcessRef | None = None  # set when the rank runs on this host
+    process: ProcessRef | None = None
     end: RankEnd | None = None
     verdict_sent: bool = False
+
+    def ended(self, end: RankEnd) -> None:
+        self.end = end
+
+    def judged(self) -> None:
+        self.verdict_sent = True
 
 
 class RankEvents(Protocol):
@@ -48,7 +58,7 @@ class RankEvents(Protocol):
 
     def interrupted(self, sig: int, source: int) -> None: ...
 
-    def relayed(self, kind: str, message: Mapping[str, Any]) -> None: ...
+    def relayed(self, message: Mapping[str, Any]) -> None: ...
 
     def node_closed(self) -> None: ...
 
@@ -58,8 +68,12 @@ class RankTable:
         self.loop, self.listener, self.token, self.events, self.host = loop, listener, token, events, host
         self.ranks: dict[int, RankState] = {}
         self.nodes: set[Link] = set()  # open links of node keepers (each closes once its host's session is gone)
-        self.accepting = True  # False while a node keeper closes: a rank that comes now starts a new one
+        self.accepting = True  # False once a node keeper closes: a rank that comes then starts a new one
         loop.watch(listener.fileno(), self._accept)
+
+    def stop_accepting(self) -> None:
+        """A node keeper is closing: a rank that says hello from now on is asked to come again (to a new one)."""
+        self.accepting = False
 
     def live(self) -> list[RankState]:
         return [s for s in self.ranks.values() if s.end is None]
@@ -94,7 +108,7 @@ class RankTable:
             self._lost(link)
             return
         for message in messages:
-            kind = str(message.get("type"))
+            kind = message["type"]
             if not link.peer and kind != "hello":
                 self.close(link)  # a peer must say who it is first
                 return
@@ -102,10 +116,10 @@ class RankTable:
                 self._hello(link, message)
             elif kind in ("started", "exited"):
                 self._report(link, kind, message)
-            elif kind == "interrupted" and message.get("signal") in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                self.events.interrupted(int(message["signal"]), id(link))
+            elif kind == "interrupted" and message["signal"] in STOP_SIGNALS:
+                self.events.interrupted(message["signal"], id(link))
             elif kind in ("finding", "note") and link.peer.get("role") == "node":
-                self.events.relayed(kind, message)
+                self.events.relayed(message)
 
     def _hello(self, link: Link, message: Mapping[str, Any]) -> None:
         if not token_matches(message.get("token"), self.token):
@@ -113,8 +127,8 @@ class RankTable:
         elif not self.accepting:
             link.send("refuse", retry=True)
             self.close(link)
-        elif message.get("role") == "node":  # a node keeper relaying for its ranks
-            link.peer = {"role": "node", "node": message.get("node")}
+        elif message["role"] == "node":  # a node keeper relaying for its ranks
+            link.admit(role="node", node=message.get("node"))
             self.nodes.add(link)
             link.send("welcome")
         else:
@@ -124,13 +138,11 @@ class RankTable:
                 link.send("refuse", exit_code=ExitCode.SETUP, message=f"mpsrun: bad hello: {exc}")
                 self.close(link)
                 return
-            link.peer = {"role": "rank", "rank": identity.rank}
+            link.admit(role="rank", rank=identity.rank)
             self.events.admit(link, identity, message)
 
     def _state_of(self, link: Link, message: Mapping[str, Any]) -> RankState | None:
-        rank = link.peer.get("rank") if link.peer.get("role") == "rank" else message.get("rank")
-        if not isinstance(rank, int):
-            return None
+        rank = link.peer["rank"] if link.peer["role"] == "rank" else message["rank"]
         if link.peer.get("role") == "node" and rank not in self.ranks:
             self.ranks[rank] = RankState(rank, link)  # a rank a node keeper welcomed
         return self.ranks.get(rank)
@@ -140,15 +152,13 @@ class RankTable:
         if state is None or state.end is not None:
             return
         if kind == "started":
-            pid, start = message.get("pid"), message.get("start")
-            if message.get("host") == self.host and isinstance(pid, int) and isinstance(start, int):
-                state.process = ProcessRef(pid, start)
+            if message.get("host") == self.host and message.get("start") is not None:
+                state.process = ProcessRef(message["pid"], message["start"])
             self.events.rank_started(state, message)
             return
-        returncode = message.get("returncode")  # None: a node keeper lost the rank without a report
-        if returncode is None or isinstance(returncode, int):
-            pid = state.process.pid if state.process is not None else message.get("pid")
-            self.events.rank_ended(state, RankEnd(state.rank, pid, returncode, str(message.get("reason") or "")))
+        returncode = message["returncode"]  # None: a node keeper lost the rank without a report
+        pid = state.process.pid if state.process is not None else message.get("pid")
+        self.events.rank_ended(state, RankEnd(state.rank, pid, returncode, message.get("reason", "")))
 
     def _lost(self, link: Link) -> None:
         for state in [s for s in self.live() if s.link is link]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import shutil
 import signal
@@ -24,9 +25,10 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from mpsrun.config.values import stored_mem_limit
 from mpsrun.errors import DaemonError, DaemonStartError, DaemonTimeoutError, MPSUnavailableError
+from mpsrun.mps.limits import stored_mem_limit
 from mpsrun.mps.replies import (
     NO_DAEMON,
     PsEntry,
@@ -40,13 +42,11 @@ from mpsrun.mps.replies import (
     started_servers,
 )
 from mpsrun.runtime.deadline import Deadline, poll_until
-from mpsrun.runtime.logs import Log
 from mpsrun.runtime.processes import ProcessRef, parent_pid, set_parent_death_signal
-from mpsrun.session.record import DaemonRecord
 
-__all__ = ["CONTROL_EXECUTABLE", "ControlDaemon", "find_control_executable"]
+__all__ = ["CONTROL_EXECUTABLE", "ControlDaemon", "DaemonRecord", "find_control_executable"]
 
-log = Log(__name__)
+log = logging.getLogger(__name__)
 
 CONTROL_EXECUTABLE = "nvidia-cuda-mps-control"
 
@@ -71,6 +71,26 @@ def unavailable_reason(mode: str) -> str | None:
     except MPSUnavailableError as exc:
         return exc.message
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonRecord:
+    """A daemon as a session's record names it, for whoever outlives its owner (the reaper, ``mpsrun cleanup``)."""
+
+    gpu: str
+    process: ProcessRef
+    pipe_dir: str
+    log_dir: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"gpu": self.gpu, "process": self.process.to_json(), "pipe_dir": self.pipe_dir, "log_dir": self.log_dir}
+
+    @classmethod
+    def from_json(cls, data: Any) -> DaemonRecord:
+        fields = ("gpu", "pipe_dir", "log_dir")
+        if not isinstance(data, Mapping) or not all(isinstance(data.get(k), str) for k in fields):
+            raise ValueError(f"not a daemon record: {data!r}")
+        return cls(data["gpu"], ProcessRef.from_json(data.get("process")), data["pipe_dir"], data["log_dir"])
 
 
 @dataclass(slots=True, eq=False)

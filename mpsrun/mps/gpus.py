@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
+from mpsrun.config.values import GpuList
 from mpsrun.errors import ConfigError, GPUError, GPUNotFoundError, NoDriverError
-from mpsrun.mps import readahead as ahead
-from mpsrun.runtime import wire
 
 __all__ = [
     "GPU",
@@ -24,7 +22,6 @@ __all__ = [
     "compute_pids",
     "compute_processes",
     "driver_info",
-    "initialise",
     "list_gpus",
     "nvml_kept",
     "parse_visible_devices",
@@ -65,26 +62,6 @@ _kept = False  # an initialisation they hold
 _kept_lock = threading.Lock()  # NVML's reference is the process's, whichever thread queries
 
 
-def write_gpu_list(pipe: int, parent: int) -> None:
-    """In the child that :mod:`mpsrun.mps.readahead` forks: the GPU list as JSON on ``pipe``."""
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_DFL)  # a stopping signal ends it (the parent's handlers only note it)
-    from mpsrun.runtime.processes import set_parent_death_signal
-
-    set_parent_death_signal(signal.SIGKILL, parent)  # NVML could hang on a broken driver: not outlive the parent
-    with open(pipe, "w") as out:
-        out.write(wire.dumps([asdict(gpu) for gpu in list_gpus()]))
-
-
-def _answer_ahead() -> list[GPU] | None:
-    """The GPU list read ahead (:mod:`mpsrun.mps.readahead`), once; None without one, or when it failed."""
-    data = ahead.answer()
-    try:
-        return None if data is None else [GPU(**fields) for fields in wire.loads(data)]
-    except (ValueError, TypeError):
-        return None
-
-
 @contextlib.contextmanager
 def _nvml() -> Iterator[Any]:
     """Initialise NVML for the duration of a query; NVML reference-counts init/shutdown."""
@@ -110,12 +87,6 @@ def _nvml() -> Iterator[Any]:
     finally:
         with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
-
-
-def initialise() -> None:
-    """Initialise NVML now, for an enclosing :func:`nvml_kept` to keep (its first query then pays nothing)."""
-    with _nvml():
-        pass
 
 
 @contextlib.contextmanager
@@ -166,9 +137,6 @@ def _describe(nvml: Any, index: int) -> GPU:
 
 def list_gpus() -> list[GPU]:
     """Every GPU the driver knows, in NVML order, ignoring ``CUDA_VISIBLE_DEVICES``."""
-    read = _answer_ahead()
-    if read is not None:
-        return read
     with _nvml() as nvml:
         return [_describe(nvml, i) for i in range(int(nvml.nvmlDeviceGetCount()))]
 
@@ -209,44 +177,34 @@ def visible_gpus(environ: Mapping[str, str] | None = None) -> list[GPU]:
     return parse_visible_devices(env.get("CUDA_VISIBLE_DEVICES"), list_gpus())
 
 
-def select_gpus(requested: Sequence[int | str] | None, visible: Sequence[GPU]) -> list[GPU]:
-    """Pick GPUs by position in ``visible`` (as CUDA numbers them) or by UUID.
-
-    ``None`` selects every visible GPU. Raises :class:`GPUNotFoundError` naming what exists.
-    """
+def select_gpus(requested: GpuList, visible: Sequence[GPU]) -> list[GPU]:
+    """The GPUs ``requested`` names (as :func:`mpsrun.config.values.parse_gpus` gives them): positions among
+    ``visible`` (as CUDA numbers them) or UUID prefixes; None selects every visible GPU. Raises
+    :class:`GPUNotFoundError` naming what exists, or :class:`ConfigError` for a prefix that names several."""
     if requested is None:
         if not visible:
             raise GPUNotFoundError("no GPU is visible (check CUDA_VISIBLE_DEVICES)", requested=None)
         return list(visible)
-    chosen: list[GPU] = []
-    for item in requested:
-        if isinstance(item, bool) or not isinstance(item, (int, str)):
-            raise ConfigError(f"a GPU is an index or a UUID string, not {item!r}", setting="gpus", value=item)
-        if isinstance(item, str) and item.startswith("GPU-"):
-            matches = [g for g in visible if g.uuid.startswith(item)]
-            if len(matches) > 1:
-                raise ConfigError(f"GPU {item!r} names {len(matches)} GPUs ({', '.join(g.uuid for g in matches)}); "
-                                  "give more of the UUID", setting="gpus", value=item)
-            found = matches[0] if matches else None
-        else:
-            try:
-                position = int(item)
-            except ValueError:
-                raise ConfigError(
-                    f"a GPU is an index or a UUID string, not {item!r}", setting="gpus", value=item
-                ) from None
-            found = visible[position] if 0 <= position < len(visible) else None
-        if found is None:
-            names = [f"{i}: {g.name} {g.uuid}" for i, g in enumerate(visible)] or ["none"]
-            raise GPUNotFoundError(
-                f"GPU {item!r} is not visible; visible GPUs: {'; '.join(names)}",
-                requested=item,
-                visible=[g.uuid for g in visible],
-            )
-        if found in chosen:
-            raise ConfigError(f"GPU {item!r} is listed twice", setting="gpus", value=list(requested))
-        chosen.append(found)
+    chosen = [_find(item, visible) for item in requested]
+    if len(set(chosen)) < len(chosen):
+        raise ConfigError(f"GPUs {list(requested)} name one GPU twice", setting="gpus", value=list(requested))
     return chosen
+
+
+def _find(item: int | str, visible: Sequence[GPU]) -> GPU:
+    if isinstance(item, str):
+        matches = [g for g in visible if g.uuid.startswith(item)]
+        if len(matches) > 1:
+            raise ConfigError(f"GPU {item!r} names {len(matches)} GPUs ({', '.join(g.uuid for g in matches)}); "
+                              "give more of the UUID", setting="gpus", value=item)
+        found = matches[0] if matches else None
+    else:
+        found = visible[item] if 0 <= item < len(visible) else None
+    if found is None:
+        names = [f"{i}: {g.name} {g.uuid}" for i, g in enumerate(visible)] or ["none"]
+        raise GPUNotFoundError(f"GPU {item!r} is not visible; visible GPUs: {'; '.join(names)}", requested=item,
+                               visible=[g.uuid for g in visible])
+    return found
 
 
 def compute_processes(uuid: str) -> dict[int, bool]:

@@ -12,6 +12,7 @@ launcher and node keepers look repeatedly through :class:`RankWatch`.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,11 +22,10 @@ from mpsrun.mps import gpus as gpu_info
 from mpsrun.mps.daemon import ControlDaemon
 from mpsrun.mps.gpus import GPU
 from mpsrun.mps.replies import ServerStatus, connected_clients, started_servers
-from mpsrun.runtime.logs import Log
 
 __all__ = ["ClientWatcher", "ConnectionLog", "Finding", "LogNews", "Look", "RankWatch", "with_descendants"]
 
-log = Log("mpsrun")
+log = logging.getLogger("mpsrun")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,11 +106,12 @@ class ConnectionLog:
 
 @dataclass(frozen=True, slots=True)
 class Finding:
-    """Something the watch saw; ``fatal`` ends the job (exit 3)."""
+    """Something the watch (or a host's node keeper) saw; ``fatal`` ends the job, with ``code`` (default 3)."""
 
     message: str
     fatal: bool
     rank: int | None = None
+    code: int | None = None
 
 
 def with_descendants(pids: Mapping[int, int]) -> dict[int, int]:

@@ -1,15 +1,16 @@
 """The node keeper: ``python -m mpsrun.node.keeper``, started by the first local rank of a per-node job.
 
-It owns the node's MPS session (daemons, record, reaper) and a controller over the node's
-ranks. Every local rank's supervisor joins it; it watches them through their connections,
-so it notices a rank however it ended (SIGKILL, ``MPI_Abort``, a killed ``mpiexec`` or
-``srun``). When the last one is gone it stops the daemons and removes the session (lock
-and all) before that last rank may exit. It runs in its own session with its output in the
-session directory, so it never holds the launcher's output pipes open.
+It owns the node's MPS session (daemons, record, reaper) and a controller over the node's ranks
+(:mod:`mpsrun.node.controller`, or :mod:`mpsrun.node.relay` under ``--hosts``). Every local rank's
+supervisor joins it; it watches them through their connections, so it notices a rank however it
+ended (SIGKILL, ``MPI_Abort``, a killed ``mpiexec`` or ``srun``). When the last one is gone it stops
+the daemons and removes the session (lock and all) before that last rank may exit. It runs in its
+own session with its output in the session directory, so it never holds the launcher's output
+pipes open.
 
-It reads its request (session name, options, and the job's controller under ``--hosts``)
-as JSON on stdin, forks into the background, and answers ``ready`` or ``<exit code> <why>``
-on stdout.
+It reads its :class:`KeeperRequest` (the node session's name, the job's configuration as data, and
+the job's controller under ``--hosts``) as JSON on stdin, forks into the background, and answers
+``ready`` or ``<exit code> <why>`` on stdout.
 """
 
 from __future__ import annotations
@@ -26,104 +27,108 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mpsrun.config.options import JobConfig, parse_options
+from mpsrun.config.options import JobConfig
 from mpsrun.errors import ConfigError, DaemonTimeoutError, JobTimeoutError, MPSError
-from mpsrun.job.controller import Controller, Policy
-from mpsrun.job.placement import welcome, without_mps
+from mpsrun.job.controller import Policy
+from mpsrun.job.mpiexec import mpi4py_available
+from mpsrun.job.placement import daemon_defaults, welcome, without_mps
 from mpsrun.job.report import mps_report, verified_line
+from mpsrun.node.controller import NodeController, NodeSide
+from mpsrun.node.pernode import KeeperRequest
+from mpsrun.node.relay import RelayController
 from mpsrun.rank.identity import RankIdentity
+from mpsrun.runtime.constants import DAEMON_START_TIMEOUT, UPSTREAM_TIMEOUT
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.interrupts import Interrupts
-from mpsrun.runtime.output import say
 from mpsrun.runtime.processes import exit_now
 from mpsrun.runtime.protocol import Link, Listener, connect
 from mpsrun.session.paths import user_root_lock
-from mpsrun.session.session import START_TIMEOUT, Session
+from mpsrun.session.session import Session
 
 __all__ = ["NodeKeeper", "main"]
 
-IDLE_TIMEOUT = 60.0  # no rank joined this long after the start: give up
+
+def _start_session(config: JobConfig, request: KeeperRequest, deadline: Deadline) -> Session:
+    """The node's MPS session, started (its limits as the node's ranks will have them)."""
+    session = Session(gpus=list(config.gpus) if config.gpus is not None else "all", mps=config.mps,
+                      keep_logs=config.keep_logs, export=False, gpu_bind=config.gpu_bind,
+                      start_timeout=max(0.1, deadline.cap(DAEMON_START_TIMEOUT)))
+    try:
+        session.resolve()
+        defaults = daemon_defaults(config, len(session.gpus), request.local_size, session.free_memory())
+        session.start(kind="node", name=request.name, defaults=defaults)
+    except DaemonTimeoutError as exc:
+        if deadline.expired():
+            raise JobTimeoutError(f"timed out after {config.timeout:g} s while this node's MPS daemons started "
+                                  f"({exc})", timeout=config.timeout or 0.0) from None
+        raise
+    return session
+
+
+def _upstream(request: KeeperRequest) -> Link:
+    """The link to the job's controller (under --hosts), welcomed."""
+    link = connect(str(request.upstream))
+    link.send("hello", role="node", token=request.token, node=socket.gethostname())
+    if link.expect(("welcome",), Deadline(UPSTREAM_TIMEOUT)) is None:
+        link.close()
+        raise MPSError(f"the job's controller at {request.upstream} did not answer")
+    return link
 
 
 class NodeKeeper:
-    def __init__(self, config: JobConfig, request: Mapping[str, Any]) -> None:
-        self.config = config
-        self.name = str(request["name"])
-        self.base = Path(request["base"])
-        self.settings = " ".join(request["argv"])
-        self.devices = os.environ.get("CUDA_VISIBLE_DEVICES")
-        self.upstream_address = request.get("upstream")
-        self.upstream_token = str(request.get("token") or "")
+    """A node's started session and the controller over its ranks. Make one with :meth:`open`."""
+
+    def __init__(self, config: JobConfig, request: KeeperRequest, session: Session, upstream: Link | None,
+                 policy: Policy) -> None:
+        self.config, self.request, self.session = config, request, session
         self.closed = False
+        reason = session.disabled_reason
+        self._notices = without_mps(config, reason) if reason is not None and not config.quiet else []
+        self._abort = config.mpi4py_abort == "on" and mpi4py_available()
+        assert session.dirs is not None
+        self.listener = Listener(f"unix:{session.dirs.control_socket}")
+        common: dict[str, Any] = {"session": session, "expected": request.local_size, "close": self.close}
+        self.controller: NodeSide = (
+            RelayController(self.listener, request.name, self._welcome, policy, upstream=upstream, **common)
+            if upstream is not None else NodeController(self.listener, request.name, self._welcome, policy, **common))
 
-    def start(self) -> None:
-        config = self.config
-        deadline = Deadline(config.timeout)  # --timeout bounds the node's start-up too
-        self.session = Session(gpus=list(config.gpus) if config.gpus is not None else "all",
-                               thread_percentage=config.thread_percentage
-                               if isinstance(config.thread_percentage, int) else None,
-                               mem_limit=None if config.mem_limit == "auto" else config.mem_limit, mps=config.mps,
-                               keep_logs=config.keep_logs, export=False, quiet=True, gpu_bind=config.gpu_bind,
-                               start_timeout=max(0.1, deadline.cap(START_TIMEOUT)))
+    @classmethod
+    def open(cls, config: JobConfig, request: KeeperRequest) -> NodeKeeper:
+        """Start the node's session (bounded by --timeout) and, under --hosts, join the job's controller."""
+        deadline = Deadline(config.timeout)
+        session = _start_session(config, request, deadline)
         try:
-            self.session.start(kind="node", name=self.name)
-        except DaemonTimeoutError as exc:
-            if deadline.expired():
-                raise JobTimeoutError(f"timed out after {config.timeout:g} s while this node's MPS daemons started "
-                                      f"({exc})", timeout=config.timeout or 0.0) from None
+            upstream = _upstream(request) if request.upstream else None
+            policy = Policy(grace=config.grace, timeout=deadline.remaining() if config.timeout else None,
+                            timeout_total=config.timeout, mps_required=config.mps == "on")
+            return cls(config, request, session, upstream, policy)
+        except BaseException:
+            with contextlib.suppress(MPSError):
+                session.close()
             raise
-        reason = self.session.disabled_reason
-        self.notices = without_mps(config, reason) if reason is not None and not config.quiet else []
-        assert self.session.dirs is not None
-        self.listener = Listener(f"unix:{self.session.dirs.control_socket}")
-        upstream = self._upstream() if self.upstream_address else None
-        policy = Policy(grace=config.grace, timeout=deadline.remaining() if config.timeout else None,
-                        timeout_total=config.timeout, mps_required=config.mps == "on")
-        self.controller = Controller(self.listener, self.name, self._welcome, policy, expected=None,
-                                     session=self.session, upstream=upstream, note=self._log)
-        self.controller.report_in_verdicts = upstream is None
-        self.controller.before_last_verdict = self.close
-
-    def _upstream(self) -> Link:
-        link = connect(str(self.upstream_address))
-        link.send("hello", role="node", token=self.upstream_token, node=socket.gethostname())
-        if link.expect(("welcome",), Deadline(30.0)) is None:
-            raise MPSError(f"the job's controller at {self.upstream_address} did not answer")
-        return link
 
     def _welcome(self, identity: RankIdentity, hello: Mapping[str, Any]) -> dict[str, Any]:
-        if hello.get("settings") != self.settings:
+        if hello.get("settings") != self.config.settings():
             raise ConfigError("the ranks on this node were started with different mpsrun options "
-                              f"({hello.get('settings')!r}, not {self.settings!r})", setting="options")
-        if hello.get("devices") != self.devices:
+                              f"({hello.get('settings')!r}, not {self.config.settings()!r})", setting="options")
+        if hello.get("devices") != self.request.devices:
             raise ConfigError("the ranks on this node see different GPUs (CUDA_VISIBLE_DEVICES "
-                              f"{hello.get('devices')!r}, not {self.devices!r}); mpsrun --per-node needs every "
-                              "local rank to see the node's GPUs (no per-task GPU binding)", setting="gpus")
-        if self.controller.expected_count is None:
-            self.controller.expected_count = identity.local_world_size
-        answer = welcome(identity, self.config, len(self.session.gpus), self.session.target,
-                         free=self.session.free_memory(),
-                         session_dir=str(self.session.dirs.root) if self.session.dirs else None)
-        answer["lines"], self.notices = self.notices, []  # said once, by the first rank to join
+                              f"{hello.get('devices')!r}, not {self.request.devices!r}); mpsrun --per-node needs "
+                              "every local rank to see the node's GPUs (no per-task GPU binding)", setting="gpus")
+        session = self.session
+        answer = welcome(identity, self.config, len(session.gpus), session.target, self._abort,
+                         free=session.free_memory(), session_dir=str(session.dirs.root) if session.dirs else None)
+        answer["lines"], self._notices = self._notices, []  # said once, by the first rank to join
         return answer
 
-    def _log(self, text: str) -> None:
-        """Into keeper.log, and through one of the node's ranks to the user (the job's controller says its own)."""
-        say(f"mpsrun keeper: {text}")
-        controller = getattr(self, "controller", None)
-        if controller is not None and controller.upstream is None:
-            for state in sorted(controller.table.live(), key=lambda s: s.rank):
-                if state.link is not None and state.link.send("say", text=text):
-                    return
-
     def close(self) -> list[str]:
-        """The last rank is out: what to tell it, after the daemons are stopped and the session is gone."""
+        """The last rank is out: stop the daemons, remove the session; what to tell about the node's end."""
         if self.closed:
             return []
         self.closed = True
-        self.controller.table.accepting = False
+        self.controller.table.stop_accepting()
         lines = self._closing_lines()
-        with user_root_lock(self.base):  # no rank may join a keeper that is closing
+        with user_root_lock(Path(self.request.base)):  # no rank may join a keeper that is closing
             self.listener.close()
             try:
                 self.session.close()
@@ -131,31 +136,21 @@ class NodeKeeper:
                 lines.append(str(exc))
         if self.config.keep_logs and self.session.dirs is not None:
             lines.append(f"kept this node's session logs in {self.session.dirs.root}")
-        if self.controller.upstream is not None:
-            for line in lines:
-                self.controller.upstream.send("note", text=line)
-            return []
         return lines
 
     def _closing_lines(self) -> list[str]:
+        controller = self.controller
         lines: list[str] = []
-        ranks = self.controller.ranks.values()
-        watch = self.controller.watch
-        if watch is not None and self.config.verbose:
-            self.controller.settle_watch()
-            lines.append(verified_line(watch, self.controller.ranks, f"node {socket.gethostname()}: "))
-        if self.controller.judge.failed or self.controller.upstream is not None:
-            rank_of = {s.process.pid: s.rank for s in ranks if s.process is not None}
-            if self.session.enabled and any(s.end and s.end.returncode != 0 for s in ranks):
-                lines += mps_report(self.session.daemons, rank_of)
+        if controller.watch is not None and self.config.verbose:
+            controller.settle_watch()
+            lines.append(verified_line(controller.watch, controller.ranks, f"node {socket.gethostname()}: "))
+        ranks = controller.ranks.values()
+        if controller.reports_failures and self.session.enabled and any(s.end and s.end.returncode != 0
+                                                                        for s in ranks):
+            lines += mps_report(self.session.daemons, {s.process.pid: s.rank for s in ranks if s.process is not None})
         return lines
 
     def run(self) -> None:
-        def idle() -> None:
-            if not self.controller.ranks:
-                self.controller.give_up = True
-
-        self.controller.loop.after(IDLE_TIMEOUT, idle)
         try:
             self.controller.run()
         finally:
@@ -185,27 +180,30 @@ def _abandon_when_alone(started: threading.Event) -> None:
             return
 
 
-def main() -> int:
-    request = json.loads(sys.stdin.read())
-    if os.fork() > 0:
-        os._exit(0)  # the starting rank waits for this; the keeper lives on in the background
-    keeper: NodeKeeper | None = None
+def _open(request: KeeperRequest) -> NodeKeeper | int:
+    """The keeper, started; or, when it cannot start, its exit code once the starting rank has heard why."""
     started = threading.Event()
     threading.Thread(target=_abandon_when_alone, args=(started,), daemon=True).start()
     try:
         with Interrupts():  # a stopping signal while the session starts: undo it, say why, exit
-            keeper = NodeKeeper(JobConfig(**parse_options(request["argv"], environ={})), request)
-            keeper.start()
-            started.set()
+            keeper = NodeKeeper.open(JobConfig.from_json(request.config), request)
     except Exception as exc:  # the starting rank must hear why, whatever it was
         started.set()
-        if keeper is not None and hasattr(keeper, "session"):
-            with contextlib.suppress(MPSError):
-                keeper.session.close()
         code = exc.exit_code if isinstance(exc, MPSError) else 3
         with contextlib.suppress(OSError):  # the starting rank may be gone
             print(f"{code} {exc if isinstance(exc, MPSError) else f'node keeper failed: {exc!r}'}", flush=True)
         return code
+    started.set()
+    return keeper
+
+
+def main() -> int:
+    request = KeeperRequest.from_json(json.loads(sys.stdin.read()))
+    if os.fork() > 0:
+        os._exit(0)  # the starting rank waits for this; the keeper lives on in the background
+    keeper = _open(request)
+    if isinstance(keeper, int):
+        return keeper
     try:
         print("ready", flush=True)
     except OSError:  # the rank that started us is gone (interrupted): nobody will come

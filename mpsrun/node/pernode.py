@@ -25,36 +25,55 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from mpsrun.config.options import JobConfig, to_argv
+from mpsrun.config.options import JobConfig
 from mpsrun.errors import ConfigError, JobTimeoutError, MPSError
 from mpsrun.exitcodes import ExitCode
 from mpsrun.rank.identity import RankIdentity, identity_from_env, job_key
-from mpsrun.rank.supervisor import greet, report_failure, run_rank
+from mpsrun.rank.join import greet, report_failure
+from mpsrun.rank.supervisor import run_rank
+from mpsrun.runtime.constants import CONTROL_VARIABLE, KEEPER_START_TIMEOUT, NODE_ID_VARIABLE, TOKEN_VARIABLE
 from mpsrun.runtime.protocol import Link, connect
 from mpsrun.session import registry
 from mpsrun.session.paths import base_directory, make_user_root, user_root, user_root_lock, validate_base
 
-__all__ = ["node_session_name", "run_per_node"]
+__all__ = ["KeeperRequest", "node_session_name", "run_per_node"]
 
-KEEPER_START_TIMEOUT = 120.0
 JOIN_ATTEMPTS = 3  # a keeper may close just as a late rank arrives; the rank then starts a new one
 
 
+class KeeperRequest(NamedTuple):
+    """What the rank that starts a keeper tells it: the node session's name and base, the job's configuration
+    (as the rank read it), how many ranks the launcher put on the node, and under ``--hosts`` the job's
+    controller and token."""
+
+    name: str
+    base: str
+    config: dict[str, Any]
+    local_size: int | None = None
+    devices: str | None = None  # the CUDA_VISIBLE_DEVICES every local rank must share
+    upstream: str | None = None
+    token: str = ""
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> KeeperRequest:
+        return cls(**data)
+
+
 def node_session_name(env: Mapping[str, str]) -> str:
-    node = env.get("MPSRUN_NODE_ID") or socket.gethostname()
+    node = env.get(NODE_ID_VARIABLE) or socket.gethostname()
     return "j" + hashlib.sha256(f"{node}:{job_key(env)}".encode()).hexdigest()[:8]
 
 
-def _start_keeper(base: Path, name: str, config: JobConfig) -> None:
+def _start_keeper(base: Path, name: str, config: JobConfig, local_size: int | None) -> None:
     """Start the node keeper and wait until it answers or says why it cannot."""
-    request = {"name": name, "base": str(base), "argv": to_argv(config),
-               "upstream": os.environ.get("MPSRUN_CONTROL"), "token": os.environ.get("MPSRUN_CONTROL_TOKEN", "")}
-    keeper = subprocess.Popen([sys.executable, "-m", "mpsrun.node.keeper"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
+    request = KeeperRequest(name, str(base), config.to_json(), local_size, os.environ.get("CUDA_VISIBLE_DEVICES"),
+                            os.environ.get(CONTROL_VARIABLE), os.environ.get(TOKEN_VARIABLE, ""))
+    keeper = subprocess.Popen([sys.executable, "-m", "mpsrun.node.keeper"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
     assert keeper.stdin is not None and keeper.stdout is not None
-    keeper.stdin.write(json.dumps(request).encode())
+    keeper.stdin.write(json.dumps(request._asdict()).encode())
     keeper.stdin.close()
     keeper.wait()  # it forks into the background at once and says ready on the pipe
     # The keeper bounds its own start-up by --timeout and then says so; a little later we stop waiting.
@@ -71,7 +90,7 @@ def _start_keeper(base: Path, name: str, config: JobConfig) -> None:
         raise error(message or f"this node's session did not start within {wait:g} s")
 
 
-def _join_node(base: Path, name: str, config: JobConfig) -> tuple[Link, dict[str, Any] | None]:
+def _join_node(base: Path, name: str, config: JobConfig, local_size: int | None) -> tuple[Link, dict[str, Any] | None]:
     with user_root_lock(base):
         address = f"unix:{user_root(base) / name / 'control'}"
         try:
@@ -83,7 +102,7 @@ def _join_node(base: Path, name: str, config: JobConfig) -> tuple[Link, dict[str
             registry.reap(stale, locked=True)
             if stale.exists():
                 stale.rename(stale.with_name(f"{name}-{secrets.token_hex(3)}"))
-        _start_keeper(base, name, config)
+        _start_keeper(base, name, config, local_size)
         return connect(address), None
 
 
@@ -107,13 +126,12 @@ def run_per_node(config: JobConfig, environ: Mapping[str, str] | None = None) ->
         report_failure(exc, identity.local_rank)
         return exc.exit_code
     name = node_session_name(env)
-    settings = " ".join(to_argv(config))
     rank = identity.rank
 
     def join(hello: Mapping[str, Any]) -> tuple[Link, dict[str, Any] | None]:
         for _ in range(JOIN_ATTEMPTS):
-            link, _ = _join_node(base, name, config)
-            answer = greet(link, {**hello, "settings": settings})
+            link, _ = _join_node(base, name, config, identity.local_world_size)
+            answer = greet(link, {**hello, "settings": config.settings()})
             if answer is not None:
                 return link, answer
             link.close()

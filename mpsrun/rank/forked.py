@@ -1,4 +1,4 @@
-"""A rank supervisor forked from the local launcher: the same :mod:`mpsrun.rank.supervisor` code, no interpreter to start.
+"""A rank supervisor forked from the local launcher: the supervisor's own code, with no interpreter to start.
 
 Starting ``python -m mpsrun.rank.supervisor`` costs an interpreter start and its imports per rank, on the
 path of every job; a fork of the controller has both already. The child is made to look like
@@ -17,12 +17,11 @@ from collections.abc import Mapping, Sequence
 
 from mpsrun.exitcodes import ExitCode
 from mpsrun.rank.supervisor import main  # imported once, here: every forked supervisor has it
+from mpsrun.runtime.constants import FORWARDED_SIGNALS
 from mpsrun.runtime.processes import exit_now, flush_output, set_parent_death_signal, wait
 
 __all__ = ["ForkedSupervisor"]
 
-#: Every signal the controller may catch (its stopping signals, and those it forwards).
-CAUGHT = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class ForkedSupervisor:
@@ -56,7 +55,7 @@ class ForkedSupervisor:
 
 def _become_supervisor(args: list[str], env: Mapping[str, str], stdin: bool, parent: int) -> int:
     signal.set_wakeup_fd(-1)  # the controller's loop is not ours: a signal here must not wake it
-    for number in CAUGHT:
+    for number in FORWARDED_SIGNALS:  # every signal the controller may catch
         if signal.getsignal(number) not in (signal.SIG_IGN, signal.SIG_DFL, None):
             signal.signal(number, signal.SIG_DFL)
     os.setsid()

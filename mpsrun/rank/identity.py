@@ -1,27 +1,17 @@
 """What MPI launchers and batch systems tell a process about its place in the job.
 
-Built-in modules and ``collections`` only (every rank supervisor imports it). One table of variables per fact, tried
-in order (Open MPI, MPICH/Hydra and Intel MPI, PMIx, Cray PALS, MVAPICH2, Slurm's srun).
+One table of variables per fact, tried in order (Open MPI, MPICH/Hydra and Intel MPI, PMIx, Cray PALS,
+MVAPICH2, Slurm's srun).
 """
 
 from __future__ import annotations
 
-import collections
 import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
-TYPE_CHECKING = False  # the rank supervisor imports this: typing's import (3-5 ms) is left out
-if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
-    from typing import NamedTuple
-
-    class _Identity(NamedTuple):
-        rank: int
-        local_rank: int
-        world_size: int | None = None
-        local_world_size: int | None = None
-else:
-    _Identity = collections.namedtuple("_Identity", "rank local_rank world_size local_world_size",
-                                       defaults=(None, None))
+from mpsrun.runtime.constants import JOB_ID_VARIABLE
 
 __all__ = ["RankIdentity", "first_int", "identity_from_env", "job_key", "slurm_tasks_on_node"]
 
@@ -39,7 +29,7 @@ RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "PALS_RANKID"
 SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PALS_SIZE", "SLURM_NTASKS")
 LOCAL_SIZE_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PALS_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
 #: What the local ranks of one job share (Slurm is handled first, by job and step).
-JOB_VARIABLES = ("MPSRUN_JOB_ID", "PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid", "PMI_JOBID")
+JOB_VARIABLES = (JOB_ID_VARIABLE, "PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid", "PMI_JOBID")
 
 
 def first_int(env: Mapping[str, str], names: Sequence[str]) -> int | None:
@@ -57,8 +47,6 @@ def slurm_tasks_on_node(env: Mapping[str, str]) -> int | None:
     node = first_int(env, ("SLURM_NODEID",))
     if not text or node is None:
         return None
-    import re  # only under Slurm without a local size (re and its enums: 5 ms in every rank supervisor)
-
     counts: list[int] = []
     for part in text.split(","):
         match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
@@ -68,18 +56,16 @@ def slurm_tasks_on_node(env: Mapping[str, str]) -> int | None:
     return counts[node] if node < len(counts) else None
 
 
-class RankIdentity(_Identity):
+class RankIdentity(NamedTuple):
     """A rank's place: its rank, its rank on the node, and the sizes when the launcher says them."""
 
-    __slots__ = ()
+    rank: int
+    local_rank: int
+    world_size: int | None = None
+    local_world_size: int | None = None
 
     def to_json(self) -> dict[str, int | None]:
-        return {
-            "rank": self.rank,
-            "local_rank": self.local_rank,
-            "world_size": self.world_size,
-            "local_world_size": self.local_world_size,
-        }
+        return dict(self._asdict())
 
     @classmethod
     def from_json(cls, data: Mapping[str, object]) -> RankIdentity:

@@ -1,21 +1,15 @@
-"""The one deadline and poll helper: every wait in mpsrun has a deadline, nothing sleeps blind.
-
-Built-in modules only (every rank supervisor imports it).
-"""
+"""The one deadline and poll helper: every wait in mpsrun has a deadline, nothing sleeps blind."""
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 __all__ = ["Deadline", "backoff", "poll_until"]
 
-TYPE_CHECKING = False  # imported by every rank supervisor: typing's and collections' imports are left out
-if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
-    from typing import TypeVar
-
-    T = TypeVar("T")
+T = TypeVar("T")
 
 
 class Deadline:

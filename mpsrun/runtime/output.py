@@ -1,6 +1,6 @@
 """``--tag-output``: a rank's output copied line by line, each line prefixed ``[rank N] ``.
 
-Built-in modules only (every rank supervisor imports it). Lines are written whole, with one write
+Lines are written whole, with one write
 each: the kernel keeps a pipe write of up to ``PIPE_BUF`` bytes (and any terminal or file
 write) in one piece, and longer lines take an advisory lock shared by the job's shims. A
 partial line is written when the rank's stream ends (with a newline added), or once it

@@ -1,31 +1,21 @@
 """Processes by identity: a pid plus its start time, so a reused pid is never signalled.
 
-Built-in modules, ``collections`` and ``ctypes`` only (every rank supervisor imports it). A
-:class:`ProcessRef` names one process exactly: its pid and the kernel's start time
+A :class:`ProcessRef` names one process exactly: its pid and the kernel's start time
 (``/proc/<pid>/stat`` field 22, in clock ticks since boot). Every process mpsrun ends that it did
-not just spawn itself is checked this way.
+not just spawn itself is checked this way. Also here: how mpsrun starts its own helper processes,
+and the shell's rules for a command that cannot be run.
 """
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import ctypes
 import os
+import shutil
+import signal
 import sys
-
-TYPE_CHECKING = False  # the rank supervisor imports this: typing's import (3-5 ms) is left out
-if TYPE_CHECKING:  # the stubs of ``signal`` describe ``_signal``: ``signal`` without its enums (5 ms per supervisor)
-    import signal as _signal
-    from collections.abc import Iterable, Mapping, Sequence
-    from typing import NamedTuple, NoReturn
-
-    class _Process(NamedTuple):
-        pid: int
-        start: int
-else:
-    import _signal
-
-    _Process = collections.namedtuple("_Process", "pid start")
+from collections.abc import Iterable
+from typing import NamedTuple, NoReturn
 
 __all__ = [
     "ProcessRef",
@@ -39,10 +29,8 @@ __all__ = [
     "pidfd",
     "python_without_site",
     "set_parent_death_signal",
-    "spawn",
     "start_ticks",
     "wait",
-    "which",
 ]
 
 _PR_SET_PDEATHSIG = 1
@@ -63,10 +51,8 @@ def _stat_fields(pid: int) -> list[str] | None:
 def flush_output() -> None:
     """Write out what Python holds of stdout and stderr (a closed or broken stream: nothing more to say there)."""
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             stream.flush()
-        except (OSError, ValueError):
-            pass
 
 
 def exit_now(code: int) -> NoReturn:
@@ -80,11 +66,11 @@ def exit_now(code: int) -> NoReturn:
 def python_without_site(module: str) -> list[str]:
     """The command that runs ``module.main(sys.argv[1:])`` in a new interpreter started without ``site`` (-S).
 
-    It starts in milliseconds: no site-packages scan, no ``.pth`` hooks (tens of milliseconds on
-    some machines), and ends with :func:`exit_now`, without the interpreter's teardown. Only for
-    mpsrun's own modules whose imports are the standard library's; mpsrun is found where this
+    For mpsrun's own processes that start once per rank or per session (rank supervisors, reapers): no
+    site-packages scan and no ``.pth`` hooks (tens of milliseconds on machines with many packages), so
+    such a module imports only the standard library (a test holds that line). mpsrun is found where this
     process found it, and nothing is imported from the working directory (``-c`` puts it first on the
-    path as ``''``: another checkout of mpsrun there, or a ``math.py``, would otherwise be imported).
+    path, where another checkout of mpsrun, or a ``math.py``, would otherwise win).
     """
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return [sys.executable, "-S", "-c", f"import sys; sys.path[:] = [{root!r}, *(p for p in sys.path if p)]; "
@@ -104,10 +90,11 @@ def start_ticks(pid: int) -> int | None:
     return int(fields[19]) if fields and len(fields) > 19 else None
 
 
-class ProcessRef(_Process):
-    """One process, exactly: pid and start time (a named tuple: the rank shim avoids dataclasses' imports)."""
+class ProcessRef(NamedTuple):
+    """One process, exactly: pid and start time."""
 
-    __slots__ = ()
+    pid: int
+    start: int
 
     @classmethod
     def of(cls, pid: int) -> ProcessRef | None:
@@ -166,7 +153,7 @@ def kill_group(pgid: int, sig: int) -> bool:
     return True
 
 
-def set_parent_death_signal(sig: int = _signal.SIGKILL, parent: int | None = None) -> None:
+def set_parent_death_signal(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
     """Ask the kernel to send ``sig`` to this process when the thread that forked it ends. ``parent``: the pid
     that forked it, read before the fork; one that died before this request sends no signal, so it comes now."""
     _prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
@@ -194,35 +181,12 @@ def inherited_fds() -> list[int]:
 
 def find_program(name: str, path: str | None) -> tuple[str | None, int, str]:
     """The program to run for ``name``, or why not, as a shell says it: (None, 127, ...) or (None, 126, ...)."""
-    found = which(name, path)
+    found = shutil.which(name, path=path)
     if found is not None:
         return found, 0, ""
     if os.sep in name and os.path.lexists(name):
         return None, 126, "Is a directory" if os.path.isdir(name) else "Permission denied"
     return None, 127, "command not found"
-
-
-def physical_cores() -> int | None:
-    """Physical cores on this host, as Open MPI counts its default slots (None where /sys does not say).
-
-    Read as psutil's ``cpu_count(logical=False)`` reads it (distinct sibling lists), without
-    importing psutil (tens of milliseconds) on the mpiexec launcher's path.
-    """
-    root = "/sys/devices/system/cpu"
-    siblings = set()
-    try:
-        names = [name for name in os.listdir(root) if name.startswith("cpu") and name[3:].isdecimal()]
-    except OSError:
-        return None
-    for name in names:
-        for part in ("core_cpus_list", "thread_siblings_list"):
-            try:
-                with open(f"{root}/{name}/topology/{part}") as file:
-                    siblings.add(file.read().strip())
-                    break
-            except OSError:
-                pass
-    return len(siblings) or None
 
 
 def pidfd(pid: int) -> int | None:
@@ -235,84 +199,8 @@ def pidfd(pid: int) -> int | None:
 
 def close_all(fds: Iterable[int]) -> None:
     for fd in fds:
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
-
-
-def which(name: str, path: str | None = None) -> str | None:
-    """``shutil.which(name, path=path)`` on POSIX, without importing ``shutil`` (bz2, lzma, fnmatch: about 3 ms in
-    every rank supervisor)."""
-
-    def runnable(candidate: str) -> bool:
-        return os.path.exists(candidate) and os.access(candidate, os.F_OK | os.X_OK) and not os.path.isdir(candidate)
-
-    if os.path.dirname(name):
-        return name if runnable(name) else None
-    if path is None:
-        path = os.environ.get("PATH") or os.defpath
-    seen = set()
-    for directory in path.split(os.pathsep):
-        if directory not in seen:
-            seen.add(directory)
-            if runnable(candidate := os.path.join(directory, name)):
-                return candidate
-    return None
-
-
-#: Signals Python sets to ignored at its start (and ``Popen(restore_signals=True)`` restores for its children).
-_RESTORED = tuple(getattr(_signal, name) for name in ("SIGPIPE", "SIGXFZ", "SIGXFSZ") if hasattr(_signal, name))
-
-
-def spawn(program: str, argv: Sequence[str], env: Mapping[str, str], *, stdout: int | None = None,
-          stderr: int | None = None, death_signal: int = _signal.SIGKILL) -> int:
-    """Start ``program`` in a session of its own, as ``subprocess.Popen(argv, executable=program, env=env,
-    start_new_session=True, restore_signals=True)`` does, with ``death_signal`` once this process ends; its pid.
-
-    Every inheritable descriptor is passed on (those this process inherited: Python opens its own
-    non-inheritable); ``stdout`` and ``stderr`` take the place of 1 and 2. Raises OSError (FileNotFoundError,
-    PermissionError, ...) when the program cannot be executed, as Popen does. Not ``subprocess``: its imports
-    (threading, selectors, locale, ...: about 10 ms) would be paid by every rank supervisor. Signals are held
-    across the fork, so none reaches this process's handlers in the child (whose wake-up descriptor is ours).
-    """
-    parent = os.getpid()
-    failure_read, failure_write = os.pipe()  # not inheritable: the exec closes it, or the child writes its errno
-    mask = _signal.pthread_sigmask(_signal.SIG_BLOCK, _signal.valid_signals())
-    try:
-        pid = os.fork()
-        if pid == 0:
-            _become(program, argv, env, (stdout, stderr), (death_signal, parent, mask), failure_write)
-    finally:
-        _signal.pthread_sigmask(_signal.SIG_SETMASK, mask)
-        os.close(failure_write)
-    with open(failure_read, "rb") as failure:
-        errno = failure.read()
-    if errno:
-        wait(pid)
-        raise OSError(int(errno), os.strerror(int(errno)), program)
-    return pid
-
-
-def _become(program: str, argv: Sequence[str], env: Mapping[str, str], streams: tuple[int | None, int | None],
-            death: tuple[int, int, set[int]], failure: int) -> NoReturn:
-    """The child of :func:`spawn`, from the fork to the exec; it never returns into the parent's code."""
-    try:
-        _signal.set_wakeup_fd(-1)
-        for number in _signal.valid_signals():
-            if callable(_signal.getsignal(number)) or number in _RESTORED:
-                _signal.signal(number, _signal.SIG_DFL)
-        os.setsid()
-        set_parent_death_signal(death[0], death[1])
-        for fd, target in zip(streams, (1, 2), strict=True):
-            if fd is not None:
-                os.dup2(fd, target)
-        _signal.pthread_sigmask(_signal.SIG_SETMASK, death[2])
-        os.execve(program, list(argv), dict(env))
-    except OSError as exc:
-        os.write(failure, str(exc.errno or 0).encode())
-    finally:
-        os._exit(255)
 
 
 def wait(pid: int, block: bool = True) -> int | None:

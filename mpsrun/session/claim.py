@@ -10,13 +10,13 @@ job's control socket (in this directory) must exist before mpiexec starts.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from mpsrun.runtime.interrupts import uninterrupted
-from mpsrun.runtime.logs import Log
 from mpsrun.runtime.processes import ProcessRef
 from mpsrun.session.paths import SessionDirs, new_session_name, user_root
 from mpsrun.session.reaper import Reaper
@@ -24,7 +24,7 @@ from mpsrun.session.record import SessionRecord
 
 __all__ = ["SessionClaim"]
 
-log = Log("mpsrun")
+log = logging.getLogger("mpsrun")
 
 
 def _remove_stale(base: Path) -> None:

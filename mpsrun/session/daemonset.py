@@ -1,4 +1,4 @@
-"""A session's daemons: which daemon serves which GPU, how a worker reaches it, and the clients they serve.
+"""A session's set of daemons: which daemon serves which GPU, how a worker reaches it, and the clients they serve.
 
 One daemon per GPU by default; under ``gpu_bind="none"`` one daemon serves every GPU of the
 session (its ``CUDA_VISIBLE_DEVICES`` lists them all) and every worker sees them all.
@@ -12,19 +12,20 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from mpsrun.errors import ConfigError, DaemonError
-from mpsrun.job.placement import GpuTarget
 from mpsrun.mps.daemon import ControlDaemon
+from mpsrun.mps.environment import GpuTarget
 from mpsrun.mps.gpus import GPU
+from mpsrun.mps.limits import DaemonDefaults
 from mpsrun.runtime.interrupts import uninterrupted
 from mpsrun.session.paths import SessionDirs
 
 if TYPE_CHECKING:
     from mpsrun.mps.watch import ClientWatcher
 
-__all__ = ["GpuDaemons"]
+__all__ = ["DaemonSet"]
 
 
-class GpuDaemons:
+class DaemonSet:
     """The daemons serving ``gpus``: one each, or one for all of them (``shared``)."""
 
     def __init__(self, gpus: Sequence[GPU], shared: bool) -> None:
@@ -53,9 +54,8 @@ class GpuDaemons:
         """The GPUs each daemon serves, in order."""
         return [list(self.gpus)] if self.shared else [[gpu] for gpu in self.gpus]
 
-    def start(self, dirs: SessionDirs, thread_percentage: int | None, mem_limits: Sequence[str | None],
-              timeout: float, server: str, started: Callable[[ControlDaemon], None],
-              meanwhile: Callable[[], object] | None = None) -> None:
+    def start(self, dirs: SessionDirs, defaults: DaemonDefaults, timeout: float, server: str,
+              started: Callable[[ControlDaemon], None], meanwhile: Callable[[], object] | None = None) -> None:
         """Start each daemon with its default limits; ``started`` hears of each at once.
 
         The daemons come up together, and ``meanwhile`` runs while they do (about 25 ms each).
@@ -75,7 +75,8 @@ class GpuDaemons:
             meanwhile()
         for position, daemon in enumerate(self.daemons):
             daemon.await_answer(timeout)
-            daemon.set_defaults(thread_percentage, mem_limits[position] if mem_limits else None)
+            mem_limits = defaults.mem_limits
+            daemon.set_defaults(defaults.thread_percentage, mem_limits[position] if mem_limits else None)
             if server != "lazy":
                 daemon.start_server(timeout=timeout, wait=server == "active")
 

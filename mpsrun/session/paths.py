@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpsrun.errors import ConfigError, MPSError, UnsafeDirectoryError
+from mpsrun.runtime.constants import LOCK_TIMEOUT, TMPDIR_VARIABLE
 from mpsrun.runtime.deadline import Deadline, poll_until
 
 __all__ = [
@@ -52,7 +53,7 @@ _MAX_GPU_DIGITS = 3
 def base_directory(environ: Mapping[str, str] | None = None) -> Path:
     """The directory under which this user's session root is made."""
     env = os.environ if environ is None else environ
-    for name in ("MPSRUN_TMPDIR", "XDG_RUNTIME_DIR"):
+    for name in (TMPDIR_VARIABLE, "XDG_RUNTIME_DIR"):
         value = env.get(name)
         if value:
             return Path(value)
@@ -231,7 +232,7 @@ def validate_base(base: Path) -> None:
 
 
 @contextlib.contextmanager
-def user_root_lock(base: Path, timeout: float = 60.0) -> Iterator[Path]:
+def user_root_lock(base: Path, timeout: float = LOCK_TIMEOUT) -> Iterator[Path]:
     """Hold this user's lock on the session root under ``base`` (node sessions start and end under it).
 
     The lock is on the root directory itself, which outlives every session, so no lock

@@ -8,6 +8,7 @@ every process by pid and start time. The session's reaper, the next session and
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Mapping
@@ -15,34 +16,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mpsrun.runtime import wire
+from mpsrun.errors import RecordError
+from mpsrun.mps.daemon import DaemonRecord
 from mpsrun.runtime.processes import ProcessRef
 
-__all__ = ["KINDS", "DaemonRecord", "RecordError", "SessionRecord"]
+__all__ = ["KINDS", "SessionRecord"]
 
 KINDS = ("api", "job", "node")
-
-
-class RecordError(ValueError):
-    """A session.json that cannot be read or does not hold a session record."""
-
-
-@dataclass(frozen=True, slots=True)
-class DaemonRecord:
-    gpu: str
-    process: ProcessRef
-    pipe_dir: str
-    log_dir: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"gpu": self.gpu, "process": self.process.to_json(), "pipe_dir": self.pipe_dir, "log_dir": self.log_dir}
-
-    @classmethod
-    def from_json(cls, data: Any) -> DaemonRecord:
-        fields = ("gpu", "pipe_dir", "log_dir")
-        if not isinstance(data, Mapping) or not all(isinstance(data.get(k), str) for k in fields):
-            raise ValueError(f"not a daemon record: {data!r}")
-        return cls(data["gpu"], ProcessRef.from_json(data.get("process")), data["pipe_dir"], data["log_dir"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +81,7 @@ class SessionRecord:
     @classmethod
     def read(cls, path: Path) -> SessionRecord:
         try:
-            data = wire.loads(path.read_text())
+            data = json.loads(path.read_text())
         except (OSError, ValueError, RecursionError) as exc:  # nested deeper than Python parses: not a record
             raise RecordError(f"cannot read {path}: {exc}") from None
         return cls.from_json(data)
@@ -109,7 +89,7 @@ class SessionRecord:
     def write(self, path: Path) -> None:
         """Replace the record atomically (a reader never sees half of one)."""
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(wire.dumps(self.to_json()))  # compact: json's import (3 ms) is not on every job's path
+        tmp.write_text(json.dumps(self.to_json()))
         tmp.replace(path)
 
     def with_daemon(self, daemon: DaemonRecord) -> SessionRecord:

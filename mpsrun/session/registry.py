@@ -21,11 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpsrun.errors import DaemonError, MPSError, MPSUnavailableError
+from mpsrun.errors import DaemonError, MPSError, MPSUnavailableError, RecordError
 from mpsrun.mps.daemon import CONTROL_EXECUTABLE, ControlDaemon, find_control_executable
 from mpsrun.runtime.deadline import Deadline, poll_until
 from mpsrun.session.paths import base_directory, user_root, user_root_lock
-from mpsrun.session.record import RecordError, SessionRecord
+from mpsrun.session.record import SessionRecord
 
 __all__ = ["SessionState", "cleanup", "list_sessions", "main", "reap"]
 

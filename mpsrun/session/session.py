@@ -9,33 +9,33 @@ the reaper, and removes the directory.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from mpsrun.config import values as limits
-from mpsrun.errors import ConfigError, MPSError, MPSUnavailableError, NoDriverError, TeardownError
-from mpsrun.job.placement import MANAGED_VARIABLES, GpuTarget, RankPlan, rank_environment
-from mpsrun.job.report import session_status
+from mpsrun.config import values
+from mpsrun.errors import ConfigError, DaemonError, MPSError, MPSUnavailableError, NoDriverError, TeardownError
 from mpsrun.mps import gpus as gpu_info
 from mpsrun.mps.daemon import ControlDaemon, unavailable_reason
+from mpsrun.mps.environment import MANAGED_VARIABLES, GpuTarget, worker_variables
 from mpsrun.mps.gpus import GPU
-from mpsrun.runtime.logs import Log
+from mpsrun.mps.limits import DaemonDefaults, auto_mem_limits
+from mpsrun.runtime.constants import DAEMON_START_TIMEOUT, DAEMON_STOP_TIMEOUT
 from mpsrun.runtime.processes import ProcessRef
 from mpsrun.session.claim import SessionClaim
-from mpsrun.session.daemonset import GpuDaemons
+from mpsrun.session.daemonset import DaemonSet
 from mpsrun.session.export import Export
 from mpsrun.session.paths import SessionDirs, session_base
 
 if TYPE_CHECKING:
     from mpsrun.mps.watch import ClientWatcher
 
-__all__ = ["START_TIMEOUT", "Session", "mps_session"]
+__all__ = ["Session", "mps_session"]
 
-log = Log("mpsrun")
+log = logging.getLogger("mpsrun")
 
-START_TIMEOUT = 30.0  # default: for each daemon to answer and its server to come up
 
 #: Variables a session may set in a worker's environment (restored on close when exported).
 SESSION_VARIABLES = ("CUDA_VISIBLE_DEVICES", *MANAGED_VARIABLES)
@@ -81,37 +81,35 @@ class Session:
         mps: str = "auto",
         keep_logs: bool = False,
         export: bool | None = None,
-        start_timeout: float = START_TIMEOUT,
-        stop_timeout: float = 10.0,
-        quiet: bool = False,
+        start_timeout: float = DAEMON_START_TIMEOUT,
+        stop_timeout: float = DAEMON_STOP_TIMEOUT,
         gpu_bind: str = "single",
         workers: int | None = None,
     ) -> None:
-        self._requested = limits.parse_gpu_request(gpu, gpus)
-        self.mps = limits.parse_mps_mode(mps)
+        self._requested = _requested_gpus(gpu, gpus)
+        self.mps = values.parse_choice(mps, values.MPS_MODES, "mps")
         self.thread_percentage = None if thread_percentage is None else \
-            limits.parse_thread_percentage(thread_percentage)
-        self.mem_limit = None if mem_limit is None else limits.parse_mem_limit(mem_limit)
-        self.priority = None if priority is None else limits.parse_priority(priority)
-        self.gpu_bind = limits.parse_gpu_bind(gpu_bind)
-        self.workers = None if workers is None else limits.parse_count(workers, "workers")
+            values.parse_thread_percentage(thread_percentage)
+        self.mem_limit = None if mem_limit is None else values.parse_mem_limit(mem_limit)
+        self.priority = None if priority is None else values.parse_priority(priority)
+        self.gpu_bind = values.parse_choice(gpu_bind, values.GPU_BINDS, "gpu_bind")
+        self.workers = None if workers is None else values.parse_count(workers, "workers")
         if self.mem_limit == "auto" and self.workers is None:
             raise ConfigError("mem_limit='auto' needs workers=N: how many workers will share the session's GPUs",
                               setting="workers")
         self.base = session_base(tmpdir)
-        self.start_timeout = limits.parse_seconds(start_timeout, "start_timeout")
-        self.stop_timeout = limits.parse_seconds(stop_timeout, "stop_timeout")
-        self.keep_logs = limits.parse_flag(keep_logs, "keep_logs")
-        self.export = None if export is None else limits.parse_flag(export, "export")
-        self.quiet = quiet  # the launcher and node keepers say themselves why MPS is off
+        self.start_timeout = values.parse_seconds(start_timeout, "start_timeout")
+        self.stop_timeout = values.parse_seconds(stop_timeout, "stop_timeout")
+        self.keep_logs = values.parse_flag(keep_logs, "keep_logs")
+        self.export = None if export is None else values.parse_flag(export, "export")
         self.gpus: list[GPU] = []
-        self._daemons = GpuDaemons([], shared=False)
+        self._daemons = DaemonSet([], shared=False)
         self._claim: SessionClaim | None = None
         self.enabled = False
         self.disabled_reason: str | None = None
         self.teardown_errors: list[BaseException] = []
         self._exported: Export | None = None
-        self._mem_limits: list[str | None] = []  # per GPU position, once the GPUs are known
+        self._defaults = DaemonDefaults()  # the daemons', once the GPUs are known
         self._depth = 0  # nested `with` blocks on this session
         self._owner_pid: int | None = None
         self._state = "new"
@@ -136,14 +134,12 @@ class Session:
         if self.disabled_reason is not None and self.mps == "on":
             raise MPSUnavailableError(f"MPS is required (mps='on') but unavailable: {self.disabled_reason}",
                                       reason=self.disabled_reason)
-        self._daemons = GpuDaemons(self.gpus, shared=self.gpu_bind == "none")
+        self._daemons = DaemonSet(self.gpus, shared=self.gpu_bind == "none")
         if self.export is True and not self._daemons.one_view:
             raise ConfigError("export=True needs a single GPU: a process can reach only one MPS daemon; with several "
                               "GPUs give each worker session.env(rank), or use gpu_bind='none'",
                               setting="export", value=True)
-        self._mem_limits = limits.session_mem_limits(self.mem_limit, [g.memory_free for g in self.gpus],
-                                              self.workers if self.disabled_reason is None else None,
-                                              self.gpu_bind == "none")
+        self._defaults = DaemonDefaults(self.thread_percentage, tuple(self._mem_limits()))
         self._state = "resolved"
         return self
 
@@ -151,18 +147,25 @@ class Session:
         """Each GPU's free memory in bytes when the session looked (empty without MPS: no limit applies)."""
         return [g.memory_free for g in self.gpus] if self.disabled_reason is None else []
 
-    def set_defaults(self, thread_percentage: int | None, mem_limits: Sequence[str | None]) -> None:
-        """The daemons' default limits, per GPU position (before :meth:`start`): what the ranks' plans share."""
-        self.thread_percentage = thread_percentage
-        self._mem_limits = list(mem_limits)
+    def _mem_limits(self) -> list[str | None]:
+        """The memory limit of each GPU position: ``auto`` splits each GPU's free memory among the workers, spread
+        evenly over the GPUs (a session without MPS, or a GPU list that failed, applies none)."""
+        free = self.free_memory()
+        if self.mem_limit != "auto":
+            return [self.mem_limit] * len(self.gpus)
+        if not free:
+            return [None] * len(self.gpus)
+        assert self.workers is not None
+        return auto_mem_limits(free, [-(-self.workers // len(free))] * len(free), self.gpu_bind == "none", "mem_limit")
 
     @property
     def dirs(self) -> SessionDirs | None:
         """The session's directories, once it has them."""
         return self._claim.dirs if self._claim is not None else None
 
-    def start(self, wait_active: bool = True, kind: str = "api", name: str | None = None,
-              meanwhile: Callable[[], object] | None = None, claim: SessionClaim | None = None) -> Session:
+    def start(self, wait_active: bool = True, *, kind: str = "api", name: str | None = None,
+              meanwhile: Callable[[], object] | None = None, claim: SessionClaim | None = None,
+              defaults: DaemonDefaults | None = None) -> Session:
         """Start the daemons and wait until each GPU's server is ACTIVE.
 
         ``wait_active=False`` returns once every daemon answers and has its settings, with
@@ -175,20 +178,22 @@ class Session:
         ``meanwhile`` runs while the daemons come up (never without MPS). ``claim``: the
         directory, made already (the launcher makes it before mpiexec starts); the session
         releases it on :meth:`close`, also after a failed start (not before: mpiexec's ranks
-        may still reach the control socket in it).
+        may still reach the control socket in it). ``defaults``: the daemons' limits when the ranks' own plans
+        decide them (the launcher's, a node keeper's), instead of the session's arguments.
         """
         self.resolve()
         if self._state != "resolved":
             raise MPSError(f"this session is {self._state}; make a new one with mps_session()")
         self._state = "starting"
         self._owner_pid = os.getpid()
+        self._defaults = defaults or self._defaults
         try:
             if self.disabled_reason is None or kind != "api":
                 self._make_directory(kind, name, claim)
             if self.disabled_reason is None:
                 self._start_daemons("lazy" if kind != "api" else "active" if wait_active else "requested", meanwhile)
                 self.enabled = True
-            elif not self.quiet:
+            elif kind == "api":  # the launcher and node keepers say themselves why MPS is off
                 log.warning("mpsrun: running without MPS: %s", self.disabled_reason)
             if self.export is not False and self._daemons.one_view and kind == "api":
                 self._export(self.env())
@@ -211,17 +216,12 @@ class Session:
             assert self._claim is not None
             self._claim.update(self._claim.record.with_daemon(daemon.record()))
 
-        self._daemons.start(self.dirs, self.thread_percentage, self._mem_limits, self.start_timeout, server, started,
-                            meanwhile)
+        self._daemons.start(self.dirs, self._defaults, self.start_timeout, server, started, meanwhile)
 
     @property
     def daemons(self) -> list[ControlDaemon]:
         """The session's control daemons (one per GPU, or one for all under gpu_bind='none')."""
         return self._daemons.daemons
-
-    def daemon_of(self, position: int) -> ControlDaemon:
-        """The daemon serving the session's GPU at ``position``."""
-        return self._daemons.of(position)
 
     def watcher(self) -> ClientWatcher:
         """The client watcher over every GPU of the session and the daemon that serves it."""
@@ -263,9 +263,9 @@ class Session:
         if not self.gpus:
             return {}
         position = self._daemons.position(rank)
-        mem_limit = self._mem_limits[position] if self._mem_limits else None
-        plan = RankPlan(0, position, self.thread_percentage, mem_limit, self.priority)
-        return rank_environment(self.target(position), plan)
+        mem_limits = self._defaults.mem_limits
+        return worker_variables(self.target(position), self._defaults.thread_percentage,
+                                mem_limits[position] if mem_limits else None, self.priority)
 
     def clients(self) -> set[int]:
         """PIDs connected as clients to any of this session's servers."""
@@ -299,7 +299,14 @@ class Session:
 
     def status(self) -> dict[str, Any]:
         """A snapshot: directories, and per GPU the daemon, its servers and clients."""
-        return session_status(self, self._daemons.started())
+        report: dict[str, Any] = {
+            "enabled": self.enabled,
+            "state": self.state,
+            "reason": self.disabled_reason,
+            "directory": str(self.dirs.root) if self.dirs else None,
+            "gpus": [_gpu_status(gpu, daemon) for gpu, daemon in self._daemons.started()],
+        }
+        return report
 
     # -- stopping -------------------------------------------------------------------------
 
@@ -358,6 +365,27 @@ class Session:
     def __repr__(self) -> str:
         gpus = ",".join(str(g.index) for g in self.gpus) or "?"
         return f"<mpsrun.Session {self._state} gpus={gpus} mps={'on' if self.enabled else 'off'}>"
+
+
+def _requested_gpus(gpu: object, gpus: object) -> values.GpuList:
+    """``gpu=`` or ``gpus=`` as one GPU list (default: GPU 0)."""
+    if gpu is not None and gpus is not None:
+        raise ConfigError("give gpu= or gpus=, not both", setting="gpus", value=(gpu, gpus))
+    if gpus is not None:
+        return values.parse_gpus(gpus, "gpus")
+    return values.parse_gpus([0 if gpu is None else gpu], "gpu")
+
+
+def _gpu_status(gpu: GPU, daemon: ControlDaemon) -> dict[str, Any]:
+    """One GPU of a session's status: its daemon, the daemon's servers and their clients."""
+    entry: dict[str, Any] = {"index": gpu.index, "uuid": gpu.uuid, "daemon_pid": daemon.pid,
+                             "daemon_alive": daemon.alive, "servers": {}, "clients": {}}
+    if daemon.alive:
+        with contextlib.suppress(DaemonError):
+            for server in daemon.server_list():
+                entry["servers"][server] = daemon.server_status(server).value
+                entry["clients"][server] = daemon.client_list(server)
+    return entry
 
 
 def mps_session(*args: Any, **kwargs: Any) -> Session:

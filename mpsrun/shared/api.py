@@ -30,6 +30,7 @@ import atexit
 import base64
 import hashlib
 import json
+import logging
 import math
 import operator
 import os
@@ -41,14 +42,13 @@ from typing import Any
 
 from mpsrun.errors import SharedArrayError
 from mpsrun.runtime.deadline import Deadline
-from mpsrun.runtime.logs import Log
 from mpsrun.session.paths import SOCKET_PATH_MAX
 from mpsrun.shared.handoff import HandoffError, Publisher, Subscription, join, take_over
 from mpsrun.shared.memory import Memory, Region, memory_for_this_process
 
 __all__ = ["DEFAULT_TIMEOUT", "SharedArrayError", "array", "release"]
 
-log = Log("mpsrun")
+log = logging.getLogger("mpsrun")
 
 DEFAULT_TIMEOUT = 600.0  # how long a rank waits for the array to be filled (loading a large table takes a while)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")

@@ -1,1 +1,7 @@
-"""mpsrun.tools."""
+"""The subcommands that are not a job: ``mpsrun bench`` and ``mpsrun doctor``.
+
+Owns: the side-by-side benchmark (:mod:`~mpsrun.tools.bench`, with its GPU work in
+:mod:`~mpsrun.tools.benchwork`) and the machine check (:mod:`~mpsrun.tools.doctor`).
+
+Imports: anything below it; nothing imports it but the command line.
+"""

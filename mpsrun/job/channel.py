@@ -12,24 +12,25 @@ import os
 import signal
 
 from mpsrun.errors import MPSError
-from mpsrun.job.backends import Launched, LaunchSpec
+from mpsrun.job.launch import Launched, LaunchSpec
+from mpsrun.job.outcome import ranges
+from mpsrun.runtime.constants import CONTROL_VARIABLE, JOB_ID_VARIABLE, TOKEN_VARIABLE
 from mpsrun.runtime.interrupts import uninterrupted
+from mpsrun.runtime.protocol import Listener, new_token
 
-__all__ = ["JobControl"]
+__all__ = ["ControlChannel"]
 
 
-class JobControl:
-    """Where the job's rank supervisors reach its controller: ``listener``, ``token`` and the variables that name
-    them (``env``); and the MPI launcher when it starts ahead of the session (``early``), until the controller
-    adopts it."""
+class ControlChannel:
+    """Where the job's rank supervisors reach its controller: ``listener``, ``token`` and the environment that names
+    them (``env``: the caller's, plus those variables); and the MPI launcher when it starts ahead of the session
+    (``early``), until the controller takes it."""
 
     def __init__(self, where: str) -> None:
-        from mpsrun.runtime.protocol import Listener, new_token
-
         self.token = new_token()
         self.listener = Listener(where)
-        self.env = {**os.environ, "MPSRUN_CONTROL": self.listener.address, "MPSRUN_CONTROL_TOKEN": self.token,
-                    "MPSRUN_JOB_ID": self.token[:16]}
+        self.env = {**os.environ, CONTROL_VARIABLE: self.listener.address, TOKEN_VARIABLE: self.token,
+                    JOB_ID_VARIABLE: self.token[:16]}
         self.early: Launched | None = None
 
     def start_early(self, specs: list[LaunchSpec]) -> None:
@@ -39,11 +40,10 @@ class JobControl:
             with uninterrupted():  # a Popen cut short would lose the process
                 self.early = Launched(spec)
         except OSError as exc:  # as the controller says it when a launcher cannot start
-            from mpsrun.job.outcome import ranges
-
-            raise MPSError(f"cannot start rank(s) {ranges(list(spec.ranks))}: {exc}", command=spec.argv[0]) from None
+            raise MPSError(f"cannot start rank(s) {ranges(list(spec.ranks))}: {exc}") from None
 
     def hand_over(self) -> Launched | None:
+        """The launcher started early, for the controller to watch from now on (this channel no longer ends it)."""
         early, self.early = self.early, None
         return early
 

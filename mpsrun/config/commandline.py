@@ -1,0 +1,143 @@
+"""The ``mpsrun`` command line and ``MPSRUN_*`` variables, read into a :class:`~mpsrun.config.options.JobConfig`.
+
+Options end at the first word that is not an option (or its value), at ``--``, or after
+``-m MODULE``, as with ``mpirun``. Every option can also come from its ``MPSRUN_<NAME>`` variable;
+the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mpsrun.config.options import JobConfig, Option, options
+from mpsrun.errors import ConfigError
+
+__all__ = ["EXCLUSIVE", "build_parser", "parse_args", "parse_options", "split_argv", "to_argv"]
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+#: Options that exclude each other: one given on the command line silences the others' variables.
+EXCLUSIVE = (("verbose", "quiet"), ("hosts", "hostfile"))
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(message, setting="command line")
+
+
+def build_parser(description: str = "", epilog: str = "", version: str = "") -> argparse.ArgumentParser:
+    parser = _Parser(prog="mpsrun", usage="mpsrun [options] [--] command [args...]\n"
+                     "       mpsrun [options] -m module [args...]", description=description, epilog=epilog,
+                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    for name, spec in options().items():
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": spec.help}
+        if not spec.takes_value:
+            kwargs["action"] = "store_true"
+        else:
+            kwargs.update(type=spec.parse, metavar=spec.metavar, choices=spec.choices)
+            kwargs["action"] = "append" if spec.append else "store"
+        parser.add_argument(*spec.flags, **kwargs)
+    parser.add_argument("--version", action="version", version=f"mpsrun {version}")
+    return parser
+
+
+def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split ``argv`` into mpsrun's options and the command, the way mpirun does.
+
+    Options end at the first word that is not an option (or its value), at ``--``, or
+    after ``-m MODULE`` (the words after it are the module's arguments).
+    """
+    takes_value = {flag for spec in options().values() if spec.takes_value for flag in spec.flags}
+    words: list[str] = []
+    index = 0
+    while index < len(argv):
+        word = argv[index]
+        if word == "--":
+            return words, list(argv[index + 1 :])
+        if not word.startswith("-") or word == "-":
+            return words, list(argv[index:])
+        name = word.split("=", 1)[0]
+        if name in takes_value and "=" not in word and index + 1 < len(argv):
+            value = argv[index + 1]
+            # --opt=value lets a value start with "-" (argparse would take it for an option).
+            words.extend([f"{word}={value}"] if word.startswith("--") else [word, value])
+            index += 1
+            if name == "-m":
+                return words, list(argv[index + 1 :])
+        else:
+            words.append(word)
+        index += 1
+    return words, []
+
+
+def _from_variable(spec: Option, text: str) -> Any:
+    if not spec.takes_value:
+        if text.strip().lower() not in _TRUE + _FALSE:
+            raise ConfigError(f"{spec.variable} must be 1 or 0 (true/false), not {text!r}", setting=spec.variable)
+        return text.strip().lower() in _TRUE
+    try:
+        if spec.append:
+            return tuple(shlex.split(text))
+        value = spec.parse(text) if spec.parse else text.strip()
+    except (argparse.ArgumentTypeError, ValueError) as exc:
+        raise ConfigError(f"{spec.variable}: {exc}", setting=spec.variable, value=text) from None
+    if spec.choices is not None and value not in spec.choices:
+        raise ConfigError(f"{spec.variable} must be one of {', '.join(spec.choices)}, not {text!r}",
+                          setting=spec.variable, value=text)
+    return value
+
+
+def _overridden(name: str, given: Mapping[str, Any]) -> bool:
+    """Whether the command line sets an option that excludes ``name`` (the command line wins)."""
+    return any(name in group and any(other in given for other in group if other != name) for group in EXCLUSIVE)
+
+
+def parse_options(words: Sequence[str], environ: Mapping[str, str], version: str = "") -> dict[str, Any]:
+    """The option values from option words, then ``MPSRUN_*`` variables for options they do not give."""
+    given = vars(build_parser(version=version).parse_args(list(words)))
+    found: dict[str, Any] = {}
+    for name, spec in options().items():
+        if name in given:
+            found[name] = tuple(given[name]) if spec.append else given[name]
+        elif spec.env and spec.variable in environ and not _overridden(name, given):
+            found[name] = _from_variable(spec, environ[spec.variable])
+    if found.get("verbose") and found.get("quiet"):
+        raise ConfigError("-v/--verbose and -q/--quiet cannot be used together", setting="--quiet")
+    if found.get("hosts") and found.get("hostfile"):
+        raise ConfigError("give --hosts or --hostfile, not both", setting="--hosts")
+    return found
+
+
+def parse_args(argv: Sequence[str], environ: Mapping[str, str], version: str = "") -> JobConfig:
+    """Turn a command line (and ``MPSRUN_*`` variables for options it does not give) into a JobConfig.
+
+    Raises :class:`ConfigError` for anything invalid; argparse's SystemExit for --help/--version.
+    """
+    words, command = split_argv(argv)
+    found = parse_options(words, environ, version)
+    if found.get("module") is not None:
+        command = [sys.executable, "-m", found["module"], *command]
+    if not command:
+        raise ConfigError("no command given: mpsrun [options] [--] command [args...]", setting="command")
+    return JobConfig(command=tuple(command), **found)
+
+
+def to_argv(config: JobConfig, forwarded_only: bool = True) -> list[str]:
+    """The options that reproduce ``config`` (only the ranks' shared settings, by default)."""
+    argv: list[str] = []
+    defaults = JobConfig()
+    for name, spec in options().items():
+        value = getattr(config, name)
+        if (forwarded_only and not spec.forward) or value == getattr(defaults, name):
+            continue
+        flag = spec.flags[-1]
+        if not spec.takes_value:
+            argv.append(flag)
+        elif spec.append:
+            argv += [f"{flag}={item}" for item in value]
+        else:
+            argv.append(f"{flag}={spec.render(value)}")
+    return argv

@@ -1,0 +1,169 @@
+"""The ``mpsrun`` command's controller: every rank of the job, and the processes that start them.
+
+It knows the job's ranks (``-np``), starts them through its backend's launchers
+(:mod:`mpsrun.job.launch`), and judges the job: the first failure decides the exit code and the
+summary. Under ``--hosts`` each host's node keeper relays its ranks here
+(:class:`~mpsrun.node.relay.RelayController`), so fail-fast spans all hosts.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from mpsrun.errors import DaemonError
+from mpsrun.exitcodes import ExitCode, describe_returncode
+from mpsrun.job.controller import JudgingController, Policy, Welcome
+from mpsrun.job.launch import Launched, Launchers, LaunchSpec
+from mpsrun.job.outcome import RankEnd, ranges
+from mpsrun.job.table import RankState
+from mpsrun.mps.watch import Finding
+from mpsrun.rank.identity import RankIdentity
+from mpsrun.runtime.constants import ABANDON_WAIT, NODE_CLOSE_WAIT, STOP_SIGNALS
+from mpsrun.runtime.protocol import Listener
+from mpsrun.session.session import Session
+
+__all__ = ["JobController"]
+
+log = logging.getLogger("mpsrun")
+
+
+class JobController(JudgingController):
+    """``ranks``: the job's ranks (0..N-1). ``early``: its MPI launcher, when it was started before the session
+    (it is watched from the start). ``server_after``: when to ask for each MPS server, in seconds after the first
+    rank starts (None: its first client starts it). ``note``: how to tell the user."""
+
+    def __init__(self, listener: Listener, token: str, welcome: Welcome, policy: Policy, *, ranks: int,
+                 session: Session | None, note: Callable[[str], None], early: Launched | None = None,
+                 server_after: float | None = None) -> None:
+        super().__init__(listener, token, welcome, policy, session)
+        self.expected = range(ranks)
+        self.launchers = Launchers(self.loop, self._launcher_exited, self._launch_failed)
+        self.notes: list[str] = []  # what each host's node keeper had to say (under --hosts), for the job's end
+        self.abandoned = False  # the job cannot run: see abandon()
+        self._say = note
+        self._server_after = server_after
+        self._nodes_overdue = self._nodes_timer = False
+        if early is not None:
+            self.launchers.adopt(early)
+
+    def note(self, text: str) -> None:
+        self._say(text)
+
+    def launch(self, specs: Sequence[LaunchSpec]) -> None:
+        """Start the ranks' launchers (unless one was started early)."""
+        if not self.launchers.started:
+            self.launchers.launch(specs)
+
+    def abandon(self) -> None:
+        """The job cannot run (its set-up failed after its MPI launcher had started): every rank supervisor that
+        comes is refused quietly with exit 0 (no launcher's banner), the launcher gets --grace (at least
+        ABANDON_WAIT, at most what is left of --timeout), then SIGTERM, SIGKILL; a stopping signal kills it."""
+        self.abandoned = True
+        self.stop(signal.SIGTERM)
+        wait = max(self.policy.grace, ABANDON_WAIT)  # SIGTERM while mpiexec starts ranks makes it print a banner
+        self.launchers.wind_down(wait if self.policy.timeout is None else min(wait, max(self.policy.timeout, 0.0)))
+
+    # -- the ranks ---------------------------------------------------------------------------------
+
+    def _refusal(self, identity: RankIdentity) -> tuple[int, str] | None:
+        if identity.rank not in self.ranks and identity.rank not in self.expected:
+            return ExitCode.SETUP, f"rank {identity.rank} is not part of this job (ranks {ranges(self.expected)})"
+        return super()._refusal(identity)
+
+    def _refusal_code(self) -> int:
+        return ExitCode.OK if self.abandoned else super()._refusal_code()
+
+    def _started(self, state: RankState, message: Mapping[str, Any]) -> None:
+        if self._server_after is not None:
+            self.loop.after(self._server_after, self._ask_servers)
+            self._server_after = None
+
+    def _ask_servers(self) -> None:
+        """Start each server before its first client needs it, unless the job is stopping or over: once every rank
+        has ended the daemons may be quitting already."""
+        if self.session is None or self.stopping is not None or self.table.ended(self.expected):
+            return
+        for daemon in self.session.daemons:
+            try:
+                daemon.start_server(wait=False)
+            except DaemonError as exc:  # the watch reports a daemon that died
+                log.debug("mpsrun: could not ask for an MPS server: %s", exc)
+
+    def _ended(self, state: RankState, end: RankEnd) -> None:
+        super()._ended(state, end)
+        if self.table.ended(self.expected):
+            self._wind_down()
+
+    def relayed(self, message: Mapping[str, Any]) -> None:
+        if message["type"] == "note":
+            self.notes.append(message["text"])
+        else:
+            self._finding(Finding(message["message"], message["fatal"], code=message.get("code")))
+
+    def node_closed(self) -> None:
+        if self.table.ended(self.expected):
+            self._wind_down()
+
+    def _wind_down(self) -> None:
+        """Every rank has ended: the launchers get --grace to exit, once every host's node keeper has closed
+        (a keeper's last rank waits for its teardown, and ending the launcher would cut that short)."""
+        self._clients_gone()  # the daemons quit while the launchers exit
+        if not self.table.nodes:
+            self.launchers.wind_down(self.policy.grace)
+        elif not self._nodes_timer:
+            self._nodes_timer = True
+            self.loop.after(NODE_CLOSE_WAIT, self._nodes_late)
+
+    def _nodes_late(self) -> None:
+        self._nodes_overdue = True
+        self.launchers.wind_down(self.policy.grace)
+
+    def _done(self) -> bool:
+        """Every rank has ended, every launcher has exited, and the hosts' node keepers have closed (or are late)."""
+        return self.table.ended(self.expected) and self.launchers.ended and (
+            not self.table.nodes or self._nodes_overdue)
+
+    # -- signals and time -------------------------------------------------------------------------
+
+    def _on_signal(self, sig: int) -> None:
+        if not self.abandoned:
+            super()._on_signal(sig)
+        elif sig in STOP_SIGNALS:  # the job never ran: whatever still starts its refused ranks goes at once
+            self.launchers.kill()
+
+    def _timed_out(self) -> None:
+        if not self.abandoned:  # the job never ran: its own error is the one to report
+            super()._timed_out()
+
+    # -- launchers --------------------------------------------------------------------------------
+
+    def _cancel_launches(self) -> list[int]:
+        return self.launchers.cancel()
+
+    def _after_kill(self) -> None:
+        """An MPI launcher still starting ranks (or hung before them) gets --grace more, then SIGTERM, SIGKILL."""
+        self.launchers.wind_down(self.policy.grace)
+
+    def _kill_launchers(self) -> None:
+        self.launchers.kill()
+
+    def _launch_failed(self, spec: LaunchSpec, exc: OSError) -> None:
+        """A launcher (a rank's supervisor, or mpiexec) could not be started: the job fails, nothing more starts."""
+        self.fail("setup", ExitCode.SETUP, f"cannot start rank(s) {ranges(list(spec.ranks))}: {exc}")
+        self._never_started([r for r in spec.ranks if r not in self.ranks])
+
+    def _launcher_exited(self, started: Launched, returncode: int) -> None:
+        name = started.spec.name
+        self.judge.launcher_ended(name, returncode)
+        missing = [r for r in started.spec.ranks if r not in self.ranks]
+        running = [self.ranks[r] for r in started.spec.ranks if r in self.ranks and self.ranks[r].end is None]
+        if missing:
+            self.fail("launcher-failed", returncode,
+                      f"{name} {describe_returncode(returncode)} before rank(s) {ranges(missing)} started")
+            self._never_started(missing)
+        elif returncode != 0 and running:
+            self.fail("launcher-failed", returncode,
+                      f"{name} {describe_returncode(returncode)} while rank(s) {ranges([s.rank for s in running])} ran")

@@ -1,0 +1,144 @@
+"""What a backend starts, watched: a rank's supervisor (forked by the local launcher) or an MPI launcher.
+
+Each started process runs in a session of its own, is watched through a pidfd, and gets SIGTERM
+if the process that started it dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import signal
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from mpsrun.rank.forked import ForkedSupervisor
+from mpsrun.runtime.loop import EventLoop
+from mpsrun.runtime.processes import pidfd, set_parent_death_signal
+
+__all__ = ["LaunchSpec", "Launched", "Launchers"]
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchSpec:
+    """A process to start, and the ranks it is responsible for."""
+
+    name: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    ranks: tuple[int, ...]
+    stdin: bool = False
+    #: ``argv`` are a rank supervisor's arguments: it is forked from this process (no interpreter to start).
+    fork: bool = False
+
+
+class Launched:
+    """A started process, in its own session, watched through a pidfd; it gets SIGTERM if we die."""
+
+    def __init__(self, spec: LaunchSpec) -> None:
+        self.spec = spec
+        self.popen: subprocess.Popen[bytes] | ForkedSupervisor
+        if spec.fork:
+            self.popen = ForkedSupervisor(spec.argv, spec.env, spec.stdin)
+        else:
+            self.popen = subprocess.Popen(
+                list(spec.argv), env=dict(spec.env), stdin=None if spec.stdin else subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=functools.partial(set_parent_death_signal, signal.SIGTERM, os.getpid()))
+        self.fd = pidfd(self.popen.pid)
+
+    @property
+    def ended(self) -> bool:
+        return self.popen.returncode is not None
+
+    def reap(self) -> int:
+        return self.popen.wait()
+
+    def signal_group(self, sig: int) -> None:
+        if self.popen.poll() is None:  # not reaped: its pid still names its group
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, sig)
+
+
+class Launchers:
+    """What a backend started, each watched through its pidfd; ``on_exit`` is called once it has been reaped."""
+
+    PER_TURN = 8  # each start takes a millisecond or two
+
+    def __init__(self, loop: EventLoop, on_exit: Callable[[Launched, int], None],
+                 on_error: Callable[[LaunchSpec, OSError], None]) -> None:
+        self.loop, self.on_exit, self.on_error = loop, on_exit, on_error
+        self.started: list[Launched] = []
+        self.pending: list[LaunchSpec] = []
+        self._winding_down = False
+
+    def launch(self, specs: Sequence[LaunchSpec]) -> None:
+        """Start ``specs``, a few per turn of the loop, so a signal or a failure is handled while hundreds start;
+        one that cannot be started goes to ``on_error``."""
+        self.pending = list(specs)
+        self._next()
+
+    def _next(self) -> None:
+        for _ in range(min(self.PER_TURN, len(self.pending))):
+            spec = self.pending.pop(0)
+            try:
+                self._start(spec)
+            except OSError as exc:
+                self.on_error(spec, exc)
+                break  # the job is failing: on_error cancels the rest
+        if self.pending:
+            self.loop.after(0, self._next)
+
+    def _start(self, spec: LaunchSpec) -> None:
+        self.adopt(Launched(spec))
+
+    def adopt(self, started: Launched) -> None:
+        """Watch a process started before the loop ran (the mpiexec launcher's head start)."""
+        self.started.append(started)
+        if started.fd is not None:
+            self.loop.watch(started.fd, functools.partial(self._exited, started))
+        else:  # no pidfds on this kernel: a bounded poll interval
+            self._poll(started)
+
+    def cancel(self) -> list[int]:
+        """Start nothing more (the job is stopping); the ranks that will now never start."""
+        ranks = [rank for spec in self.pending for rank in spec.ranks]
+        self.pending = []
+        return ranks
+
+    @property
+    def ended(self) -> bool:
+        return not self.pending and all(started.ended for started in self.started)
+
+    def _poll(self, started: Launched) -> None:
+        if started.popen.poll() is None:
+            self.loop.after(0.05, lambda: self._poll(started))
+        else:
+            self._exited(started)
+
+    def _exited(self, started: Launched) -> None:
+        if started.fd is not None:
+            self.loop.unwatch(started.fd)
+            os.close(started.fd)
+            started.fd = None
+        self.on_exit(started, started.reap())
+
+    def wind_down(self, grace: float) -> None:
+        """Every rank has ended (or was killed): the launchers get ``grace`` to exit, then SIGTERM, then SIGKILL."""
+        if self._winding_down or self.ended:
+            return
+        self._winding_down = True
+        grace = max(grace, 0.5)
+        self.loop.after(grace, lambda: self._signal(signal.SIGTERM))
+        self.loop.after(2 * grace, lambda: self._signal(signal.SIGKILL))
+
+    def kill(self) -> None:
+        """SIGKILL every launcher now (a second Ctrl-C), and start nothing more."""
+        self.pending = []
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig: int) -> None:
+        for started in self.started:
+            started.signal_group(sig)

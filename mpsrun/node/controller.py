@@ -1,0 +1,109 @@
+"""A node keeper's controller: one node's ranks, and the node's end before its last rank's.
+
+The ranks of a per-node job join their node's keeper one by one, as the launcher starts them.
+Every node controller keeps the node's session until the last of the ranks the launcher put on the
+node has had its verdict: that verdict waits for the node's teardown, and its rank waits (lingers)
+until the keeper is gone, so the launcher's end means the node's session is gone too.
+
+* :class:`NodeController` (a bare ``--per-node`` job): judges the node's ranks itself, and the first
+  failing rank's supervisor prints the summary.
+* :class:`~mpsrun.node.relay.RelayController` (under ``mpsrun --hosts``): the job's controller judges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from mpsrun.job.controller import Controller, JudgingController, Policy, Welcome
+from mpsrun.job.table import RankState
+from mpsrun.runtime.constants import IDLE_TIMEOUT, LATE_WAIT
+from mpsrun.runtime.output import say
+from mpsrun.runtime.protocol import Listener
+from mpsrun.session.session import Session
+
+__all__ = ["NodeController", "NodeSide"]
+
+
+class NodeSide(Controller):
+    """What every node keeper's controller does. ``expected``: how many ranks the launcher put on this node (None
+    when it does not say); ``close``: ends the node's session, returning what to say about it."""
+
+    def __init__(self, listener: Listener, token: str, welcome: Welcome, policy: Policy, *, session: Session,
+                 expected: int | None, close: Callable[[], list[str]]) -> None:
+        super().__init__(listener, token, welcome, policy, session)
+        self.expected = expected
+        self._close_node = close
+        self._closed = False
+        self.give_up = False  # no rank ever came, or the ranks the launcher announced never did
+
+    def _arm(self) -> None:
+        super()._arm()
+        self.loop.after(IDLE_TIMEOUT, self._idle)
+
+    def _idle(self) -> None:
+        if not self.ranks:
+            self.give_up = True
+
+    def note(self, text: str) -> None:
+        say(f"mpsrun keeper: {text}")  # into keeper.log
+
+    def _done(self) -> bool:
+        every = len(self.ranks) >= (self.expected or 1)
+        return self.give_up or (every and all(s.end is not None and s.verdict_sent for s in self.ranks.values()))
+
+    def _verdict_lines(self, state: RankState, lines: list[str]) -> tuple[list[str], bool]:
+        """The last rank out waits for the node's teardown (and, lingering, for the keeper to end)."""
+        if not all(s.verdict_sent for s in self.ranks.values()):
+            return lines, False
+        if len(self.ranks) < (self.expected or 0):  # a rank of the node has yet to come: keep the session a while
+            self.loop.after(LATE_WAIT, self._late_ranks_overdue)
+            return lines, False
+        return lines + self._delivered(self._close()), True
+
+    def _close(self) -> list[str]:
+        self._closed = True
+        return self._close_node()
+
+    def _lingers(self) -> bool:
+        return self._closed
+
+    def _delivered(self, lines: list[str]) -> list[str]:
+        """What the node's end has to say, as the last verdict carries it (a relay sends it up instead)."""
+        return lines
+
+    def _late_ranks_overdue(self) -> None:
+        if all(s.verdict_sent for s in self.ranks.values()):
+            self._delivered(self._close())
+            self.give_up = True
+
+    @property
+    def reports_failures(self) -> bool:
+        """Whether the node's end should say what the MPS logs tell about failed ranks."""
+        return True
+
+
+class NodeController(NodeSide, JudgingController):
+    """A bare ``--per-node`` job's node: judges its ranks; the first failure's summary goes with the first verdict
+    that can still be delivered, so exactly one rank's supervisor prints it."""
+
+    def __init__(self, listener: Listener, token: str, welcome: Welcome, policy: Policy, *, session: Session,
+                 expected: int | None, close: Callable[[], list[str]]) -> None:
+        super().__init__(listener, token, welcome, policy, session=session, expected=expected, close=close)
+        self._summary_said = False
+
+    def note(self, text: str) -> None:
+        """Into keeper.log, and through one of the node's ranks to the user."""
+        super().note(text)
+        for state in sorted(self.table.live(), key=lambda s: s.rank):
+            if state.link is not None and state.link.send("say", text=text):
+                return
+
+    def _verdict_lines(self, state: RankState, lines: list[str]) -> tuple[list[str], bool]:
+        if self.judge.failed and not self._summary_said and state.link is not None and state.link.usable:
+            self._summary_said = True
+            lines = [self.judge.message, *lines]
+        return super()._verdict_lines(state, lines)
+
+    @property
+    def reports_failures(self) -> bool:
+        return self.judge.failed

@@ -1,0 +1,6 @@
+"""``python -m mpsrun.rank``: one rank's supervisor (see :mod:`mpsrun.rank.supervisor`)."""
+
+from mpsrun.rank.supervisor import main
+from mpsrun.runtime.processes import exit_now
+
+exit_now(main())

@@ -1,0 +1,63 @@
+"""How a rank's supervisor joins its controller, and how a rank that cannot start says why, once.
+
+The controller is the ``mpsrun`` that launched the job, or the node keeper under ``--per-node``; its
+address and the job's token come in the supervisor's environment (:mod:`mpsrun.runtime.constants`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from mpsrun.errors import MPSError
+from mpsrun.runtime.constants import CONTROL_VARIABLE, TOKEN_VARIABLE, WELCOME_TIMEOUT
+from mpsrun.runtime.deadline import Deadline
+from mpsrun.runtime.output import say
+from mpsrun.runtime.protocol import Link, connect
+
+__all__ = ["Join", "direct", "greet", "report_failure"]
+
+#: Joins a controller with a hello: the link, and the controller's answer (welcome or refusal; None if it went).
+Join = Callable[[Mapping[str, Any]], tuple[Link, "dict[str, Any] | None"]]
+_TELL_TIMEOUT = 5.0  # a rank that cannot start, telling the job's controller why
+
+
+def greet(link: Link, hello: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Say hello; the controller's welcome or refusal, or None if it went away (or asked us to come again)."""
+    link.send("hello", **hello)
+    answer = link.expect(("welcome", "refuse"), Deadline(WELCOME_TIMEOUT))
+    return None if answer is not None and answer.get("retry") else answer
+
+
+def direct(address: str) -> Join:
+    """Join the controller at ``address`` (the launcher's, or a node keeper's)."""
+
+    def join(hello: Mapping[str, Any]) -> tuple[Link, dict[str, Any] | None]:
+        link = connect(address)
+        return link, greet(link, hello)
+
+    return join
+
+
+def report_failure(exc: MPSError, local_rank: int | None) -> None:
+    """A rank that cannot start says why once: under ``--hosts`` to the job's controller, which makes it
+    the job's one summary line; otherwise the node's first local rank prints it."""
+    address = os.environ.get(CONTROL_VARIABLE)
+    if address and _tell_controller(address, exc):
+        return
+    if local_rank in (0, None):
+        say(f"mpsrun: error: {exc}")
+
+
+def _tell_controller(address: str, exc: MPSError) -> bool:
+    try:
+        link = connect(address)
+        link.send("hello", role="node", token=os.environ.get(TOKEN_VARIABLE, ""), node=socket.gethostname())
+        told = link.expect(("welcome",), Deadline(_TELL_TIMEOUT)) is not None and link.send(
+            "finding", message=str(exc), fatal=True, code=int(exc.exit_code))
+        link.close()
+    except OSError:
+        return False
+    return told

@@ -1,0 +1,75 @@
+"""What the processes of one job must agree on: the signals, the waits, and the variables that link them.
+
+A job's processes are the ``mpsrun`` command (the job's controller), node keepers, rank supervisors and
+reapers, often on several hosts. Each wait below is named once, with the waits it must outlast beside it.
+"""
+
+from __future__ import annotations
+
+import signal
+
+# -- signals -----------------------------------------------------------------------------------------------
+#: Signals that stop a job (forwarded to every rank, then teardown): exit 128+N.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: Signals passed on to the ranks and nothing more.
+PASS_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+#: Every signal a supervisor or controller takes and forwards to the ranks.
+FORWARDED_SIGNALS = STOP_SIGNALS + PASS_SIGNALS
+#: One Ctrl-C can reach a rank twice (from the terminal and from the launcher) within this.
+SAME_INTERRUPT = 0.25
+
+# -- variables -------------------------------------------------------------------------------------------
+#: Where a rank supervisor (or node keeper) reaches its controller (``unix:PATH`` or ``tcp:HOST:PORT``).
+CONTROL_VARIABLE = "MPSRUN_CONTROL"
+#: The job's secret: a peer's first message must carry it.
+TOKEN_VARIABLE = "MPSRUN_CONTROL_TOKEN"  # noqa: S105 - the variable's name, not a secret
+#: Under ``--hosts``, the job's configuration as JSON, for every host's ``mpsrun --per-node``.
+CONFIG_VARIABLE = "MPSRUN_CONTROL_CONFIG"
+#: Names the job for the node sessions of its ranks (the local ranks of one job share one).
+JOB_ID_VARIABLE = "MPSRUN_JOB_ID"
+#: Variables that link a supervisor to its controller: never passed on to the rank's command.
+CONTROL_VARIABLES = (CONTROL_VARIABLE, TOKEN_VARIABLE, CONFIG_VARIABLE)
+#: The job's (or node's) private session directory, in every rank (mpsrun.shared keeps its handles there).
+SESSION_DIR_VARIABLE = "MPSRUN_SESSION_DIR"
+#: Overrides the host name in node sessions' names (tests simulate several nodes on one machine).
+NODE_ID_VARIABLE = "MPSRUN_NODE_ID"
+#: Where session directories go (else $XDG_RUNTIME_DIR, else /tmp).
+TMPDIR_VARIABLE = "MPSRUN_TMPDIR"
+
+# -- waits, in seconds -----------------------------------------------------------------------------------
+#: A supervisor waits this long for its welcome: the controller may be starting the MPS daemons meanwhile.
+WELCOME_TIMEOUT = 300.0
+#: A supervisor waits this long for its verdict after its rank ended; the node's last rank waits for the node's
+#: teardown (LINGER_TIMEOUT), and a relaying keeper for the job's verdicts (VERDICT_WAIT): both shorter.
+VERDICT_TIMEOUT = 300.0
+#: The node keeper's teardown (a hanging quit, then SIGTERM, SIGKILL) after its last verdict.
+LINGER_TIMEOUT = 60.0
+#: A rank's output still open after its process group is gone (a writer that left the group).
+DRAIN_TIMEOUT = 2.0
+#: After SIGKILL, how long a rank's supervisor gets to report before the rank is given up as lost.
+KILL_WAIT = 10.0
+#: How long a relaying node keeper waits for the job's verdicts once its ranks have ended.
+VERDICT_WAIT = 30.0
+#: How long a node keeper keeps its session for ranks the launcher said would come.
+LATE_WAIT = 30.0
+#: How long a node keeper waits for its first rank before it gives up.
+IDLE_TIMEOUT = 60.0
+#: How long the job's controller waits for the hosts' node keepers to end their sessions.
+NODE_CLOSE_WAIT = 60.0
+#: At least this long, for an abandoned launch's MPI launcher to start (and end) the ranks it refused.
+ABANDON_WAIT = 5.0
+#: How long a rank waits for its node keeper to start (bounded by --timeout when one is given).
+KEEPER_START_TIMEOUT = 120.0
+#: A node keeper's wait for the job's controller to answer its hello (under --hosts).
+UPSTREAM_TIMEOUT = 30.0
+#: Connecting to a controller.
+CONNECT_TIMEOUT = 10.0
+#: Each MPS daemon's start (to answer, and its server to come up) and stop (quit, then signals).
+DAEMON_START_TIMEOUT = 30.0
+DAEMON_STOP_TIMEOUT = 10.0
+#: Holding this user's lock on the session root (node sessions start and end under it).
+LOCK_TIMEOUT = 60.0
+#: When the launchers ask for each MPS server, after the first rank starts (see job.backends).
+SERVER_AFTER = 0.25
+#: NVML is sampled this often: two looks in a row find a rank off MPS.
+WATCH_INTERVAL = 0.2

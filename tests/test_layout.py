@@ -1,0 +1,139 @@
+"""The package's architecture as a contract: layers, no cycles, a standard-library rank supervisor, one public list.
+
+Every ``import`` of mpsrun's own modules is read from the source (function-level and TYPE_CHECKING imports
+included), so a dependency cannot hide from these checks.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "mpsrun"
+
+#: Bottom first: a module may import its own package and the layers below it, never one above.
+LAYERS = [
+    {"errors", "exitcodes"},
+    {"runtime"},
+    {"config"},
+    {"rank"},
+    {"mps"},
+    {"session"},
+    {"shared"},
+    {"job"},
+    {"node"},
+    {"tools"},
+    {"cli", "_entry", "__main__", "__init__"},
+]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """The mpsrun modules ``path`` imports (``from mpsrun.x import y`` counts as mpsrun.x.y when that is a module)."""
+    found: set[str] = set()
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.split(".")[0] == "mpsrun"}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], base]).strip(".")
+            if base.split(".")[0] != "mpsrun":
+                continue
+            found.add(base)
+            found |= {f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in known}
+    return found - {module_name(path)}
+
+
+def graph() -> dict[str, set[str]]:
+    known = set(modules())
+    return {name: imports_of(path, known) & known for name, path in modules().items()}
+
+
+def layer(name: str) -> int:
+    top = name.split(".")[1] if "." in name else "__init__"
+    return next(index for index, members in enumerate(LAYERS) if top in members)
+
+
+def test_every_module_belongs_to_a_layer():
+    """A new package or top-level module must be placed in the layering (LAYERS) before it can be used."""
+    unplaced = [name for name in modules() if not any(
+        (name.split(".")[1] if "." in name else "__init__") in members for members in LAYERS)]
+    assert not unplaced
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    """Data flows down: config never imports the job, the rank supervisor never imports the session, and so on."""
+    upward = sorted((name, target) for name, targets in graph().items() for target in targets
+                    if layer(target) > layer(name) and name != "mpsrun")
+    assert not upward, "\n".join(f"{a} imports {b}" for a, b in upward)
+
+
+def test_no_import_cycles():
+    """No two modules import each other, directly or through others."""
+    edges = graph()
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(edges.get(name, ())):
+            if target == "mpsrun":
+                continue
+            if state.get(target) == 1:
+                cycles.append([*path[path.index(target):], target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[name] = 2
+
+    for name in sorted(edges):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_the_top_of_the_package_holds_at_most_ten_modules():
+    """The folder names show the architecture: only the public face and the entry points sit at the top."""
+    top = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(top) <= 10, top
+
+
+def test_every_package_says_what_it_owns():
+    """Each sub-package's docstring names what it owns and what it may import."""
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "Owns" in doc and "Imports" in doc, f"{init.parent.name}: {doc!r}"
+
+
+def test_the_rank_supervisor_imports_only_the_standard_library():
+    """Under an MPI launcher one supervisor starts per rank, without site-packages (``python -S``): everything it
+    imports must be the standard library's or mpsrun's own, and mpsrun's own only below the rank layer."""
+    code = ("import sys; before = set(sys.modules); import mpsrun.rank.supervisor, mpsrun.rank.forked; "
+            "print('\\n'.join(sorted(set(sys.modules) - before)))")
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent)
+    loaded = out.stdout.split()
+    foreign = [name for name in loaded if name.split(".")[0] not in sys.stdlib_module_names
+               and name.split(".")[0] != "mpsrun"]
+    assert not foreign, foreign
+    ours = [name for name in loaded if name.startswith("mpsrun.")]
+    assert all(layer(name) <= layer("mpsrun.rank") for name in ours), ours
+
+
+@pytest.mark.parametrize("name", sorted(n for n in modules() if n.startswith("mpsrun.") and not n.endswith("__main__")))
+def test_every_module_imports_on_its_own(name):
+    """Each module can be imported first, alone (no hidden order between modules)."""
+    subprocess.run([sys.executable, "-c", f"import {name}"], check=True, cwd=PACKAGE.parent, timeout=60)

@@ -1,0 +1,103 @@
+"""The protocol between a job's processes: messages declared once, garbage dropped, strangers bounded.
+
+Also what a rank's supervisor and a session record make of input they did not write.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+
+import pytest
+
+from mpsrun.errors import RecordError
+from mpsrun.runtime.protocol import HELLO_MAX, LINE_MAX, MESSAGES, Link, decode, encode
+from mpsrun.runtime.processes import python_without_site
+from mpsrun.session.record import SessionRecord
+
+
+def test_every_message_the_code_sends_is_declared():
+    """Each ``send(...)``/``encode(...)`` in the package names a type that MESSAGES declares, and every declared type
+    is sent somewhere: the declaration and the code cannot drift apart."""
+    import ast
+    from pathlib import Path
+
+    sent: set[str] = set()
+    for path in (Path(__file__).resolve().parent.parent / "mpsrun").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "send"
+                    and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+                sent.add(node.args[0].value)
+    assert sent == set(MESSAGES)
+
+
+def test_a_message_is_encoded_only_as_declared():
+    """encode() refuses a type MESSAGES does not know, a missing required field, and a field of the wrong type."""
+    assert decode(encode("signal", signal=15, ranks=[0, 1])) == {"type": "signal", "signal": 15, "ranks": [0, 1]}
+    for kind, fields in (("frobnicate", {}), ("signal", {}), ("signal", {"signal": "15"}),
+                         ("verdict", {"rank": 0, "exit_code": True})):
+        with pytest.raises(ValueError, match="not a"):
+            encode(kind, **fields)
+
+
+@pytest.mark.parametrize("line", [
+    b"{x", b"[" * 100_000, b'{"type": "hello"}', b'{"type": "exited", "rank": "0", "returncode": 0}',
+    b'{"type": "signal", "signal": 9.5}', b"\xff\xfe", b"null", b'"text"', b'{"type": 7}', b"",
+])
+def test_what_is_not_a_declared_message_is_dropped(line):
+    """Garbage, JSON nested deeper than Python parses, a message missing a field or with one of the wrong type:
+    decode() returns None for each, never an exception (a peer's line once crashed the controller)."""
+    assert decode(line) is None
+
+
+def _pair(line_max: int = LINE_MAX) -> tuple[Link, socket.socket]:
+    ours, theirs = socket.socketpair()
+    return Link(ours, line_max=line_max), theirs
+
+
+def test_a_stranger_cannot_send_more_than_a_hello_before_it_is_admitted():
+    """Before a link is admitted (its peer has shown the job's token), a line longer than HELLO_MAX ends the link
+    without being parsed; once admitted, lines up to LINE_MAX are read."""
+    link, peer = _pair(HELLO_MAX)
+    peer.sendall(b"x" * (HELLO_MAX + 1))
+    assert [link.receive(), link.receive()] == [[], None] and not link.usable
+    link.close()
+    peer.close()
+    link, peer = _pair(HELLO_MAX)
+    link.admit(role="rank", rank=0)
+    message = encode("note", text="y" * (HELLO_MAX * 2))
+    peer.sendall(message)
+    received: list[dict[str, object]] = []
+    while not received:
+        batch = link.receive()
+        assert batch is not None
+        received += batch
+    assert received[0]["text"] == "y" * (HELLO_MAX * 2)
+    link.close()
+    peer.close()
+
+
+def test_a_session_record_nested_deeper_than_python_parses_is_unreadable(tmp_path):
+    """A corrupt session.json of 100,000 nested brackets is a RecordError (``status`` lists it as unreadable and
+    ``cleanup`` goes on), not a RecursionError out of the command."""
+    record = tmp_path / "session.json"
+    record.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(RecordError):
+        SessionRecord.read(record)
+
+
+def test_the_supervisor_comes_from_mpsrun_not_from_the_working_directory(tmp_path):
+    """A job run from a directory that holds another ``mpsrun`` package (a checkout, a stray directory) or a module
+    named as one of the standard library's (a project's ``math.py``) still runs its own supervisor on the standard
+    library: nothing comes from the working directory, which ``-c`` puts first on the path (it used to win)."""
+    foreign = tmp_path / "mpsrun"
+    foreign.mkdir()
+    (foreign / "__init__.py").write_text("raise SystemExit('the foreign mpsrun was imported')\n")
+    (tmp_path / "math.py").write_text("raise SystemExit('the project math.py was imported')\n")
+    argv = [*python_without_site("mpsrun.rank.supervisor"), "--", "true"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MPSRUN_CONTROL")}
+    out = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+    assert "foreign" not in out.stderr and "project" not in out.stderr
+    assert "needs MPSRUN_CONTROL" in out.stderr  # mpsrun's own supervisor, refusing to run without a job
+    assert out.returncode == 2
