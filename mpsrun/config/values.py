@@ -26,6 +26,7 @@ __all__ = [
     "parse_choice",
     "parse_count",
     "parse_flag",
+    "parse_gpu_arguments",
     "parse_gpus",
     "parse_hostfile",
     "parse_hosts",
@@ -177,7 +178,7 @@ def parse_gpus(value: object, setting: str = "--gpus") -> GpuList:
     if value is None or (isinstance(value, str) and value.strip().lower() == "all"):
         return None
     if isinstance(value, str):
-        items: list[object] = value.split(",") if value.replace(",", "").strip() else []
+        items: list[object] = [*value.split(",")] if value.replace(",", "").strip() else []
     else:
         items = list(value) if isinstance(value, (list, tuple)) else [value]
     if not items:
@@ -187,6 +188,15 @@ def parse_gpus(value: object, setting: str = "--gpus") -> GpuList:
     if twice:
         raise ConfigError(f"{setting}: GPU {', '.join(twice)} is listed twice", setting=setting, value=value)
     return chosen
+
+
+def parse_gpu_arguments(gpu: object, gpus: object) -> GpuList:
+    """``mps_session(gpu=...)`` or ``gpus=...`` as one GPU list (default: GPU 0)."""
+    if gpu is not None and gpus is not None:
+        raise ConfigError("give gpu= or gpus=, not both", setting="gpus", value=(gpu, gpus))
+    if gpus is not None:
+        return parse_gpus(gpus, "gpus")
+    return parse_gpus([0 if gpu is None else gpu], "gpu")
 
 
 def parse_hosts(value: object, setting: str = "--hosts") -> tuple[str, ...]:

@@ -7,9 +7,9 @@ command on stdin. That client exits 0 even when a command fails (measured), so r
 parsed, never trusted by exit code.
 
 One life cycle for every owner: :meth:`ControlDaemon.start` spawns a daemon,
-:meth:`ControlDaemon.record` describes it for ``session.json``, and
-:meth:`ControlDaemon.stop` ends it, whether this process started it or it was
-:meth:`attached <ControlDaemon.attach>` from a record (a reaper, ``mpsrun cleanup``).
+:class:`~mpsrun.session.record.DaemonRecord` describes it for ``session.json``, and
+:meth:`ControlDaemon.stop` ends it, whether this process started it or it was made again
+from a record (a reaper, ``mpsrun cleanup``).
 Processes are identified by pid and start time, never by name.
 """
 
@@ -25,7 +25,6 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from mpsrun.errors import DaemonError, DaemonStartError, DaemonTimeoutError, MPSUnavailableError
 from mpsrun.mps.limits import stored_mem_limit
@@ -44,7 +43,7 @@ from mpsrun.mps.replies import (
 from mpsrun.runtime.deadline import Deadline, poll_until
 from mpsrun.runtime.processes import ProcessRef, parent_pid, set_parent_death_signal
 
-__all__ = ["CONTROL_EXECUTABLE", "ControlDaemon", "DaemonRecord", "find_control_executable"]
+__all__ = ["CONTROL_EXECUTABLE", "ControlDaemon", "find_control_executable"]
 
 log = logging.getLogger(__name__)
 
@@ -73,26 +72,6 @@ def unavailable_reason(mode: str) -> str | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class DaemonRecord:
-    """A daemon as a session's record names it, for whoever outlives its owner (the reaper, ``mpsrun cleanup``)."""
-
-    gpu: str
-    process: ProcessRef
-    pipe_dir: str
-    log_dir: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"gpu": self.gpu, "process": self.process.to_json(), "pipe_dir": self.pipe_dir, "log_dir": self.log_dir}
-
-    @classmethod
-    def from_json(cls, data: Any) -> DaemonRecord:
-        fields = ("gpu", "pipe_dir", "log_dir")
-        if not isinstance(data, Mapping) or not all(isinstance(data.get(k), str) for k in fields):
-            raise ValueError(f"not a daemon record: {data!r}")
-        return cls(data["gpu"], ProcessRef.from_json(data.get("process")), data["pipe_dir"], data["log_dir"])
-
-
 @dataclass(slots=True, eq=False)
 class ControlDaemon:
     """One private MPS control daemon serving one GPU (or, under ``--gpu-bind none``, several).
@@ -113,15 +92,6 @@ class ControlDaemon:
     _servers: dict[int, ProcessRef] = field(default_factory=dict, init=False)
     answered: bool = field(default=False, init=False)  # it has answered a command: it can take `quit`
     quitting: bool = field(default=False, init=False)  # stop() has begun: its end is no failure
-
-    @classmethod
-    def attach(cls, record: DaemonRecord, executable: str = CONTROL_EXECUTABLE) -> ControlDaemon:
-        """The daemon a record names, to command or stop it (it may be another process's child)."""
-        return cls(record.gpu, Path(record.pipe_dir), Path(record.log_dir), executable, process=record.process)
-
-    def record(self) -> DaemonRecord:
-        assert self.process is not None, "the daemon has not been started"
-        return DaemonRecord(self.devices, self.process, str(self.pipe_dir), str(self.log_dir))
 
     @property
     def env(self) -> dict[str, str]:

@@ -17,12 +17,41 @@ from pathlib import Path
 from typing import Any
 
 from mpsrun.errors import RecordError
-from mpsrun.mps.daemon import DaemonRecord
+from mpsrun.mps.daemon import CONTROL_EXECUTABLE, ControlDaemon
 from mpsrun.runtime.processes import ProcessRef
 
-__all__ = ["KINDS", "SessionRecord"]
+__all__ = ["KINDS", "DaemonRecord", "SessionRecord"]
 
 KINDS = ("api", "job", "node")
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonRecord:
+    """A daemon as a session's record names it, for whoever outlives its owner (the reaper, ``mpsrun cleanup``)."""
+
+    gpu: str
+    process: ProcessRef
+    pipe_dir: str
+    log_dir: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"gpu": self.gpu, "process": self.process.to_json(), "pipe_dir": self.pipe_dir, "log_dir": self.log_dir}
+
+    @classmethod
+    def of(cls, daemon: ControlDaemon) -> DaemonRecord:
+        assert daemon.process is not None, "the daemon has not been started"
+        return cls(daemon.devices, daemon.process, str(daemon.pipe_dir), str(daemon.log_dir))
+
+    def daemon(self, executable: str = CONTROL_EXECUTABLE) -> ControlDaemon:
+        """The daemon this names, to command or stop it (it may be another process's child)."""
+        return ControlDaemon(self.gpu, Path(self.pipe_dir), Path(self.log_dir), executable, process=self.process)
+
+    @classmethod
+    def from_json(cls, data: Any) -> DaemonRecord:
+        fields = ("gpu", "pipe_dir", "log_dir")
+        if not isinstance(data, Mapping) or not all(isinstance(data.get(k), str) for k in fields):
+            raise ValueError(f"not a daemon record: {data!r}")
+        return cls(data["gpu"], ProcessRef.from_json(data.get("process")), data["pipe_dir"], data["log_dir"])
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpsrun.errors import DaemonError, MPSError, MPSUnavailableError, RecordError
-from mpsrun.mps.daemon import CONTROL_EXECUTABLE, ControlDaemon, find_control_executable
+from mpsrun.mps.daemon import CONTROL_EXECUTABLE, find_control_executable
 from mpsrun.runtime.deadline import Deadline, poll_until
 from mpsrun.session.paths import base_directory, user_root, user_root_lock
 from mpsrun.session.record import SessionRecord
@@ -122,7 +122,7 @@ def _stop_daemons(record: SessionRecord) -> int:
     for entry in record.daemons:
         if entry.process.alive():
             with contextlib.suppress(DaemonError):
-                ControlDaemon.attach(entry, executable).stop(timeout=5.0, grace=2.0)
+                entry.daemon(executable).stop(timeout=5.0, grace=2.0)
             stopped += 1
     return stopped
 

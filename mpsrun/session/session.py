@@ -28,6 +28,7 @@ from mpsrun.session.claim import SessionClaim
 from mpsrun.session.daemonset import DaemonSet
 from mpsrun.session.export import Export
 from mpsrun.session.paths import SessionDirs, session_base
+from mpsrun.session.record import DaemonRecord
 
 if TYPE_CHECKING:
     from mpsrun.mps.watch import ClientWatcher
@@ -86,7 +87,7 @@ class Session:
         gpu_bind: str = "single",
         workers: int | None = None,
     ) -> None:
-        self._requested = _requested_gpus(gpu, gpus)
+        self._requested = values.parse_gpu_arguments(gpu, gpus)
         self.mps = values.parse_choice(mps, values.MPS_MODES, "mps")
         self.thread_percentage = None if thread_percentage is None else \
             values.parse_thread_percentage(thread_percentage)
@@ -214,7 +215,7 @@ class Session:
 
         def started(daemon: ControlDaemon) -> None:
             assert self._claim is not None
-            self._claim.update(self._claim.record.with_daemon(daemon.record()))
+            self._claim.update(self._claim.record.with_daemon(DaemonRecord.of(daemon)))
 
         self._daemons.start(self.dirs, self._defaults, self.start_timeout, server, started, meanwhile)
 
@@ -365,15 +366,6 @@ class Session:
     def __repr__(self) -> str:
         gpus = ",".join(str(g.index) for g in self.gpus) or "?"
         return f"<mpsrun.Session {self._state} gpus={gpus} mps={'on' if self.enabled else 'off'}>"
-
-
-def _requested_gpus(gpu: object, gpus: object) -> values.GpuList:
-    """``gpu=`` or ``gpus=`` as one GPU list (default: GPU 0)."""
-    if gpu is not None and gpus is not None:
-        raise ConfigError("give gpu= or gpus=, not both", setting="gpus", value=(gpu, gpus))
-    if gpus is not None:
-        return values.parse_gpus(gpus, "gpus")
-    return values.parse_gpus([0 if gpu is None else gpu], "gpu")
 
 
 def _gpu_status(gpu: GPU, daemon: ControlDaemon) -> dict[str, Any]:
