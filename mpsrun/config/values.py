@@ -72,13 +72,18 @@ def parse_choice(value: object, choices: Sequence[str], setting: str) -> str:
     return text
 
 
-def parse_ranks(value: object, setting: str = "-np") -> int:
-    """A number of ranks: a whole number from 1 to MAX_RANKS (ASCII digits only)."""
+def _bounded(value: object, low: int, high: int, setting: str, unit: str = "") -> int:
+    """A whole number from ``low`` to ``high`` (an int, or ASCII digits: ``1e2`` is refused)."""
     number = _whole(value)
-    if number is None or not 1 <= number <= MAX_RANKS:
-        raise ConfigError(f"{setting} must be a whole number from 1 to {MAX_RANKS}, not {value!r}",
+    if number is None or not low <= number <= high:
+        raise ConfigError(f"{setting} must be a whole number from {low} to {high}{unit}, not {value!r}",
                           setting=setting, value=value)
     return number
+
+
+def parse_ranks(value: object, setting: str = "-np") -> int:
+    """A number of ranks: 1 to MAX_RANKS."""
+    return _bounded(value, 1, MAX_RANKS, setting)
 
 
 def parse_count(value: object, setting: str) -> int:
@@ -111,11 +116,7 @@ def parse_flag(value: object, setting: str) -> bool:
 
 def parse_thread_percentage(value: object, setting: str = "thread_percentage") -> int:
     """An active-thread percentage: a whole number from 1 to 100."""
-    number = _whole(value)
-    if number is None or not 1 <= number <= 100:
-        raise ConfigError(f"{setting} must be a whole number from 1 to 100 (percent of the GPU's SMs), not {value!r}",
-                          setting=setting, value=value)
-    return number
+    return _bounded(value, 1, 100, setting, " (percent of the GPU's SMs)")
 
 
 def parse_thread_spec(value: object, setting: str = "--thread-percentage") -> ThreadSpec:
