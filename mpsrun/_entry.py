@@ -8,10 +8,9 @@ is only noted, and :func:`mpsrun.cli.main` then ends with one line and 128+N.
 from __future__ import annotations
 
 import signal
+from typing import NoReturn
 
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import NoReturn
+from mpsrun.runtime.constants import STOP_SIGNALS
 
 _pending: list[int] = []
 
@@ -20,7 +19,7 @@ def _note(number: int, frame: object) -> None:
     _pending.append(number)
 
 
-for _number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+for _number in STOP_SIGNALS:
     if signal.getsignal(_number) is not signal.SIG_IGN:  # inherited as ignored (nohup): stays ignored
         signal.signal(_number, _note)
 

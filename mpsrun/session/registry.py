@@ -23,6 +23,7 @@ from pathlib import Path
 
 from mpsrun.errors import DaemonError, MPSError, MPSUnavailableError, RecordError
 from mpsrun.mps.daemon import CONTROL_EXECUTABLE, find_control_executable
+from mpsrun.runtime.constants import SESSION_DIR_VARIABLE
 from mpsrun.runtime.deadline import Deadline, poll_until
 from mpsrun.session.paths import base_directory, user_root, user_root_lock
 from mpsrun.session.record import SessionRecord
@@ -96,7 +97,7 @@ def processes_using(root: Path) -> list[int]:
             env = proc.environ()
         except (psutil.Error, AttributeError):
             continue
-        if any(str(root) in env.get(name, "") for name in ("CUDA_MPS_PIPE_DIRECTORY", "MPSRUN_SESSION_DIR")):
+        if any(str(root) in env.get(name, "") for name in ("CUDA_MPS_PIPE_DIRECTORY", SESSION_DIR_VARIABLE)):
             found.append(proc.pid)
     return found
 

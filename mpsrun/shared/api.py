@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from mpsrun.errors import SharedArrayError
+from mpsrun.runtime.constants import SESSION_DIR_VARIABLE
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.session.paths import SOCKET_PATH_MAX
 from mpsrun.shared.handoff import HandoffError, Publisher, Subscription, join, take_over
@@ -280,7 +281,7 @@ def _this_memory() -> Memory:
 
 def _directory() -> Path:
     """``shared/`` in the job's private session directory (made 0700 on first use)."""
-    session = os.environ.get("MPSRUN_SESSION_DIR")
+    session = os.environ.get(SESSION_DIR_VARIABLE)
     if not session:
         raise SharedArrayError("mpsrun.shared.api works in the ranks of an mpsrun job or the workers of an "
                                "mps_session() that runs MPS (MPSRUN_SESSION_DIR is not set)")
