@@ -5,7 +5,7 @@
 Two jobs, each run every way side by side, in alternating repeats (each round runs every
 variant once, in an order drawn from ``--seed``):
 
-- trivial: ``-np 4 python3 -c pass``: nothing but start-up and teardown;
+- trivial: ``-np 4 python3 -c pass`` (and ``-np 48``, ``--trivial-ranks``): nothing but start-up and teardown;
 - real: 8 ranks, each 200 launches of an 8-block kernel (about 1.7 s of GPU work per rank).
 
 Variants:
@@ -43,10 +43,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mpsrun.job.mpiexec import detect_flavour
+from mpsrun.tools.benchwork import BLOCKS, KERNEL, THREADS
 
 REPO = Path(__file__).resolve().parent.parent
+# Self-contained (the kernel's source inline): the same command runs under every tree compared with --tree.
 KERNEL_JOB = [sys.executable, "-c", (
-    "import sys; from mpsrun.tools.benchwork import KERNEL, BLOCKS, THREADS; import cupy; "
+    f"import sys; import cupy; KERNEL, BLOCKS, THREADS = {KERNEL!r}, {BLOCKS}, {THREADS}; "
     "k = cupy.RawKernel(KERNEL, 'fma_loop'); out = cupy.empty(BLOCKS * THREADS, dtype=cupy.float32); "
     "[k((BLOCKS,), (THREADS,), (out, cupy.int32(int(sys.argv[1])))) for _ in range(int(sys.argv[2]))]; "
     "cupy.cuda.Device().synchronize()")]
@@ -187,6 +189,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--only", choices=("trivial", "real"))
     parser.add_argument("--launches", type=int, default=200)
+    parser.add_argument("--trivial-ranks", default="4,48", help="rank counts of the trivial job (4,48)")
     parser.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
                         help="also run mpsrun from the source tree DIR, as variants named [NAME]")
     args = parser.parse_args()
@@ -204,11 +207,11 @@ def main() -> int:
                        stdout=subprocess.DEVNULL)
     rng = random.Random(args.seed)  # noqa: S311 - a reproducible order, not a secret
     results: dict[str, object] = {"repeats": args.repeats, "seed": args.seed}
-    if args.only != "real":
-        trivial = {name: make(4, [sys.executable, "-c", "pass"]) for name, make in VARIANTS.items()}
+    for n in (int(part) for part in args.trivial_ranks.split(",")) if args.only != "real" else ():
+        trivial = {name: make(n, [sys.executable, "-c", "pass"]) for name, make in VARIANTS.items()}
         measure(trivial, 1, rng)  # warm-up: page cache, not counted
-        results["trivial"] = samples = measure(trivial, args.repeats, rng)
-        print(table("Trivial job, -np 4 python3 -c pass", samples, REFERENCE, ratio=False), flush=True)
+        results["trivial" if n == 4 else f"trivial-{n}"] = samples = measure(trivial, args.repeats, rng)
+        print(table(f"Trivial job, -np {n} python3 -c pass", samples, REFERENCE, ratio=False), flush=True)
     if args.only != "trivial":
         iters = calibrate(8.5)
         command = [*KERNEL_JOB, str(iters), str(args.launches)]

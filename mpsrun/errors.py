@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from mpsrun import exitcodes
 from mpsrun.exitcodes import ExitCode, signal_name
 
 __all__ = [
@@ -219,7 +220,7 @@ class InterruptionError(MPSError):
 
     def __init__(self, message: str = "", *, signal: int = 0) -> None:
         super().__init__(message or f"interrupted by {signal_name(signal)}", signal=signal)
-        self.exit_code = 128 + signal
+        self.exit_code = exitcodes.exit_code(exitcodes.Outcome("signal", signal))
 
 
 class RecordError(MPSError, ValueError):

@@ -12,8 +12,8 @@ import subprocess
 import pytest
 
 from mpsrun.errors import RecordError
-from mpsrun.runtime.protocol import HELLO_MAX, LINE_MAX, MESSAGES, Link, decode, encode
 from mpsrun.runtime.processes import python_without_site
+from mpsrun.runtime.protocol import HELLO_MAX, LINE_MAX, MESSAGES, Link, decode, encode
 from mpsrun.session.record import SessionRecord
 
 

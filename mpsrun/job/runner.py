@@ -98,7 +98,7 @@ class Job:
                     teardown_failure = self._close(session, claim)
         late = interrupts.received[0] if interrupts.received else None
         result = controller.result(teardown_failure, late)
-        if late is not None and result.exit_code == 128 + late:
+        if late is not None and result.cause == "signal" and not controller.judge.failed:
             self.note(result.message)
         return result
 

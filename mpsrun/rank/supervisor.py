@@ -212,10 +212,10 @@ class RankSupervisor:
                 self.link.expect(("",), Deadline(LINGER_TIMEOUT), others=self._said)
         self.link.close()
         late = interrupts.received[0] if interrupts.received else None
-        code = exit_code(self._decided(own, reason, verdict)._replace(late_signal=late))
-        if late is not None and code == 128 + late:
+        decided = self._decided(own, reason, verdict)
+        if late is not None and exit_code(decided) == ExitCode.OK:
             _say(f"rank {self.rank}: interrupted by {signal_name(late)} while the job ended")
-        return code
+        return exit_code(decided._replace(late_signal=late))
 
     def _decided(self, own: Outcome, reason: str, verdict: Mapping[str, Any] | None) -> Outcome:
         """The job's word on this rank (its verdict), else the rank's own end."""
@@ -263,7 +263,7 @@ def run_rank(command: Sequence[str], identity: RankIdentity, join: Join, token: 
     parent = os.getppid()
     set_parent_death_signal(signal.SIGTERM)  # our launcher gone: stop the rank like a SIGTERM
     if os.getppid() != parent:
-        return 128 + signal.SIGTERM
+        return exit_code(Outcome("signal", signal.SIGTERM))
     fields = {"role": "rank", "token": token, "identity": identity.to_json(), "host": socket.gethostname(),
               "shim": os.getpid(), "devices": os.environ.get("CUDA_VISIBLE_DEVICES"), **(hello or {})}
     try:
