@@ -143,14 +143,14 @@ class Controller:
         if refusal is None:
             try:
                 link.send("welcome", **self.welcome(identity, hello))
-                self.ranks[identity.rank] = RankState(identity.rank, link)
+                self.table.add(RankState(identity.rank, link))
                 return
             except MPSError as exc:
                 refusal = (exc.exit_code, f"mpsrun: error: {exc}")
         code, why = refusal
         message = self._once(code, why)
         if not known:  # the refusal is its verdict; its end may be the node's last, which closes the node first
-            state = self.ranks[identity.rank] = RankState(identity.rank)
+            state = self.table.add(RankState(identity.rank))
             self.rank_ended(state, RankEnd(identity.rank, None, code, why.removeprefix("mpsrun: error: ")))
         link.send("refuse", exit_code=code, message=message, linger=self._lingers())
         self.table.close(link)
@@ -237,8 +237,7 @@ class Controller:
 
     def _never_started(self, ranks: Iterable[int]) -> None:
         for rank in ranks:
-            state = self.ranks[rank] = RankState(rank, end=RankEnd(rank, None, None, "never started"))
-            state.judged()
+            self.table.add(RankState(rank, end=RankEnd(rank, None, None, "never started"), verdict_sent=True))
 
     def _clients_gone(self) -> None:
         """Every rank has ended: no client is left to detach, and the session's daemons may begin to quit."""

@@ -71,6 +71,11 @@ class RankTable:
         self.accepting = True  # False once a node keeper closes: a rank that comes then starts a new one
         loop.watch(listener.fileno(), self._accept)
 
+    def add(self, state: RankState) -> RankState:
+        """A rank the controller admitted, refused, or gave up before it started."""
+        self.ranks[state.rank] = state
+        return state
+
     def stop_accepting(self) -> None:
         """A node keeper is closing: a rank that says hello from now on is asked to come again (to a new one)."""
         self.accepting = False
