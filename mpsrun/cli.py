@@ -153,6 +153,9 @@ def _main(args: list[str]) -> int:
     except MPSError as exc:
         _print_error(str(exc))
         return exc.exit_code
+    except OSError as exc:  # what the machine refused that no step said better: one line, exit 3, never a traceback
+        _print_error(f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""))
+        return ExitCode.SETUP
 
 
 def _config(args: list[str]) -> JobConfig:

@@ -27,7 +27,7 @@ else:
 assert cupy.from_dlpack(table).data.ptr == table.__cuda_array_interface__["data"][0] == table.data.ptr  # zero-copy
 sample = table[:: max(1, n // 4096)]
 checksum = float(cupy.sum(sample.astype(cupy.float64)))
-role = type(shared._held["gpu-table"].holder).__name__ if os.environ["WAY"] == "shared" else "own"
+role = shared.role("gpu-table") if os.environ["WAY"] == "shared" else "own"
 (sync / f"{rank}.json").write_text(json.dumps({"rank": int(rank), "checksum": checksum, "role": role}))
 if os.environ.get("KILL_RANK") == rank:
     os.kill(os.getpid(), 9)
@@ -84,7 +84,7 @@ def test_ranks_read_identical_data_from_one_copy(tmp_path, ranks):
     shared_reports, shared_used, code, err = job(tmp_path, ranks, "shared", elements)
     assert code == 0, err
     assert len({r["checksum"] for r in shared_reports}) == 1 and len(shared_reports) == ranks
-    assert sorted(r["role"] for r in shared_reports).count("Publisher") == 1
+    assert sorted(r["role"] for r in shared_reports).count("publisher") == 1
     settled_mib(baseline)
     own_reports, own_used, code, err = job(tmp_path, ranks, "own", elements)
     assert code == 0, err
@@ -115,7 +115,7 @@ def pool_worker(_):
 
     table = shared.array("pool-table", (1 << 20,), "float32",
                          init=lambda out: out.__setitem__(Ellipsis, cupy.ones(1 << 20, dtype=cupy.float32)))
-    return os.getpid(), float(table.sum()), type(shared._held["pool-table"].holder).__name__
+    return os.getpid(), float(table.sum()), shared.role("pool-table")
 
 
 def test_it_works_under_mps_session_with_a_spawn_pool():
@@ -128,7 +128,7 @@ def test_it_works_under_mps_session_with_a_spawn_pool():
         results = pool.map(pool_worker, range(8))
     assert {total for _, total, _ in results} == {float(1 << 20)}
     roles = {pid: role for pid, _, role in results}
-    assert list(roles.values()).count("Publisher") == 1
+    assert list(roles.values()).count("publisher") == 1
 
 
 OUTLIVES = """
@@ -137,9 +137,9 @@ import cupy
 from mpsrun import shared
 n = 64 << 20
 table = shared.array("outlives", (n,), "float32", init=lambda out: out.__setitem__(Ellipsis, cupy.arange(n, dtype=cupy.float32)))
-role = type(shared._held["outlives"].holder).__name__
+role = shared.role("outlives")
 mapped = os.path.join(sys.argv[1], "mapped")
-if role == "Publisher":  # the rank that filled it ends first, once the other has mapped it (not before: the
+if role == "publisher":  # the rank that filled it ends first, once the other has mapped it (not before: the
     deadline = time.monotonic() + 120  # other would then find no copy and fill its own)
     while not os.path.exists(mapped) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -172,5 +172,5 @@ def test_each_gpu_gets_one_copy(tmp_path):
         pynvml.nvmlShutdown()
     reports, _, code, err = job(tmp_path, 4, "shared", 64 * MIB // 4, gpus="0,1")
     assert code == 0, err
-    assert sorted(r["role"] for r in reports) == ["Publisher", "Publisher", "Subscription", "Subscription"]
+    assert sorted(r["role"] for r in reports) == ["publisher", "publisher", "subscriber", "subscriber"]
     assert len({r["checksum"] for r in reports}) == 1

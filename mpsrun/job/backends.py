@@ -96,6 +96,10 @@ class HostsBackend(MpiexecBackend):
     server_after: float | None = None
     EXPORT = (*CONTROL_VARIABLES, JOB_ID_VARIABLE)
 
+    def __init__(self, mpiexec: str) -> None:
+        super().__init__(mpiexec)
+        mpi.host_arguments(self.flavour, ("localhost",))  # refused now, before anything starts, if unknown
+
     def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]:
         hosts = mpi.host_arguments(self.flavour, config.hosts, config.hostfile)
         env = {name: value for name, value in env.items() if name not in option_variables()}

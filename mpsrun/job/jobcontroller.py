@@ -141,7 +141,11 @@ class JobController(JudgingController):
     # -- launchers --------------------------------------------------------------------------------
 
     def _cancel_launches(self) -> list[int]:
-        return self.launchers.cancel()
+        """Start nothing more: the ranks still to be launched, and those no launcher was ever started for (a job
+        that failed before its launch), will never start."""
+        pending = self.launchers.cancel()
+        launched = {rank for started in self.launchers.started for rank in started.spec.ranks}
+        return sorted(set(pending) | {r for r in self.expected if r not in launched and r not in self.ranks})
 
     def _after_kill(self) -> None:
         """An MPI launcher still starting ranks (or hung before them) gets --grace more, then SIGTERM, SIGKILL."""

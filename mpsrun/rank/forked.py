@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from mpsrun.exitcodes import ExitCode
 from mpsrun.rank.supervisor import main  # imported once, here: every forked supervisor has it
 from mpsrun.runtime.constants import FORWARDED_SIGNALS
+from mpsrun.runtime.output import say
 from mpsrun.runtime.processes import exit_now, flush_output, set_parent_death_signal, wait
 
 __all__ = ["ForkedSupervisor"]
@@ -36,7 +37,9 @@ class ForkedSupervisor:
             code: int = ExitCode.SETUP
             try:
                 code = _become_supervisor(list(args), env, stdin, parent)
-            except BaseException:  # said; the child then ends like a supervisor that failed
+            except OSError as exc:  # the machine's refusal (too many open files, say): one line
+                say(f"mpsrun: error: a rank's supervisor could not run: {exc}")
+            except BaseException:  # a bug: said in full; the child then ends like a supervisor that failed
                 traceback.print_exc()
             finally:
                 exit_now(code)

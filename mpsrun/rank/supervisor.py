@@ -16,6 +16,7 @@ Standard library only (it starts with ``python -S`` once per rank under an MPI l
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import signal
@@ -99,8 +100,7 @@ class RankSupervisor:
             try:
                 self._spawn(program)
             except OSError as exc:
-                code = ExitCode.NOT_FOUND if isinstance(exc, FileNotFoundError) else ExitCode.NOT_EXECUTABLE
-                return self._finish(Outcome("setup", code), f"{self.command[0]}: {exc.strerror}")
+                return self._finish(Outcome("setup", _exec_failure_code(exc)), f"{self.command[0]}: {exc.strerror}")
             self.loop.run_until(lambda: self.returncode is not None and not self.streams)
         assert self.returncode is not None
         return self._finish(Outcome("ok" if self.returncode == 0 else "rank-failed", self.returncode))
@@ -230,6 +230,16 @@ class RankSupervisor:
         for line in verdict.get("lines") or ():
             _say(str(line))
         return Outcome("decided", verdict["exit_code"]) if 0 <= verdict["exit_code"] <= 255 else own
+
+
+def _exec_failure_code(exc: OSError) -> int:
+    """The program could not be found (127) or executed (126), as a shell says it; or the machine refused to start
+    it (too many open files or processes, no memory): a set-up failure (3)."""
+    if isinstance(exc, FileNotFoundError):
+        return ExitCode.NOT_FOUND
+    if isinstance(exc, PermissionError) or exc.errno in (errno.ENOEXEC, errno.EISDIR, errno.ENOTDIR, errno.ELOOP):
+        return ExitCode.NOT_EXECUTABLE
+    return ExitCode.SETUP
 
 
 def through_mpi4py(command: list[str], program: str) -> list[str]:

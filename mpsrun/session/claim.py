@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from mpsrun.errors import MPSError
 from mpsrun.runtime.interrupts import uninterrupted
 from mpsrun.runtime.processes import ProcessRef
 from mpsrun.session.paths import SessionDirs, new_session_name, user_root
@@ -46,24 +47,30 @@ class SessionClaim:
 
     def __init__(self, base: Path, kind: str, name: str | None = None, keep_logs: bool = False) -> None:
         _remove_stale(base)
-        name = name or new_session_name(base)
         self.keep_logs = keep_logs
         self.dirs: SessionDirs | None = None  # kept after release(): what it was, for a last word about it
         self._released = False
-        with uninterrupted():  # first, for the path to come: a SIGKILL from here on leaves nothing behind
-            self._reaper: Reaper | None = Reaper(user_root(base) / name)
+        self._reaper: Reaper | None = None
         try:
+            name = name or new_session_name(base)
+            with uninterrupted():  # first, for the path to come: a SIGKILL from here on leaves nothing behind
+                self._reaper = Reaper(user_root(base) / name)
             self.dirs = SessionDirs.create(base, [], name=name)
             self.record = SessionRecord.new(kind, argv=tuple(sys.argv), keep_logs=keep_logs)
             self.record.write(self.dirs.record_file)
-        except BaseException:
+        except BaseException as exc:
             self.release()
+            if isinstance(exc, OSError):  # the machine's refusal (no space, too many open files): one line, exit 3
+                raise MPSError(f"cannot make a session directory under {base}: {exc.strerror or exc}") from None
             raise
 
     def add_gpus(self, uuids: Sequence[str], dir_indices: list[int]) -> None:
         """The session's GPUs are known: their directories (by ``dir_indices``) and the record's GPU list."""
         assert self.dirs is not None
-        self.dirs.add_gpus(dir_indices)
+        try:
+            self.dirs.add_gpus(dir_indices)
+        except OSError as exc:
+            raise MPSError(f"cannot make the GPUs' directories in {self.dirs.root}: {exc.strerror or exc}") from None
         self.update(self.record.with_gpus(tuple(uuids)))
 
     def add_launcher(self, pid: int) -> None:
@@ -73,9 +80,13 @@ class SessionClaim:
             self.update(self.record.with_launcher(launcher))
 
     def update(self, record: SessionRecord) -> None:
+        """Write the record anew (MPSError when the machine refuses: no space left, say)."""
         assert self.dirs is not None
         self.record = record
-        record.write(self.dirs.record_file)
+        try:
+            record.write(self.dirs.record_file)
+        except OSError as exc:
+            raise MPSError(f"cannot write {self.dirs.record_file}: {exc.strerror or exc}") from None
 
     def release(self, keep_logs: bool | None = None) -> list[BaseException]:
         """Remove the directory (unless its logs are kept: ``keep_logs``, by default as the claim was made) and

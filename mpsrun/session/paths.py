@@ -136,7 +136,34 @@ def _check_writable(fd: int, base: Path) -> None:
                           "writable directory", setting="tmpdir", value=str(base))
 
 
+_MAX_LINKS = 40  # as the kernel counts them: more is a loop
+
+
+def _check_links(base: Path) -> None:
+    """Every symbolic link on the way to ``base`` is ours or root's: another user's could be pointed elsewhere
+    between our checks and our ranks' use of the path (only the target used to be checked)."""
+    done, todo, links = Path("/"), list(Path(os.path.abspath(base)).parts[1:]), 0
+    while todo:
+        here = done / todo.pop(0)
+        try:
+            info = os.lstat(here)
+        except OSError:
+            return  # missing: _open_base says so
+        if not stat.S_ISLNK(info.st_mode):
+            done = here
+            continue
+        links += 1
+        if info.st_uid not in (0, os.getuid()) or links > _MAX_LINKS:
+            raise UnsafeDirectoryError(f"refusing to use {base}: the way to it goes through {here}, a symbolic link "
+                                       f"of uid {info.st_uid}, who could point it elsewhere; set MPSRUN_TMPDIR to a "
+                                       "path of yours", path=str(base), reason="another user's symbolic link")
+        target = Path(os.readlink(here))
+        todo = [*target.parts[1:], *todo] if target.is_absolute() else [*target.parts, *todo]
+        done = Path("/") if target.is_absolute() else done
+
+
 def _open_base(base: Path) -> int:
+    _check_links(base)
     try:
         fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:

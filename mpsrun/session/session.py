@@ -229,9 +229,14 @@ class Session:
         return self._daemons.watcher()
 
     def add_rank(self, rank: ProcessRef) -> None:
-        """Record a local rank's process group, so a reaper can end it if we die."""
+        """Record a local rank's process group, so a reaper can end it if we die (a record that cannot be written
+        only costs that: the job goes on, and says so)."""
         if self._claim is not None and self._state == "running":
-            self._claim.update(self._claim.record.with_rank(rank))
+            try:
+                self._claim.update(self._claim.record.with_rank(rank))
+            except MPSError as exc:
+                log.warning("mpsrun: warning: %s; should mpsrun be killed, rank %d's processes may outlive it",
+                            exc, rank.pid)
 
     @property
     def state(self) -> str:

@@ -9,6 +9,6 @@ limits), :mod:`mpsrun.runtime` and the bottom layer.
 """
 
 from mpsrun.errors import SharedArrayError
-from mpsrun.shared.api import DEFAULT_TIMEOUT, array, release
+from mpsrun.shared.api import DEFAULT_TIMEOUT, array, release, role
 
-__all__ = ["DEFAULT_TIMEOUT", "SharedArrayError", "array", "release"]
+__all__ = ["DEFAULT_TIMEOUT", "SharedArrayError", "array", "release", "role"]

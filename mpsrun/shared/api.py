@@ -47,7 +47,7 @@ from mpsrun.session.paths import SOCKET_PATH_MAX
 from mpsrun.shared.handoff import HandoffError, Publisher, Subscription, join, take_over
 from mpsrun.shared.memory import Memory, Region, memory_for_this_process
 
-__all__ = ["DEFAULT_TIMEOUT", "SharedArrayError", "array", "release"]
+__all__ = ["DEFAULT_TIMEOUT", "SharedArrayError", "array", "release", "role"]
 
 log = logging.getLogger("mpsrun")
 
@@ -80,6 +80,9 @@ _held: dict[str, _Held] = {}
 _guard = threading.Lock()  # over _held only: never held while waiting
 _getting: dict[str, threading.Lock] = {}  # one per name: a second thread asking for it waits for the first
 _memory: tuple[Memory, str | None] | None = None
+_local = threading.local()
+#: NumPy's own limit (NPY_MAXDIMS) is 32 before NumPy 2 and 64 since: the smaller works with either.
+_MAX_DIMENSIONS = 32
 
 
 def array(name: str, shape: int | Sequence[int], dtype: Any, *, init: Callable[[Any], object] | None = None,
@@ -100,15 +103,24 @@ def array(name: str, shape: int | Sequence[int], dtype: Any, *, init: Callable[[
     shape, kind = _arguments(name, shape, dtype, init, data, timeout)
     if math.prod(shape) == 0:  # nothing to share: an empty array of the kind the others get
         return _empty(shape, kind)
+    if name in _filling():
+        raise SharedArrayError(f"shared array {name!r}: its init asks for {name!r} itself (it is being filled "
+                               "by this very call)", name=name)
     with _guard:
         getting = _getting.setdefault(name, threading.Lock())
-    with getting:
+    deadline = Deadline(timeout)
+    if not getting.acquire(timeout=-1 if timeout is None else deadline.remaining()):
+        raise SharedArrayError(f"shared array {name!r}: another thread of this process still got it after "
+                               f"{timeout:g} s", name=name)
+    try:
         with _guard:
             held = _held.get(name)
         if held is None:
-            held = _share(name, shape, kind, init, data, Deadline(timeout))
+            held = _share(name, shape, kind, init, data, deadline)
             with _guard:
                 _held[name] = held
+    finally:
+        getting.release()
     _check(held.name, held.shape, _to_descr(held.dtype), shape, kind, "this process")
     return held.array
 
@@ -131,11 +143,27 @@ def _arguments(name: Any, shape: Any, dtype: Any, init: Any, data: Any, timeout:
         raise refuse(f"a shape of whole sizes and a NumPy dtype ({exc})") from None
     if any(n < 0 for n in sizes) or kind.hasobject or total >= 1 << 62:
         raise refuse("non-negative sizes of a plain dtype (no Python objects), under 4 EiB")
+    if len(sizes) > _MAX_DIMENSIONS or kind.itemsize == 0 or kind.subdtype is not None:
+        raise refuse(f"at most {_MAX_DIMENSIONS} dimensions, of a dtype with a size and no sub-array "
+                     f"({len(sizes)} dimensions of {kind!r} asked for)")
     if init is not None and data is not None:
         raise refuse("init or data, not both")
+    if data is not None and tuple(getattr(data, "shape", numpy.shape(data))) != sizes:
+        raise refuse(f"data of shape {tuple(getattr(data, 'shape', numpy.shape(data)))}, not the {sizes} asked for")
     if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
         raise refuse(f"timeout is seconds (>= 0) or None, not {timeout!r}")
     return sizes, kind
+
+
+def role(name: str) -> str | None:
+    """This process's part in the array ``name``: ``"publisher"`` (it filled the array, or took over serving it to
+    the ranks still to come when the filler ended: its :func:`release` waits for the others), ``"subscriber"``
+    (it maps another rank's array), or None (it does not hold it)."""
+    with _guard:
+        held = _held.get(name)
+    if held is None:
+        return None
+    return "publisher" if isinstance(held.holder, Publisher) else "subscriber"
 
 
 def release(name: str, timeout: float | None = None) -> None:
@@ -157,6 +185,14 @@ def release(name: str, timeout: float | None = None) -> None:
     held.let_go()
 
 
+def _filling() -> set[str]:
+    """The names this thread is filling now (an init that asks for its own array would wait for itself)."""
+    if not hasattr(_local, "filling"):
+        _local.filling = set()
+    filling: set[str] = _local.filling
+    return filling
+
+
 def _size(n: Any) -> int:
     if isinstance(n, bool):
         raise TypeError(f"{n!r} is not a size")
@@ -165,6 +201,17 @@ def _size(n: Any) -> int:
 
 def _share(name: str, shape: tuple[int, ...], dtype: Any, init: Callable[[Any], object] | None, data: Any,
            deadline: Deadline) -> _Held:
+    """The array, shared; the machine's refusals (too many open files, no memory, no such directory) are this
+    array's error, in one line."""
+    try:
+        return _share_now(name, shape, dtype, init, data, deadline)
+    except OSError as exc:
+        raise SharedArrayError(f"shared array {name!r}: {exc.strerror or exc}"
+                               + (f": {exc.filename}" if exc.filename else ""), name=name) from None
+
+
+def _share_now(name: str, shape: tuple[int, ...], dtype: Any, init: Callable[[Any], object] | None, data: Any,
+               deadline: Deadline) -> _Held:
     memory = _this_memory()
     directory = _directory()
     # As short as a session's own MPS sockets, whose length was checked: 16 characters, then ".sock".
@@ -173,10 +220,10 @@ def _share(name: str, shape: tuple[int, ...], dtype: Any, init: Callable[[Any], 
     if len(str(directory / f"{key}.sock").encode()) > SOCKET_PATH_MAX:
         raise SharedArrayError(f"shared array {name!r}: the session directory {directory.parent} is too long for a "
                                "socket path; set MPSRUN_TMPDIR to a shorter directory", name=name)
-    if memory.max_bytes is not None and nbytes > memory.max_bytes:
+    limit = memory.max_bytes()
+    if limit is not None and nbytes > limit:
         raise SharedArrayError(f"shared array {name!r} would be {nbytes / (1 << 30):.1f} GiB; one shared array "
-                               f"holds at most {memory.max_bytes >> 30} GiB (importing larger ones crashed the CUDA "
-                               "13.0 driver): split it into several arrays", name=name)
+                               f"holds at most {limit / (1 << 30):.3g} GiB here ({memory.why_limited})", name=name)
     try:
         holder = join(directory, key, deadline)
     except HandoffError as exc:
@@ -220,7 +267,11 @@ def _publish(name: str, shape: tuple[int, ...], dtype: Any, memory: Memory, publ
         region, fd, descriptor = memory.allocate(nbytes)
         out = region.view(shape, dtype)  # writable: for the fill only
         if init is not None:
-            init(out)
+            _filling().add(name)
+            try:
+                init(out)
+            finally:
+                _filling().discard(name)
         elif data is not None:
             out[...] = data
         else:
@@ -283,11 +334,15 @@ def _directory() -> Path:
     """``shared/`` in the job's private session directory (made 0700 on first use)."""
     session = os.environ.get(SESSION_DIR_VARIABLE)
     if not session:
-        raise SharedArrayError("mpsrun.shared.api works in the ranks of an mpsrun job or the workers of an "
+        raise SharedArrayError("mpsrun.shared works in the ranks of an mpsrun job or the workers of an "
                                "mps_session() that runs MPS (MPSRUN_SESSION_DIR is not set)")
     directory = Path(session) / "shared"
-    directory.mkdir(mode=0o700, exist_ok=True)  # the umask can only make it stricter
-    info = directory.lstat()
+    try:
+        directory.mkdir(mode=0o700, exist_ok=True)  # the umask can only make it stricter
+        info = directory.lstat()
+    except OSError as exc:
+        raise SharedArrayError(f"mpsrun.shared: cannot use {directory} ({exc.strerror}); is {SESSION_DIR_VARIABLE} "
+                               "the job's session directory?") from None
     if not directory.is_dir() or directory.is_symlink() or info.st_uid != os.getuid() or info.st_mode & 0o077:
         raise SharedArrayError(f"{directory} is not a private directory of this user")
     return directory

@@ -33,7 +33,9 @@ class Region(Protocol):
 
 class Memory(Protocol):
     kind: str  # "cuda" or "host"
-    max_bytes: int | None  # the largest region that can be shared, where there is a limit
+    why_limited: str  # what limits a region's size
+
+    def max_bytes(self) -> int | None: ...  # the largest region that can be shared now, where there is a limit
 
     def device_key(self) -> str: ...  # eight characters naming the device (socket paths are short)
 
@@ -63,9 +65,12 @@ class CudaMemory:
     """The current CUDA device, through ``cuda.core`` and CuPy."""
 
     kind = "cuda"
-    #: Measured on the H100 (driver 580.159, CUDA 13.0), with and without MPS: importing a pool pointer of
-    #: 4.5 GiB works, of 6 GiB or more the importing process dies in ``cuMemPoolImportPointer`` (SIGSEGV).
-    max_bytes: int | None = 4 << 30
+    why_limited = "importing larger ones crashed the CUDA 13.0 driver: split it into several arrays"
+
+    def max_bytes(self) -> int | None:
+        """Measured on the H100 (driver 580.159, CUDA 13.0), with and without MPS: importing a pool pointer of
+        4.5 GiB works, of 6 GiB or more the importing process dies in ``cuMemPoolImportPointer`` (SIGSEGV)."""
+        return 4 << 30
 
     def __init__(self) -> None:
         import cupy
@@ -128,7 +133,13 @@ class HostMemory:
     """Host memory (a ``memfd``), as NumPy arrays: what ranks without a GPU share."""
 
     kind = "host"
-    max_bytes: int | None = None
+    why_limited = "the host's available memory"
+
+    def max_bytes(self) -> int | None:
+        """What the host has available now: more would be filled until the kernel's OOM killer ends the rank."""
+        import psutil
+
+        return int(psutil.virtual_memory().available)
 
     def device_key(self) -> str:
         return "hostmemo"  # eight characters, as a GPU's key

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,6 +204,23 @@ def plot(rows: Sequence[BenchRow], path: str) -> None:
     figure.savefig(path)
 
 
+def _positive(kind: type[int] | type[float]) -> Callable[[str], float]:
+    """An argparse type: a positive whole number (``int``) or a positive finite number (``float``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not 0 < value < 1e9:
+            what = "whole number" if kind is int else "number"
+            raise argparse.ArgumentTypeError(f"must be a positive {what}, not {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def _rank_list(text: str) -> list[int]:
     try:
         values = [int(part) for part in text.split(",")]
@@ -217,9 +234,9 @@ def _rank_list(text: str) -> list[int]:
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="mpsrun bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=_rank_list, default=[1, 2, 4, 8, 16], help="rank counts (1,2,4,8,16)")
-    parser.add_argument("--repeats", type=int, default=3, help="repeats per figure; the median is shown (3)")
-    parser.add_argument("--kernel-ms", type=float, default=8.0, help="one kernel's time when alone (8)")
-    parser.add_argument("--launches", type=int, default=20, help="kernel launches per rank (20)")
+    parser.add_argument("--repeats", type=_positive(int), default=3, help="repeats per figure; the median is shown (3)")
+    parser.add_argument("--kernel-ms", type=_positive(float), default=8.0, help="one kernel's time when alone (8)")
+    parser.add_argument("--launches", type=_positive(int), default=20, help="kernel launches per rank (20)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--plot", metavar="FILE.png", help="also draw the figure (needs matplotlib)")
     args = parser.parse_args(argv)
