@@ -42,6 +42,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
+
 from mpsrun.job.mpiexec import detect_flavour
 from mpsrun.tools.benchwork import BLOCKS, KERNEL, THREADS
 
@@ -56,9 +58,13 @@ CONTROL = "nvidia-cuda-mps-control"
 
 
 def mpiexec_argv(n: int) -> list[str]:
-    """Bare mpiexec for ``n`` local ranks (Open MPI as root needs its flag, as mpsrun adds it)."""
+    """Bare mpiexec for ``n`` local ranks (Open MPI as root, and with more ranks than cores, needs its flags, as
+    mpsrun adds them)."""
     mpiexec = shutil.which("mpiexec") or "mpiexec"
-    extra = ["--allow-run-as-root"] if detect_flavour(mpiexec) == "openmpi" and os.geteuid() == 0 else []
+    openmpi = detect_flavour(mpiexec) == "openmpi"
+    extra = ["--allow-run-as-root"] if openmpi and os.geteuid() == 0 else []
+    if openmpi and n > (psutil.cpu_count(logical=False) or 1):  # as mpsrun adds it: more ranks than cores
+        extra.append("--oversubscribe")
     return [mpiexec, *extra, "-n", str(n)]
 
 

@@ -17,8 +17,6 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-import psutil
-
 from mpsrun.config.options import JobConfig, option_variables
 from mpsrun.errors import ConfigError
 from mpsrun.job import mpiexec as mpi
@@ -83,6 +81,8 @@ class MpiexecBackend:
 
     def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]:
         # The program by absolute path: Open MPI puts its own bin directory first on the ranks' PATH.
+        import psutil  # here, not at the top: the local launcher never needs it (see docs/benchmarks.md)
+
         cores = psutil.cpu_count(logical=False)
         argv = self._argv(config, [*SHIM, "--", program, *config.command[1:]], cores=cores)
         return [LaunchSpec("mpiexec", argv, env, tuple(range(config.ranks)), stdin=True)]

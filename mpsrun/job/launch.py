@@ -13,10 +13,13 @@ import signal
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from mpsrun.rank.forked import ForkedSupervisor
 from mpsrun.runtime.loop import EventLoop
 from mpsrun.runtime.processes import pidfd, set_parent_death_signal
+
+if TYPE_CHECKING:
+    from mpsrun.rank.forked import ForkedSupervisor
 
 __all__ = ["LaunchSpec", "Launched", "Launchers"]
 
@@ -41,6 +44,8 @@ class Launched:
         self.spec = spec
         self.popen: subprocess.Popen[bytes] | ForkedSupervisor
         if spec.fork:
+            from mpsrun.rank.forked import ForkedSupervisor  # the local launcher's (see job.runner)
+
             self.popen = ForkedSupervisor(spec.argv, spec.env, spec.stdin)
         else:
             self.popen = subprocess.Popen(

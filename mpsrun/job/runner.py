@@ -8,10 +8,12 @@ contract to every rank (:class:`~mpsrun.job.jobcontroller.JobController`).
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpsrun.config.options import JobConfig
 from mpsrun.errors import (
@@ -26,14 +28,7 @@ from mpsrun.errors import (
 from mpsrun.exitcodes import ExitCode
 from mpsrun.job.backends import Backend, choose_backend
 from mpsrun.job.channel import ControlChannel
-from mpsrun.job.controller import Policy
-from mpsrun.job.jobcontroller import JobController
 from mpsrun.job.mpiexec import mpi4py_available
-from mpsrun.job.outcome import JobResult
-from mpsrun.job.placement import RankPlan, daemon_defaults, plan_job, ranks_on_gpus, welcome, without_mps
-from mpsrun.job.report import crowding_warnings, mps_report, verified_line
-from mpsrun.mps import gpus
-from mpsrun.mps.limits import DaemonDefaults
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import DAEMON_START_TIMEOUT
 from mpsrun.runtime.deadline import Deadline
@@ -42,11 +37,28 @@ from mpsrun.runtime.output import say
 from mpsrun.runtime.processes import find_program
 from mpsrun.session.claim import SessionClaim
 from mpsrun.session.paths import session_base
-from mpsrun.session.session import Session
+
+if TYPE_CHECKING:  # imported once the launcher has started (see _AFTER_THE_LAUNCHER)
+    from mpsrun.job.jobcontroller import JobController
+    from mpsrun.job.outcome import JobResult
+    from mpsrun.job.placement import RankPlan
+    from mpsrun.mps.limits import DaemonDefaults
+    from mpsrun.session.session import Session
 
 __all__ = ["run_job"]
 
 log = logging.getLogger("mpsrun")
+
+#: What the job needs only once its launcher has started: under --launcher mpiexec, mpiexec starts its ranks
+#: meanwhile (0.3 s), and on the local path the daemons come up meanwhile; imported first, they held up every
+#: job's start (docs/benchmarks.md, "The redesign": the trivial job's A/B).
+_AFTER_THE_LAUNCHER = ("mpsrun.session.session", "mpsrun.job.jobcontroller", "mpsrun.job.placement",
+                       "mpsrun.job.report", "mpsrun.rank.forked")
+
+
+def _import_the_rest() -> None:
+    for name in _AFTER_THE_LAUNCHER:
+        importlib.import_module(name)
 
 
 def resolve_command(command: tuple[str, ...]) -> str:
@@ -80,7 +92,7 @@ class Job:
         backend = choose_backend(self.config)
         if backend.name == "local" and (self.config.mpiexec or self.config.mpiexec_args):
             log.warning("mpsrun: warning: --mpiexec and --mpiexec-arg have no effect with --launcher local")
-        with Interrupts() as interrupts, gpus.nvml_kept():  # NVML, once initialised, kept for the job
+        with Interrupts() as interrupts, contextlib.ExitStack() as nvml:
             claim = channel = session = None
             try:
                 if backend.owns_daemons:
@@ -88,6 +100,9 @@ class Job:
                 channel = ControlChannel(f"unix:{claim.dirs.control_socket}" if claim and claim.dirs else "tcp")
                 if backend.head_start:
                     self._start_early(backend, program, channel, claim)
+                from mpsrun.mps import gpus
+
+                nvml.enter_context(gpus.nvml_kept())  # NVML, once initialised, kept for the job
                 session = self._new_session() if claim else None
                 failure = self._set_up(session, claim, channel)
                 controller = self._run(backend, session, program, channel, interrupts, failure)
@@ -111,6 +126,8 @@ class Job:
 
     def _new_session(self) -> Session:
         """The job's MPS session, not started yet."""
+        from mpsrun.session.session import Session
+
         config = self.config
         return Session(gpus=list(config.gpus) if config.gpus is not None else "all", mps=config.mps,
                        keep_logs=config.keep_logs, export=False, gpu_bind=config.gpu_bind,
@@ -121,6 +138,7 @@ class Job:
         """Plan and start the session. A failure is raised, or, with the launcher started ahead, returned: its
         ranks are refused before the failure is reported (:meth:`JobController.abandon`)."""
         if session is None:
+            _import_the_rest()
             return None
         try:
             self._start(session, claim, self._plan(session))
@@ -132,6 +150,9 @@ class Job:
 
     def _plan(self, session: Session) -> DaemonDefaults:
         """Read the GPUs and plan the ranks on them (refusing what cannot be honoured); the daemons' defaults."""
+        from mpsrun.job.placement import daemon_defaults, plan_job, ranks_on_gpus, without_mps
+        from mpsrun.job.report import crowding_warnings
+
         config = self.config
         session.resolve()
         if session.disabled_reason is not None:
@@ -158,7 +179,7 @@ class Job:
 
     def _start(self, session: Session, claim: SessionClaim | None, defaults: DaemonDefaults) -> None:
         try:
-            session.start(kind="job", claim=claim, defaults=defaults)
+            session.start(kind="job", claim=claim, defaults=defaults, meanwhile=_import_the_rest)
         except DaemonTimeoutError as exc:
             if self.deadline.expired():
                 raise JobTimeoutError(f"timed out after {self.config.timeout:g} s while the MPS daemons started "
@@ -167,6 +188,8 @@ class Job:
         self._elapsed("daemons ready")
 
     def _welcome(self, session: Session | None, output_lock: str | None) -> Callable[..., dict[str, Any]]:
+        from mpsrun.job.placement import welcome
+
         config, n = self.config, self.config.ranks
         abort = config.mpi4py_abort == "on" and mpi4py_available()
         ngpus = len(session.gpus) if session else 0
@@ -184,6 +207,9 @@ class Job:
 
     def _controller(self, backend: Backend, session: Session | None, channel: ControlChannel) -> JobController:
         """The job's controller, with the launcher started ahead (if any) in its care."""
+        from mpsrun.job.controller import Policy
+        from mpsrun.job.jobcontroller import JobController
+
         config = self.config
         output_lock = None
         if config.tag_output and backend.name == "local" and session is not None and session.dirs is not None:
@@ -221,6 +247,8 @@ class Job:
         return controller
 
     def _report(self, controller: JobController, session: Session | None) -> None:
+        from mpsrun.job.report import mps_report, verified_line
+
         if controller.watch is not None:
             controller.settle_watch()
             log.info(f"mpsrun: {verified_line(controller.watch, range(self.config.ranks))}")

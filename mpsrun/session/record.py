@@ -14,10 +14,12 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpsrun.errors import RecordError
-from mpsrun.mps.daemon import CONTROL_EXECUTABLE, ControlDaemon
+
+if TYPE_CHECKING:  # the daemon's module (subprocess and all) is not needed to read or write a record
+    from mpsrun.mps.daemon import ControlDaemon
 from mpsrun.runtime.processes import ProcessRef
 
 __all__ = ["KINDS", "DaemonRecord", "SessionRecord"]
@@ -42,9 +44,12 @@ class DaemonRecord:
         assert daemon.process is not None, "the daemon has not been started"
         return cls(daemon.devices, daemon.process, str(daemon.pipe_dir), str(daemon.log_dir))
 
-    def daemon(self, executable: str = CONTROL_EXECUTABLE) -> ControlDaemon:
+    def daemon(self, executable: str | None = None) -> ControlDaemon:
         """The daemon this names, to command or stop it (it may be another process's child)."""
-        return ControlDaemon(self.gpu, Path(self.pipe_dir), Path(self.log_dir), executable, process=self.process)
+        from mpsrun.mps.daemon import CONTROL_EXECUTABLE, ControlDaemon
+
+        return ControlDaemon(self.gpu, Path(self.pipe_dir), Path(self.log_dir), executable or CONTROL_EXECUTABLE,
+                             process=self.process)
 
     @classmethod
     def from_json(cls, data: Any) -> DaemonRecord:
