@@ -152,12 +152,14 @@ def test_split_leaves_the_command_untouched(argv):
 
 
 def test_mpiexec_command_per_flavour():
-    """Open MPI as root gets --allow-run-as-root, more ranks than cores --oversubscribe, -x per exported variable."""
+    """Open MPI as root gets --allow-run-as-root, --oversubscribe (unless a host file's slots decide), -x per
+    exported variable; Hydra needs none of them."""
     from mpsrun.job.mpiexec import mpiexec_command
 
-    argv = mpiexec_command("mpiexec", "openmpi", 8, ["prog"], ["-x", "A"], as_root=True, cores=4, export=["B"])
+    argv = mpiexec_command("mpiexec", "openmpi", 8, ["prog"], ["-x", "A"], as_root=True, export=["B"])
     assert argv == ["mpiexec", "-n", "8", "--allow-run-as-root", "--oversubscribe", "-x", "B", "-x", "A", "prog"]
-    assert mpiexec_command("mpiexec", "mpich", 2, ["prog"], as_root=True, cores=4, export=["B"]) == [
+    assert "--oversubscribe" not in mpiexec_command("mpiexec", "openmpi", 2, ["prog"], oversubscribe=False)
+    assert mpiexec_command("mpiexec", "mpich", 2, ["prog"], as_root=True, export=["B"]) == [
         "mpiexec", "-n", "2", "prog"]
 
 

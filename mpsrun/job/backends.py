@@ -75,16 +75,14 @@ class MpiexecBackend:
         return mpi.detect_flavour(self.mpiexec)  # asked as the command line is built
 
     def _argv(self, config: JobConfig, rank_command: Sequence[str], extra: Sequence[str] = (),
-              export: Sequence[str] = (), cores: int | None = None) -> tuple[str, ...]:
+              export: Sequence[str] = (), oversubscribe: bool = True) -> tuple[str, ...]:
         return tuple(mpi.mpiexec_command(self.mpiexec, self.flavour, config.ranks, rank_command,
-                                         [*extra, *config.mpiexec_args], cores=cores, export=export))
+                                         [*extra, *config.mpiexec_args], oversubscribe=oversubscribe,
+                                         export=export))
 
     def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]:
         # The program by absolute path: Open MPI puts its own bin directory first on the ranks' PATH.
-        import psutil  # here, not at the top: the local launcher never needs it (see docs/benchmarks.md)
-
-        cores = psutil.cpu_count(logical=False)
-        argv = self._argv(config, [*SHIM, "--", program, *config.command[1:]], cores=cores)
+        argv = self._argv(config, [*SHIM, "--", program, *config.command[1:]])
         return [LaunchSpec("mpiexec", argv, env, tuple(range(config.ranks)), stdin=True)]
 
 
@@ -106,7 +104,7 @@ class HostsBackend(MpiexecBackend):
         env[CONFIG_VARIABLE] = json.dumps(config.to_json())
         per_node = [sys.executable, "-m", "mpsrun", "--per-node", "--", program, *config.command[1:]]
         # Open MPI gives each --host one slot: the ranks are spread over them (--oversubscribe).
-        argv = self._argv(config, per_node, hosts, export=self.EXPORT, cores=None if config.hosts else 1 << 20)
+        argv = self._argv(config, per_node, hosts, export=self.EXPORT, oversubscribe=bool(config.hosts))
         return [LaunchSpec("mpiexec", argv, env, tuple(range(config.ranks)), stdin=True)]
 
 

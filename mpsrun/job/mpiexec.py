@@ -79,13 +79,15 @@ def mpiexec_command(
     extra_args: Sequence[str] = (),
     *,
     as_root: bool | None = None,
-    cores: int | None = None,
+    oversubscribe: bool = True,
     export: Sequence[str] = (),
 ) -> list[str]:
     """The full mpiexec command line, with what the flavour needs added.
 
     Open MPI refuses to run as root without ``--allow-run-as-root`` and refuses more
-    ranks than slots (cores) without ``--oversubscribe``; it passes a variable to ranks on
+    ranks than slots (by default one per physical core) without ``--oversubscribe``, which only
+    allows more and changes nothing for fewer: ranks that share GPUs often outnumber the cores
+    (``oversubscribe=False`` leaves the slots to a host file). It passes a variable to ranks on
     other hosts only when named with ``-x`` (``export``). Hydra passes the whole environment.
     """
     as_root = (os.geteuid() == 0) if as_root is None else as_root
@@ -93,7 +95,7 @@ def mpiexec_command(
     if flavour == "openmpi":
         if as_root and "--allow-run-as-root" not in extra_args:
             argv.append("--allow-run-as-root")
-        if (cores is None or nranks > cores) and "--oversubscribe" not in extra_args:
+        if oversubscribe and "--oversubscribe" not in extra_args:
             argv.append("--oversubscribe")
         for name in export:
             argv += ["-x", name]
