@@ -8,7 +8,6 @@ contract to every rank (:class:`~mpsrun.job.jobcontroller.JobController`).
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import time
@@ -29,6 +28,7 @@ from mpsrun.exitcodes import ExitCode
 from mpsrun.job.backends import Backend, choose_backend
 from mpsrun.job.channel import ControlChannel
 from mpsrun.job.mpiexec import mpi4py_available
+from mpsrun.mps import gpus
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import DAEMON_START_TIMEOUT
 from mpsrun.runtime.deadline import Deadline
@@ -92,17 +92,15 @@ class Job:
         backend = choose_backend(self.config)
         if backend.name == "local" and (self.config.mpiexec or self.config.mpiexec_args):
             log.warning("mpsrun: warning: --mpiexec and --mpiexec-arg have no effect with --launcher local")
-        with Interrupts() as interrupts, contextlib.ExitStack() as nvml:
+        with Interrupts() as interrupts, gpus.nvml_kept():  # NVML, once initialised, kept for the job
             claim = channel = session = None
             try:
                 if backend.owns_daemons:
+                    gpus.read_ahead()  # while the directory, the socket and mpiexec's start are made
                     claim = SessionClaim(session_base(None), "job", keep_logs=self.config.keep_logs)
                 channel = ControlChannel(f"unix:{claim.dirs.control_socket}" if claim and claim.dirs else "tcp")
                 if backend.head_start:
                     self._start_early(backend, program, channel, claim)
-                from mpsrun.mps import gpus
-
-                nvml.enter_context(gpus.nvml_kept())  # NVML, once initialised, kept for the job
                 session = self._new_session() if claim else None
                 failure = self._set_up(session, claim, channel)
                 controller = self._run(backend, session, program, channel, interrupts, failure)

@@ -25,6 +25,7 @@ __all__ = [
     "list_gpus",
     "nvml_kept",
     "parse_visible_devices",
+    "read_ahead",
     "select_gpus",
     "visible_gpus",
 ]
@@ -135,10 +136,48 @@ def _describe(nvml: Any, index: int) -> GPU:
     )
 
 
-def list_gpus() -> list[GPU]:
-    """Every GPU the driver knows, in NVML order, ignoring ``CUDA_VISIBLE_DEVICES``."""
+def _query() -> list[GPU]:
     with _nvml() as nvml:
         return [_describe(nvml, i) for i in range(int(nvml.nvmlDeviceGetCount()))]
+
+
+class _ReadAhead(threading.Thread):
+    """The GPU list, read in a thread of its own while the caller does other work."""
+
+    def __init__(self) -> None:
+        super().__init__(name="mpsrun-gpus", daemon=True)
+        self.gpus: list[GPU] = []
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.gpus = _query()
+        except BaseException as exc:  # given to the caller of list_gpus(), as if it had asked itself
+            self.error = exc
+
+
+_read_ahead: _ReadAhead | None = None
+
+
+def read_ahead() -> None:
+    """Start reading the GPU list now, for the next :func:`list_gpus` to take: NVML's import and initialisation
+    (about 40 ms on the H100) then overlap what a job does before it plans its ranks (docs/benchmarks.md)."""
+    global _read_ahead
+    if _read_ahead is None:
+        _read_ahead = _ReadAhead()
+        _read_ahead.start()
+
+
+def list_gpus() -> list[GPU]:
+    """Every GPU the driver knows, in NVML order, ignoring ``CUDA_VISIBLE_DEVICES``."""
+    global _read_ahead
+    ahead, _read_ahead = _read_ahead, None
+    if ahead is None:
+        return _query()
+    ahead.join()
+    if ahead.error is not None:
+        raise ahead.error
+    return ahead.gpus
 
 
 def parse_visible_devices(value: str | None, gpus: Sequence[GPU]) -> list[GPU]:
