@@ -53,8 +53,10 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
                 base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], base]).strip(".")
             if base.split(".")[0] != "mpsrun":
                 continue
-            found.add(base)
-            found |= {f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in known}
+            submodules = {f"{base}.{alias.name}" for alias in node.names} & known
+            found |= submodules
+            if len(submodules) < len(node.names):  # names the module defines, not only its submodules
+                found.add(base)
     return found - {module_name(path)}
 
 

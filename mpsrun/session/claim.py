@@ -60,7 +60,7 @@ class SessionClaim:
             self.record.write(self.dirs.record_file)
         except BaseException as exc:
             self.release()
-            if isinstance(exc, OSError):  # the machine's refusal (no space, too many open files): one line, exit 3
+            if isinstance(exc, OSError) and not isinstance(exc, MPSError):  # the machine's refusal (no space left)
                 raise MPSError(f"cannot make a session directory under {base}: {exc.strerror or exc}") from None
             raise
 
