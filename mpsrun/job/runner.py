@@ -34,7 +34,7 @@ from mpsrun.runtime.constants import DAEMON_START_TIMEOUT
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.interrupts import Interrupts
 from mpsrun.runtime.output import say
-from mpsrun.runtime.processes import find_program
+from mpsrun.runtime.processes import ensure_descriptors, find_program
 from mpsrun.session.claim import SessionClaim
 from mpsrun.session.paths import session_base
 
@@ -90,6 +90,8 @@ class Job:
         """
         program = resolve_command(self.config.command)
         backend = choose_backend(self.config)
+        if backend.owns_daemons:  # every rank's link comes here (under --hosts, to each host's node keeper)
+            ensure_descriptors(self.config.ranks)
         if backend.name == "local" and (self.config.mpiexec or self.config.mpiexec_args):
             log.warning("mpsrun: warning: --mpiexec and --mpiexec-arg have no effect with --launcher local")
         with Interrupts() as interrupts, gpus.nvml_kept():  # NVML, once initialised, kept for the job

@@ -40,7 +40,7 @@ from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import DAEMON_START_TIMEOUT, UPSTREAM_TIMEOUT
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.interrupts import Interrupts
-from mpsrun.runtime.processes import exit_now
+from mpsrun.runtime.processes import ensure_descriptors, exit_now
 from mpsrun.runtime.protocol import Link, Listener, connect
 from mpsrun.session.paths import user_root_lock
 from mpsrun.session.session import Session
@@ -96,6 +96,7 @@ class NodeKeeper:
     def open(cls, config: JobConfig, request: KeeperRequest) -> NodeKeeper:
         """Start the node's session (bounded by --timeout) and, under --hosts, join the job's controller."""
         deadline = Deadline(config.timeout)
+        ensure_descriptors(request.local_size or 1)
         session = _start_session(config, request, deadline)
         try:
             upstream = _upstream(request) if request.upstream else None

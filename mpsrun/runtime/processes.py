@@ -11,15 +11,19 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import resource
 import shutil
 import signal
 import sys
 from collections.abc import Iterable
 from typing import NamedTuple, NoReturn
 
+from mpsrun.errors import MPSError
+
 __all__ = [
     "ProcessRef",
     "close_all",
+    "ensure_descriptors",
     "exit_now",
     "find_program",
     "flush_output",
@@ -177,6 +181,26 @@ def inherited_fds() -> list[int]:
         except OSError:  # the listing's own descriptor, closed by now
             pass
     return sorted(found)
+
+
+#: Descriptors a controller holds apart from its ranks' (listener, epoll, the daemons' pipes, NVML, logs), with room.
+_BASE_DESCRIPTORS = 64
+#: Each rank's link to its controller, and for a forked supervisor its pidfd, with room.
+_DESCRIPTORS_PER_RANK = 3
+
+
+def ensure_descriptors(ranks: int) -> None:
+    """Make sure this process may open the descriptors a controller of ``ranks`` ranks holds: raise the soft limit
+    (``ulimit -n``) up to the hard one if it is lower; MPSError (exit 3) if even the hard limit is too low, before
+    anything starts (a job that ran out of descriptors half-way could not even end cleanly)."""
+    needed = _BASE_DESCRIPTORS + _DESCRIPTORS_PER_RANK * ranks
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise MPSError(f"{ranks} rank(s) need about {needed} open files here, and this process may open only {hard} "
+                       "(ulimit -n); raise the limit or start fewer ranks per node")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
 
 
 def find_program(name: str, path: str | None) -> tuple[str | None, int, str]:
