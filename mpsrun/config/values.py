@@ -208,8 +208,8 @@ def parse_hosts(value: object, setting: str = "--hosts") -> tuple[str, ...]:
         raise ConfigError(f"{setting} must name at least one host, not {value!r}", setting=setting, value=value)
     for host in hosts:
         if not _HOST.fullmatch(host):
-            raise ConfigError(f"{setting}: {host!r} is not a host name (letters, digits, '.', '-', '_', "
-                              "optionally :N)", setting=setting, value=value)
+            raise ConfigError(f"{setting} must name hosts (letters, digits, '.', '-' and '_', optionally :N; never "
+                              f"an option), not {host!r}", setting=setting, value=value)
     return hosts
 
 

@@ -1,0 +1,264 @@
+"""Hardening II (issue 25): each measured failure of the hostile pass, reproduced as a test.
+
+A stranger's bytes on a --hosts job's control port, options smuggled into ssh through --hosts, an
+mpiexec that ends without starting its ranks, a machine that refuses files or descriptors, and bad
+values to mpsrun.shared and mpsrun bench: each is one line and its exit code, at once, leaving nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import resource
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers import MPSRUN, fake, job_argv, mpiexec, settle, wait_for
+
+from mpsrun.errors import SharedArrayError
+
+FAKE_HYDRA = """#!/bin/sh
+case "$1" in --version) echo "HYDRA build details:"; echo "    Version: 4.1.2"; exit 0;; esac
+{body}
+"""
+
+
+def _fake_mpiexec(directory: Path, body: str) -> str:
+    """An mpiexec that says it is MPICH's Hydra, then runs ``body`` (a shell snippet) instead of starting ranks."""
+    path = directory / "mpiexec"
+    path.write_text(FAKE_HYDRA.format(body=body))
+    path.chmod(0o755)
+    return str(path)
+
+
+def _control_port(job: subprocess.Popen[str]) -> tuple[str, int]:
+    """The --hosts controller's TCP address, as its per-node ranks were told it."""
+    def address() -> str | None:
+        for proc in psutil.Process(job.pid).children(recursive=True):
+            try:
+                value = proc.environ().get("MPSRUN_CONTROL", "")
+            except psutil.Error:
+                continue
+            if value.startswith("tcp:"):
+                return value
+        return None
+
+    host, _, port = wait_for(address, 60, "no per-node rank was told the controller's address", proc=job)[4:] \
+        .rpartition(":")
+    return host, int(port)
+
+
+def _send(address: tuple[str, int], data: bytes, hold: float = 0.0) -> None:
+    with socket.create_connection(address, timeout=5) as conn:
+        try:
+            conn.sendall(data)
+        except OSError:  # the controller dropped us: that is its answer
+            return
+        time.sleep(hold)
+
+
+def test_strangers_on_the_control_port_do_not_end_a_hosts_job(fake_gpu):
+    """The line ``{x`` used to kill any --hosts job (a SystemError out of the private JSON scanner). Now garbage,
+    unterminated and oversized lines, nested JSON, a wrong token, valid messages before a hello, a seeded fuzz of
+    200 random lines and 100 held connections all reach a live controller, and the job still ends with exit 0."""
+    job = subprocess.Popen(job_argv("hosts", [], fake("--hold", "6"), ranks=2), stderr=subprocess.PIPE, text=True)
+    address = _control_port(job)
+    rng = random.Random(25)
+    lines = [b"{x\n", b"[" * 100_000 + b"\n", b"\xff\xfe\x00\n", b'{"type": "exited", "rank": 0, "returncode": 3}\n',
+             b'{"type": "hello", "role": "node", "token": "wrong"}\n', b"x" * (2 << 20),
+             *(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300))) + b"\n" for _ in range(200))]
+    for line in lines:
+        _send(address, line)
+    held = [socket.create_connection(address, timeout=5) for _ in range(100)]
+    _, err = job.communicate(timeout=120)
+    for conn in held:
+        conn.close()
+    assert job.returncode == 0, err
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("hosts", ["-x", "bad host", "a,-oProxyCommand=x", "a:b"])
+def test_hosts_are_validated_like_host_file_lines(no_gpu, hosts):
+    """``--hosts -x`` reached ssh as an option and ``'bad host'`` gave Hydra's exit 255: each is now one line and
+    exit 2, before anything starts."""
+    out = subprocess.run([*MPSRUN, "-np", "2", "--hosts", hosts, "true"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and "must name hosts" in out.stderr
+
+
+@pytest.mark.parametrize("path", ["mpiexec", "hosts"])
+def test_an_mpiexec_that_ends_without_its_ranks_is_reported_at_once(fake_gpu, short_tmp, path):
+    """An mpiexec that exits 1 after 0.5 s without starting a rank: the job ends with mpiexec's code and says so,
+    on both launchers that use one (under --hosts it used to wait forever)."""
+    launcher = _fake_mpiexec(short_tmp, "sleep 0.5; exit 1")
+    where = ["--hosts", "localhost"] if path == "hosts" else ["--launcher", "mpiexec"]
+    out = subprocess.run([*MPSRUN, "-np", "2", *where, "--mpiexec", launcher, "true"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert "mpiexec exited with code 1 before rank(s) 0-1 started" in out.stderr
+    settle(fake_gpu)
+
+
+def test_a_hosts_job_whose_mpiexec_is_no_mpi_launcher_is_refused_at_once(no_gpu):
+    """``--hosts localhost --mpiexec /bin/false``: mpsrun cannot tell how to name the hosts to it, and says so
+    (exit 2) before anything starts, instead of waiting for ranks that never come."""
+    out = subprocess.run([*MPSRUN, "-np", "2", "--hosts", "localhost", "--mpiexec", "/bin/false", "true"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "cannot tell how this mpiexec takes hosts" in out.stderr, out.stderr
+
+
+def test_a_signal_ends_a_hosts_job_whose_mpiexec_never_starts_its_ranks(fake_gpu, short_tmp):
+    """An mpiexec that hangs without starting ranks: SIGTERM to mpsrun ends the job (143) within --grace and its
+    own deadlines; SIGTERM and SIGINT used to print 'stopping' and leave it running."""
+    launcher = _fake_mpiexec(short_tmp, "exec sleep 300")
+    job = subprocess.Popen([*MPSRUN, "-np", "2", "--grace", "1", "--hosts", "localhost", "--mpiexec", launcher,
+                            "true"], stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: any("sleep" in " ".join(p.cmdline()) for p in psutil.Process(job.pid).children(recursive=True)),
+             30, "mpiexec did not start", proc=job)
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=30)
+    assert job.returncode == 143, err
+    settle(fake_gpu)
+
+
+@pytest.fixture
+def full_tmpfs(short_tmp):
+    """A tmpfs with room for one directory entry and nothing more (root only: mounting it)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = short_tmp / "full"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,nr_inodes=2,mode=1777", "tmpfs", str(mount)],
+                          capture_output=True, timeout=30)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True, timeout=30)
+
+
+@pytest.mark.parametrize("launcher", ["local", "mpiexec"])
+def test_a_full_session_base_is_one_line_and_exit_3(fake_gpu, full_tmpfs, monkeypatch, launcher):
+    """MPSRUN_TMPDIR on a file system with no inode left: one line, exit 3, and nothing left in it (it was a
+    30-line OSError traceback)."""
+    monkeypatch.setenv("MPSRUN_TMPDIR", str(full_tmpfs))
+    out = subprocess.run([*MPSRUN, "-np", "2", "--launcher", launcher, "--mpiexec", mpiexec(), "true"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3, out.stderr
+    assert out.stderr.count("\n") == 1 and "No space left on device" in out.stderr, out.stderr
+    assert [p.name for p in full_tmpfs.rglob("*")] in ([], [f"mpsrun-{os.getuid()}"])
+
+
+def test_a_session_base_that_is_no_place_for_directories_is_one_line_and_exit_3(fake_gpu, monkeypatch):
+    """MPSRUN_TMPDIR=/proc: one line and exit 3, not a FileNotFoundError traceback."""
+    monkeypatch.setenv("MPSRUN_TMPDIR", "/proc")
+    out = subprocess.run([*MPSRUN, "-np", "2", "--launcher", "local", "true"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode in (2, 3) and out.stderr.count("\n") == 1, out.stderr
+
+
+def _open_files(limit: int):
+    def preexec() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+    return preexec
+
+
+def test_too_few_open_files_for_the_ranks_is_one_line_and_exit_3(fake_gpu):
+    """``ulimit -n 64`` and 40 local ranks: refused at once with one line and exit 3 (it ran into EMFILE half-way,
+    printed tracebacks and kept the session directory); with only the soft limit low, it is raised and the job
+    runs."""
+    out = subprocess.run([*MPSRUN, "-np", "40", "--launcher", "local", "true"], capture_output=True, text=True,
+                         timeout=120, preexec_fn=_open_files(64))
+    assert out.returncode == 3 and out.stderr.count("\n") == 1 and "ulimit -n" in out.stderr, out.stderr
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 256:
+        pytest.skip("this machine's hard limit is too low to show the raise")
+    soft_only = subprocess.run([*MPSRUN, "-np", "40", "--launcher", "local", "sleep", "1"], capture_output=True,
+                               text=True, timeout=120,
+                               preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard)))
+    assert soft_only.returncode == 0, soft_only.stderr
+    settle(fake_gpu)
+
+
+@pytest.fixture
+def host_session(short_tmp, monkeypatch):
+    """A session directory for mpsrun.shared in this process, with host memory (no GPU here)."""
+    session = short_tmp / "session"
+    session.mkdir(mode=0o700)
+    monkeypatch.setenv("MPSRUN_SESSION_DIR", str(session))
+    return session
+
+
+@pytest.mark.parametrize(("args", "kwargs", "why"), [
+    (("d", (1,) * 33, "f4"), {}, "at most 32 dimensions"),
+    (("s", 4, "S0"), {}, "a dtype with a size"),
+    (("v", 4, "V0"), {}, "a dtype with a size"),
+    (("sub", 4, "(2,)f4"), {}, "no sub-array"),
+    (("big", (1 << 61,), "u1"), {}, "GiB here (the host's available memory)"),
+    (("shape", 4, "f8"), {"data": [1.0, 2.0, 3.0]}, "data of shape (3,)"),
+])
+def test_bad_shared_arrays_are_refused_at_once(host_session, args, kwargs, why):
+    """Each of the hostile pass's raw exceptions (NumPy's ValueError, OSError ENOMEM, a broadcast error) or hangs
+    (a 2 EiB zero-fill) is now a SharedArrayError naming the problem, before anything is allocated."""
+    from mpsrun import shared
+
+    started = time.monotonic()
+    with pytest.raises(SharedArrayError, match=why.replace("(", r"\(").replace(")", r"\)")):
+        shared.array(*args, **kwargs)
+    assert time.monotonic() - started < 10
+
+
+def test_an_init_that_asks_for_its_own_array_is_refused(host_session):
+    """An init that asks for the array it fills used to deadlock, ignoring timeout=3: it is an error at once."""
+    from mpsrun import shared
+
+    def init(out: object) -> None:
+        shared.array("same", 4, "f8", timeout=3)
+
+    with pytest.raises(SharedArrayError, match="asks for 'same' itself"):
+        shared.array("same", 4, "f8", init=init, timeout=3)
+
+
+@pytest.mark.parametrize("where", ["missing", "file"])
+def test_a_session_directory_that_cannot_hold_shared_arrays_is_refused(short_tmp, monkeypatch, where):
+    """A bogus MPSRUN_SESSION_DIR, or ``shared`` there being a file: a SharedArrayError, not an OSError."""
+    from mpsrun import shared
+
+    session = short_tmp / "session"
+    if where == "file":
+        session.mkdir()
+        (session / "shared").write_text("not a directory")
+    monkeypatch.setenv("MPSRUN_SESSION_DIR", str(session))
+    with pytest.raises(SharedArrayError, match="cannot use"):
+        shared.array("x", 4, "f8")
+
+
+@pytest.mark.parametrize("option", [["--repeats", "0"], ["--repeats", "-1"], ["--kernel-ms", "-5"],
+                                    ["--launches", "0"], ["--kernel-ms", "nan"]])
+def test_bench_refuses_values_that_cannot_measure(no_gpu, option):
+    """``mpsrun bench --repeats 0`` reached statistics.median([]); every non-positive value is a usage error."""
+    out = subprocess.run([*MPSRUN, "bench", *option], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "must be a positive" in out.stderr, out.stderr
+
+
+def test_a_base_reached_through_another_users_link_is_refused(fake_gpu, other_user, short_tmp, monkeypatch):
+    """MPSRUN_TMPDIR through a symbolic link another user owns (to a root-owned 1777 directory): refused with
+    exit 3, since that user could point it elsewhere (only the link's target used to be checked)."""
+    target = short_tmp / "shared-tmp"
+    target.mkdir()
+    target.chmod(0o1777)
+    link = short_tmp / "their-link"
+    link.symlink_to(target)
+    os.lchown(link, other_user[0].pw_uid, other_user[0].pw_gid)
+    monkeypatch.setenv("MPSRUN_TMPDIR", str(link))
+    out = subprocess.run([*MPSRUN, "-np", "1", "--launcher", "local", "true"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 3 and "symbolic link of uid" in out.stderr, out.stderr
+    assert not list(target.iterdir())
