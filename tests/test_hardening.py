@@ -68,7 +68,7 @@ def test_strangers_on_the_control_port_do_not_end_a_hosts_job(fake_gpu):
     200 random lines and 100 held connections all reach a live controller, and the job still ends with exit 0."""
     job = subprocess.Popen(job_argv("hosts", [], fake("--hold", "6"), ranks=2), stderr=subprocess.PIPE, text=True)
     address = _control_port(job)
-    rng = random.Random(25)
+    rng = random.Random(25)  # noqa: S311 - a reproducible fuzz, not a secret
     lines = [b"{x\n", b"[" * 100_000 + b"\n", b"\xff\xfe\x00\n", b'{"type": "exited", "rank": 0, "returncode": 3}\n',
              b'{"type": "hello", "role": "node", "token": "wrong"}\n', b"x" * (2 << 20),
              *(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300))) + b"\n" for _ in range(200))]
