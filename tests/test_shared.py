@@ -8,9 +8,11 @@ real processes of real jobs. Without the double, the same API falls back to host
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -254,6 +256,41 @@ def test_a_killed_subscriber_releases_its_hold(short_tmp):
         publisher.close()
         region.close()
     assert sorted(p.name for p in short_tmp.iterdir()) == ["k.lock"]  # the socket went with the publisher
+
+
+def test_a_subscriber_is_counted_before_it_can_map_the_region(short_tmp, monkeypatch):
+    """The publisher counts a subscriber before it hands over the descriptor: from the moment a subscriber can map
+    the region, the filling rank's release() waits for it. (It was counted only after the send, so a release() in
+    that window returned while another rank still mapped the array; here the publisher's thread is held right
+    after the send, so the window is open every time.)"""
+    sent, checked = threading.Event(), threading.Event()
+    real_send_fds = socket.send_fds
+
+    def send_then_hold(sock, buffers, fds, *args):
+        result = real_send_fds(sock, buffers, fds, *args)
+        if fds and threading.current_thread().name.startswith("mpsrun-share-"):
+            sent.set()
+            checked.wait(10)  # the test looks at the count meanwhile
+        return result
+
+    monkeypatch.setattr(socket, "send_fds", send_then_hold)
+    publisher = join(short_tmp, "k", Deadline(5))
+    assert isinstance(publisher, Publisher)
+    region, fd, _ = HostMemory().allocate(16)
+    publisher.publish({"n": 16}, fd)
+    held = None
+    try:
+        held = join(short_tmp, "k", Deadline(5))
+        assert isinstance(held, Subscription) and sent.is_set()
+        assert publisher.subscribers == 1
+        assert not publisher.wait_released(Deadline(0))
+    finally:
+        checked.set()
+        if held is not None:
+            held.release()
+        assert publisher.wait_released(Deadline(5))
+        publisher.close()
+        region.close()
 
 
 def test_a_publisher_killed_before_it_was_ready_is_replaced(short_tmp):
