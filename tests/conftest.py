@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import compileall
 import contextlib
 import importlib.util
 import json
@@ -9,36 +10,72 @@ import os
 import shutil
 import sys
 import tempfile
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
+from helpers import (
+    FAKE_MPS,
+    FAKE_NVML,
+    FAKECUDA,
+    GPU_BUSY,
+    ROOT,
+    TESTS,
+    hydra_files,
+    in_use,
+    other_user_venv,
+    real_gpu_available,
+    tagged_processes,
+)
 
-TESTS = Path(__file__).resolve().parent
-FAKE_MPS = TESTS / "fake_mps"
-FAKE_NVML = TESTS / "fake_nvml"
-FAKECUDA = FAKE_MPS / "fakecuda.py"
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """Workers for ``-n auto`` (pyproject.toml's addopts). 4, also on 2 cores: most tests wait on the processes they
+    start. None (in-process, one test at a time) where a real GPU answers: the GPU tier's tests share that GPU and
+    measure it (its memory, its SMs), so two at once would disturb each other."""
+    return 0 if real_gpu_available()[0] else 4
 
 
-def real_gpu_available() -> tuple[bool, str]:
-    """Whether the real driver answers and the real MPS control program exists."""
-    try:
-        import pynvml
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):
+        return
+    os.environ["MPSRUN_TEST_RUN"] = uuid.uuid4().hex[:12]  # the run's name, for what its xdist workers share
+    # The suite starts thousands of Python processes (mpsrun, rank supervisors, node keepers, the fake daemon):
+    # compiled once here, as Python itself would unless PYTHONDONTWRITEBYTECODE is set, they skip compiling
+    # mpsrun's modules each time (a third of a small job's CPU time).
+    for tree in (ROOT / "mpsrun", TESTS):
+        compileall.compile_dir(tree, quiet=2, workers=1)
 
-        pynvml.nvmlInit()
-        count = pynvml.nvmlDeviceGetCount()
-        pynvml.nvmlShutdown()
-    except Exception as exc:
-        return False, f"no NVIDIA driver ({exc})"
-    if count < 1:
-        return False, "the driver sees no GPU"
-    if shutil.which("nvidia-cuda-mps-control") is None:
-        return False, "nvidia-cuda-mps-control is not on PATH"
-    return True, ""
+
+def _slow_first(items: list[pytest.Item]) -> None:
+    """Tests marked slow (slow on purpose: what they prove takes time) go first, so xdist's workers run them
+    alongside the many short ones instead of last, one by one."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config._mpsrun_hydra_before = hydra_files()  # type: ignore[attr-defined]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Remove the second user's Python (tests/test_faults.py), and the topology files MPICH's Hydra left in /tmp (it puts them there whatever $TMPDIR says, and leaves
+    them when a test kills mpiexec): what this run added and no live process uses. Under xdist the controller
+    does it, once every worker is done."""
+    if hasattr(session.config, "workerinput"):
+        return
+    shutil.rmtree(other_user_venv(), ignore_errors=True)  # made by the first test that needed a second user
+    before = getattr(session.config, "_mpsrun_hydra_before", set())
+    added = hydra_files() - before
+    for path in added - in_use(added):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _slow_first(items)
     if not config.pluginmanager.hasplugin("pytest_mpi"):
         for item in items:
             if item.get_closest_marker("mpi"):
@@ -95,7 +132,7 @@ class FakeGPU:
         self.bin_dir.mkdir()
         wrapper = self.bin_dir / "nvidia-cuda-mps-control"
         wrapper.write_text(
-            f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(FAKE_MPS)!r})\n"
+            f"#!{sys.executable} -S\nimport sys\nsys.path.insert(0, {str(FAKE_MPS)!r})\n"
             "from fake_mps_control import main\nsys.exit(main(sys.argv[1:]))\n"
         )
         wrapper.chmod(0o755)
@@ -135,6 +172,13 @@ class FakeGPU:
         return sorted(p for p in root.iterdir()) if root.is_dir() else []
 
 
+def _cmdline(proc: psutil.Process) -> list[str] | str:
+    try:
+        return proc.cmdline()
+    except psutil.Error as exc:  # it ended as we looked
+        return type(exc).__name__
+
+
 def _ours(proc: psutil.Process) -> bool:
     """A live child started by a test (multiprocessing's own helper process lives on by design)."""
     try:
@@ -167,7 +211,7 @@ def fake_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     try:
         yield fake
         leftovers = [p for p in psutil.Process().children(recursive=True) if _ours(p)] + fake.orphans()
-        assert not leftovers, f"processes left behind: {[(p.pid, p.cmdline()) for p in leftovers]}"
+        assert not leftovers, f"processes left behind: {[(p.pid, _cmdline(p)) for p in leftovers]}"
         assert not fake.session_dirs(), f"session directories left behind: {fake.session_dirs()}"
     finally:  # whatever a failed test left: our children, and detached processes of this fake machine
         for proc in [*psutil.Process().children(recursive=True), *fake.orphans()]:
@@ -192,3 +236,25 @@ def no_gpu(monkeypatch: pytest.MonkeyPatch, short_tmp: Path) -> Path:
     monkeypatch.setenv("PATH", str(empty_bin))
     monkeypatch.setenv("MPSRUN_TMPDIR", str(short_tmp))
     return short_tmp
+
+
+@pytest.fixture
+def cupy_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Path]]:
+    """GPU tier: a private MPSRUN_TMPDIR and a tag in every process's environment, and the CuPy rank
+    (helpers.GPU_BUSY) as ``script``; afterwards nothing of the job is left."""
+    tag = uuid.uuid4().hex
+    base = Path(tempfile.mkdtemp(prefix="gc", dir="/tmp"))  # short: MPS socket paths are limited
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    for name, value in (("MPSRUN_TMPDIR", str(base)), ("MPSRUN_TEST_TAG", tag), ("READY_DIR", str(ready))):
+        monkeypatch.setenv(name, value)
+    script = tmp_path / "busy.py"
+    script.write_text(GPU_BUSY)
+    yield {"script": script, "ready": ready}
+    deadline = time.monotonic() + 30
+    while (left := tagged_processes(tag, base)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"left behind: {left}"
+    root = base / f"mpsrun-{os.getuid()}"
+    assert not root.exists() or list(root.iterdir()) == [], list(root.iterdir())
+    shutil.rmtree(base, ignore_errors=True)

@@ -8,10 +8,9 @@ rank 1 (each rank saw one GPU). And JAX ranks preallocate 75% of what they see a
 import json
 import re
 import subprocess
-from pathlib import Path
 
 import pytest
-from test_contract import PATHS, fake, job_argv, settle
+from helpers import PATHS, fake, reports, run_job, settle
 
 from mpsrun import mps_session
 from mpsrun.mps.limits import auto_mem_limit
@@ -20,18 +19,10 @@ from mpsrun.errors import ConfigError
 GIB = 1 << 30
 
 
-def run(path, options, program, ranks):
-    return subprocess.run(job_argv(path, options, program, ranks), capture_output=True, text=True, timeout=120)
-
-
-def reports(directory):
-    return {int(p.stem): json.loads(p.read_text()) for p in Path(directory).glob("*.json")}
-
-
 @pytest.mark.parametrize("fake_gpu", [2], indirect=True)
 def test_one_gpu_per_rank_breaks_codes_that_pick_their_device(fake_gpu, short_tmp):
     """The failure measured on the H100, reproduced: by default rank 1 sees one GPU, so Device(1) does not exist."""
-    out = run("local", [], fake("--device", "local"), ranks=2)
+    out = run_job("local", [], fake("--device", "local"), ranks=2)
     assert out.returncode == 1 and "invalid device ordinal" in out.stderr, out.stderr
     settle(fake_gpu)
 
@@ -42,7 +33,7 @@ def test_one_gpu_per_rank_breaks_codes_that_pick_their_device(fake_gpu, short_tm
 def test_gpu_bind_none_serves_every_gpu_from_one_daemon(fake_gpu, short_tmp, path, ranks, device):
     """--gpu-bind none: 2 ranks on Device(local_rank), 4 on Device(local_rank % 2), each an MPS client on the GPU
     it chose, all of one daemon, seeing both GPUs; the memory limit names both devices; -v proves every rank."""
-    out = run(path, ["-v", "--gpu-bind", "none", "--mem-limit", "2G"],
+    out = run_job(path, ["-v", "--gpu-bind", "none", "--mem-limit", "2G"],
               fake("--device", device, "--report-dir", str(short_tmp)), ranks=ranks)
     assert out.returncode == 0, out.stderr
     seen = reports(short_tmp)
@@ -77,7 +68,7 @@ def test_mem_limit_auto_splits_the_free_memory(fake_gpu, short_tmp, path):
     """--mem-limit auto with 40 GiB free and 4 ranks on the GPU: (40960 - 128) // 4 = 10208 MiB each, in every
     rank's environment, shown with -v."""
     fake_gpu.set_free_memory(40 * GIB)
-    out = run(path, ["-v", "--mem-limit", "auto"], fake("--report-dir", str(short_tmp)), ranks=4)
+    out = run_job(path, ["-v", "--mem-limit", "auto"], fake("--report-dir", str(short_tmp)), ranks=4)
     assert out.returncode == 0, out.stderr
     limits = {r["env"].get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT") for r in reports(short_tmp).values()}
     assert limits == {"0=10208M"}, limits
@@ -89,7 +80,7 @@ def test_mem_limit_auto_splits_the_free_memory(fake_gpu, short_tmp, path):
 def test_mem_limit_auto_counts_the_ranks_of_each_gpu(fake_gpu, short_tmp):
     """3 ranks on 2 GPUs (block: 2 on GPU 0, 1 on GPU 1): each GPU's memory is split among its own ranks."""
     fake_gpu.set_free_memory(20 * GIB)
-    out = run("local", ["--mem-limit", "auto"], fake("--report-dir", str(short_tmp)), ranks=3)
+    out = run_job("local", ["--mem-limit", "auto"], fake("--report-dir", str(short_tmp)), ranks=3)
     assert out.returncode == 0, out.stderr
     limits = {rank: r["env"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] for rank, r in reports(short_tmp).items()}
     assert limits == {0: "0=10176M", 1: "0=10176M", 2: "0=20352M"}, limits
@@ -99,7 +90,7 @@ def test_mem_limit_auto_counts_the_ranks_of_each_gpu(fake_gpu, short_tmp):
 def test_mem_limit_auto_refuses_too_many_ranks(fake_gpu):
     """More ranks than the GPU's free memory can hold a context for: one line, exit 2, nothing started."""
     fake_gpu.set_free_memory(4 * GIB)
-    out = run("local", ["--mem-limit", "auto"], fake(), ranks=8)
+    out = run_job("local", ["--mem-limit", "auto"], fake(), ranks=8)
     assert out.returncode == 2 and "too little for a CUDA context" in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
 

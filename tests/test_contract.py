@@ -9,40 +9,17 @@ checks processes and session directories; this module checks $TMPDIR too).
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import psutil
 import pytest
-from conftest import FAKECUDA, TESTS
+from helpers import PATHS, PROGRAMS, fake, job_argv, settle, supervisors, wait_ready
 
 pytestmark = pytest.mark.mpiexec
 
-PATHS = ["local", "mpiexec", "per-node", "hosts"]
-ABORT = TESTS / "programs" / "mpi_abort.py"
-
-
-def mpiexec():
-    found = shutil.which("mpiexec", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]))
-    if found is None:
-        pytest.skip("no mpiexec")
-    return found
-
-
-def job_argv(path, options, program, ranks=3):
-    """The command line that runs ``program`` as ``ranks`` ranks on ``path``."""
-    mpsrun = [sys.executable, "-m", "mpsrun"]
-    if path == "local":
-        return [*mpsrun, "-np", str(ranks), "--launcher", "local", *options, *program]
-    if path == "mpiexec":
-        return [*mpsrun, "-np", str(ranks), "--launcher", "mpiexec", "--mpiexec", mpiexec(), *options, *program]
-    if path == "per-node":
-        return [mpiexec(), "-n", str(ranks), *mpsrun, "--per-node", *options, *program]
-    return [*mpsrun, "-np", str(ranks), "--hosts", "localhost", "--mpiexec", mpiexec(), *options, *program]
+ABORT = PROGRAMS / "mpi_abort.py"
 
 
 @pytest.fixture
@@ -53,25 +30,6 @@ def clean_tmp(monkeypatch, short_tmp):
     monkeypatch.setenv("TMPDIR", str(tmp))
     yield tmp
     assert sorted(p.name for p in tmp.iterdir()) == []
-
-
-def settle(fake_gpu, timeout=30.0):
-    """Wait until the job's processes and session directories are gone (the fixture then asserts it)."""
-    deadline = time.monotonic() + timeout
-    while (fake_gpu.orphans() or fake_gpu.session_dirs()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-
-
-def wait_ready(directory, count=3, timeout=60.0, proc=None):
-    deadline = time.monotonic() + timeout
-    while len(list(Path(directory).glob("*.json"))) < count:
-        assert time.monotonic() < deadline, "the ranks did not start"
-        assert proc is None or proc.poll() is None, proc.communicate()[1]
-        time.sleep(0.05)
-
-
-def fake(*args):
-    return [sys.executable, str(FAKECUDA), *args]
 
 
 SEGV = "import os, signal, time\nif os.environ['RANK'] == '1': os.kill(os.getpid(), signal.SIGSEGV)\ntime.sleep(30)"
@@ -105,13 +63,6 @@ def test_rank_faults(fake_gpu, clean_tmp, path, case):
     settle(fake_gpu)
 
 
-def _supervisors(job, path):
-    """The processes to signal as 'mpsrun': the launcher, or under --per-node every rank's mpsrun (as srun does)."""
-    if path != "per-node":
-        return [job.pid]
-    return [p.pid for p in psutil.Process(job.pid).children(recursive=True) if "--per-node" in p.cmdline()]
-
-
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_signals_to_mpsrun(fake_gpu, clean_tmp, short_tmp, path, sig, code):
@@ -122,7 +73,7 @@ def test_signals_to_mpsrun(fake_gpu, clean_tmp, short_tmp, path, sig, code):
     job = subprocess.Popen(job_argv(path, ["--grace", "1"], fake("--hold", "60", "--report-dir", str(reports))),
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wait_ready(reports, proc=job)
-    for pid in _supervisors(job, path):
+    for pid in supervisors(job, path):
         os.kill(pid, sig)
     _, err = job.communicate(timeout=60)
     assert job.returncode == code, err
@@ -139,7 +90,7 @@ def test_sigkill_to_mpsrun_leaves_nothing(fake_gpu, clean_tmp, short_tmp, path):
     job = subprocess.Popen(job_argv(path, ["--grace", "1"], fake("--hold", "60", "--report-dir", str(reports))),
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_ready(reports, proc=job)
-    os.kill(_supervisors(job, path)[0], signal.SIGKILL)
+    os.kill(supervisors(job, path)[0], signal.SIGKILL)
     assert job.wait(timeout=60) != 0
     settle(fake_gpu)
 

@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -95,8 +96,9 @@ def test_clients_terminate_and_quit_blocking(daemon, fake_gpu):
     daemon.start(timeout=10)
     server = daemon.start_server(timeout=10)
     env = {**os.environ, **{"CUDA_MPS_PIPE_DIRECTORY": str(daemon.pipe_dir)}}
+    done = daemon.pipe_dir.parent / "second-done"
     first = subprocess.Popen(fake_gpu.client_command("--hold", "30"), env=env, stderr=subprocess.PIPE, text=True)
-    second = subprocess.Popen(fake_gpu.client_command("--hold", "1.5"), env=env)
+    second = subprocess.Popen(fake_gpu.client_command("--until-file", str(done)), env=env)
     deadline = time.monotonic() + 10
     while daemon.clients() != {first.pid, second.pid} and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -107,6 +109,7 @@ def test_clients_terminate_and_quit_blocking(daemon, fake_gpu):
     assert "cudaErrorMpsClientTerminated" in first.stderr.read()
     first.stderr.close()
     started = time.monotonic()
+    threading.Timer(0.5, done.touch).start()  # the second client's work ends 0.5 s into the quit
     daemon.stop(timeout=10)  # quit blocks until the second client is done
     assert second.poll() == 0
     assert time.monotonic() - started > 0.3

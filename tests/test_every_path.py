@@ -16,16 +16,20 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import FAKECUDA, TESTS
-from test_contract import PATHS, job_argv, mpiexec, settle, wait_ready
+from helpers import (
+    FAKECUDA,
+    PATHS,
+    PROGRAMS,
+    job_argv,
+    mpiexec,
+    reports,
+    settle,
+    wait_ready,
+)
 
 pytestmark = pytest.mark.mpiexec
 
-PROBE = TESTS / "programs" / "mpi_probe.py"
-
-
-def reports(directory):
-    return {int(p.stem): json.loads(p.read_text()) for p in Path(directory).glob("*.json")}
+PROBE = PROGRAMS / "mpi_probe.py"
 
 
 @pytest.mark.parametrize("mps", ["auto", "off"])
@@ -100,10 +104,14 @@ def test_a_grandchild_that_ignores_sigterm_does_not_survive(fake_gpu, short_tmp,
     code = ("import os, signal, subprocess, sys, time\n"
             "child = subprocess.Popen([sys.executable, '-c', 'import os, signal, time; "
             "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-            "open(os.environ[\"MARK\"] + \"/\" + os.environ[\"RANK\"], \"w\").write(str(os.getpid())); "
+            "mark = os.environ[\"MARK\"] + \"/\" + os.environ[\"RANK\"]; "
+            "open(mark + \".tmp\", \"w\").write(str(os.getpid())); os.rename(mark + \".tmp\", mark); "
             "time.sleep(300)'])\n"
-            "time.sleep(1.5)\n"
-            "if os.environ['RANK'] == '1':\n    sys.exit(7)\n"
+            "if os.environ['RANK'] == '1':  # once every rank's child ignores SIGTERM\n"
+            "    end = time.monotonic() + 60\n"
+            "    while sum(n.isdigit() for n in os.listdir(os.environ['MARK'])) < 3 and time.monotonic() < end:\n"
+            "        time.sleep(0.02)\n"
+            "    sys.exit(7)\n"
             "time.sleep(300)\n")
     out = subprocess.run(job_argv(path, ["--grace", "1"], [sys.executable, "-c", code]), capture_output=True,
                          text=True, timeout=120)
@@ -222,10 +230,7 @@ def test_one_interrupt_per_rank_is_not_a_second_ctrl_c(fake_gpu, short_tmp, monk
     monkeypatch.setenv("MARK", str(short_tmp))
     job = subprocess.Popen(job_argv(path, ["--grace", "10"], [sys.executable, "-c", SLOW_CLEANUP]),
                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while len(list(short_tmp.glob("ready*"))) < 3:
-        assert time.monotonic() < deadline and job.poll() is None
-        time.sleep(0.05)
+    wait_ready(short_tmp, pattern="ready*", proc=job)
     if path == "per-node":
         targets = [p.pid for p in psutil.Process(job.pid).children(recursive=True) if "--per-node" in p.cmdline()]
     else:

@@ -4,6 +4,7 @@ After every test the fake_gpu fixture checks that no process of the job survived
 daemons, servers, even reparented ones) and that no session directory is left.
 """
 
+import grp
 import json
 import os
 import pwd
@@ -12,35 +13,19 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 import pytest
-from conftest import FAKE_MPS, FAKECUDA
+from helpers import ROOT, building_from_source, fake, mpsrun, other_user_venv, wait_for
 
 from mpsrun import UnsafeDirectoryError, mps_session
 from mpsrun.runtime.processes import ProcessRef
 from mpsrun.session.paths import SessionDirs
 from mpsrun.session.record import DaemonRecord, SessionRecord
-
-
-def mpsrun(*args, timeout=60, **kwargs):
-    return subprocess.run([sys.executable, "-m", "mpsrun", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, **kwargs)
-
-
-def fake_rank(*args):
-    return [sys.executable, str(FAKECUDA), *args]
-
-
-def wait_for(predicate, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def test_segfaulting_rank_gives_139(fake_gpu):
@@ -54,7 +39,7 @@ def test_segfaulting_rank_gives_139(fake_gpu):
 def test_fatal_gpu_fault_reports_the_torn_down_ranks(fake_gpu):
     """One rank's fatal GPU fault tears down every client; mpsrun names the first rank to fail, says what the
     MPS log shows, and lists the ranks the server tore down."""
-    out = mpsrun("-np", 3, "--launcher", "local", "--grace", "1", *fake_rank("--hold", "20", "--fault-rank", "1"))
+    out = mpsrun("-np", 3, "--launcher", "local", "--grace", "1", *fake("--hold", "20", "--fault-rank", "1"))
     assert out.returncode == 1
     assert "cudaErrorIllegalAddress" in out.stderr
     assert "a client hit a fatal GPU error" in out.stderr
@@ -65,7 +50,7 @@ def test_mpsrun_sigkilled_leaves_nothing_behind(fake_gpu, short_tmp):
     """SIGKILL to mpsrun: the daemon dies with it (parent-death signal), the rank supervisors stop their ranks
     (their controller is gone), and the session's reaper removes the directory: nothing is left, no cleanup needed."""
     job = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "local", "--grace", "1",
-                            *fake_rank("--report-dir", str(short_tmp), "--hold", "60")], stderr=subprocess.DEVNULL)
+                            *fake("--report-dir", str(short_tmp), "--hold", "60")], stderr=subprocess.DEVNULL)
     wait_for(lambda: len(list(short_tmp.glob("*.json"))) == 2)
     [root] = fake_gpu.session_dirs()
     daemon_pid = json.loads((root / "session.json").read_text())["daemons"][0]["process"]["pid"]
@@ -130,7 +115,7 @@ def test_live_session_is_left_alone_unless_forced(fake_gpu):
 def test_daemon_killed_under_a_running_job(fake_gpu, short_tmp):
     """Killing the daemon under a running job fails the job and the summary says the daemon stopped."""
     job = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "local", "--grace", "1",
-                            *fake_rank("--report-dir", str(short_tmp), "--hold", "60")],
+                            *fake("--report-dir", str(short_tmp), "--hold", "60")],
                            stderr=subprocess.PIPE, text=True)
     wait_for(lambda: len(list(short_tmp.glob("*.json"))) == 2)
     [root] = fake_gpu.session_dirs()
@@ -164,14 +149,19 @@ def test_two_jobs_at_once_on_the_same_gpu_each_get_their_own_daemon(fake_gpu, sh
     for directory in reports:
         directory.mkdir()
     jobs = [subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "local",
-                              *fake_rank("--report-dir", str(d), "--hold", "2")]) for d in reports]
+                              *fake("--report-dir", str(d), "--hold", "2")]) for d in reports]
     assert [job.wait(timeout=60) for job in jobs] == [0, 0]
     pipes = [{json.loads(p.read_text())["env"]["CUDA_MPS_PIPE_DIRECTORY"] for p in d.glob("*.json")} for d in reports]
     assert len(pipes[0]) == len(pipes[1]) == 1 and pipes[0] != pipes[1]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # 30 s on 2 cores alone; several times that beside three other workers
 def test_hundred_sessions_leak_nothing(fake_gpu):
-    """100 back-to-back sessions in one process leave no file descriptor, thread, child or directory."""
+    """100 back-to-back sessions in one process leave no file descriptor, thread, child or directory.
+
+    Slow on purpose (about 30 s on 2 cores): a leak of one descriptor or thread per session shows only over many
+    sessions, and each starts and stops a daemon."""
     def snapshot():
         children = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
         return len(os.listdir("/proc/self/fd")), threading.active_count(), len(children)
@@ -186,39 +176,58 @@ def test_hundred_sessions_leak_nothing(fake_gpu):
     assert fake_gpu.session_dirs() == []
 
 
-OTHER_USER = "mpsrun-other"
+class OtherUser(NamedTuple):
+    """A second identity: its uid and gid, and a Python it can run with mpsrun installed."""
+
+    uid: int
+    gid: int
+    python: str
+
+    def as_them(self) -> dict:
+        """Popen's arguments that run a process as this user (no group of ours kept)."""
+        return {"user": self.uid, "group": self.gid, "extra_groups": []}
+
+
+def _unused_id() -> int:
+    """A number that is no account's uid and no group's gid here (nor, so, the owner of anything of theirs)."""
+    taken = {p.pw_uid for p in pwd.getpwall()} | {g.gr_gid for g in grp.getgrall()}
+    start = 61000 + os.getpid() % 3000  # two suites at once (a loaded machine) pick apart
+    return next(n for n in range(start, start + 4000) if n not in taken)
 
 
 @pytest.fixture(scope="session")
-def other_user(tmp_path_factory):
-    """A second local user and a Python it can run with mpsrun installed (made here as root; else skipped).
+def other_user():
+    """A second user: as root, a uid and gid that no account has, so nothing on the machine is added or changed
+    (no useradd, no /etc/passwd entry); to the kernel it is simply another user. Elsewhere skipped.
 
     Our own interpreter may live under /root, which other users cannot enter, so the other
-    user gets a virtual environment of its own, made from a system Python, outside /root.
+    user gets a virtual environment of its own, made from a system Python, outside /root: once
+    per test run (xdist's workers share it), removed when the run ends (conftest.py).
     """
-    if os.geteuid() != 0 or shutil.which("useradd") is None:
-        pytest.skip("needs root and useradd to create a second user")
-    try:
-        pwd.getpwnam(OTHER_USER)
-    except KeyError:
-        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER_USER], check=True)
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as a second user")
     base = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.access(p, os.X_OK)), None)
     if base is None:
         pytest.skip("no system Python for the second user")
-    env_dir = Path(tempfile.mkdtemp(prefix="mpsrun-other-venv-", dir="/tmp"))
-    os.chmod(env_dir, 0o755)
-    made = subprocess.run([base, "-m", "venv", str(env_dir)], capture_output=True)
+    env_dir = other_user_venv()
     python = env_dir / "bin" / "python"
-    if made.returncode == 0:
-        made = subprocess.run([str(python), "-m", "pip", "install", "-q", str(Path(__file__).parent.parent)],
-                              capture_output=True, timeout=600)
-    check = subprocess.run([str(python), "-c", "import mpsrun.session.registry"], user=OTHER_USER, capture_output=True,
-                           cwd="/tmp")
-    if made.returncode != 0 or check.returncode != 0:
-        shutil.rmtree(env_dir, ignore_errors=True)
-        pytest.skip(f"could not give {OTHER_USER} a Python with mpsrun: {(made.stderr or check.stderr)[-300:]!r}")
-    yield pwd.getpwnam(OTHER_USER), str(python)
-    shutil.rmtree(env_dir, ignore_errors=True)
+    user = OtherUser(_unused_id(), _unused_id(), str(python))
+    with building_from_source():  # one worker makes it; the others wait for it here
+        if not (env_dir / "made").exists():
+            env_dir.mkdir(mode=0o755, exist_ok=True)
+            os.chmod(env_dir, 0o755)
+            made = subprocess.run([base, "-m", "venv", str(env_dir)], capture_output=True)
+            if made.returncode == 0:
+                made = subprocess.run([str(python), "-m", "pip", "install", "-q", str(ROOT)], capture_output=True,
+                                      timeout=600)
+            if made.returncode != 0:
+                pytest.skip(f"could not make a Python with mpsrun for a second user: {made.stderr[-300:]!r}")
+            (env_dir / "made").touch()
+    check = subprocess.run([str(python), "-c", "import mpsrun.session.registry"], capture_output=True, cwd="/tmp",
+                           **user.as_them())
+    if check.returncode != 0:
+        pytest.skip(f"uid {user.uid} cannot run mpsrun from {env_dir}: {check.stderr[-300:]!r}")
+    return user
 
 
 def test_another_user_cannot_reach_the_session(fake_gpu, other_user):
@@ -236,8 +245,8 @@ def test_another_user_cannot_reach_the_session(fake_gpu, other_user):
             "        results.append('denied')\n"
             "print(results)\n"
         )
-        out = subprocess.run([other_user[1], "-c", probe], user=OTHER_USER, capture_output=True, text=True,
-                             cwd="/tmp", timeout=30)
+        out = subprocess.run([other_user.python, "-c", probe], capture_output=True, text=True, cwd="/tmp", timeout=30,
+                             **other_user.as_them())
         assert out.stdout.strip() == "['denied', 'denied', 'denied']", out.stderr
         assert session.daemons[0].alive
 
@@ -248,20 +257,20 @@ def test_another_users_cleanup_does_not_touch_our_session(fake_gpu, other_user):
     os.chmod(fake_gpu.tmpdir, 0o1777)  # a shared base, like /tmp
     with mps_session() as session:
         env = {"PATH": os.environ["PATH"], "MPSRUN_TMPDIR": str(fake_gpu.tmpdir)}
-        out = subprocess.run([other_user[1], "-m", "mpsrun", "cleanup", "--force", session.dirs.session_id],
-                             user=OTHER_USER, capture_output=True, text=True, cwd="/tmp", env=env, timeout=60)
+        out = subprocess.run([other_user.python, "-m", "mpsrun", "cleanup", "--force", session.dirs.session_id],
+                             capture_output=True, text=True, cwd="/tmp", env=env, timeout=60, **other_user.as_them())
         assert out.returncode == 2 and "no session" in out.stderr, out.stdout + out.stderr
         assert session.dirs.root.exists() and session.daemons[0].alive
-    shutil.rmtree(fake_gpu.tmpdir / f"mpsrun-{other_user[0].pw_uid}", ignore_errors=True)
+    shutil.rmtree(fake_gpu.tmpdir / f"mpsrun-{other_user.uid}", ignore_errors=True)
 
 
 def test_user_root_owned_by_another_user_is_refused(fake_gpu, other_user):
     """A pre-existing mpsrun-<uid> directory owned by someone else is refused (it could be a trap)."""
     root = fake_gpu.tmpdir / f"mpsrun-{os.getuid()}"
     root.mkdir(mode=0o700)
-    os.chown(root, other_user[0].pw_uid, other_user[0].pw_gid)
+    os.chown(root, other_user.uid, other_user.gid)
     try:
-        with pytest.raises(UnsafeDirectoryError, match=f"owned by uid {other_user[0].pw_uid}"), mps_session():
+        with pytest.raises(UnsafeDirectoryError, match=f"owned by uid {other_user.uid}"), mps_session():
             pass
     finally:
         root.rmdir()
@@ -275,9 +284,6 @@ def test_control_socket_itself_is_open_but_the_directory_guards_it(fake_gpu):
         assert (pipe.stat().st_mode & 0o777) == 0o700
         with socket.socket(socket.AF_UNIX) as conn:  # we, the owner, can connect
             conn.connect(str(pipe / "control"))
-
-
-_ = FAKE_MPS
 
 
 def test_a_killed_program_using_mps_session_leaves_nothing(fake_gpu):
@@ -303,8 +309,7 @@ def test_an_interrupt_during_start_up_is_one_line(fake_gpu, sig, launcher):
         if launcher == "mpiexec" else []
     job = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", launcher, *where, "true"],
                            stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: fake_gpu.session_dirs())
-    time.sleep(0.3)
+    wait_for(lambda: list(fake_gpu.tmpdir.rglob("control.log")), proc=job)  # the daemon was started
     job.send_signal(sig)
     _, err = job.communicate(timeout=60)
     assert job.returncode == 128 + sig
@@ -328,6 +333,7 @@ if not os.path.islink(link):
     os.symlink(os.path.join(base, "evil"), link)
 ours, theirs = os.path.join(base, "mpsrun-0").encode(), link.encode()
 tries = wins = 0
+print("racing", flush=True)
 while not os.path.exists(stop):
     tries += 1
     if libc.renameat2(-100, ours, -100, theirs, 2) == 0:  # RENAME_EXCHANGE
@@ -337,16 +343,17 @@ print(tries, wins, flush=True)
 """
 
 
+@pytest.mark.slow
 def test_a_second_user_cannot_race_the_session_root(fake_gpu, other_user, short_tmp):
     """Another user swapping our mpsrun-<uid> with a link to their own directory (renameat2 RENAME_EXCHANGE, in a
     loop) wins 0 of 10,000 session creations in a sticky shared base; a base they own is refused outright."""
-    user, python = other_user
     os.chmod(fake_gpu.root, 0o755)
     os.chmod(fake_gpu.tmpdir, 0o1777)  # like /tmp: shared, sticky, root's
     stop = fake_gpu.tmpdir / "stop"
-    racer = subprocess.Popen([python, "-c", RACER, str(fake_gpu.tmpdir), str(stop)], user=user.pw_name,
-                             stdout=subprocess.PIPE, text=True, cwd="/tmp")
+    racer = subprocess.Popen([other_user.python, "-c", RACER, str(fake_gpu.tmpdir), str(stop)],
+                             stdout=subprocess.PIPE, text=True, cwd="/tmp", **other_user.as_them())
     try:
+        assert racer.stdout.readline().strip() == "racing"  # it swaps from the first session on
         for _ in range(10_000):
             dirs = SessionDirs.create(fake_gpu.tmpdir, [0])
             assert os.lstat(dirs.root.parent).st_uid == os.getuid() and not dirs.root.parent.is_symlink()
@@ -356,7 +363,7 @@ def test_a_second_user_cannot_race_the_session_root(fake_gpu, other_user, short_
         tries, wins = map(int, racer.communicate(timeout=60)[0].split())
     assert tries > 100 and wins == 0
     assert list((fake_gpu.tmpdir / "evil").iterdir()) == []
-    os.chown(fake_gpu.tmpdir, user.pw_uid, user.pw_gid)  # a base the other user owns: they could move anything
+    os.chown(fake_gpu.tmpdir, other_user.uid, other_user.gid)  # a base the other user owns: they could move anything
     with pytest.raises(UnsafeDirectoryError, match="owned by uid"):
         SessionDirs.create(fake_gpu.tmpdir, [0])
     for name in ("evil-link", "evil", "stop"):

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from test_gpu_contract import PATHS, job, job_argv  # noqa: F401  (job is a fixture)
+from helpers import PATHS, gpu_job_argv
 
 pytestmark = pytest.mark.gpu
 
@@ -45,13 +45,13 @@ def gpu_count():
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(("ranks", "modulo"), [(2, []), (4, ["2"])])
-def test_ranks_that_choose_their_device(job, path, ranks, modulo, tmp_path, monkeypatch):  # noqa: F811
+def test_ranks_that_choose_their_device(cupy_job, path, ranks, modulo, tmp_path, monkeypatch):
     """--gpu-bind none on 2 GPUs: 2 ranks on Device(local_rank), 4 on Device(local_rank % 2); every rank sees both
     GPUs and NVML lists it as an MPS client on the GPU it chose; -v proves every rank."""
     if gpu_count() < 2:
         pytest.skip("needs two GPUs")
     monkeypatch.setenv("PROBE_DIR", str(tmp_path))
-    argv = job_argv(path, ["-v", "--gpu-bind", "none"], [sys.executable, "-c", CHOOSER, *modulo], ranks=ranks)
+    argv = gpu_job_argv(path, ["-v", "--gpu-bind", "none"], [sys.executable, "-c", CHOOSER, *modulo], ranks=ranks)
     argv[argv.index("--gpus") + 1] = "0,1"
     out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -68,10 +68,10 @@ JAX = "import jax.numpy as jnp; x = jnp.ones((2048, 2048)); print(float((x @ x).
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_jax_ranks_share_a_gpu_with_auto_memory(job, path):  # noqa: F811
+def test_jax_ranks_share_a_gpu_with_auto_memory(cupy_job, path):
     """4 unmodified JAX ranks (each preallocates 75% of what it sees free) run on one GPU with --mem-limit auto."""
     pytest.importorskip("jax")
-    out = subprocess.run(job_argv(path, ["-v", "--mem-limit", "auto"], [sys.executable, "-c", JAX], ranks=4),
+    out = subprocess.run(gpu_job_argv(path, ["-v", "--mem-limit", "auto"], [sys.executable, "-c", JAX], ranks=4),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count(str(float(2048 ** 3))) == 4, out.stdout

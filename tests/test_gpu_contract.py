@@ -8,130 +8,49 @@ and leave no rank, MPS daemon or server of the job and no session directory.
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import time
-import uuid
-from pathlib import Path
 
 import psutil
 import pytest
+from helpers import PATHS, TESTS, gpu_job_argv, wait_ready
 
 pytestmark = pytest.mark.gpu
 
-PATHS = ["local", "mpiexec", "per-node", "hosts"]
-TESTS = Path(__file__).resolve().parent
 PROBE = TESTS / "programs" / "gpu_probe.py"
 ABORT = TESTS / "programs" / "mpi_abort.py"
 
-BUSY = (
-    "import os, signal, sys, time, cupy\n"
-    "x = cupy.ones(1 << 16, dtype=cupy.float32)\n"
-    "cupy.cuda.Device().synchronize()\n"
-    "open(os.path.join(os.environ['READY_DIR'], os.environ['RANK']), 'w').close()\n"
-    "mode, rank = sys.argv[1], os.environ['RANK']\n"
-    "if rank == '1' and mode != 'hang':\n"
-    "    time.sleep(1)\n"
-    "    if mode == 'exit': sys.exit(7)\n"
-    "    os.kill(os.getpid(), {'kill': 9, 'segv': 11}[mode])\n"
-    "end = time.monotonic() + 60\n"
-    "while time.monotonic() < end:\n"
-    "    x = x * 1.0000001\n"
-    "    cupy.cuda.Device().synchronize()\n"
-)
-
-
-def mpiexec():
-    found = shutil.which("mpiexec") or shutil.which("mpirun")
-    if found is None:
-        pytest.skip("no mpiexec")
-    return found
-
-
-def job_argv(path, options, program, ranks=3):
-    mpsrun = [sys.executable, "-m", "mpsrun", "--mps", "on", "--gpus", "0"]
-    if path == "local":
-        return [*mpsrun, "-np", str(ranks), "--launcher", "local", *options, *program]
-    if path == "mpiexec":
-        return [*mpsrun, "-np", str(ranks), "--launcher", "mpiexec", "--mpiexec", mpiexec(), *options, *program]
-    if path == "per-node":
-        root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-        return [mpiexec(), *root, "--oversubscribe", "-np", str(ranks), *mpsrun, "--per-node", *options, *program]
-    return [*mpsrun, "-np", str(ranks), "--hosts", "localhost", "--mpiexec", mpiexec(), *options, *program]
-
-
-@pytest.fixture
-def job(tmp_path, monkeypatch):
-    """A private MPSRUN_TMPDIR and a tag in every process's environment; afterwards nothing of the job is left."""
-    tag = uuid.uuid4().hex
-    base = Path(tempfile.mkdtemp(prefix="gc", dir="/tmp"))  # short: MPS socket paths are limited
-    ready = tmp_path / "ready"
-    ready.mkdir()
-    for name, value in (("MPSRUN_TMPDIR", str(base)), ("MPSRUN_TEST_TAG", tag), ("READY_DIR", str(ready))):
-        monkeypatch.setenv(name, value)
-    script = tmp_path / "busy.py"
-    script.write_text(BUSY)
-    yield {"script": script, "ready": ready}
-    deadline = time.monotonic() + 30
-    while (left := _left(tag, base)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, f"left behind: {left}"
-    root = base / f"mpsrun-{os.getuid()}"
-    assert not root.exists() or list(root.iterdir()) == [], list(root.iterdir())
-    shutil.rmtree(base, ignore_errors=True)
-
-
-def _left(tag, base):
-    found = []
-    for proc in psutil.process_iter(["pid", "name"]):
-        try:
-            environ = proc.environ()
-            if environ.get("MPSRUN_TEST_TAG") == tag or str(base) in environ.get("CUDA_MPS_PIPE_DIRECTORY", ""):
-                if proc.status() != psutil.STATUS_ZOMBIE:
-                    found.append((proc.pid, proc.info["name"]))
-        except psutil.Error:
-            continue
-    return found
-
-
-def wait_ready(ready, proc, count=3, timeout=120):
-    deadline = time.monotonic() + timeout
-    while len(list(ready.iterdir())) < count:
-        assert time.monotonic() < deadline and proc.poll() is None, "the ranks did not start"
-        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(("mode", "code", "words"), [("exit", 7, "exited with code 7 first"),
                                                      ("kill", 137, "signal 9 (SIGKILL) first"),
                                                      ("segv", 139, "signal 11 (SIGSEGV) first")])
-def test_a_cupy_rank_fails(job, path, mode, code, words):
+def test_a_cupy_rank_fails(cupy_job, path, mode, code, words):
     """A CuPy rank exits 7 / is SIGKILLed / segfaults: the same code on every path, the others stopped."""
-    out = subprocess.run(job_argv(path, ["--grace", "2"], [sys.executable, str(job["script"]), mode]),
+    out = subprocess.run(gpu_job_argv(path, ["--grace", "2"], [sys.executable, str(cupy_job["script"]), mode]),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == code, out.stderr[-3000:]
     assert "rank 1 (pid" in out.stderr and words in out.stderr, out.stderr[-3000:]
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_timeout(job, path):
+def test_timeout(cupy_job, path):
     """--timeout ends hanging CuPy ranks with exit 124 on every path."""
-    out = subprocess.run(job_argv(path, ["--grace", "2", "--timeout", "15"],
-                                  [sys.executable, str(job["script"]), "hang"]),
+    out = subprocess.run(gpu_job_argv(path, ["--grace", "2", "--timeout", "15"],
+                                  [sys.executable, str(cupy_job["script"]), "hang"]),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 124 and "timed out after 15 s" in out.stderr, out.stderr[-3000:]
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGKILL, None)])
-def test_signal_to_mpsrun(job, path, sig, code):
+def test_signal_to_mpsrun(cupy_job, path, sig, code):
     """SIGTERM to mpsrun (under --per-node: to each rank's mpsrun) gives 143; SIGKILL (to one) leaves nothing."""
-    proc = subprocess.Popen(job_argv(path, ["--grace", "2"], [sys.executable, str(job["script"]), "hang"]),
+    proc = subprocess.Popen(gpu_job_argv(path, ["--grace", "2"], [sys.executable, str(cupy_job["script"]), "hang"]),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    wait_ready(job["ready"], proc)
+    wait_ready(cupy_job["ready"], timeout=120, proc=proc, pattern="*")
     targets = [proc.pid] if path != "per-node" else [
         p.pid for p in psutil.Process(proc.pid).children(recursive=True) if "--per-node" in p.cmdline()]
     for pid in targets if sig != signal.SIGKILL else targets[:1]:
@@ -144,18 +63,18 @@ def test_signal_to_mpsrun(job, path, sig, code):
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_mpi_abort(job, path):
+def test_mpi_abort(cupy_job, path):
     """MPI_Abort(5) in rank 1 of an mpi4py program: exit 5 on every path, nothing left."""
-    out = subprocess.run(job_argv(path, ["--grace", "2"], [sys.executable, str(ABORT)]), capture_output=True,
+    out = subprocess.run(gpu_job_argv(path, ["--grace", "2"], [sys.executable, str(ABORT)]), capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 5, out.stderr[-3000:]
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_every_rank_is_a_verified_mps_client(job, path, tmp_path, monkeypatch):
+def test_every_rank_is_a_verified_mps_client(cupy_job, path, tmp_path, monkeypatch):
     """4 CuPy ranks on each path: every one verified as a client of the job's (or node's) MPS server, 25% each."""
     monkeypatch.setenv("PROBE_DIR", str(tmp_path))
-    out = subprocess.run(job_argv(path, ["-v", "--thread-percentage", "auto"], [sys.executable, str(PROBE),
+    out = subprocess.run(gpu_job_argv(path, ["-v", "--thread-percentage", "auto"], [sys.executable, str(PROBE),
                                                                               "--seconds", "4"], ranks=4),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -173,9 +92,9 @@ SM_PROBE = (
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_ranks_that_live_well_under_a_second_are_proven(job, path):
+def test_ranks_that_live_well_under_a_second_are_proven(cupy_job, path):
     """4 CuPy ranks that each use the GPU for a few ms: every one proven an MPS client by the daemon's log."""
-    out = subprocess.run(job_argv(path, ["-v"], [sys.executable, "-c", SHORT], ranks=4), capture_output=True,
+    out = subprocess.run(gpu_job_argv(path, ["-v"], [sys.executable, "-c", SHORT], ranks=4), capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"4 of 4 ranks connected to MPS$", out.stderr, re.M), out.stderr[-3000:]
@@ -193,12 +112,12 @@ def _all_sms():
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(("option", "ranks", "percent"), [("50", 2, [50, 50]), ("25,75", 2, [25, 75]),
                                                           ("auto", 4, [25, 25, 25, 25]), ("100", 1, [100])])
-def test_each_rank_sees_its_share_of_the_sms(job, path, option, ranks, percent, tmp_path, monkeypatch):
+def test_each_rank_sees_its_share_of_the_sms(cupy_job, path, option, ranks, percent, tmp_path, monkeypatch):
     """The active-thread percentage caps the SMs a rank's CUDA sees: with a value, a per-rank list and auto,
     on every path, each rank's MultiProcessorCount is its share of all SMs (MPS rounds to whole TPCs)."""
     total = _all_sms()
     monkeypatch.setenv("PROBE_DIR", str(tmp_path))
-    out = subprocess.run(job_argv(path, ["--thread-percentage", option], [sys.executable, "-c", SM_PROBE],
+    out = subprocess.run(gpu_job_argv(path, ["--thread-percentage", option], [sys.executable, "-c", SM_PROBE],
                                   ranks=ranks), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     seen = {int(p.name): json.loads(p.read_text()) for p in tmp_path.iterdir() if p.name.isdigit()}

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import real_gpu_available
+from helpers import real_gpu_available
 
 TESTS = Path(__file__).resolve().parent
 
@@ -16,7 +16,7 @@ TESTS = Path(__file__).resolve().parent
 def test_gpu_tier_fails_instead_of_skipping_when_required(require, expected_rc, expected):
     """Without a GPU, -m gpu skips; with MPSRUN_REQUIRE_GPU=1 the same tests fail and say why."""
     env = {**os.environ, "MPSRUN_REQUIRE_GPU": require}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-m", "gpu",
                           str(TESTS / "test_gpu_session.py")], capture_output=True, text=True, env=env, timeout=300,
                          cwd=TESTS.parent)
     assert out.returncode == expected_rc, out.stdout[-2000:]

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_contract import mpiexec, settle
+from helpers import descendants, handles, mpiexec, running, settle, wait_for
 
 pytestmark = pytest.mark.mpiexec
 
@@ -30,6 +30,13 @@ def recording_mpiexec(directory: Path) -> Path:
                        f"os.execv({mpiexec()!r}, [{mpiexec()!r}, *sys.argv[1:]])\n")
     wrapper.chmod(0o755)
     return wrapper
+
+
+def _supervisors_waiting(proc, ranks=3):
+    """Whether mpiexec has started the job's ``ranks`` rank supervisors and each has its signal handlers in place:
+    they are connecting, or waiting for their welcome."""
+    supervisors = [p for p in descendants(proc, "mpsrun.rank.supervisor") if "mpiexec" not in p.name()]
+    return len(supervisors) == ranks and all(handles(p, signal.SIGTERM) for p in supervisors)
 
 
 def job(wrapper: Path, options: list[str], short_tmp: Path) -> list[str]:
@@ -66,11 +73,9 @@ def test_a_signal_while_the_daemons_start_ends_mpiexec_quietly(fake_gpu, short_t
     monkeypatch.setenv("RAN_MARKER", str(short_tmp / "ran"))
     wrapper = recording_mpiexec(short_tmp)
     proc = subprocess.Popen(job(wrapper, [], short_tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    while not (short_tmp / "mpiexec-started").exists():
-        assert time.monotonic() < deadline and proc.poll() is None, "mpiexec did not start before the daemons"
-        time.sleep(0.01)
-    time.sleep(0.5)  # mpiexec's supervisors connect meanwhile, and wait for their welcome
+    wait_for(lambda: (short_tmp / "mpiexec-started").exists(), what="mpiexec did not start before the daemons",
+             proc=proc)
+    wait_for(lambda: _supervisors_waiting(proc), what="mpiexec's supervisors did not start", proc=proc)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 128 + sig, err
@@ -87,11 +92,9 @@ def test_mpsrun_killed_while_the_daemons_start_leaves_nothing(fake_gpu, short_tm
     monkeypatch.setenv("RAN_MARKER", str(short_tmp / "ran"))
     wrapper = recording_mpiexec(short_tmp)
     proc = subprocess.Popen(job(wrapper, [], short_tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    while not (list(fake_gpu.tmpdir.rglob("control.log")) and (short_tmp / "mpiexec-started").exists()):
-        assert time.monotonic() < deadline, "the daemon or mpiexec did not start"
-        time.sleep(0.01)
-    time.sleep(0.3)  # mpiexec's supervisors connect meanwhile
+    wait_for(lambda: list(fake_gpu.tmpdir.rglob("control.log")) and (short_tmp / "mpiexec-started").exists(),
+             what="the daemon or mpiexec did not start", proc=proc)
+    wait_for(lambda: _supervisors_waiting(proc), what="mpiexec's supervisors did not start", proc=proc)
     proc.kill()
     proc.communicate(timeout=30)
     settle(fake_gpu)
@@ -156,7 +159,7 @@ def test_a_signal_during_mpiexec_version_ends_it_and_its_children(fake_gpu, shor
     slow = wrapper(short_tmp, "slow", "trap '' TERM INT HUP\nif [ \"$1\" = --version ]; then sleep 300; fi")
     proc = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "mpiexec", "--mpiexec",
                              str(slow), "true"], stderr=subprocess.PIPE, text=True)
-    time.sleep(1.5)
+    wait_for(lambda: running(proc, ["sleep", "300"]), what="the probe did not start", proc=proc)  # it hangs
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 143 and err == "mpsrun: error: interrupted by SIGTERM\n", err
@@ -198,10 +201,7 @@ def test_mpsrun_killed_ends_an_mpiexec_that_ignores_sigterm(fake_gpu, short_tmp)
                                               "exec sleep 60; fi")
     proc = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "mpiexec", "--mpiexec",
                              str(stubborn), "true"], stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    while not marker.exists():
-        assert time.monotonic() < deadline and proc.poll() is None, "the launcher did not start"
-        time.sleep(0.02)
+    wait_for(marker.exists, what="the launcher did not start", proc=proc)
     proc.kill()
     proc.communicate(timeout=30)
     settle(fake_gpu)

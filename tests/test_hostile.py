@@ -12,20 +12,10 @@ import time
 
 import psutil
 import pytest
+from helpers import MPSRUN, control_logs, settle, wait_for, wait_processes_gone, wait_ready
+from helpers import mpsrun as run
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-
-MPSRUN = [sys.executable, "-m", "mpsrun"]
-
-
-def run(*args, timeout=120, **kwargs):
-    return subprocess.run([*MPSRUN, *args], capture_output=True, text=True, timeout=timeout, **kwargs)
-
-
-def settle(fake_gpu, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while (fake_gpu.orphans() or fake_gpu.session_dirs()) and time.monotonic() < deadline:
-        time.sleep(0.1)
 
 
 def test_a_closed_stdout_is_no_traceback(fake_gpu):
@@ -58,18 +48,17 @@ def test_an_endless_line_keeps_memory_bounded(fake_gpu):
     assert job.returncode == 0 and peak < 150 << 20, peak
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_during_teardown_leaves_nothing(fake_gpu, short_tmp):
     """A second SIGINT while the job tears down (quit waits for a client): one line, 130, nothing left."""
     fake_gpu.daemon_env(FAKE_MPS_QUIT_HANG="1")
     job = subprocess.Popen([*MPSRUN, "-np", "4", "--launcher", "local", "--grace", "1", "--tag-output",
                             sys.executable, str(fake_gpu.client_command()[1]), "--hold", "60", "--report-dir",
                             str(short_tmp)], stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while len(list(short_tmp.glob("*.json"))) < 4:
-        assert time.monotonic() < deadline and job.poll() is None
-        time.sleep(0.05)
+    wait_ready(short_tmp, count=4, proc=job)
     job.send_signal(signal.SIGINT)
-    time.sleep(1.2)
+    wait_for(lambda: any("Cmd:quit" in log for log in control_logs(fake_gpu)), what="the teardown did not start",
+             proc=job)  # its quit hangs, waiting for a client
     job.send_signal(signal.SIGINT)
     _, err = job.communicate(timeout=120)
     assert job.returncode == 130, err
@@ -79,15 +68,13 @@ def test_a_second_ctrl_c_during_teardown_leaves_nothing(fake_gpu, short_tmp):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.slow
 def test_a_signal_while_quit_hangs_leaves_nothing(fake_gpu, sig):
     """SIGTERM or SIGHUP while the daemon's quit hangs at teardown: teardown finishes (bounded), nothing is left."""
     fake_gpu.daemon_env(FAKE_MPS_QUIT_HANG="1")
     job = subprocess.Popen([*MPSRUN, "-np", "1", "--launcher", "local", "true"], stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not any(p.name().startswith("nvidia-cuda-mps") and p.cmdline()[-1:] != ["-f"]
-                  for p in psutil.Process(job.pid).children()):  # the quit client is running
-        assert time.monotonic() < deadline and job.poll() is None
-        time.sleep(0.02)
+    wait_for(lambda: any("Cmd:quit" in log for log in control_logs(fake_gpu)), what="the teardown did not start",
+             proc=job)  # the quit client is running, and hangs
     job.send_signal(sig)
     _, err = job.communicate(timeout=120)
     assert job.returncode == 128 + sig and "Traceback" not in err, err
@@ -146,6 +133,7 @@ _WORDS = st.sampled_from(["-np", "2", "3", "--launcher", "local", "--mps", "off"
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.one_of(_WORDS, st.text(max_size=8)), max_size=8))
 @example(words=["-m"])  # found in CI: `mpsrun -m true`, a rank's own ImportError traceback
+@pytest.mark.slow
 def test_any_command_line_gives_a_documented_code(fake_gpu, words):
     """Whatever the command line (with a fast command at the end), mpsrun exits 0, 2, the rank's own code, 126 or
     127, with no traceback of its own and nothing left behind. The ranks' output is tagged, so a rank's own
@@ -156,7 +144,7 @@ def test_any_command_line_gives_a_documented_code(fake_gpu, words):
     assert out.returncode in (0, 1, 2, 126, 127), out.stderr
     ours = [line for line in out.stderr.splitlines() if not line.startswith(b"[rank ")]
     assert not any(b"Traceback" in line for line in ours), out.stderr
-    settle(fake_gpu)
-    for root in fake_gpu.session_dirs():  # --keep-logs keeps them on purpose
+    if "--keep-logs" in words:  # it keeps the session on purpose: once its processes are gone, clean it up
+        wait_processes_gone(fake_gpu)
         subprocess.run([*MPSRUN, "cleanup"], capture_output=True, timeout=60)
-        assert not root.exists()
+    settle(fake_gpu)

@@ -4,39 +4,22 @@ Every test runs the real CLI in a subprocess; the fake_gpu fixture then checks t
 process of the job (rank, daemon, server) survived and that no session directory is left.
 """
 
-import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from conftest import FAKECUDA, TESTS
+from helpers import PROGRAMS, fake, mpiexec, mpsrun, reports, wait_ready
 
-PROBE = TESTS / "programs" / "mpi_probe.py"
-
-
-def mpsrun(*args, timeout=60, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", "mpsrun", *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env
-    )
-
-
-def reports(directory):
-    return {int(p.stem): json.loads(p.read_text()) for p in Path(directory).glob("*.json")}
-
-
-def fake_rank(*args):
-    return [sys.executable, str(FAKECUDA), *args]
+PROBE = PROGRAMS / "mpi_probe.py"
 
 
 def test_local_ranks_get_their_variables_and_are_mps_clients(fake_gpu, short_tmp):
     """-np 4 on one GPU: RANK 0..3, WORLD_SIZE 4, the GPU's UUID, our pipe dir, auto = 25%; all verified."""
     out = mpsrun("-np", 4, "--launcher", "local", "--thread-percentage", "auto", "-v",
-                 *fake_rank("--report-dir", short_tmp, "--hold", "3"))
+                 *fake("--report-dir", short_tmp, "--hold", "3"))
     assert out.returncode == 0, out.stderr
     seen = reports(short_tmp)
     assert sorted(seen) == [0, 1, 2, 3]
@@ -56,7 +39,7 @@ def test_local_ranks_get_their_variables_and_are_mps_clients(fake_gpu, short_tmp
 @pytest.mark.parametrize(("policy", "expected"), [("block", [0, 0, 1, 1]), ("round-robin", [0, 1, 0, 1])])
 def test_ranks_are_placed_across_gpus(fake_gpu, short_tmp, policy, expected):
     """With two GPUs, --map-by block and round-robin put ranks on the expected GPUs, each with its daemon."""
-    out = mpsrun("-np", 4, "--launcher", "local", "--map-by", policy, *fake_rank("--report-dir", short_tmp))
+    out = mpsrun("-np", 4, "--launcher", "local", "--map-by", policy, *fake("--report-dir", short_tmp))
     assert out.returncode == 0, out.stderr
     seen = reports(short_tmp)
     assert [fake_gpu.uuids.index(seen[r]["uuid"]) for r in range(4)] == expected
@@ -69,7 +52,7 @@ def test_first_failing_rank_sets_the_exit_code(fake_gpu, short_tmp):
     """Rank 2 exits 7: mpsrun exits 7, names rank 2, and the other ranks are detached and stopped."""
     start = time.monotonic()
     out = mpsrun("-np", 4, "--launcher", "local", "--tag-output", "--grace", "2",
-                 *fake_rank("--hold", "60", "--fail-rank", "2", "--exit", "7"))
+                 *fake("--hold", "60", "--fail-rank", "2", "--exit", "7"))
     assert out.returncode == 7
     assert "rank 2 (pid" in out.stderr and "exited with code 7 first" in out.stderr
     assert time.monotonic() - start < 30
@@ -79,7 +62,7 @@ def test_first_failing_rank_sets_the_exit_code(fake_gpu, short_tmp):
 
 def test_rank_killed_by_signal_gives_128_plus_n(fake_gpu):
     """A rank killed by SIGKILL makes mpsrun exit 137 and say which rank and signal."""
-    out = mpsrun("-np", 3, "--launcher", "local", *fake_rank("--hold", "60", "--kill-rank", "1"))
+    out = mpsrun("-np", 3, "--launcher", "local", *fake("--hold", "60", "--kill-rank", "1"))
     assert out.returncode == 137
     assert "rank 1" in out.stderr and "signal 9 (SIGKILL)" in out.stderr
 
@@ -89,13 +72,10 @@ def test_signal_to_mpsrun_stops_everything(fake_gpu, short_tmp, sig, code):
     """SIGINT/SIGTERM to mpsrun reach the ranks; mpsrun exits 128+N and leaves no rank, daemon or directory."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "mpsrun", "-np", "3", "--launcher", "local",
-         *fake_rank("--report-dir", str(short_tmp), "--hold", "60")],
+         *fake("--report-dir", str(short_tmp), "--hold", "60")],
         stderr=subprocess.PIPE, text=True,
     )
-    deadline = time.monotonic() + 20
-    while len(reports(short_tmp)) < 3:
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.05)
+    wait_ready(short_tmp, proc=proc)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == code
@@ -105,7 +85,7 @@ def test_signal_to_mpsrun_stops_everything(fake_gpu, short_tmp, sig, code):
 def test_timeout_ends_the_job_with_124(fake_gpu):
     """--timeout 1 on ranks that run 60 s ends the job with exit 124 and a message."""
     start = time.monotonic()
-    out = mpsrun("-np", 2, "--launcher", "local", "--timeout", "1", "--grace", "1", *fake_rank("--hold", "60"))
+    out = mpsrun("-np", 2, "--launcher", "local", "--timeout", "1", "--grace", "1", *fake("--hold", "60"))
     assert out.returncode == 124
     assert "timeout" in out.stderr
     assert time.monotonic() - start < 20
@@ -160,7 +140,7 @@ def test_mps_auto_without_driver_runs_the_ranks(no_gpu):
 
 def test_mps_off_starts_no_daemon(fake_gpu, short_tmp):
     """--mps off pins GPUs but starts no daemon: ranks have no pipe directory and are not MPS clients."""
-    out = mpsrun("-np", 2, "--mps", "off", "--launcher", "local", *fake_rank("--report-dir", short_tmp))
+    out = mpsrun("-np", 2, "--mps", "off", "--launcher", "local", *fake("--report-dir", short_tmp))
     assert out.returncode == 0, out.stderr
     for report in reports(short_tmp).values():
         assert report["mps"] is False and "CUDA_MPS_PIPE_DIRECTORY" not in report["env"]
@@ -172,7 +152,7 @@ def test_rank_that_misses_the_daemon_is_reported(fake_gpu, short_tmp, mode, code
     """A rank pointing its pipe directory elsewhere runs without MPS: an error with --mps on, a warning with auto."""
     elsewhere = short_tmp / "elsewhere"
     elsewhere.mkdir()
-    command = ["env", f"CUDA_MPS_PIPE_DIRECTORY={elsewhere}", *fake_rank("--hold", "4")]
+    command = ["env", f"CUDA_MPS_PIPE_DIRECTORY={elsewhere}", *fake("--hold", "4")]
     out = mpsrun("-np", 2, "--launcher", "local", "--mps", mode, "--grace", "1", *command)
     assert out.returncode == code, out.stderr
     assert "uses GPU 0 without MPS" in out.stderr
@@ -192,18 +172,12 @@ def test_keep_logs_keeps_the_session(fake_gpu):
     shutil.rmtree(root)
 
 
-def _mpiexec():
-    return shutil.which("mpiexec", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]))
-
-
 @pytest.mark.mpiexec
 def test_mpiexec_backend_gives_mpi4py_the_world(fake_gpu, short_tmp, monkeypatch):
     """--launcher mpiexec: mpi4py sees size N, each rank its rank, local rank and GPU variables."""
-    if _mpiexec() is None:
-        pytest.skip("no mpiexec")
     pytest.importorskip("mpi4py")
     monkeypatch.setenv("PROBE_DIR", str(short_tmp))
-    out = mpsrun("-np", 3, "--launcher", "mpiexec", "--mpiexec", _mpiexec(), sys.executable, PROBE, timeout=120)
+    out = mpsrun("-np", 3, "--launcher", "mpiexec", "--mpiexec", mpiexec(), sys.executable, PROBE, timeout=120)
     assert out.returncode == 0, out.stderr
     probes = list(reports(short_tmp).values())
     assert sorted(p["rank"] for p in probes) == [0, 1, 2]
@@ -217,11 +191,9 @@ def test_mpiexec_backend_gives_mpi4py_the_world(fake_gpu, short_tmp, monkeypatch
 @pytest.mark.mpiexec
 def test_mpiexec_backend_propagates_failure(fake_gpu, monkeypatch):
     """Under mpiexec, a rank exiting 7 makes mpsrun fail with 7 and name the rank, as under the local launcher."""
-    if _mpiexec() is None:
-        pytest.skip("no mpiexec")
     pytest.importorskip("mpi4py")
     monkeypatch.setenv("PROBE_EXIT_RANK", "1")
-    out = mpsrun("-np", 2, "--launcher", "mpiexec", "--mpiexec", _mpiexec(), sys.executable, PROBE, timeout=120)
+    out = mpsrun("-np", 2, "--launcher", "mpiexec", "--mpiexec", mpiexec(), sys.executable, PROBE, timeout=120)
     assert out.returncode == 7, out.stderr
     # mpi4py's runner turns the rank's sys.exit(7) into MPI_Abort(7), and Hydra then ends every rank at once
     assert "mpiexec exited with code 7" in out.stderr or "rank 1 (pid" in out.stderr
@@ -230,7 +202,7 @@ def test_mpiexec_backend_propagates_failure(fake_gpu, monkeypatch):
 def test_client_limit_refusal_is_explained(fake_gpu):
     """When the server refuses a client (its limit), mpsrun's summary says so in plain words."""
     fake_gpu.daemon_env(FAKE_MPS_MAX_CLIENTS="2")
-    out = mpsrun("-np", 3, "--launcher", "local", "--grace", "1", *fake_rank("--hold", "20"))
+    out = mpsrun("-np", 3, "--launcher", "local", "--grace", "1", *fake("--hold", "20"))
     assert out.returncode == 1
     assert "cudaErrorDevicesUnavailable" in out.stderr
     assert "the MPS server refused clients: maximum number of clients (2) reached" in out.stderr

@@ -9,7 +9,6 @@ had been reused for the next supervisor's pidfd.
 
 import os
 import socket
-import time
 
 from mpsrun.runtime.loop import EventLoop
 from mpsrun.runtime.protocol import Link
@@ -41,11 +40,14 @@ def test_an_ended_link_does_not_wake_the_descriptor_that_reuses_its_number():
             link.close()
 
     loop.watch(link.fd, on_link)
+    done_read, done_write = os.pipe()
     child = os.fork()
     if child == 0:  # a forked supervisor before it closes what it inherited (here: only the link's socket)
         theirs.close()
-        time.sleep(2)
+        os.close(done_write)
+        os.read(done_read, 1)  # holds the socket until the test is done with it
         os._exit(0)
+    os.close(done_read)
     try:
         theirs.close()
         loop.run_once(max_wait=1.0)
@@ -59,5 +61,6 @@ def test_an_ended_link_does_not_wake_the_descriptor_that_reuses_its_number():
         os.close(read_end)
         os.close(write_end)
     finally:
+        os.close(done_write)
         os.waitpid(child, 0)
         loop.close()

@@ -6,12 +6,13 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TESTS
+from helpers import TESTS
 
 
 @pytest.mark.mpiexec
 @pytest.mark.parametrize("fake_gpu", [2], indirect=True)
 @pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.slow
 def test_pytest_mpi_suite_inside_mpsrun_ranks(fake_gpu, ranks):
     """Every rank runs tests/mpi with --with-mpi and passes: world size, collectives, GPU mapping, MPS client."""
     pytest.importorskip("mpi4py")

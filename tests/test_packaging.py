@@ -7,6 +7,7 @@ import venv
 from pathlib import Path
 
 import pytest
+from helpers import building_from_source
 
 import mpsrun
 
@@ -55,18 +56,20 @@ def test_recipe_tests_the_command_and_the_import():
 
 
 @pytest.mark.parametrize("how", ["source", "wheel"])
+@pytest.mark.slow
 def test_install_into_a_fresh_venv(tmp_path, how):
     """`pip install .` and the built wheel each give a working `mpsrun` command in a fresh venv."""
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
     target = str(ROOT)
-    if how == "wheel":
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"),
-                        str(ROOT)], check=True, timeout=600)
-        [wheel] = (tmp_path / "dist").glob("mpsrun-*.whl")
-        target = str(wheel)
-    subprocess.run([str(python), "-m", "pip", "install", "-q", target], check=True, timeout=600)
+    with building_from_source():  # pip builds in the tree: one build at a time
+        if how == "wheel":
+            subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"),
+                            str(ROOT)], check=True, timeout=600)
+            [wheel] = (tmp_path / "dist").glob("mpsrun-*.whl")
+            target = str(wheel)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", target], check=True, timeout=600)
     version = subprocess.run([str(env_dir / "bin" / "mpsrun"), "--version"], capture_output=True, text=True,
                              check=True, cwd=tmp_path)
     assert version.stdout.strip() == f"mpsrun {mpsrun.__version__}"

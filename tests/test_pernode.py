@@ -9,11 +9,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import FAKECUDA
+from helpers import FAKECUDA, wait_ready
 
 from mpsrun.rank.identity import RankIdentity, identity_from_env, job_key, slurm_tasks_on_node
 
@@ -81,10 +80,7 @@ def test_a_killed_rank_supervisor_stops_the_node_and_leaves_nothing(fake_gpu, sh
     [node] = node_dirs(fake_gpu, ["A"]).values()
     first = start_rank(node, "A", 0, 0, 2, "--report-dir", str(short_tmp), "--hold", "30")
     second = start_rank(node, "A", 1, 1, 2, "--report-dir", str(short_tmp), "--hold", "30")
-    deadline = time.monotonic() + 30
-    while len(list(short_tmp.glob("*.json"))) < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_ready(short_tmp, count=2, timeout=30)
     first.send_signal(signal.SIGKILL)
     first.communicate(timeout=30)
     _, err = second.communicate(timeout=60)

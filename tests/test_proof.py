@@ -9,19 +9,13 @@ import re
 import subprocess
 
 import pytest
-from conftest import TESTS
-from test_contract import PATHS, fake, job_argv, settle
+from helpers import PATHS, TESTS, fake, run_job, settle
 
 from mpsrun.job.report import verified_line
 from mpsrun.mps.replies import connected_clients
 from mpsrun.mps.watch import ClientWatcher, RankWatch
 
 RECORDED = TESTS / "data" / "h100" / "daemon_stdout.txt"
-
-
-def run(path, options, program, ranks=3):
-    return subprocess.run(job_argv(path, ["-v", *options], program, ranks), capture_output=True, text=True,
-                          timeout=120)
 
 
 def test_the_recorded_log_names_every_connection():
@@ -48,7 +42,7 @@ def test_the_fake_daemon_writes_the_real_lines(fake_gpu, short_tmp):
 @pytest.mark.parametrize("path", PATHS)
 def test_ranks_that_exit_at_once_are_proven(fake_gpu, path):
     """Three ranks that connect and exit within milliseconds (before the first NVML sample) are each proven."""
-    out = run(path, [], fake())
+    out = run_job(path, ["-v"], fake())
     assert out.returncode == 0, out.stderr
     assert re.search(r"3 of 3 ranks connected to MPS$", out.stderr, re.M), out.stderr
     settle(fake_gpu)
@@ -57,7 +51,7 @@ def test_ranks_that_exit_at_once_are_proven(fake_gpu, path):
 @pytest.mark.parametrize("path", PATHS)
 def test_a_rank_without_cuda_is_named(fake_gpu, path):
     """A rank that never initialises CUDA is reported as such, not as a client and not as a failure."""
-    out = run(path, [], fake("--no-cuda-rank", "1"))
+    out = run_job(path, ["-v"], fake("--no-cuda-rank", "1"))
     assert out.returncode == 0, out.stderr
     assert "2 of 3 ranks connected to MPS (0,2); no CUDA context seen: rank(s) 1" in out.stderr, out.stderr
     settle(fake_gpu)
@@ -66,7 +60,7 @@ def test_a_rank_without_cuda_is_named(fake_gpu, path):
 @pytest.mark.parametrize("path", ["local", "per-node"])
 def test_a_descendant_that_connects_proves_its_rank(fake_gpu, path):
     """A rank whose CUDA work runs in a child process (alive for a second) is proven through the child."""
-    out = run(path, [], fake("--in-child", "--hold", "1"), ranks=2)
+    out = run_job(path, ["-v"], fake("--in-child", "--hold", "1"), ranks=2)
     assert out.returncode == 0, out.stderr
     assert re.search(r"2 of 2 ranks connected to MPS$", out.stderr, re.M), out.stderr
     settle(fake_gpu)

@@ -7,12 +7,11 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
-from conftest import FAKECUDA
+from helpers import FAKECUDA, wait_for
 
 from mpsrun import (
     ConfigError,
@@ -117,8 +116,8 @@ def test_verify_catches_a_process_that_missed_the_daemon(fake_gpu, short_tmp):
         stray = subprocess.Popen(fake_gpu.client_command("--hold", "30"), env=env)
         good = subprocess.Popen(fake_gpu.client_command("--hold", "30"))
         try:
-            _wait_for(lambda: Path(os.environ["MPSRUN_FAKE_NVML"], "procs", str(stray.pid)).exists())
-            _wait_for(lambda: good.pid in session.clients())
+            wait_for(lambda: Path(os.environ["MPSRUN_FAKE_NVML"], "procs", str(stray.pid)).exists())
+            wait_for(lambda: good.pid in session.clients())
             with pytest.raises(NotMPSClientError) as info:
                 session.verify()
             assert info.value.pids == [stray.pid]
@@ -128,13 +127,6 @@ def test_verify_catches_a_process_that_missed_the_daemon(fake_gpu, short_tmp):
             for proc in (stray, good):
                 proc.kill()
                 proc.wait()
-
-
-def _wait_for(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 def test_body_exception_propagates_unchanged_and_teardown_runs(fake_gpu):
@@ -181,7 +173,7 @@ def test_clients_alive_at_exit_are_stopped_after_the_deadline(fake_gpu):
     """A client still running at exit makes quit block; after stop_timeout the daemon is killed."""
     with mps_session(gpu=0, stop_timeout=1) as session:
         straggler = subprocess.Popen(fake_gpu.client_command("--hold", "60"))
-        _wait_for(lambda: straggler.pid in session.clients())
+        wait_for(lambda: straggler.pid in session.clients())
     # The daemon was killed under the client; its next call fails (as cudaErrorMpsRpcFailure would).
     assert straggler.wait(timeout=10) == 1
 

@@ -5,18 +5,18 @@ so the code that runs on a GPU runs here too, with real UNIX sockets and real de
 real processes of real jobs. Without the double, the same API falls back to host memory (NumPy).
 """
 
-import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
-from pathlib import Path
 
 import pytest
-from conftest import TESTS
-from test_contract import PATHS, job_argv, settle
+from helpers import FAKE_CUDA, PATHS, job_argv, reports, settle, wait_ready
+from helpers import run_source as run
 
 from mpsrun import mps_session
 from mpsrun.runtime.deadline import Deadline
@@ -24,8 +24,6 @@ from mpsrun.shared.handoff import HandoffError, Publisher, Subscription, join, t
 from mpsrun.shared.memory import HostMemory
 
 pytestmark = pytest.mark.mpiexec
-
-FAKE_CUDA = TESTS / "fake_cuda"
 
 RANK = """
 import json, os, sys, time
@@ -35,38 +33,41 @@ rank = int(os.environ["RANK"])
 hold = float(os.environ.get("HOLD", "0.5"))
 fill_wait = float(os.environ.get("FILL_WAIT", "0"))
 
+def write_report(text):  # whole or not at all: the test may read it while this rank runs
+    path = os.path.join(os.environ["REPORT_DIR"], f"{rank}.json")
+    open(path + ".tmp", "w").write(text)
+    os.replace(path + ".tmp", path)
+
+filled = None
+
 def fill(out):
+    global filled
     time.sleep(fill_wait)
     if os.environ.get("FILL_FAILS"):
         raise ValueError("no such table")
     out[...] = numpy.arange(out.size, dtype=out.dtype).reshape(out.shape)
+    filled = time.time()
 
-started = time.monotonic()
+started, asked = time.monotonic(), time.time()
 try:
     table = shared.array("xs-table", (256, 1024), "float32", init=fill, timeout=float(os.environ.get("WAIT", "60")))
 except Exception as exc:
     print(f"rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-    open(os.path.join(os.environ["REPORT_DIR"], f"{rank}.json"), "w").write(json.dumps({"error": str(exc)}))
-    time.sleep(float(os.environ.get("LINGER", "0")))  # so that every rank's error is seen before fail-fast
+    write_report(json.dumps({"error": str(exc)}))
+    end = time.monotonic() + 30
+    while os.environ.get("LINGER") and time.monotonic() < end and len([n for n in os.listdir(
+            os.environ["REPORT_DIR"]) if n.endswith(".json")]) < int(os.environ["WORLD_SIZE"]):
+        time.sleep(0.02)  # until every rank's error is written, before fail-fast stops the others
     raise SystemExit(5)
 report = {"rank": rank, "sum": float(table.sum()), "first": float(table[1, 0]), "type": type(table).__module__,
-          "writable": bool(getattr(table, "flags", None) and table.flags.writeable), "waited": time.monotonic() - started}
-open(os.path.join(os.environ["REPORT_DIR"], f"{rank}.json"), "w").write(json.dumps(report))
+          "writable": bool(getattr(table, "flags", None) and table.flags.writeable), "waited": time.monotonic() - started,
+          "asked": asked, "filled": filled, "got": time.time()}
+write_report(json.dumps(report))
 if os.environ.get("KILL_RANK") == str(rank):
     os.kill(os.getpid(), 9)
 time.sleep(hold)
 """
 EXPECTED_SUM = float(sum(range(256 * 1024)))
-
-
-def reports(directory):
-    return {int(p.stem): json.loads(p.read_text()) for p in Path(directory).glob("*.json")}
-
-
-def run(program, ranks=3, options=(), path="local"):
-    """``program`` (Python source) as the ranks of a job on ``path``."""
-    return subprocess.run(job_argv(path, list(options), [sys.executable, "-c", program], ranks=ranks),
-                          capture_output=True, text=True, timeout=120)
 
 
 def allocations(log):
@@ -113,7 +114,9 @@ def test_ranks_wait_for_the_filling_rank(fake_gpu, fake_cuda, short_tmp, monkeyp
     assert out.returncode == 0, out.stderr
     seen = reports(short_tmp)
     assert all(r["sum"] == EXPECTED_SUM for r in seen.values()) and len(allocations(fake_cuda)) == 1
-    assert sum(r["waited"] >= 1.0 for r in seen.values()) >= 2  # everyone waited for the fill
+    [filled] = [r["filled"] for r in seen.values() if r["filled"] is not None]
+    assert all(r["got"] >= filled for r in seen.values())  # nobody had the table before it was filled
+    assert sum(r["asked"] < filled for r in seen.values()) >= 2  # and the others asked while it was being filled
     settle(fake_gpu)
 
 
@@ -131,7 +134,7 @@ def test_a_failed_fill_is_every_ranks_error(fake_gpu, fake_cuda, short_tmp, monk
     """The filling rank's init raises: it fails with its own error, and the ranks waiting for it hear why."""
     monkeypatch.setenv("FILL_FAILS", "1")
     monkeypatch.setenv("FILL_WAIT", "0.5")
-    monkeypatch.setenv("LINGER", "2")
+    monkeypatch.setenv("LINGER", "1")
     out = run(RANK, ranks=3, options=["--grace", "1"])
     assert out.returncode == 5, out.stderr
     seen = {rank: r["error"] for rank, r in reports(short_tmp).items()}
@@ -256,6 +259,42 @@ def test_a_killed_subscriber_releases_its_hold(short_tmp):
     assert sorted(p.name for p in short_tmp.iterdir()) == ["k.lock"]  # the socket went with the publisher
 
 
+def test_a_subscriber_is_counted_before_it_can_map_the_region(short_tmp, monkeypatch):
+    """The publisher counts a subscriber before it hands over the descriptor: from the moment a subscriber can map
+    the region, the filling rank's release() waits for it. (It was counted only after the send, so a release() in
+    that window returned while another rank still mapped the array; here the publisher's thread is held right
+    after the send, so the window is open every time.)"""
+    sent, checked = threading.Event(), threading.Event()
+    real_send_fds = socket.send_fds
+
+    def send_then_hold(sock, buffers, fds, *args):
+        result = real_send_fds(sock, buffers, fds, *args)
+        if fds and threading.current_thread().name.startswith("mpsrun-share-"):
+            sent.set()
+            checked.wait(10)  # the test looks at the count meanwhile
+        return result
+
+    monkeypatch.setattr(socket, "send_fds", send_then_hold)
+    publisher = join(short_tmp, "k", Deadline(5))
+    assert isinstance(publisher, Publisher)
+    region, fd, _ = HostMemory().allocate(16)
+    publisher.publish({"n": 16}, fd)
+    held = None
+    try:
+        held = join(short_tmp, "k", Deadline(5))
+        assert isinstance(held, Subscription)
+        assert sent.wait(5)  # the publisher's thread has sent it, and now waits
+        assert publisher.subscribers == 1
+        assert not publisher.wait_released(Deadline(0))
+    finally:
+        checked.set()
+        if held is not None:
+            held.release()
+        assert publisher.wait_released(Deadline(5))
+        publisher.close()
+        region.close()
+
+
 def test_a_publisher_killed_before_it_was_ready_is_replaced(short_tmp):
     """A publisher dies (SIGKILL) before publishing: a waiting subscriber takes the lock and publishes itself."""
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom pathlib import Path\n"
@@ -314,9 +353,11 @@ def test_a_subscriber_takes_over_when_the_publisher_ends(short_tmp):
 def test_release_waits_for_the_others_and_says_when_it_gives_up(fake_gpu, fake_cuda, short_tmp):
     """The filling rank's release() waits until the others have released the array; one that never does makes it
     give up after the timeout with an error saying how many still use it."""
-    program = ("import os, time\nfrom mpsrun import shared\nrank = os.environ['RANK']\n"
+    program = ("import os, time\nfrom mpsrun import shared\nfrom mpsrun.shared import api\nrank = os.environ['RANK']\n"
                "t = shared.array('t', 8, 'int64', data=range(8))\n"
-               "if shared.role('t') == 'publisher':\n    time.sleep(0.5)\n"
+               "if shared.role('t') == 'publisher':\n    end = time.monotonic() + 30\n"
+               "    while api._held['t'].holder.subscribers < 1 and time.monotonic() < end:\n"
+               "        time.sleep(0.01)  # until the other rank holds it\n"
                "    try:\n        shared.release('t', timeout=1)\n    except shared.SharedArrayError as e:\n"
                "        print('gave up:', e, flush=True)\nelse:\n    time.sleep(4)\n")
     out = run(program, ranks=2)
@@ -330,10 +371,7 @@ def test_a_killed_job_leaves_no_shared_files(fake_gpu, fake_cuda, short_tmp, mon
     sockets and locks, and every rank ends."""
     monkeypatch.setenv("HOLD", "30")
     job = subprocess.Popen(job_argv("local", [], [sys.executable, "-c", RANK], ranks=2), stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while len(reports(short_tmp)) < 2:
-        assert time.monotonic() < deadline and job.poll() is None
-        time.sleep(0.05)
+    wait_ready(short_tmp, count=2, proc=job)
     os.kill(job.pid, signal.SIGKILL)
     job.wait()
     settle(fake_gpu)

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from conftest import FAKECUDA
+from helpers import FAKECUDA
 
 pytestmark = pytest.mark.slurm
 

@@ -3,6 +3,7 @@
 The figures themselves are benchmarks (benchmarks/overhead.py, docs/benchmarks.md), never timed tests.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,7 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
-from test_contract import PATHS, fake, job_argv, settle
+from helpers import (
+    PATHS,
+    control_logs,
+    fake,
+    job_argv,
+    remove_kept,
+    running,
+    settle,
+    wait_for,
+    wait_processes_gone,
+)
 
 from mpsrun.mps.daemon import ControlDaemon
 from mpsrun.mps.gpus import GPU
@@ -22,15 +33,6 @@ from mpsrun.mps.watch import ClientWatcher, RankWatch
 from mpsrun.runtime.processes import ProcessRef
 
 pytestmark = pytest.mark.mpiexec
-
-
-def control_logs(fake_gpu):
-    return [p.read_text() for p in fake_gpu.tmpdir.rglob("control.log")]
-
-
-def remove_kept(fake_gpu):
-    subprocess.run([sys.executable, "-m", "mpsrun", "cleanup"], check=True, capture_output=True, timeout=60)
-    assert not fake_gpu.session_dirs()
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -42,7 +44,7 @@ def test_the_server_starts_with_the_first_client(fake_gpu, path):
     out = subprocess.run(job_argv(path, ["--keep-logs"], ["true"], ranks=1), capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    settle(fake_gpu)
+    wait_processes_gone(fake_gpu)  # the session is kept: what the logs say is final once its processes are gone
     logs = control_logs(fake_gpu)
     assert logs and sum(text.count("Starting new server") for text in logs) == 0, logs
     remove_kept(fake_gpu)
@@ -50,7 +52,7 @@ def test_the_server_starts_with_the_first_client(fake_gpu, path):
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "3 of 3 ranks connected to MPS" in out.stderr, out.stderr
-    settle(fake_gpu)
+    wait_processes_gone(fake_gpu)
     assert sum(text.count("Starting new server") for text in control_logs(fake_gpu)) == 1
     remove_kept(fake_gpu)
 
@@ -251,7 +253,7 @@ def test_the_launchers_ask_for_the_server_while_the_ranks_start(fake_gpu, path, 
     out = subprocess.run(job_argv(path, ["--keep-logs"], program, ranks=2), capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == (0 if servers else 3), out.stderr
-    settle(fake_gpu)
+    wait_processes_gone(fake_gpu)  # the session is kept: what the logs say is final once its processes are gone
     assert sum(text.count("Starting new server") for text in control_logs(fake_gpu)) == servers
     remove_kept(fake_gpu)
 
@@ -263,8 +265,12 @@ def test_no_gpu_list_is_read_ahead_where_node_keepers_read_it(fake_gpu, path):
     import psutil
 
     job = subprocess.Popen(job_argv(path, [], ["sleep", "2"], ranks=2), stderr=subprocess.PIPE, text=True)
-    time.sleep(1.2)
-    zombies = [p.pid for p in psutil.Process(job.pid).children(recursive=True) if p.status() == psutil.STATUS_ZOMBIE]
+    wait_for(lambda: len(running(job, ["sleep", "2"])) == 2, what="the ranks did not start", proc=job)
+    zombies = []
+    for proc in psutil.Process(job.pid).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):  # a process that ended meanwhile is no zombie of ours
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                zombies.append(proc.pid)
     _, err = job.communicate(timeout=60)
     assert job.returncode == 0, err
     assert zombies == []
@@ -272,6 +278,7 @@ def test_no_gpu_list_is_read_ahead_where_node_keepers_read_it(fake_gpu, path):
 
 
 @pytest.mark.parametrize("launcher", ["local", "mpiexec"])
+@pytest.mark.slow
 def test_a_signal_during_the_teardown_is_said(fake_gpu, launcher):
     """A SIGTERM once the ranks have ended, while a daemon will not quit: teardown finishes within its deadlines,
     the job exits 143 and says so in one line (it used to exit 143 in silence)."""
@@ -280,7 +287,8 @@ def test_a_signal_during_the_teardown_is_said(fake_gpu, launcher):
         if launcher == "mpiexec" else []
     job = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", launcher, *where,
                             *fake("--hold", "0.2")], stderr=subprocess.PIPE, text=True)
-    time.sleep(2.5)  # the ranks are over; `quit` hangs for its 10 s
+    wait_for(lambda: any("Cmd:quit" in log for log in control_logs(fake_gpu)), what="the ranks did not end",
+             proc=job)  # the teardown's quit hangs for its 10 s
     job.send_signal(signal.SIGTERM)
     _, err = job.communicate(timeout=60)
     assert job.returncode == 143, err

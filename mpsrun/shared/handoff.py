@@ -143,11 +143,15 @@ class Publisher:
         if message is None:
             return
         for conn in self._waiting:
-            with contextlib.suppress(OSError):  # it may have gone meanwhile: its end shows as readable
+            if message[1]:  # counted before it can map the region: a release() then waits for it
+                with self._changed:
+                    self._subscribers.add(conn)
+            try:
                 socket.send_fds(conn, [message[0]], message[1])
-                if message[1]:
-                    with self._changed:
-                        self._subscribers.add(conn)
+            except OSError:  # it went meanwhile: it never got the region (its end also shows as readable)
+                with self._changed:
+                    self._subscribers.discard(conn)
+                    self._changed.notify_all()
         self._waiting = []  # answered: a refused one closes its end, which shows as readable
 
     def _gone(self, selector: selectors.BaseSelector, conn: socket.socket) -> None:

@@ -99,7 +99,7 @@ class State:
     def ensure_server(self) -> int:
         if self.server is None or self.server.poll() is not None:
             self.server = subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "--server", self.uuid],
+                [sys.executable, "-S", os.path.abspath(__file__), "--server", self.uuid],
                 stdin=subprocess.PIPE,
                 stdout=sys.stdout,
                 stderr=subprocess.STDOUT,
@@ -140,6 +140,8 @@ def handle(state: State, line: str) -> tuple[str, bool]:
         return "", False
     cmd, args = words[0], words[1:]
     if cmd == "quit":
+        with state.lock:
+            state.log("Accepting connection...\nNEW UI\nCmd:quit")  # as the H100's daemon logs it
         state.quitting = True
         while True:
             with state.lock:

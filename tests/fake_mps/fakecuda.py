@@ -84,6 +84,14 @@ def _visible_uuid(device: int = 0) -> str:
     return gpus[index]["uuid"] if index < len(gpus) else "GPU-none"
 
 
+def _lines(path: str) -> int:
+    try:
+        with open(path) as log:
+            return sum(1 for _ in log)
+    except OSError:
+        return 0
+
+
 def init(device: int = 0) -> Context:
     return Context(device)
 
@@ -110,6 +118,9 @@ def main() -> int:
     parser.add_argument("--device", default="0", help="the CUDA device to use: a number, local (LOCAL_RANK) or "
                         "local%%N (LOCAL_RANK modulo N), as codes that choose their own device do")
     parser.add_argument("--in-child", action="store_true", help="CUDA is used by a child process for --hold seconds")
+    parser.add_argument("--until-file", default="", help="hold also until this file exists")
+    parser.add_argument("--until-looks", type=int, default=0, help="hold also until NVML was asked this many times "
+                        "for the GPU's processes (counted in $FAKE_NVML_LOOK_LOG) since this process's context began")
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     if args.no_cuda_rank == rank:
@@ -139,9 +150,13 @@ def main() -> int:
         ctx.kernel()
         return args.exit
     end = time.monotonic() + args.hold
+    looks = os.environ.get("FAKE_NVML_LOOK_LOG", "")
+    seen_before = _lines(looks)
     while True:
         ctx.kernel()
-        if time.monotonic() >= end:
+        waited = (_lines(looks) - seen_before >= args.until_looks
+                  and (not args.until_file or os.path.exists(args.until_file)))
+        if time.monotonic() >= end and (waited or time.monotonic() >= end + 30):
             break
         time.sleep(0.02)
     if args.fail_rank is None or args.fail_rank == rank:
