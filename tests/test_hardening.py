@@ -13,6 +13,7 @@ import resource
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from helpers import MPSRUN, fake, job_argv, mpiexec, settle, wait_for
 
 from mpsrun.errors import SharedArrayError
 
+PYTHON_PASS = [sys.executable, "-c", "pass"]  # the no_gpu fixture's PATH finds nothing
 FAKE_HYDRA = """#!/bin/sh
 case "$1" in --version) echo "HYDRA build details:"; echo "    Version: 4.1.2"; exit 0;; esac
 {body}
@@ -107,7 +109,7 @@ def test_an_mpiexec_that_ends_without_its_ranks_is_reported_at_once(fake_gpu, sh
 def test_a_hosts_job_whose_mpiexec_is_no_mpi_launcher_is_refused_at_once(no_gpu):
     """``--hosts localhost --mpiexec /bin/false``: mpsrun cannot tell how to name the hosts to it, and says so
     (exit 2) before anything starts, instead of waiting for ranks that never come."""
-    out = subprocess.run([*MPSRUN, "-np", "2", "--hosts", "localhost", "--mpiexec", "/bin/false", "true"],
+    out = subprocess.run([*MPSRUN, "-np", "2", "--hosts", "localhost", "--mpiexec", "/bin/false", *PYTHON_PASS],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "cannot tell how this mpiexec takes hosts" in out.stderr, out.stderr
 
@@ -148,8 +150,9 @@ def test_a_full_session_base_is_one_line_and_exit_3(fake_gpu, full_tmpfs, monkey
     """MPSRUN_TMPDIR on a file system with no inode left: one line, exit 3, and nothing left in it (it was a
     30-line OSError traceback)."""
     monkeypatch.setenv("MPSRUN_TMPDIR", str(full_tmpfs))
-    out = subprocess.run([*MPSRUN, "-np", "2", "--launcher", launcher, "--mpiexec", mpiexec(), "true"],
-                         capture_output=True, text=True, timeout=60)
+    where = ["--mpiexec", mpiexec()] if launcher == "mpiexec" else []
+    out = subprocess.run([*MPSRUN, "-np", "2", "--launcher", launcher, *where, "true"], capture_output=True,
+                         text=True, timeout=60)
     assert out.returncode == 3, out.stderr
     assert out.stderr.count("\n") == 1 and "No space left on device" in out.stderr, out.stderr
     assert [p.name for p in full_tmpfs.rglob("*")] in ([], [f"mpsrun-{os.getuid()}"])
