@@ -65,11 +65,11 @@ def _validated(check: Callable[..., Any]) -> Callable[[str], Any]:
 
 
 def _executable(text: str, setting: str = "--mpiexec") -> str:
-    """An executable, by absolute path (found once, here)."""
-    found = shutil.which(text)
-    if found is None:
+    """An executable, as given (checked once, here): Open MPI started by absolute path behaves as with ``--prefix``
+    and puts its own directories first on the ranks' PATH, so a name stays a name."""
+    if shutil.which(text) is None:
         raise ConfigError(f"{text!r} is not an executable", setting=setting, value=text)
-    return found
+    return text
 
 
 def _seconds(allow_zero: bool) -> Callable[[str, str], float]:

@@ -27,8 +27,12 @@ FLAVOURS = ("openmpi", "mpich", "intel", "unknown")
 
 
 def find_mpiexec(explicit: str | None = None) -> str | None:
-    """The mpiexec to use: ``explicit`` (``--mpiexec``, found when it was parsed) if given, else mpiexec on PATH."""
-    return explicit or shutil.which("mpiexec") or shutil.which("mpirun")
+    """The mpiexec to use: ``explicit`` (``--mpiexec``, checked when it was parsed) if given, else the name of the
+    first of mpiexec and mpirun on PATH: started by name, not by absolute path, Open MPI leaves the ranks' PATH and
+    LD_LIBRARY_PATH as they are (by absolute path it puts its own directories first)."""
+    if explicit:
+        return explicit
+    return next((name for name in ("mpiexec", "mpirun") if shutil.which(name)), None)
 
 
 @functools.cache

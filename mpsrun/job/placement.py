@@ -7,7 +7,7 @@ their daemons :func:`daemon_defaults`, from the same rules.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +16,7 @@ from mpsrun.errors import ConfigError
 from mpsrun.mps.environment import MANAGED_VARIABLES, GpuTarget, worker_variables
 from mpsrun.mps.limits import DaemonDefaults, auto_mem_limits
 from mpsrun.rank.identity import RankIdentity
-from mpsrun.runtime.constants import SESSION_DIR_VARIABLE
+from mpsrun.runtime.constants import LAUNCHER_REWRITES, SESSION_DIR_VARIABLE
 
 __all__ = ["RankPlan", "daemon_defaults", "gpu_of_rank", "plan_job", "plan_rank", "rank_environment",
            "ranks_on_gpus", "welcome", "without_mps"]
@@ -156,16 +156,19 @@ def without_mps(config: JobConfig, reason: str) -> list[str]:
 
 def welcome(identity: RankIdentity, config: JobConfig, ngpus: int, target_of: Callable[[int], GpuTarget | None],
             mpi4py_abort: bool, free: Sequence[int] = (), session_dir: str | None = None,
-            output_lock: str | None = None) -> dict[str, Any]:
+            output_lock: str | None = None, caller: Mapping[str, str] | None = None) -> dict[str, Any]:
     """What a rank's supervisor is told when it says hello: the rank's variables and how to run it.
 
     ``free``: each GPU's free memory under MPS (for ``--mem-limit auto``). ``session_dir``: the job's (or
     node's) private directory, also without MPS (:mod:`mpsrun.shared` keeps its handles there).
     ``mpi4py_abort``: whether Python ranks run through mpi4py's runner (mpi4py is installed, and not off).
+    ``caller``: the environment the job was started from, when this process has it (the ``mpsrun`` command, not a
+    node keeper): what an MPI launcher rewrote of it is put back.
     """
     plan = plan_rank(identity, ngpus, config, free)
     env = rank_environment(target_of(plan.gpu) if ngpus else None, plan, identity)
     if session_dir is not None:
         env.setdefault(SESSION_DIR_VARIABLE, session_dir)
-    return {"env": env, "managed": list(MANAGED_VARIABLES), "tag": config.tag_output, "grace": config.grace,
-            "mpi4py_abort": mpi4py_abort, "output_lock": output_lock}
+    restore = {name: caller.get(name) for name in LAUNCHER_REWRITES} if caller is not None else {}
+    return {"env": env, "managed": list(MANAGED_VARIABLES), "restore": restore, "tag": config.tag_output,
+            "grace": config.grace, "mpi4py_abort": mpi4py_abort, "output_lock": output_lock}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -201,7 +202,7 @@ class Job:
             identity = RankIdentity(identity.rank, identity.local_rank, identity.world_size or n,
                                     identity.local_world_size or n)
             return welcome(identity, config, ngpus, session.target if session else lambda _: None, abort, free,
-                           directory, output_lock)
+                           directory, output_lock, caller=os.environ)
 
         return answer
 

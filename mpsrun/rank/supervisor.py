@@ -35,6 +35,7 @@ from mpsrun.runtime.constants import (
     CONTROL_VARIABLES,
     DRAIN_TIMEOUT,
     FORWARDED_SIGNALS,
+    JOB_ID_VARIABLE,
     LINGER_TIMEOUT,
     STOP_SIGNALS,
     TOKEN_VARIABLE,
@@ -259,9 +260,15 @@ def through_mpi4py(command: list[str], program: str) -> list[str]:
 
 
 def rank_env(base: Mapping[str, str], welcome: Mapping[str, Any]) -> dict[str, str]:
-    """The rank's environment: ours, less what mpsrun manages, plus what the controller gave."""
-    managed = set(welcome.get("managed") or ()) | set(CONTROL_VARIABLES)
+    """The rank's environment: ours, less what mpsrun manages, with the caller's values of what an MPI launcher
+    rewrites put back (``restore``: None for one the caller did not set), plus what the controller gave."""
+    managed = set(welcome.get("managed") or ()) | set(CONTROL_VARIABLES) | {JOB_ID_VARIABLE}
     env = {k: v for k, v in base.items() if k not in managed}
+    for name, value in (welcome.get("restore") or {}).items():
+        if value is None:
+            env.pop(str(name), None)
+        else:
+            env[str(name)] = str(value)
     env.update({str(k): str(v) for k, v in (welcome.get("env") or {}).items()})
     return env
 

@@ -33,6 +33,10 @@ CONTROL_VARIABLES = (CONTROL_VARIABLE, TOKEN_VARIABLE, CONFIG_VARIABLE)
 SESSION_DIR_VARIABLE = "MPSRUN_SESSION_DIR"
 #: Overrides the host name in node sessions' names (tests simulate several nodes on one machine).
 NODE_ID_VARIABLE = "MPSRUN_NODE_ID"
+#: What an MPI launcher may rewrite in its ranks' environment that the caller's values must win for: Open MPI
+#: started by absolute path puts its own bin and lib directories first (measured on the H100 machine), so a
+#: wrapper script's ``python3`` became the system's instead of the caller's virtual environment's.
+LAUNCHER_REWRITES = ("PATH", "LD_LIBRARY_PATH")
 #: Where session directories go (else $XDG_RUNTIME_DIR, else /tmp).
 TMPDIR_VARIABLE = "MPSRUN_TMPDIR"
 

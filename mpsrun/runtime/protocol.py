@@ -50,7 +50,7 @@ MESSAGES: dict[str, Message] = {
     "finding": Message("up", {"message": str, "fatal": bool}, {"code": int}),
     "note": Message("up", {"text": str}),
     # down: the controller's answers and orders
-    "welcome": Message("down", {}, {"env": dict, "managed": list, "tag": bool, "grace": _NUMBER,
+    "welcome": Message("down", {}, {"env": dict, "managed": list, "restore": dict, "tag": bool, "grace": _NUMBER,
                                     "mpi4py_abort": bool, "output_lock": (str, _OPTIONAL), "lines": list}),
     "refuse": Message("down", {}, {"exit_code": int, "message": str, "retry": bool, "linger": bool}),
     "signal": Message("down", {"signal": int}, {"ranks": list}),

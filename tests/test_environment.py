@@ -1,0 +1,95 @@
+"""A rank's environment is the caller's, plus what the README lists, on every path (issue 26).
+
+Each rank dumps its environment; the test compares it with the environment mpsrun was started
+with. The only differences allowed are the variables mpsrun documents (the rank's place, its GPU and
+MPS settings, its session directory) and the MPI launcher's own (``OMPI_*``, ``PMI_*``, ...); a
+variable the caller set must reach the rank unchanged, PATH and LD_LIBRARY_PATH above all (Open MPI
+started by absolute path puts its own directories first: measured on the H100 machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import PATHS, gpu_job_argv, run_job, settle
+
+#: What mpsrun gives every rank (README, "The command").
+DOCUMENTED = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MPSRUN_RANK", "MPSRUN_GPU", "MPSRUN_SESSION_DIR",
+              "CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"}
+#: What MPI launchers and batch systems give their processes (by prefix).
+LAUNCHERS = ("OMPI_", "PMI", "HYDRA_", "HYDI_", "MPI_LOCAL", "OPAL_", "PRTE_", "SLURM_", "MPIR_", "I_MPI_", "PALS_",
+             "MV2_", "GFORTRAN_UNBUFFERED_PRECONNECTED")
+
+DUMP = "import json, os, sys\nopen(os.path.join(sys.argv[1], os.environ['RANK'] + '.json'), 'w').write(" \
+       "json.dumps(dict(os.environ)))\n"
+
+
+def callers_environment(directory: object) -> dict[str, str]:
+    """What a process started directly from here gets (os.environ is not all of it: a library may have set
+    variables in the C environment only)."""
+    subprocess.run([sys.executable, "-c", DUMP.replace("os.environ['RANK']", "'caller'"), str(directory)],
+                   check=True, timeout=60)
+    return dict(json.loads(Path(str(directory), "caller.json").read_text()))
+
+
+def differences(caller: dict[str, str], rank: dict[str, str]) -> dict[str, tuple[str | None, str | None]]:
+    """What differs between the caller's environment and a rank's, less what mpsrun and the launcher add."""
+    names = (set(caller) | set(rank)) - DOCUMENTED
+    return {name: (caller.get(name), rank.get(name)) for name in sorted(names)
+            if caller.get(name) != rank.get(name) and not name.startswith(LAUNCHERS)}
+
+
+@pytest.mark.mpiexec
+@pytest.mark.parametrize("path", PATHS)
+def test_a_ranks_environment_is_the_callers(fake_gpu, short_tmp, monkeypatch, path):
+    """A variable of the caller's own, a PATH and an LD_LIBRARY_PATH with the caller's directories first: every
+    rank gets them unchanged, and nothing else differs but mpsrun's documented variables and the launcher's."""
+    bin_dir = os.path.dirname(sys.executable)
+    monkeypatch.setenv("PATH", os.pathsep.join([str(short_tmp / "first"), os.environ["PATH"], bin_dir]))
+    monkeypatch.setenv("LD_LIBRARY_PATH", os.pathsep.join([str(short_tmp / "mylib"), "/usr/lib"]))
+    monkeypatch.setenv("MY_SETTING", "kept as given")
+    caller = callers_environment(short_tmp)
+    out = run_job(path, [], [sys.executable, "-c", DUMP, str(short_tmp)], ranks=2)
+    assert out.returncode == 0, out.stderr
+    for rank in (0, 1):
+        env = json.loads((short_tmp / f"{rank}.json").read_text())
+        assert differences(caller, env) == {}, (path, rank)
+        assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == "2"
+    settle(fake_gpu)
+
+
+def test_what_mpsrun_manages_never_leaks_from_the_caller(fake_gpu, short_tmp, monkeypatch):
+    """Stale MPS settings and mpsrun's own control variables in the caller's environment never reach a rank."""
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/nonexistent/pipe")
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "7")
+    out = run_job("local", [], [sys.executable, "-c", DUMP, str(short_tmp)], ranks=1)
+    assert out.returncode == 0, out.stderr
+    env = json.loads((short_tmp / "0.json").read_text())
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] != "/nonexistent/pipe" and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in env
+    assert not [name for name in env if name.startswith("MPSRUN_CONTROL") or name == "MPSRUN_JOB_ID"]
+    settle(fake_gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
+def test_a_ranks_environment_is_the_callers_under_open_mpi(short_tmp, monkeypatch, path):
+    """The same on the GPU machine, real MPS and Open MPI: its mpiexec started by absolute path (as ``--mpiexec
+    /usr/bin/mpiexec`` does) rewrote PATH and LD_LIBRARY_PATH in every rank (a wrapper's ``python3`` became the
+    system's); now each rank has the caller's. Under a bare --per-node the launcher is started by name, as the
+    README says to."""
+    monkeypatch.setenv("PATH", os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]))
+    monkeypatch.setenv("LD_LIBRARY_PATH", os.pathsep.join([str(short_tmp / "mylib"), "/usr/lib"]))
+    caller = callers_environment(short_tmp)
+    argv = gpu_job_argv(path, [], [sys.executable, "-c", DUMP, str(short_tmp)], ranks=2)
+    if path == "per-node":
+        argv[0] = os.path.basename(argv[0])
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    for rank in (0, 1):
+        env = json.loads((short_tmp / f"{rank}.json").read_text())
+        assert differences(caller, env) == {}, (path, rank)
