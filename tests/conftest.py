@@ -33,10 +33,10 @@ from helpers import (
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """Workers for ``-n auto`` (pyproject.toml's addopts). 4, also on 2 cores: most tests wait on the processes they
+    """Workers for ``-n auto`` (pyproject.toml's addopts). 6, also on 2 cores: most tests wait on the processes they
     start. None (in-process, one test at a time) where a real GPU answers: the GPU tier's tests share that GPU and
     measure it (its memory, its SMs), so two at once would disturb each other."""
-    return 0 if real_gpu_available()[0] else 4
+    return 0 if real_gpu_available()[0] else 6
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -133,7 +133,7 @@ class FakeGPU:
         wrapper = self.bin_dir / "nvidia-cuda-mps-control"
         wrapper.write_text(
             f"#!{sys.executable} -S\nimport sys\nsys.path.insert(0, {str(FAKE_MPS)!r})\n"
-            "from fake_mps_control import main\nsys.exit(main(sys.argv[1:]))\n"
+            "from fake_mps_client import main\nsys.exit(main(sys.argv[1:]))\n"
         )
         wrapper.chmod(0o755)
         self.tmpdir = root / "t"

@@ -326,12 +326,17 @@ class Output:
 
 
 @contextlib.contextmanager
+def locked(anchor: Path) -> Any:
+    """An exclusive lock among this run's processes (xdist's workers), taken on a file that it does not change."""
+    with open(anchor, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        yield
+
+
 def building_from_source() -> Any:
     """Held while pip builds mpsrun from this checkout: its builds share build/ in the tree, so two at once (two
-    xdist workers) break each other. A lock on pyproject.toml (which it does not change), so nothing is left."""
-    with open(ROOT / "pyproject.toml", "rb") as anchor:
-        fcntl.flock(anchor, fcntl.LOCK_EX)
-        yield
+    xdist workers) break each other."""
+    return locked(ROOT / "pyproject.toml")
 
 
 def other_user_venv() -> Path:

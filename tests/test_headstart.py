@@ -6,6 +6,8 @@ promise of a job that cannot start must still hold then: one line, its exit code
 from the rank supervisors mpiexec did start (nor a banner from mpiexec), and nothing left behind.
 """
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -30,6 +32,15 @@ def recording_mpiexec(directory: Path) -> Path:
                        f"os.execv({mpiexec()!r}, [{mpiexec()!r}, *sys.argv[1:]])\n")
     wrapper.chmod(0o755)
     return wrapper
+
+
+def _launcher_recorded(fake_gpu):
+    """Whether the session's record names the MPI launcher (its reaper ends what the record names)."""
+    for root in fake_gpu.session_dirs():
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads((root / "session.json").read_text()).get("launchers"):
+                return True
+    return False
 
 
 def _supervisors_waiting(proc, ranks=3):
@@ -202,6 +213,7 @@ def test_mpsrun_killed_ends_an_mpiexec_that_ignores_sigterm(fake_gpu, short_tmp)
     proc = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "mpiexec", "--mpiexec",
                              str(stubborn), "true"], stderr=subprocess.PIPE, text=True)
     wait_for(marker.exists, what="the launcher did not start", proc=proc)
+    wait_for(lambda: _launcher_recorded(fake_gpu), what="mpiexec was not put on the session's record", proc=proc)
     proc.kill()
     proc.communicate(timeout=30)
     settle(fake_gpu)

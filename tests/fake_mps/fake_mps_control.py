@@ -36,7 +36,9 @@ import threading
 import time
 from pathlib import Path
 
-NO_DAEMON = "Cannot find MPS control daemon process"
+from fake_mps_client import NO_DAEMON, run_client, send
+
+__all__ = ["NO_DAEMON", "main", "send"]
 RECORDING = Path(__file__).resolve().parent.parent / "data" / "h100" / "transcript.json"
 
 
@@ -354,37 +356,6 @@ def run_server(uuid: str) -> int:
     finally:
         if entry is not None:
             entry.unlink(missing_ok=True)
-    return 0
-
-
-def send(command: str, directory: Path | None = None, timeout: float | None = None) -> str | None:
-    """Send one command to the daemon; None when no daemon answers."""
-    path = str((directory or pipe_dir()) / "control")
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.settimeout(timeout)
-    try:
-        conn.connect(path)
-    except OSError:
-        conn.close()
-        return None
-    with conn:
-        conn.sendall(command.encode() + b"\n")
-        chunks = []
-        while chunk := conn.recv(65536):
-            chunks.append(chunk)
-    return b"".join(chunks).decode()
-
-
-def run_client() -> int:
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        reply = send(line.strip())
-        if reply is None:
-            print(NO_DAEMON, file=sys.stderr)
-            return 1
-        if reply:
-            print(reply, flush=True)
     return 0
 
 
