@@ -251,7 +251,18 @@ def test_bench_refuses_values_that_cannot_measure(no_gpu, option):
     assert out.returncode == 2 and "must be a positive" in out.stderr, out.stderr
 
 
-def test_a_base_reached_through_another_users_link_is_refused(fake_gpu, other_user, short_tmp, monkeypatch):
+@pytest.fixture
+def stranger() -> int:
+    """A uid that no account has: to the kernel simply another user (root only: giving it a file)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give a file to another user")
+    import pwd
+
+    used = {entry.pw_uid for entry in pwd.getpwall()}
+    return next(uid for uid in range(47000, 48000) if uid not in used)
+
+
+def test_a_base_reached_through_another_users_link_is_refused(fake_gpu, stranger, short_tmp, monkeypatch):
     """MPSRUN_TMPDIR through a symbolic link another user owns (to a root-owned 1777 directory): refused with
     exit 3, since that user could point it elsewhere (only the link's target used to be checked)."""
     target = short_tmp / "shared-tmp"
@@ -259,7 +270,7 @@ def test_a_base_reached_through_another_users_link_is_refused(fake_gpu, other_us
     target.chmod(0o1777)
     link = short_tmp / "their-link"
     link.symlink_to(target)
-    os.lchown(link, other_user[0].pw_uid, other_user[0].pw_gid)
+    os.lchown(link, stranger, stranger)
     monkeypatch.setenv("MPSRUN_TMPDIR", str(link))
     out = subprocess.run([*MPSRUN, "-np", "1", "--launcher", "local", "true"], capture_output=True, text=True,
                          timeout=60)
