@@ -106,10 +106,17 @@ def test_an_mpiexec_that_ends_without_its_ranks_is_reported_at_once(fake_gpu, sh
     settle(fake_gpu)
 
 
-def test_a_hosts_job_whose_mpiexec_is_no_mpi_launcher_is_refused_at_once(no_gpu):
-    """``--hosts localhost --mpiexec /bin/false``: mpsrun cannot tell how to name the hosts to it, and says so
-    (exit 2) before anything starts, instead of waiting for ranks that never come."""
-    out = subprocess.run([*MPSRUN, "-np", "2", "--hosts", "localhost", "--mpiexec", "/bin/false", *PYTHON_PASS],
+@pytest.mark.parametrize("launcher", ["/bin/false", "/bin/true", "exit-1-later"])
+def test_a_hosts_job_whose_mpiexec_is_no_mpi_launcher_is_refused_at_once(no_gpu, launcher):
+    """``--hosts localhost --mpiexec /bin/false`` (or /bin/true, or a script that exits 1 after 0.5 s) still ran
+    after 10 minutes, deaf to SIGTERM: mpsrun cannot tell how to name the hosts to it, and now says so (exit 2)
+    before anything starts."""
+    if launcher == "exit-1-later":
+        script = no_gpu / "mpiexec"
+        script.write_text("#!/bin/sh\nsleep 0.5\nexit 1\n")
+        script.chmod(0o755)
+        launcher = str(script)
+    out = subprocess.run([*MPSRUN, "-np", "2", "--hosts", "localhost", "--mpiexec", launcher, *PYTHON_PASS],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "cannot tell how this mpiexec takes hosts" in out.stderr, out.stderr
 
