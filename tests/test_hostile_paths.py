@@ -19,7 +19,7 @@ import psutil
 import pytest
 from helpers import PATHS, Output, descendants, fake, handles, job_argv, mpiexec, running, settle, wait_for
 
-from mpsrun.job.policy import SAME_INTERRUPT
+from mpsrun.runtime.constants import SAME_INTERRUPT
 
 pytestmark = pytest.mark.mpiexec
 
