@@ -13,8 +13,8 @@ import pytest
 from helpers import PATHS, fake, reports, run_job, settle
 
 from mpsrun import mps_session
-from mpsrun.mps.limits import auto_mem_limit
 from mpsrun.errors import ConfigError
+from mpsrun.mps.limits import auto_mem_limit
 
 GIB = 1 << 30
 
