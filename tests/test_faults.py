@@ -366,6 +366,7 @@ print(tries, wins, flush=True)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # 10,000 sessions made while a racer spins: 12 s alone on 2 cores, far more beside others
 def test_a_second_user_cannot_race_the_session_root(fake_gpu, other_user, short_tmp):
     """Another user swapping our mpsrun-<uid> with a link to their own directory (renameat2 RENAME_EXCHANGE, in a
     loop) wins 0 of 10,000 session creations in a sticky shared base; a base they own is refused outright."""

@@ -223,12 +223,12 @@ def test_a_signal_in_per_node_start_up_leaves_nothing_soon(fake_gpu, sig):
 def test_a_short_run_without_mps_is_caught(fake_gpu, short_tmp, monkeypatch, path):
     """--mps on and a rank that uses the GPU without MPS for 0.7 s: exit 3 (the check's backoff let it pass). On a
     busy machine the job's looks at NVML come later than their 0.2 s: the rank then stays until the watch has
-    looked twice since its context began (two looks in a row find a rank off MPS), as it would have by 0.7 s."""
+    looked 4 times since its context began (two looks in a row find a rank off MPS; 0.7 s is 3-4 looks)."""
     monkeypatch.setenv("FAKE_NVML_LOOK_LOG", str(short_tmp / "looks"))
     miss = short_tmp / "miss.py"
     miss.write_text(MISS)
     out = subprocess.run(job_argv(path, ["--mps", "on"], [sys.executable, str(miss),
-                                                          *fake("--hold", "0.7", "--until-looks", "2")[1:]]),
+                                                          *fake("--hold", "0.7", "--until-looks", "4")[1:]]),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 3 and "rank 1 (pid" in out.stderr and "without MPS" in out.stderr, out.stderr
     settle(fake_gpu)
@@ -236,12 +236,12 @@ def test_a_short_run_without_mps_is_caught(fake_gpu, short_tmp, monkeypatch, pat
 
 def test_a_per_node_warning_reaches_the_user(fake_gpu, short_tmp, monkeypatch):
     """--mps auto, a per-node rank without MPS for 1 s: the warning is printed (it was sent through a rank that was
-    ending, and lost). On a busy machine the rank stays until the node keeper's watch has looked twice."""
+    ending, and lost). On a busy machine the rank stays until the node keeper's watch has looked 4 times."""
     monkeypatch.setenv("FAKE_NVML_LOOK_LOG", str(short_tmp / "looks"))
     miss = short_tmp / "miss.py"
     miss.write_text(MISS)
     out = subprocess.run(job_argv("per-node", [], [sys.executable, str(miss),
-                                                   *fake("--hold", "1", "--until-looks", "2")[1:]]),
+                                                   *fake("--hold", "1", "--until-looks", "4")[1:]]),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "warning: rank 1 (pid" in out.stderr, out.stderr
     settle(fake_gpu)

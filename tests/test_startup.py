@@ -241,15 +241,20 @@ def test_a_signal_inside_an_uninterrupted_block_is_acted_on_as_it_ends():
     assert steps[-1] == "plain"
 
 
+SERVED = ("for i in $(seq 600); do grep -qs 'Starting new server' \"$MPSRUN_SESSION_DIR\"/gpu*/log/control.log "
+          "&& exit 0; sleep 0.05; done")
+
+
 @pytest.mark.parametrize("path", ["local", "mpiexec"])
 @pytest.mark.parametrize(("program", "servers"), [
-    (["sleep", "1"], 1),
+    (["sh", "-c", SERVED], 1),
     (["sh", "-c", 'if [ "$RANK" = 1 ]; then exit 3; fi; trap "" TERM; sleep 1'], 0),  # rank 0 outlives the stop
 ])
 def test_the_launchers_ask_for_the_server_while_the_ranks_start(fake_gpu, path, program, servers):
     """Each server is asked for 0.25 s after the first rank starts, before ranks that import a GPU framework reach
     CUDA (its first client would otherwise wait for it): a job still running then gets its server without any
-    client, and its teardown ends it; a job already stopping (a rank failed) asks for none."""
+    client (its ranks, no CUDA clients, run until the daemon's log says it started one, or 30 s), and its teardown
+    ends it; a job already stopping (a rank failed) asks for none."""
     out = subprocess.run(job_argv(path, ["--keep-logs"], program, ranks=2), capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == (0 if servers else 3), out.stderr
