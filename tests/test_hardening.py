@@ -7,6 +7,7 @@ values to mpsrun.shared and mpsrun bench: each is one line and its exit code, at
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import resource
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import MPSRUN, fake, job_argv, mpiexec, settle, wait_for
+from helpers import MPSRUN, PATHS, fake, job_argv, mpiexec, settle, wait_for
 
 from mpsrun.errors import SharedArrayError
 
@@ -283,3 +284,32 @@ def test_a_base_reached_through_another_users_link_is_refused(fake_gpu, stranger
                          timeout=60)
     assert out.returncode == 3 and "symbolic link of uid" in out.stderr, out.stderr
     assert not list(target.iterdir())
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_quit_that_hangs_after_every_rank_succeeded_is_no_timeout(fake_gpu, path):
+    """``--timeout 5``, every rank succeeds, then the daemon's quit hangs (its own 10 s deadline ends it): exit 0
+    on every path; --hosts exited 124, the job's timeout firing while the hosts tore down."""
+    fake_gpu.daemon_env(FAKE_MPS_QUIT_HANG="1")
+    out = subprocess.run(job_argv(path, ["--timeout", "5"], ["true"], ranks=2), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_daemon_that_dies_under_the_job_is_said_once(fake_gpu, short_tmp, path):
+    """The daemon SIGKILLed under a running job: exit 3 and one line saying so, on every path (per-node and --hosts
+    added an 11-line block of the daemon's log after it)."""
+    job = subprocess.Popen(job_argv(path, ["--grace", "1"], fake("--report-dir", str(short_tmp), "--hold", "60"),
+                                    ranks=2), stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: len(list(short_tmp.glob("*.json"))) == 2, 60, "the ranks did not start", proc=job)
+    [root] = fake_gpu.session_dirs()
+    daemon = json.loads((root / "session.json").read_text())["daemons"][0]["process"]["pid"]
+    os.killpg(daemon, signal.SIGKILL)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 3, err
+    said = [line for line in err.splitlines() if line.startswith("mpsrun") and "daemon" in line]
+    assert len(said) == 1 and "died under the job" in said[0], err  # the ranks say what CUDA told them
+    assert not [line for line in err.splitlines() if line.startswith("[20")], err  # no block of the daemon's log
+    settle(fake_gpu)

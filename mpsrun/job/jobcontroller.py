@@ -135,7 +135,10 @@ class JobController(JudgingController):
             self.launchers.kill()
 
     def _timed_out(self) -> None:
-        if not self.abandoned:  # the job never ran: its own error is the one to report
+        """Not once every rank has ended: --timeout bounds the job's ranks (and its start), and the job's own
+        teardown after them has deadlines of its own (a node keeper whose daemon will not quit made --hosts jobs
+        exit 124 where every other path exits 0); nor for a job that never ran (its own error is the one)."""
+        if not self.abandoned and not self.table.ended(self.expected):
             super()._timed_out()
 
     # -- launchers --------------------------------------------------------------------------------

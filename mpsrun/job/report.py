@@ -20,7 +20,7 @@ MPS_CLIENT_LIMIT = 48
 
 
 def mps_report(daemons: Sequence[ControlDaemon], rank_of: Mapping[int, int]) -> list[str]:
-    """What the MPS logs tell about a failed job; the log's end when a daemon died."""
+    """What the MPS logs tell about a failed job (a daemon that died is the watch's finding, on every path)."""
     lines: list[str] = []
     for daemon in daemons:
         try:
@@ -34,8 +34,6 @@ def mps_report(daemons: Sequence[ControlDaemon], rank_of: Mapping[int, int]) -> 
                 f"rank(s) {ranges(victims)} were torn down by the MPS server after the fatal GPU fault "
                 "(MPS does not say which client caused it; the first rank to fail is reported above)"
             )
-        if not daemon.alive and not daemon.quitting:
-            lines.append(f"the MPS control daemon stopped; its log ({daemon.log_file}) ends:\n{daemon.log_tail(10)}")
     return lines
 
 
