@@ -6,12 +6,23 @@ CUDA_MPS_ACTIVE_THREAD_PERCENTAGE caps the share of SMs a client's kernels may u
 cap, not a reservation), so the rank capped at 25% takes about three times as long as
 the one capped at 75% on the same kernel. Ranks run one after the other here (rank r
 waits r seconds) so the timings do not disturb each other.
+
+It needs an NVIDIA GPU, MPS and CuPy; without them rank 0 says so in one line and the job ends
+with exit code 1.
 """
 
 import os
+import sys
 import time
 
-import cupy
+try:
+    import cupy
+
+    cupy.cuda.Device().attributes  # noqa: B018 - fails here, not in the middle, without a usable GPU
+except Exception as exc:  # ImportError, or CuPy's own error for a missing driver or device
+    if os.environ.get("RANK", "0") == "0":
+        print(f"per_rank_limits.py needs CuPy and an NVIDIA GPU: {type(exc).__name__}: {exc}", file=sys.stderr)
+    sys.exit(1)
 
 KERNEL = cupy.RawKernel(
     r"""

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import textwrap
 from collections.abc import Sequence
 
 from mpsrun import __version__
@@ -47,7 +48,7 @@ examples:
                                            under srun or mpiexec: one MPS session per node for its local ranks
 
 subcommands:
-  mpsrun bench [--ranks 1,2,4,8,16] [--json] [--plot FILE.png]
+  mpsrun bench [--ranks 1,2,4,8,16] [--repeats 3] [--json] [--plot FILE.png]
                                            measure time-sliced vs MPS vs one process on this GPU
   mpsrun doctor [--json]                   can MPS work here, and if not, why not (exit 0 if it can)
   mpsrun status [--json]                   this user's sessions on this node (owner, daemons, age)
@@ -66,7 +67,8 @@ exit status (the same under every launcher):
   130   interrupted (SIGINT); 143 terminated (SIGTERM); 129 hang-up (SIGHUP)
 
 environment:
-  Every option has a variable: {", ".join(spec.variable for spec in options().values() if spec.env)}
+{textwrap.fill("Every option has a variable: " + ", ".join(spec.variable for spec in options().values() if spec.env),
+                width=100, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False)}
   (switches take 1/true/yes or 0/false/no; MPSRUN_MPIEXEC_ARG is split like a shell line).
   MPSRUN_TMPDIR: where session directories go (default $XDG_RUNTIME_DIR, else /tmp).
   Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, CUDA_VISIBLE_DEVICES (its GPU's

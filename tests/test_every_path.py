@@ -85,7 +85,7 @@ def test_an_mpi4py_rank_that_fails_stops_the_others(fake_gpu, path, failure):
 
 
 def test_mpi4py_abort_off_runs_the_command_as_given(fake_gpu, short_tmp):
-    """--mpi4py-abort off: a Python rank is not run through mpi4py's runner (its sys.argv and -m mpi4py absent)."""
+    """--mpi4py-abort off: a Python rank is not run through mpsrun's mpi4py runner (-m mpsrun.rank.pyrun absent)."""
     pytest.importorskip("mpi4py")
     code = "import sys; print(sys.orig_argv[1:3])"
     runs = {}
@@ -94,7 +94,7 @@ def test_mpi4py_abort_off_runs_the_command_as_given(fake_gpu, short_tmp):
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         runs[switch] = out.stdout.strip()
-    assert runs == {"on": "['-m', 'mpi4py']", "off": "['-c', 'import sys; print(sys.orig_argv[1:3])']"}
+    assert runs == {"on": "['-m', 'mpsrun.rank.pyrun']", "off": "['-c', 'import sys; print(sys.orig_argv[1:3])']"}
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -6,6 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from helpers import FAKE_CUDA
+
 from mpsrun.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,18 +50,22 @@ def test_every_option_in_the_table_exists():
     assert named and named <= known, named - known
 
 
-def test_the_python_example_runs(fake_gpu):
-    """The mps_session example in the README runs as written (with the pool example's worker)."""
-    code = re.search(r"```python\n(.*?)```", README, re.S).group(1)
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        from pool import work
-
-        exec(compile(code, "README.md", "exec"), {"work": work, "__name__": "readme"})  # noqa: S102 - the README example
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
+PY_BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
 
 
+@pytest.mark.parametrize("block", PY_BLOCKS, ids=[f"block{i}" for i in range(len(PY_BLOCKS))])
+def test_every_python_block_runs_as_written(block, fake_gpu, tmp_path):
+    """Each Python block of the README runs as written, by the command its first line names
+    (``# python NAME`` or ``# mpsrun ... python NAME``), with the fake GPU and the CuPy double."""
+    command = block.splitlines()[0].removeprefix("# ").split()
+    assert command[-2] == "python" and command[-1].endswith(".py"), "the first line names how the block runs"
+    (tmp_path / command[-1]).write_text(block)
+    runner = [sys.executable] if command[0] == "python" else [sys.executable, "-m", "mpsrun", *command[1:-2],
+                                                                sys.executable]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKE_CUDA), os.environ["PYTHONPATH"]])}
+    out = subprocess.run([*runner, command[-1]], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr
 def test_tox_environments_named_in_the_readme_exist():
     """Every tox environment the README tells people to run is defined in tox.ini."""
     named = set()

@@ -8,11 +8,14 @@ the command line wins.
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 import shlex
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from mpsrun.config import values
 from mpsrun.config.options import JobConfig, Option, options
 from mpsrun.errors import ConfigError
 
@@ -21,11 +24,22 @@ __all__ = ["EXCLUSIVE", "build_parser", "parse_args", "parse_options", "split_ar
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 #: Options that exclude each other: one given on the command line silences the others' variables.
 EXCLUSIVE = (("verbose", "quiet"), ("hosts", "hostfile"))
+_GLUED_NP = re.compile(r"-np[0-9]+")
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(message, setting="command line")
+        raise ConfigError(message + _suggestion(message, self._option_string_actions), setting="command line")
+
+
+def _suggestion(message: str, flags: Iterable[str]) -> str:
+    """`` (did you mean --tag-output?)`` for a mistyped option (Python 3.14's argparse does this itself)."""
+    unknown = message.partition("unrecognized arguments: ")[2].split()
+    for word in unknown[:1]:
+        close = difflib.get_close_matches(word.split("=", 1)[0], [f for f in flags if f.startswith("--")], n=1)
+        if close:
+            return f" (did you mean {close[0]}?)"
+    return ""
 
 
 def build_parser(description: str = "", epilog: str = "", version: str = "") -> argparse.ArgumentParser:
@@ -59,6 +73,8 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
             return words, list(argv[index + 1 :])
         if not word.startswith("-") or word == "-":
             return words, list(argv[index:])
+        if _GLUED_NP.fullmatch(word):  # -np4 is -np 4 (argparse would read -n "p4")
+            word = f"-np={word[3:]}"
         name = word.split("=", 1)[0]
         if name in takes_value and "=" not in word and index + 1 < len(argv):
             value = argv[index + 1]
@@ -118,6 +134,8 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str], version: str = "
     """
     words, command = split_argv(argv)
     found = parse_options(words, environ, version)
+    if "exports" in found:
+        found["exports"] = values.resolve_exports(found["exports"], environ)
     if found.get("module") is not None:
         command = [sys.executable, "-m", found["module"], *command]
     if not command:

@@ -127,6 +127,14 @@ class JobConfig:
         help="pass ARG to mpiexec (repeatable; --mpiexec-arg=--bind-to=none for values starting with -)")
     module: str | None = option("-m", default=None, parse=str, metavar="MODULE", env=False,
                                 help="run a Python module as the command (like python -m)")
+    exports: tuple[str, ...] = option(
+        "-x", default=(), parse=_validated(values.parse_export), metavar="NAME[=VALUE]", append=True, env=False,
+        help="give every rank the variable NAME: the value it has here, or VALUE (repeatable; the rank's "
+        "environment is the caller's already, but not on other hosts)")
+    output_filename: str | None = option(
+        "--output-filename", default=None, parse=_validated(values.parse_output_dir), metavar="DIR",
+        help="each rank's stdout and stderr to DIR/rank.N/stdout and DIR/rank.N/stderr (not tagged); "
+        "mpsrun's own lines stay on the terminal")
     tag_output: bool = option("--tag-output", default=False, forward=True, help="prefix each output line with [rank N]")
     timeout: float | None = option("--timeout", default=None, parse=_validated(_seconds(False)), metavar="SECONDS",
                                    forward=True, help="end the job after this long (exit 124)")
@@ -134,8 +142,9 @@ class JobConfig:
                           help="wait this long after SIGTERM before SIGKILL when stopping ranks (default 5)")
     mpi4py_abort: str = option(
         "--mpi4py-abort", default="on", choices=("on", "off"), forward=True,
-        help="on (default): a Python rank runs through mpi4py's runner (python -m mpi4py) when mpi4py is installed, "
-        "so an uncaught exception or sys.exit(N) aborts the MPI job instead of hanging in MPI_Finalize; "
+        help="on (default): a Python rank runs under mpi4py's runner rules (python -m mpsrun.rank.pyrun) when "
+        "mpi4py is installed, so an uncaught exception or sys.exit(N) aborts the MPI job instead of hanging in "
+        "MPI_Finalize, and its traceback is what python FILE prints; "
         "off: run the command as given")
     keep_logs: bool = option("--keep-logs", default=False, forward=True,
                              help="keep the session directory with the MPS logs")

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from mpsrun.errors import ConfigError
 
@@ -25,17 +26,20 @@ __all__ = [
     "ThreadSpec",
     "parse_choice",
     "parse_count",
+    "parse_export",
     "parse_flag",
     "parse_gpu_arguments",
     "parse_gpus",
     "parse_hostfile",
     "parse_hosts",
     "parse_mem_limit",
+    "parse_output_dir",
     "parse_priority",
     "parse_ranks",
     "parse_seconds",
     "parse_thread_percentage",
     "parse_thread_spec",
+    "resolve_exports",
 ]
 
 MPS_MODES = ("auto", "on", "off")
@@ -53,6 +57,9 @@ _SCALE_MIB = {"": 1 / (1 << 20), "K": 1 / 1024, "M": 1, "G": 1024, "T": 1 << 20}
 _MAX_MIB = 1 << 30  # 1024 TiB: anything larger is a typo, not a limit
 #: A host as MPI launchers take it: a name or address, optionally ``:N`` slots (never an option, never a space).
 _HOST = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*(:\d+)?")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: What mpsrun sets in every rank itself (README, "The command"): not the caller's to pass with -x.
+_SET_BY_MPSRUN = re.compile(r"(MPSRUN_|CUDA_MPS_).*|CUDA_VISIBLE_DEVICES|RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE")
 _HOST_LINE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*(:\d+)?(\s+(slots|max_slots|max-slots)=\d+)*")
 
 
@@ -230,3 +237,29 @@ def parse_hostfile(value: object, setting: str = "--hostfile") -> str:
             raise ConfigError(f"host file {path!r}: {line!r} is not a host line (host, host:N or host slots=N)",
                               setting=setting, value=path)
     return path
+
+
+def parse_export(value: object, setting: str = "-x") -> str:
+    """``NAME`` (the caller's value) or ``NAME=VALUE``, as ``mpirun -x`` takes it; never a variable mpsrun sets."""
+    text = value if isinstance(value, str) else ""
+    name = text.split("=", 1)[0]
+    if not _NAME.fullmatch(name):
+        raise ConfigError(f"{setting} takes NAME or NAME=VALUE (a variable name: letters, digits, _), not {value!r}",
+                          setting=setting, value=value)
+    if _SET_BY_MPSRUN.fullmatch(name):
+        raise ConfigError(f"{setting} {name}: mpsrun sets {name} in each rank itself", setting=setting, value=value)
+    return text
+
+
+def resolve_exports(items: Sequence[str], environ: Mapping[str, str]) -> tuple[str, ...]:
+    """``-x`` values with the caller's values filled in, where the command line is read: ``NAME=VALUE``, or
+    ``NAME`` alone for one the caller has not set (the ranks then have it unset too)."""
+    return tuple(item if "=" in item or item not in environ else f"{item}={environ[item]}" for item in items)
+
+
+def parse_output_dir(value: object, setting: str = "--output-filename") -> str:
+    """A directory for the ranks' output files, made absolute here (a remote host's ranks start elsewhere)."""
+    text = value if isinstance(value, str) else ""
+    if not text.strip() or "\0" in text:
+        raise ConfigError(f"{setting} needs a directory, not {value!r}", setting=setting, value=value)
+    return os.path.abspath(text)

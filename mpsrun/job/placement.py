@@ -143,14 +143,17 @@ def ranks_on_gpus(plans: Sequence[RankPlan]) -> dict[int, int]:
     return counts
 
 
-def without_mps(config: JobConfig, reason: str) -> list[str]:
-    """What to say once when the ranks run without MPS: why, and which options then have no effect."""
-    unused = [flag for flag, value in (("--thread-percentage", config.thread_percentage),
+def without_mps(config: JobConfig, reason: str, gpus_seen: bool = True) -> list[str]:
+    """What to say once when the ranks run without MPS: why, and which options then have no effect
+    (``gpus_seen``: whether the GPUs could be listed; without a driver, ``--gpus`` has none either)."""
+    unused = [flag for flag, value in (("--gpus", None if gpus_seen else config.gpus),
+                                       ("--thread-percentage", config.thread_percentage),
                                        ("--mem-limit", config.mem_limit), ("--priority", config.priority))
               if value is not None]
     lines = [f"running without MPS: {reason}"]
     if unused:
-        lines.append(f"warning: {', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect without MPS")
+        lines.append(f"warning: {', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect without MPS"
+                     + ("" if gpus_seen else " and a GPU"))
     return lines
 
 
@@ -169,6 +172,12 @@ def welcome(identity: RankIdentity, config: JobConfig, ngpus: int, target_of: Ca
     env = rank_environment(target_of(plan.gpu) if ngpus else None, plan, identity)
     if session_dir is not None:
         env.setdefault(SESSION_DIR_VARIABLE, session_dir)
-    restore = {name: caller.get(name) for name in LAUNCHER_REWRITES} if caller is not None else {}
+    restore: dict[str, str | None] = {}
+    if caller is not None:
+        restore.update((name, caller.get(name)) for name in LAUNCHER_REWRITES)
+    for item in config.exports:  # -x: resolved where the command line was read
+        name, given, value = item.partition("=")
+        restore[name] = value if given else None
     return {"env": env, "managed": list(MANAGED_VARIABLES), "restore": restore, "tag": config.tag_output,
-            "grace": config.grace, "mpi4py_abort": mpi4py_abort, "output_lock": output_lock}
+            "grace": config.grace, "mpi4py_abort": mpi4py_abort, "output_lock": output_lock,
+            "output_dir": config.output_filename}

@@ -71,6 +71,16 @@ def resolve_command(command: tuple[str, ...]) -> str:
     return program
 
 
+def make_output_dir(path: str | None) -> None:
+    """``--output-filename``'s directory, made here first: a directory that cannot be made is one line, not one
+    per rank (each rank's supervisor makes its own ``rank.N`` in it)."""
+    if path is not None:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise MPSError(f"--output-filename {path}: {exc.strerror}") from None
+
+
 class Job:
     """One run of a :class:`JobConfig`; see :func:`run_job`."""
 
@@ -90,6 +100,7 @@ class Job:
         mpiexec itself (``Backend.head_start``), then the session: the GPUs, the plan and the daemons.
         """
         program = resolve_command(self.config.command)
+        make_output_dir(self.config.output_filename)
         backend = choose_backend(self.config)
         if backend.owns_daemons:  # every rank's link comes here (under --hosts, to each host's node keeper)
             ensure_descriptors(self.config.ranks)
@@ -157,7 +168,7 @@ class Job:
         config = self.config
         session.resolve()
         if session.disabled_reason is not None:
-            for line in without_mps(config, session.disabled_reason):
+            for line in without_mps(config, session.disabled_reason, gpus_seen=bool(session.gpus)):
                 log.warning(f"mpsrun: {line}")
         free = session.free_memory()
         plans = plan_job(config.ranks, len(session.gpus), config, free)
@@ -170,10 +181,12 @@ class Job:
 
     def _placed(self, session: Session, plan: RankPlan) -> str:
         """Where a rank runs and with what limits, for -v."""
+        if not session.gpus:
+            return "no GPU"
         if session.gpu_bind == "none":
             where = "GPUs " + ",".join(str(g.index) for g in session.gpus)
         else:
-            where = f"GPU {session.gpus[plan.gpu].index if session.gpus else '-'}"
+            where = f"GPU {session.gpus[plan.gpu].index}"
         return where + (f", {plan.thread_percentage}% of SMs" if plan.thread_percentage else "") + (
             f", {plan.mem_limit} pinned memory" + (" (auto)" if self.config.mem_limit == "auto" else "")
             if plan.mem_limit else "")
@@ -186,7 +199,7 @@ class Job:
                 raise JobTimeoutError(f"timed out after {self.config.timeout:g} s while the MPS daemons started "
                                       f"({exc})", timeout=self.config.timeout or 0.0) from None
             raise
-        self._elapsed("daemons ready")
+        self._elapsed("daemons ready" if session.enabled else "set up without MPS")
 
     def _welcome(self, session: Session | None, output_lock: str | None) -> Callable[..., dict[str, Any]]:
         from mpsrun.job.placement import welcome

@@ -83,7 +83,7 @@ class NodeKeeper:
         self.config, self.request, self.session = config, request, session
         self.closed = False
         reason = session.disabled_reason
-        self._notices = without_mps(config, reason) if reason is not None and not config.quiet else []
+        self._notices = [] if reason is None or config.quiet else without_mps(config, reason, bool(session.gpus))
         self._abort = config.mpi4py_abort == "on" and mpi4py_available()
         assert session.dirs is not None
         self.listener = Listener(f"unix:{session.dirs.control_socket}")

@@ -84,6 +84,7 @@ class RankSupervisor:
         self.tag = bool(welcome.get("tag"))
         self.mpi4py_abort = bool(welcome.get("mpi4py_abort"))
         self.lock = welcome.get("output_lock")
+        self.output_dir = welcome.get("output_dir")
         self.loop = EventLoop()
         self.process: subprocess.Popen[bytes] | None = None
         self.returncode: int | None = None
@@ -99,19 +100,43 @@ class RankSupervisor:
             self.command = through_mpi4py(self.command, program)
         with self.loop.signals(FORWARDED_SIGNALS, self._on_signal):  # a signal from here on reaches the rank
             try:
-                self._spawn(program)
+                files = self._output_files()
+            except OSError as exc:
+                return self._finish(Outcome("setup", ExitCode.SETUP),
+                                    f"--output-filename: cannot write {exc.filename}: {exc.strerror}")
+            try:
+                self._spawn(program, files)
             except OSError as exc:
                 return self._finish(Outcome("setup", _exec_failure_code(exc)), f"{self.command[0]}: {exc.strerror}")
+            finally:
+                close_all(files)
             self.loop.run_until(lambda: self.returncode is not None and not self.streams)
         assert self.returncode is not None
         return self._finish(Outcome("ok" if self.returncode == 0 else "rank-failed", self.returncode))
 
-    def _spawn(self, program: str) -> None:
-        pipes = (os.pipe(), os.pipe()) if self.tag else None
+    def _output_files(self) -> list[int]:
+        """The rank's stdout and stderr files under ``--output-filename`` (made with the user's umask), or none."""
+        if not self.output_dir:
+            return []
+        directory = os.path.join(self.output_dir, f"rank.{self.rank}")
+        os.makedirs(directory, exist_ok=True)
+        files: list[int] = []
+        try:
+            for name in ("stdout", "stderr"):
+                files.append(os.open(os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666))
+        except OSError:
+            close_all(files)
+            raise
+        return files
+
+    def _spawn(self, program: str, files: Sequence[int]) -> None:
+        """Start the rank: its output to ``files`` (stdout, stderr) when given, else tagged through pipes or ours."""
+        pipes = (os.pipe(), os.pipe()) if self.tag and not files else None
+        outputs: list[int | None] = list(files) or ([pipes[0][1], pipes[1][1]] if pipes else [None, None])
         try:
             self.process = subprocess.Popen(
                 self.command, executable=program, env=self.env, close_fds=False, start_new_session=True,
-                stdout=pipes[0][1] if pipes else None, stderr=pipes[1][1] if pipes else None,
+                stdout=outputs[0], stderr=outputs[1],
                 preexec_fn=functools.partial(_become_rank, os.getpid()))
         except OSError:
             close_all([fd for pipe in pipes or () for fd in pipe])
@@ -243,20 +268,25 @@ def _exec_failure_code(exc: OSError) -> int:
     return ExitCode.SETUP
 
 
-def through_mpi4py(command: list[str], program: str) -> list[str]:
-    """``python x.py``, ``python -m mod``, ``python -c code`` as ``python -m mpi4py ...`` when mpi4py is there.
+#: The runner of Python ranks (a module: the rank's interpreter finds mpsrun where it finds mpi4py).
+PYRUN = "mpsrun.rank.pyrun"
 
-    mpi4py's runner calls MPI_Abort for an uncaught exception or ``sys.exit(N)`` (only if the
-    program imported MPI), instead of MPI_Finalize, which waits forever for ranks that never come.
-    Only this interpreter is known to have mpi4py (the controller checked); other commands run as given.
+
+def through_mpi4py(command: list[str], program: str) -> list[str]:
+    """``python x.py``, ``python -m mod``, ``python -c code`` as ``python -m mpsrun.rank.pyrun ...``.
+
+    That runner (:mod:`mpsrun.rank.pyrun`) keeps mpi4py's rule, MPI_Abort for an uncaught exception or
+    ``sys.exit(N)`` (only if the program imported MPI) instead of MPI_Finalize, which waits forever for
+    ranks that never come, and reports errors as ``python x.py`` does. Only this interpreter is known to
+    have mpi4py and mpsrun (the controller checked); other commands run as given.
     """
     if os.path.realpath(program) != os.path.realpath(sys.executable) or len(command) < 2:
         return command
     first = command[1]
     interpreter_option = first.startswith("-") and first not in ("-m", "-c")  # -u, -X, -: left alone
-    if interpreter_option or command[1:3] == ["-m", "mpi4py"]:
+    if interpreter_option or command[1:3] in (["-m", "mpi4py"], ["-m", PYRUN]):
         return command
-    return [command[0], "-m", "mpi4py", *command[1:]]
+    return [command[0], "-m", PYRUN, *command[1:]]
 
 
 def rank_env(base: Mapping[str, str], welcome: Mapping[str, Any]) -> dict[str, str]:

@@ -29,6 +29,7 @@ __all__ = [
     "flush_output",
     "inherited_fds",
     "kill_group",
+    "own_module",
     "parent_pid",
     "pidfd",
     "python_without_site",
@@ -72,13 +73,19 @@ def python_without_site(module: str) -> list[str]:
 
     For mpsrun's own processes that start once per rank or per session (rank supervisors, reapers): no
     site-packages scan and no ``.pth`` hooks (tens of milliseconds on machines with many packages), so
-    such a module imports only the standard library (a test holds that line). mpsrun is found where this
-    process found it, and nothing is imported from the working directory (``-c`` puts it first on the
-    path, where another checkout of mpsrun, or a ``math.py``, would otherwise win).
+    such a module imports only the standard library (a test holds that line).
     """
+    return own_module(module, site=False)
+
+
+def own_module(module: str, site: bool = True) -> list[str]:
+    """The command that runs mpsrun's ``module.main(sys.argv[1:])`` in a new interpreter (``site``: with
+    site-packages). mpsrun is found where this process found it, and nothing is imported from the working
+    directory (``-m`` and ``-c`` put it first on the path, where another checkout of mpsrun, or a
+    ``math.py``, would otherwise win)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return [sys.executable, "-S", "-c", f"import sys; sys.path[:] = [{root!r}, *(p for p in sys.path if p)]; "
-            f"from {module} import main; "
+    return [sys.executable, *(() if site else ("-S",)), "-c",
+            f"import sys; sys.path[:] = [{root!r}, *(p for p in sys.path if p)]; from {module} import main; "
             "from mpsrun.runtime.processes import exit_now; exit_now(main(sys.argv[1:]))"]
 
 

@@ -51,7 +51,8 @@ MESSAGES: dict[str, Message] = {
     "note": Message("up", {"text": str}),
     # down: the controller's answers and orders
     "welcome": Message("down", {}, {"env": dict, "managed": list, "restore": dict, "tag": bool, "grace": _NUMBER,
-                                    "mpi4py_abort": bool, "output_lock": (str, _OPTIONAL), "lines": list}),
+                                    "mpi4py_abort": bool, "output_lock": (str, _OPTIONAL),
+                                    "output_dir": (str, _OPTIONAL), "lines": list}),
     "refuse": Message("down", {}, {"exit_code": int, "message": str, "retry": bool, "linger": bool}),
     "signal": Message("down", {"signal": int}, {"ranks": list}),
     "verdict": Message("down", {"rank": int, "exit_code": int}, {"lines": list, "linger": bool}),

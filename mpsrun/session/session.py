@@ -45,9 +45,8 @@ SESSION_VARIABLES = ("CUDA_VISIBLE_DEVICES", *MANAGED_VARIABLES)
 class Session:
     """A running (or ready to run) set of private MPS daemons, one per GPU.
 
-    Make one with :func:`mps_session`; use it as a context manager, or call
-    :meth:`start` and :meth:`close` yourself. Arguments are checked when it is made,
-    before anything starts.
+    Make one with :func:`mps_session`; use it as a context manager, or call :meth:`start` and :meth:`close`
+    yourself. Arguments are checked when it is made, before anything starts.
 
     Args:
         gpu: one GPU, by index among the visible GPUs or by UUID (default 0).
@@ -58,8 +57,8 @@ class Session:
         priority: client priority, 0 (normal) or 1 (below normal).
         tmpdir: where session directories go (default ``$MPSRUN_TMPDIR``,
             ``$XDG_RUNTIME_DIR`` or ``/tmp``).
-        mps: ``"auto"`` runs without MPS (and says why) when there is no driver or
-            control daemon; ``"on"`` raises instead; ``"off"`` never starts MPS.
+        mps: ``"auto"`` runs without MPS (and says why) when there is no driver or control daemon (GPUs
+            named are then ignored, with a word); ``"on"`` raises instead; ``"off"`` never starts MPS.
         keep_logs: keep the session directory (with the daemon logs) after exit.
         export: set the workers' variables in ``os.environ`` during the session so
             ``multiprocessing`` and ``subprocess`` children inherit them (default: yes
@@ -88,6 +87,7 @@ class Session:
         workers: int | None = None,
     ) -> None:
         self._requested = values.parse_gpu_arguments(gpu, gpus)
+        self._named = self._requested is not None and (gpu is not None or gpus is not None)  # not the default
         self.mps = values.parse_choice(mps, values.MPS_MODES, "mps")
         self.thread_percentage = None if thread_percentage is None else \
             values.parse_thread_percentage(thread_percentage)
@@ -169,18 +169,16 @@ class Session:
               defaults: DaemonDefaults | None = None) -> Session:
         """Start the daemons and wait until each GPU's server is ACTIVE.
 
-        ``wait_active=False`` returns once every daemon answers and has its settings, with
-        the servers still starting (clients that connect meanwhile are queued by the
-        daemon); call :meth:`wait_active` before relying on them. The launcher (``kind``
-        ``"job"``) and node keepers (``"node"``, with a fixed ``name``) always get a
-        directory, for their control socket, even without MPS; their servers start with
-        the first client, as a hand-started daemon's do (a job that never uses the GPU
-        pays for none), and their watch checks each server once its first client is in.
-        ``meanwhile`` runs while the daemons come up (never without MPS). ``claim``: the
-        directory, made already (the launcher makes it before mpiexec starts); the session
-        releases it on :meth:`close`, also after a failed start (not before: mpiexec's ranks
-        may still reach the control socket in it). ``defaults``: the daemons' limits when the ranks' own plans
-        decide them (the launcher's, a node keeper's), instead of the session's arguments.
+        ``wait_active=False`` returns once every daemon answers and has its settings, with the servers still
+        starting (clients that connect meanwhile are queued by the daemon); call :meth:`wait_active` before
+        relying on them. The launcher (``kind`` ``"job"``) and node keepers (``"node"``, with a fixed ``name``)
+        always get a directory, for their control socket, even without MPS; their servers start with the first
+        client, as a hand-started daemon's do (a job that never uses the GPU pays for none), and their watch
+        checks each server once its first client is in. ``meanwhile`` runs while the daemons come up (never
+        without MPS). ``claim``: the directory, made already (the launcher makes it before mpiexec starts); the
+        session releases it on :meth:`close`, also after a failed start (not before: mpiexec's ranks may still
+        reach the control socket in it). ``defaults``: the daemons' limits when the ranks' own plans decide
+        them (the launcher's, a node keeper's), instead of the session's arguments.
         """
         self.resolve()
         if self._state != "resolved":
@@ -195,7 +193,9 @@ class Session:
                 self._start_daemons("lazy" if kind != "api" else "active" if wait_active else "requested", meanwhile)
                 self.enabled = True
             elif kind == "api":  # the launcher and node keepers say themselves why MPS is off
-                log.warning("mpsrun: running without MPS: %s", self.disabled_reason)
+                ignored = self._named and not self.gpus  # no driver: the GPUs named could not even be looked for
+                log.warning("mpsrun: running without MPS: %s%s", self.disabled_reason,
+                            f"; GPU {', '.join(map(str, self._requested or ()))} ignored" if ignored else "")
             if self.export is not False and self._daemons.one_view and kind == "api":
                 self._export(self.env())
         except BaseException:
@@ -281,19 +281,18 @@ class Session:
     def detach_clients(self, pids: Iterable[int]) -> list[int]:
         """Ask our servers to end the work of those ``pids`` that are their clients.
 
-        NVIDIA documents ``terminate_client`` as the safe way to stop a client with GPU
-        work in flight (killing it outright is undefined behaviour for the others).
-        Returns the PIDs detached.
+        NVIDIA documents ``terminate_client`` as the safe way to stop a client with GPU work in flight (killing
+        it outright is undefined behaviour for the others). Returns the PIDs detached.
         """
         return self._daemons.detach(pids)
 
     def verify(self, pids: Iterable[int] | None = None) -> list[int]:
         """Check that processes using our GPUs are clients of our MPS servers.
 
-        ``pids`` defaults to every descendant of this process. A process holding a CUDA
-        context on one of the session's GPUs without being a client of our server ran
-        into CUDA's silent fallback: :class:`NotMPSClientError` names it. Processes with no
-        context yet are not judged. Returns the PIDs verified as clients.
+        ``pids`` defaults to every descendant of this process. A process holding a CUDA context on one of the
+        session's GPUs without being a client of our server ran into CUDA's silent fallback:
+        :class:`NotMPSClientError` names it. Processes with no context yet are not judged. Returns the PIDs
+        verified as clients.
         """
         if not self.enabled:
             return []

@@ -325,9 +325,22 @@ def _this_memory() -> Memory:
     global _memory
     if _memory is None:
         _memory = memory_for_this_process()
-        if _memory[1] is not None:
+        if _memory[1] is not None and _first_to_say("host-memory"):
             log.warning("mpsrun.shared.api: %s: sharing host memory as read-only NumPy arrays", _memory[1])
     return _memory[0]
+
+
+def _first_to_say(notice: str) -> bool:
+    """Whether this process is the session's first to give ``notice`` (said once per node, not once per rank)."""
+    session = os.environ.get(SESSION_DIR_VARIABLE)
+    try:
+        if session:
+            os.close(os.open(os.path.join(session, f"said.{notice}"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        return False
+    except OSError:  # an unusable session directory: the call fails next, with its own message
+        pass
+    return True
 
 
 def _directory() -> Path:

@@ -15,6 +15,7 @@ counted. Each figure is the median of several repeats.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -26,13 +27,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpsrun.errors import MPSError
+from mpsrun.errors import MPSError, NoDriverError
 from mpsrun.mps import gpus as gpu_info
+from mpsrun.mps.daemon import unavailable_reason
+from mpsrun.runtime.processes import own_module
 
 __all__ = ["BenchRow", "main", "measure", "run_bench"]
 
 MODES = ("timesliced", "mps", "reference")
-_WORKER = [sys.executable, "-m", "mpsrun.tools.benchwork"]
+_WORKER = own_module("mpsrun.tools.benchwork")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,9 +60,7 @@ class BenchRow:
 def _mpsrun(ranks: int, mps: str, worker: Sequence[str]) -> list[str]:
     # One GPU: the comparison is N ranks sharing a GPU.
     return [
-        sys.executable,
-        "-m",
-        "mpsrun",
+        *own_module("mpsrun.cli"),
         "-q",
         "-np",
         str(ranks),
@@ -231,8 +232,24 @@ def _rank_list(text: str) -> list[int]:
     return values
 
 
+def _check_prerequisites() -> None:
+    """Refuses, in one line, what cannot run the benchmark: no GPU, no CuPy, or no MPS."""
+    try:
+        visible = gpu_info.visible_gpus()
+    except NoDriverError as exc:
+        raise MPSError(f"bench needs an NVIDIA GPU: {exc.message}") from None
+    if not visible:
+        raise MPSError("bench needs an NVIDIA GPU: none is visible (check CUDA_VISIBLE_DEVICES)")
+    if importlib.util.find_spec("cupy") is None:
+        raise MPSError("bench needs CuPy for its kernels: pip install 'mpsrun[cuda12]' or 'mpsrun[cuda13]'")
+    reason = unavailable_reason("auto")
+    if reason is not None:
+        raise MPSError(f"bench compares MPS with time-slicing, but MPS cannot run here: {reason}")
+
+
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="mpsrun bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="mpsrun bench", description=__doc__.split("\n\n")[0].replace("``", ""),
+                                     epilog="It needs an NVIDIA GPU, MPS and CuPy.")
     parser.add_argument("--ranks", type=_rank_list, default=[1, 2, 4, 8, 16], help="rank counts (1,2,4,8,16)")
     parser.add_argument("--repeats", type=_positive(int), default=3, help="repeats per figure; the median is shown (3)")
     parser.add_argument("--kernel-ms", type=_positive(float), default=8.0, help="one kernel's time when alone (8)")
@@ -241,11 +258,14 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--plot", metavar="FILE.png", help="also draw the figure (needs matplotlib)")
     args = parser.parse_args(argv)
     try:
+        _check_prerequisites()
         rows, meta = run_bench(args.ranks, args.repeats, args.kernel_ms, args.launches)
         if args.plot:
             plot(rows, args.plot)
     except MPSError as exc:
         print(f"mpsrun bench: error: {exc}", file=sys.stderr)
+        if args.json:  # a script reading stdout learns why, too
+            print(json.dumps({"error": str(exc)}))
         return 3
     if args.json:
         payload = {

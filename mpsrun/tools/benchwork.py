@@ -1,6 +1,7 @@
 """The benchmark's GPU work: one rank of ``mpsrun bench`` (or the one-process reference).
 
-``python -m mpsrun.tools.benchwork --sync DIR --iters K [--streams S]``
+``python -m mpsrun.tools.benchwork --sync DIR --iters K [--streams S]`` (bench runs it as
+:func:`mpsrun.runtime.processes.own_module` does: this installation's, wherever it is started)
 
 Each kernel does a fixed amount of dependent arithmetic (``K`` fused multiply-adds per
 thread, 8 blocks of 256 threads: a small kernel that leaves most SMs idle). Unlike a
@@ -92,14 +93,14 @@ def run(sync: Path, iters: int, launches: int, streams: int, ident: str) -> dict
     return result
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="one rank of mpsrun bench")
     parser.add_argument("--sync", type=Path)
     parser.add_argument("--iters", type=int, default=1 << 20)
     parser.add_argument("--launches", type=int, default=20)
     parser.add_argument("--streams", type=int, default=1)
     parser.add_argument("--calibrate", type=float, default=None, metavar="MS")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.calibrate is not None:
         print(calibrate(args.calibrate))
         return 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 import types
 
 import numpy
-from numpy import asarray, float32, float64, int32, int64, ndarray, uint8  # noqa: F401 - CuPy's names
+from numpy import arange, asarray, float32, float64, int32, int64, ndarray, uint8  # noqa: F401 - CuPy's names
 
 cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0))
 _pool = types.SimpleNamespace(free_all_blocks=lambda: None)

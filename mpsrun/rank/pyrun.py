@@ -1,0 +1,61 @@
+"""``python -m mpsrun.rank.pyrun [FILE | -m MODULE | -c CODE] ARGS...``: a Python rank under mpi4py's runner rules.
+
+mpi4py's runner (``python -m mpi4py``) calls ``MPI_Abort`` for an uncaught exception or ``sys.exit(N)``
+instead of ``MPI_Finalize``, which waits forever for ranks that never come. Run bare, it also adds its
+own and ``runpy``'s frames to every traceback, and a missing script becomes a 12-line traceback. This
+runner keeps the abort and reports errors as ``python FILE`` does: the program's frames only, and one
+line (exit code 2) for a script that cannot be opened.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from types import TracebackType
+
+from mpi4py.run import run_command_line, set_abort_status
+
+__all__ = ["main"]
+
+#: Where the frames of the running machinery come from (``<frozen runpy>`` on Python 3.11 and later).
+_MACHINERY = {runpy.run_path.__code__.co_filename, run_command_line.__code__.co_filename, __file__}
+
+
+def program_frames(tb: TracebackType | None) -> TracebackType | None:
+    """``tb`` from the program's first frame on (None where the error came before the program ran)."""
+    while tb is not None and tb.tb_frame.f_code.co_filename in _MACHINERY:
+        tb = tb.tb_next
+    return tb
+
+
+def _unopenable(args: list[str], exc: BaseException) -> bool:
+    """Whether ``exc`` says that the script itself could not be opened (Python's own exit code 2)."""
+    return (isinstance(exc, OSError) and bool(args) and args[0] not in ("-m", "-c", "-")
+            and exc.filename is not None and os.path.abspath(exc.filename) == os.path.abspath(args[0]))
+
+
+def main(args: list[str]) -> int:
+    """Runs the program of ``args``; reports its uncaught exception as Python does; returns the exit code."""
+    try:
+        run_command_line(args)
+    except (SystemExit, KeyboardInterrupt) as exc:
+        set_abort_status(exc)
+        raise
+    except BaseException as exc:
+        tb = program_frames(exc.__traceback__)
+        if tb is None and _unopenable(args, exc):
+            assert isinstance(exc, OSError)
+            print(f"{sys.executable}: can't open file {os.path.abspath(args[0])!r}: [Errno {exc.errno}] "
+                  f"{exc.strerror}", file=sys.stderr)
+            code = 2
+        else:
+            sys.excepthook(type(exc), exc.with_traceback(tb), tb)  # the default hook reads the exception's own
+            code = 1
+        set_abort_status(code)
+        return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
