@@ -73,7 +73,8 @@ environment:
   MPSRUN_TMPDIR: where session directories go (default $XDG_RUNTIME_DIR, else /tmp).
   Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, CUDA_VISIBLE_DEVICES (its GPU's
   UUID), CUDA_MPS_PIPE_DIRECTORY and, when set, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,
-  CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, CUDA_MPS_CLIENT_PRIORITY.
+  CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, CUDA_MPS_CLIENT_PRIORITY; and MASTER_ADDR, MASTER_PORT for
+  torch.distributed's env:// (unless set here).
 """
 
 

@@ -20,7 +20,7 @@ from helpers import PATHS, gpu_job_argv, run_job, settle
 
 #: What mpsrun gives every rank (README, "The command").
 DOCUMENTED = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MPSRUN_RANK", "MPSRUN_GPU", "MPSRUN_SESSION_DIR",
-              "CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"}
+              "CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "MASTER_ADDR", "MASTER_PORT"}
 #: What MPI launchers and batch systems give their processes (by prefix).
 LAUNCHERS = ("OMPI_", "PMI", "HYDRA_", "HYDI_", "MPI_LOCAL", "OPAL_", "PRTE_", "SLURM_", "MPIR_", "I_MPI_", "PALS_",
              "MV2_", "GFORTRAN_UNBUFFERED_PRECONNECTED")

@@ -24,6 +24,7 @@ __all__ = [
     "MPS_MODES",
     "GpuList",
     "ThreadSpec",
+    "hostfile_lines",
     "parse_choice",
     "parse_count",
     "parse_export",
@@ -220,16 +221,21 @@ def parse_hosts(value: object, setting: str = "--hosts") -> tuple[str, ...]:
     return hosts
 
 
-def parse_hostfile(value: object, setting: str = "--hostfile") -> str:
-    """A host file: a readable file naming at least one host (``host``, ``host:N`` or ``host slots=N`` lines)."""
-    path = str(value)
+def hostfile_lines(path: str, setting: str = "--hostfile") -> list[str]:
+    """The host lines of a host file (comments and blank lines left out)."""
     try:
         with open(path) as hostfile:
             lines = [line.split("#", 1)[0].strip() for line in hostfile]
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read host file {path!r}: {getattr(exc, 'strerror', None) or exc}",
                           setting=setting, value=path) from None
-    hosts = [line for line in lines if line]
+    return [line for line in lines if line]
+
+
+def parse_hostfile(value: object, setting: str = "--hostfile") -> str:
+    """A host file: a readable file naming at least one host (``host``, ``host:N`` or ``host slots=N`` lines)."""
+    path = str(value)
+    hosts = hostfile_lines(path, setting)
     if not hosts:
         raise ConfigError(f"host file {path!r} names no host", setting=setting, value=path)
     for line in hosts:

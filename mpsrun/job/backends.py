@@ -21,7 +21,13 @@ from mpsrun.config.options import JobConfig, option_variables
 from mpsrun.errors import ConfigError
 from mpsrun.job import mpiexec as mpi
 from mpsrun.job.launch import LaunchSpec
-from mpsrun.runtime.constants import CONFIG_VARIABLE, CONTROL_VARIABLES, JOB_ID_VARIABLE, SERVER_AFTER
+from mpsrun.runtime.constants import (
+    CONFIG_VARIABLE,
+    CONTROL_VARIABLES,
+    JOB_ID_VARIABLE,
+    RENDEZVOUS_VARIABLES,
+    SERVER_AFTER,
+)
 from mpsrun.runtime.processes import python_without_site
 
 __all__ = ["Backend", "HostsBackend", "LocalBackend", "MpiexecBackend", "choose_backend"]
@@ -92,7 +98,7 @@ class HostsBackend(MpiexecBackend):
 
     name, control, owns_daemons, head_start = "hosts", "tcp", False, False
     server_after: float | None = None
-    EXPORT = (*CONTROL_VARIABLES, JOB_ID_VARIABLE)
+    EXPORT = (*CONTROL_VARIABLES, JOB_ID_VARIABLE, *RENDEZVOUS_VARIABLES)  # Open MPI passes no other to a host
 
     def __init__(self, mpiexec: str) -> None:
         super().__init__(mpiexec)

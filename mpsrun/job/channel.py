@@ -10,26 +10,42 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+from collections.abc import Mapping
 
 from mpsrun.errors import MPSError
 from mpsrun.job.launch import Launched, LaunchSpec
 from mpsrun.job.outcome import ranges
-from mpsrun.runtime.constants import CONTROL_VARIABLE, JOB_ID_VARIABLE, TOKEN_VARIABLE
+from mpsrun.runtime.constants import CONTROL_VARIABLE, JOB_ID_VARIABLE, RENDEZVOUS_VARIABLES, TOKEN_VARIABLE
 from mpsrun.runtime.interrupts import uninterrupted
 from mpsrun.runtime.protocol import Listener, new_token
 
-__all__ = ["ControlChannel"]
+__all__ = ["ControlChannel", "free_port", "rendezvous"]
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (the kernel's choice), for a rendezvous of the job's ranks."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return int(probe.getsockname()[1])
+
+
+def rendezvous(host: str, port: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """torch.distributed's ``env://`` rendezvous, as torchrun gives it: ``MASTER_ADDR``, rank 0's ``host``, and
+    ``MASTER_PORT``, one ``port`` for the whole job. What the caller set (``environ``) is left alone."""
+    found = dict(zip(RENDEZVOUS_VARIABLES, (host.split(":", 1)[0], str(port)), strict=True))
+    return {name: value for name, value in found.items() if name not in environ}
 
 
 class ControlChannel:
     """Where the job's rank supervisors reach its controller: ``listener``, ``token`` and the environment that names
-    them (``env``: the caller's, plus those variables); and the MPI launcher when it starts ahead of the session
-    (``early``), until the controller takes it."""
+    them (``env``: the caller's, plus ``extra`` and those variables); and the MPI launcher when it starts ahead of
+    the session (``early``), until the controller takes it."""
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, extra: Mapping[str, str] | None = None) -> None:
         self.token = new_token()
         self.listener = Listener(where)
-        self.env = {**os.environ, CONTROL_VARIABLE: self.listener.address, TOKEN_VARIABLE: self.token,
+        self.env = {**os.environ, **(extra or {}), CONTROL_VARIABLE: self.listener.address, TOKEN_VARIABLE: self.token,
                     JOB_ID_VARIABLE: self.token[:16]}
         self.early: Launched | None = None
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from mpsrun.config import values
 from mpsrun.config.options import JobConfig
 from mpsrun.errors import (
     CommandNotExecutableError,
@@ -27,7 +28,7 @@ from mpsrun.errors import (
 )
 from mpsrun.exitcodes import ExitCode
 from mpsrun.job.backends import Backend, choose_backend
-from mpsrun.job.channel import ControlChannel
+from mpsrun.job.channel import ControlChannel, free_port, rendezvous
 from mpsrun.job.mpiexec import mpi4py_available
 from mpsrun.mps import gpus
 from mpsrun.rank.identity import RankIdentity
@@ -71,6 +72,16 @@ def resolve_command(command: tuple[str, ...]) -> str:
     return program
 
 
+def first_host(config: JobConfig) -> str:
+    """Where rank 0 runs: the first host of ``--hosts`` or of the host file (MPI launchers fill hosts in
+    order), else this one."""
+    if config.hosts:
+        return config.hosts[0]
+    if config.hostfile:
+        return values.hostfile_lines(config.hostfile)[0].split()[0]
+    return "127.0.0.1"
+
+
 def make_output_dir(path: str | None) -> None:
     """``--output-filename``'s directory, made here first: a directory that cannot be made is one line, not one
     per rank (each rank's supervisor makes its own ``rank.N`` in it)."""
@@ -112,7 +123,8 @@ class Job:
                 if backend.owns_daemons:
                     gpus.read_ahead()  # while the directory, the socket and mpiexec's start are made
                     claim = SessionClaim(session_base(None), "job", keep_logs=self.config.keep_logs)
-                channel = ControlChannel(f"unix:{claim.dirs.control_socket}" if claim and claim.dirs else "tcp")
+                channel = ControlChannel(f"unix:{claim.dirs.control_socket}" if claim and claim.dirs else "tcp",
+                                         rendezvous(first_host(self.config), free_port(), os.environ))
                 if backend.head_start:
                     self._start_early(backend, program, channel, claim)
                 session = self._new_session() if claim else None

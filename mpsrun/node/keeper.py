@@ -29,6 +29,7 @@ from typing import Any
 
 from mpsrun.config.options import JobConfig
 from mpsrun.errors import ConfigError, DaemonTimeoutError, JobTimeoutError, MPSError
+from mpsrun.job.channel import free_port, rendezvous
 from mpsrun.job.controller import Policy
 from mpsrun.job.mpiexec import mpi4py_available
 from mpsrun.job.placement import daemon_defaults, welcome, without_mps
@@ -85,6 +86,7 @@ class NodeKeeper:
         reason = session.disabled_reason
         self._notices = [] if reason is None or config.quiet else without_mps(config, reason, bool(session.gpus))
         self._abort = config.mpi4py_abort == "on" and mpi4py_available()
+        self._rendezvous = rendezvous("127.0.0.1", free_port(), os.environ)  # for a job of this node only
         assert session.dirs is not None
         self.listener = Listener(f"unix:{session.dirs.control_socket}")
         common: dict[str, Any] = {"session": session, "expected": request.local_size, "close": self.close}
@@ -119,6 +121,8 @@ class NodeKeeper:
         session = self.session
         answer = welcome(identity, self.config, len(session.gpus), session.target, self._abort,
                          free=session.free_memory(), session_dir=str(session.dirs.root) if session.dirs else None)
+        if identity.world_size == self.request.local_size:  # one node: rank 0 is here, and so is the port
+            answer["env"].update(self._rendezvous)
         answer["lines"], self._notices = self._notices, []  # said once, by the first rank to join
         return answer
 

@@ -37,6 +37,8 @@ NODE_ID_VARIABLE = "MPSRUN_NODE_ID"
 #: started by absolute path puts its own bin and lib directories first (measured on the H100 machine), so a
 #: wrapper script's ``python3`` became the system's instead of the caller's virtual environment's.
 LAUNCHER_REWRITES = ("PATH", "LD_LIBRARY_PATH")
+#: torch.distributed's ``env://`` rendezvous (rank 0's host, one port per job), set as torchrun sets them.
+RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT")
 #: Where session directories go (else $XDG_RUNTIME_DIR, else /tmp).
 TMPDIR_VARIABLE = "MPSRUN_TMPDIR"
 
