@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import MPSRUN, PATHS, fake, job_argv, mpiexec, settle, wait_for
+from helpers import MPSRUN, PATHS, descendants, fake, job_argv, mpiexec, settle, wait_for
 
 from mpsrun.errors import SharedArrayError
 
@@ -128,8 +128,7 @@ def test_a_signal_ends_a_hosts_job_whose_mpiexec_never_starts_its_ranks(fake_gpu
     launcher = _fake_mpiexec(short_tmp, "exec sleep 300")
     job = subprocess.Popen([*MPSRUN, "-np", "2", "--grace", "1", "--hosts", "localhost", "--mpiexec", launcher,
                             "true"], stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: any("sleep" in " ".join(p.cmdline()) for p in psutil.Process(job.pid).children(recursive=True)),
-             30, "mpiexec did not start", proc=job)
+    wait_for(lambda: descendants(job, "sleep 300"), 30, "mpiexec did not start", proc=job)
     job.send_signal(signal.SIGTERM)
     _, err = job.communicate(timeout=30)
     assert job.returncode == 143, err
