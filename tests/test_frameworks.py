@@ -81,8 +81,38 @@ def test_torch_distributed_gloo_over_env_on_one_gpu(path, monkeypatch):
     pytest.importorskip("torch")
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.delenv("MASTER_PORT", raising=False)
-    argv = gpu_job_argv(path, [], [sys.executable, "-c", TORCH], ranks=4)
+    argv = gpu_job_argv(path, ["-v"], [sys.executable, "-c", TORCH], ranks=4)
     out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["sum", "10.0"] * 4, out.stdout
     assert "4 of 4 ranks connected to MPS" in out.stderr, out.stderr
+
+
+#: Rank 1 fails; rank 0, when stopped, signals its own supervisor, as Open MPI's mpiexec SIGTERMs every
+#: remaining rank process once one has failed.
+LAUNCHER_ENDS_THE_REST = """
+import os, signal, sys, time
+if os.environ["RANK"] == "0":
+    def stopped(number, frame):
+        os.kill(os.getppid(), signal.SIGTERM)
+        time.sleep(1)
+        sys.exit(143)
+    signal.signal(signal.SIGTERM, stopped)
+    open(os.path.join(sys.argv[1], "ready"), "w").close()
+    time.sleep(60)
+else:
+    while not os.path.exists(os.path.join(sys.argv[1], "ready")):
+        time.sleep(0.02)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_no_false_interrupt_when_the_launcher_ends_a_failed_job(path, fake_gpu, short_tmp):
+    """A rank fails (JAX out of memory, say) and the launcher then SIGTERMs the other ranks' supervisors: the job
+    ends with the failed rank's code and names it, and mpsrun does not say it received a SIGTERM (it did, on the
+    H100 under Open MPI)."""
+    out = run_job(path, [], [sys.executable, "-c", LAUNCHER_ENDS_THE_REST, str(short_tmp)], ranks=2)
+    assert out.returncode == 3, out.stderr
+    assert "rank 1" in out.stderr and "exited with code 3" in out.stderr, out.stderr
+    assert "received SIGTERM" not in out.stderr, out.stderr

@@ -199,6 +199,8 @@ class Controller:
         interrupt; a SIGINT from the same source again, later than a terminal and a launcher
         would deliver the same Ctrl-C twice, is the user's second Ctrl-C: kill at once.
         """
+        if self.judge.failed and self.interrupted_by is None:  # the launcher ending the other ranks of a failed
+            return  # job (Open MPI's mpiexec SIGTERMs them): no interrupt, and nothing to say
         now = time.monotonic()
         first = self._interrupts.setdefault(source, now)
         if self.interrupted_by is None or (sig == signal.SIGINT and now - first > SAME_INTERRUPT):
