@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -30,6 +31,12 @@ from helpers import (
     real_gpu_available,
     tagged_processes,
 )
+from hypothesis import settings
+
+# Hypothesis fails an example slower than 200 ms: on a loaded machine that is a timed test (a parser call took
+# 315 ms once). Speed is measured by benchmarks, never by tests.
+settings.register_profile("mpsrun", deadline=None)
+settings.load_profile("mpsrun")
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
@@ -40,6 +47,13 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Started under nohup, or in the background by a shell without job control, we inherit SIGHUP or SIGINT
+    # ignored, and so would every job a test starts (an ignored signal stays ignored across exec): the tests
+    # that send them need them at their defaults.
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if hasattr(config, "workerinput"):
         return
     os.environ["MPSRUN_TEST_RUN"] = uuid.uuid4().hex[:12]  # the run's name, for what its xdist workers share

@@ -132,7 +132,8 @@ def test_mps_on_without_driver_is_a_setup_failure(no_gpu):
 
 def test_mps_auto_without_driver_runs_the_ranks(no_gpu):
     """--mps auto where there is no driver runs the ranks without MPS and says so once."""
-    out = mpsrun("-np", 2, "--launcher", "local", sys.executable, "-c", "import os; print(os.environ['RANK'])")
+    out = mpsrun("-np", 2, "--launcher", "local", sys.executable, "-c",  # one write: under PYTHONUNBUFFERED=1
+                 "import os; os.write(1, os.environ['RANK'].encode() + b'\\n')")  # print() makes two, and they mix
     assert out.returncode == 0
     assert sorted(out.stdout.split()) == ["0", "1"]
     assert out.stderr.count("running without MPS") == 1
