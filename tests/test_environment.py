@@ -16,14 +16,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import PATHS, gpu_job_argv, run_job, settle
+from helpers import MPSRUN, PATHS, gpu_job_argv, mpiexec, run_job, settle
+
+from mpsrun.runtime.constants import LAUNCHER_PREFIXES
 
 #: What mpsrun gives every rank (README, "The command").
 DOCUMENTED = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MPSRUN_RANK", "MPSRUN_GPU", "MPSRUN_SESSION_DIR",
               "CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "MASTER_ADDR", "MASTER_PORT"}
-#: What MPI launchers and batch systems give their processes (by prefix).
-LAUNCHERS = ("OMPI_", "PMI", "HYDRA_", "HYDI_", "MPI_LOCAL", "OPAL_", "PRTE_", "SLURM_", "MPIR_", "I_MPI_", "PALS_",
-             "MV2_", "GFORTRAN_UNBUFFERED_PRECONNECTED")
+#: Open MPI narrows OCL_ICD_FILENAMES for its processes; where no mpsrun process knows the caller's value (a bare
+#: --per-node, --hosts) the rank has the launcher's, as under mpirun (README, "The command").
+OPEN_MPI_OWN = {"OCL_ICD_FILENAMES"}
 
 DUMP = "import json, os, sys\nopen(os.path.join(sys.argv[1], os.environ['RANK'] + '.json'), 'w').write(" \
        "json.dumps(dict(os.environ)))\n"
@@ -41,7 +43,7 @@ def differences(caller: dict[str, str], rank: dict[str, str]) -> dict[str, tuple
     """What differs between the caller's environment and a rank's, less what mpsrun and the launcher add."""
     names = (set(caller) | set(rank)) - DOCUMENTED
     return {name: (caller.get(name), rank.get(name)) for name in sorted(names)
-            if caller.get(name) != rank.get(name) and not name.startswith(LAUNCHERS)}
+            if caller.get(name) != rank.get(name) and not name.startswith(LAUNCHER_PREFIXES)}
 
 
 @pytest.mark.mpiexec
@@ -79,9 +81,10 @@ def test_what_mpsrun_manages_never_leaks_from_the_caller(fake_gpu, short_tmp, mo
 @pytest.mark.parametrize("path", PATHS)
 def test_a_ranks_environment_is_the_callers_under_open_mpi(short_tmp, monkeypatch, path):
     """The same on the GPU machine, real MPS and Open MPI: its mpiexec started by absolute path (as ``--mpiexec
-    /usr/bin/mpiexec`` does) rewrote PATH and LD_LIBRARY_PATH in every rank (a wrapper's ``python3`` became the
-    system's); now each rank has the caller's. Under a bare --per-node the launcher is started by name, as the
-    README says to."""
+    /usr/bin/mpiexec`` did) rewrote PATH and LD_LIBRARY_PATH in every rank (a wrapper's ``python3`` became the
+    system's), and it narrows OCL_ICD_FILENAMES; now each rank has the caller's values (the launcher's own
+    OCL_ICD_FILENAMES where no mpsrun process knows the caller's). Under a bare --per-node the launcher is
+    started by name, as the README says to."""
     monkeypatch.setenv("PATH", os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]))
     monkeypatch.setenv("LD_LIBRARY_PATH", os.pathsep.join([str(short_tmp / "mylib"), "/usr/lib"]))
     caller = callers_environment(short_tmp)
@@ -92,4 +95,29 @@ def test_a_ranks_environment_is_the_callers_under_open_mpi(short_tmp, monkeypatc
     assert out.returncode == 0, out.stderr
     for rank in (0, 1):
         env = json.loads((short_tmp / f"{rank}.json").read_text())
-        assert differences(caller, env) == {}, (path, rank)
+        allowed = OPEN_MPI_OWN if path in ("per-node", "hosts") else set()
+        assert set(differences(caller, env)) <= allowed, (path, rank, differences(caller, env))
+
+
+@pytest.mark.mpiexec
+def test_whatever_the_launcher_changes_of_the_callers_is_put_back(fake_gpu, short_tmp, monkeypatch):
+    """An mpiexec that changes, removes and prefixes the caller's variables (Open MPI narrows OCL_ICD_FILENAMES
+    and, started by absolute path, puts its directories first on PATH): every rank has the caller's values, and
+    what the launcher adds of its own (here HYDRA_EXTRA) stays."""
+    real = mpiexec()
+    wrapper = short_tmp / "wrapped" / "mpiexec"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f"#!/bin/sh\nexport MY_SETTING=changed PATH=/usr/bin:$PATH HYDRA_EXTRA=1\nunset MY_OTHER\n"
+                       f"exec {real} \"$@\"\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("MY_SETTING", "kept as given")
+    monkeypatch.setenv("MY_OTHER", "also kept")
+    caller = callers_environment(short_tmp)
+    out = subprocess.run([*MPSRUN, "-np", "2", "--launcher", "mpiexec", "--mpiexec", str(wrapper), sys.executable,
+                          "-c", DUMP, str(short_tmp)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for rank in (0, 1):
+        env = json.loads((short_tmp / f"{rank}.json").read_text())
+        assert differences(caller, env) == {}, rank
+        assert env["HYDRA_EXTRA"] == "1"
+    settle(fake_gpu)

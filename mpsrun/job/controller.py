@@ -199,8 +199,6 @@ class Controller:
         interrupt; a SIGINT from the same source again, later than a terminal and a launcher
         would deliver the same Ctrl-C twice, is the user's second Ctrl-C: kill at once.
         """
-        if self.judge.failed and self.interrupted_by is None:  # the launcher ending the other ranks of a failed
-            return  # job (Open MPI's mpiexec SIGTERMs them): no interrupt, and nothing to say
         now = time.monotonic()
         first = self._interrupts.setdefault(source, now)
         if self.interrupted_by is None or (sig == signal.SIGINT and now - first > SAME_INTERRUPT):
@@ -328,6 +326,11 @@ class JudgingController(Controller):
     def result(self, teardown_failure: str = "", late_signal: int | None = None) -> JobResult:
         return self.judge.result([s.end for s in self.ranks.values() if s.end is not None], teardown_failure,
                                  late_signal)
+
+    def interrupted(self, sig: int, source: int) -> None:
+        if self.judge.failed and self.interrupted_by is None:  # the launcher ending the other ranks of a failed
+            return  # job (Open MPI's mpiexec SIGTERMs them): no interrupt, and nothing to say
+        super().interrupted(sig, source)
 
     def fail(self, cause: str, code: int, message: str) -> None:
         self.judge.decide(cause, code, message)

@@ -28,10 +28,14 @@ FLAVOURS = ("openmpi", "mpich", "intel", "unknown")
 
 def find_mpiexec(explicit: str | None = None) -> str | None:
     """The mpiexec to use: ``explicit`` (``--mpiexec``, checked when it was parsed) if given, else the name of the
-    first of mpiexec and mpirun on PATH: started by name, not by absolute path, Open MPI leaves the ranks' PATH and
-    LD_LIBRARY_PATH as they are (by absolute path it puts its own directories first)."""
+    first of mpiexec and mpirun on PATH. Started by name, not by absolute path, Open MPI leaves the ranks' PATH and
+    LD_LIBRARY_PATH as they are (by absolute path it puts its own directories first), so an ``explicit`` absolute
+    path that PATH finds under its name is started by that name."""
     if explicit:
-        return explicit
+        name = os.path.basename(explicit)
+        found = shutil.which(name)
+        # The same directory, not just the same file: a launcher finds its helpers beside the path it was run by.
+        return name if found and os.path.abspath(found) == os.path.abspath(explicit) else explicit
     return next((name for name in ("mpiexec", "mpirun") if shutil.which(name)), None)
 
 

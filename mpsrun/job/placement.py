@@ -16,7 +16,13 @@ from mpsrun.errors import ConfigError
 from mpsrun.mps.environment import MANAGED_VARIABLES, GpuTarget, worker_variables
 from mpsrun.mps.limits import DaemonDefaults, auto_mem_limits
 from mpsrun.rank.identity import RankIdentity
-from mpsrun.runtime.constants import LAUNCHER_REWRITES, SESSION_DIR_VARIABLE
+from mpsrun.runtime.constants import (
+    CONTROL_VARIABLES,
+    JOB_ID_VARIABLE,
+    LAUNCHER_PREFIXES,
+    LAUNCHER_REWRITES,
+    SESSION_DIR_VARIABLE,
+)
 
 __all__ = ["RankPlan", "daemon_defaults", "gpu_of_rank", "plan_job", "plan_rank", "rank_environment",
            "ranks_on_gpus", "welcome", "without_mps"]
@@ -157,6 +163,16 @@ def without_mps(config: JobConfig, reason: str, gpus_seen: bool = True) -> list[
     return lines
 
 
+def callers_values(caller: Mapping[str, str]) -> dict[str, str | None]:
+    """What a rank takes from the caller's environment whatever its launcher did: every variable but those mpsrun
+    manages and the launchers' own, and PATH and LD_LIBRARY_PATH unset where the caller has none."""
+    own = {*MANAGED_VARIABLES, *CONTROL_VARIABLES, JOB_ID_VARIABLE}
+    values: dict[str, str | None] = {name: None for name in LAUNCHER_REWRITES}
+    values.update((name, value) for name, value in caller.items()
+                  if name not in own and not name.startswith(LAUNCHER_PREFIXES))
+    return values
+
+
 def welcome(identity: RankIdentity, config: JobConfig, ngpus: int, target_of: Callable[[int], GpuTarget | None],
             mpi4py_abort: bool, free: Sequence[int] = (), session_dir: str | None = None,
             output_lock: str | None = None, caller: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -174,7 +190,7 @@ def welcome(identity: RankIdentity, config: JobConfig, ngpus: int, target_of: Ca
         env.setdefault(SESSION_DIR_VARIABLE, session_dir)
     restore: dict[str, str | None] = {}
     if caller is not None:
-        restore.update((name, caller.get(name)) for name in LAUNCHER_REWRITES)
+        restore.update(callers_values(caller))
     for item in config.exports:  # -x: resolved where the command line was read
         name, given, value = item.partition("=")
         restore[name] = value if given else None

@@ -37,6 +37,10 @@ NODE_ID_VARIABLE = "MPSRUN_NODE_ID"
 #: started by absolute path puts its own bin and lib directories first (measured on the H100 machine), so a
 #: wrapper script's ``python3`` became the system's instead of the caller's virtual environment's.
 LAUNCHER_REWRITES = ("PATH", "LD_LIBRARY_PATH")
+#: What MPI launchers and batch systems set for their own processes (by prefix): theirs to set in a rank, even
+#: where the caller has a value (a rank's SLURM_PROCID is not the batch step's).
+LAUNCHER_PREFIXES = ("OMPI_", "PMI", "HYDRA_", "HYDI_", "MPI_LOCAL", "OPAL_", "PRTE_", "SLURM_", "MPIR_", "I_MPI_",
+                     "PALS_", "MV2_", "GFORTRAN_UNBUFFERED_PRECONNECTED", "HFI_", "IPATH_", "HWLOC_")
 #: torch.distributed's ``env://`` rendezvous (rank 0's host, one port per job), set as torchrun sets them.
 RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT")
 #: Where session directories go (else $XDG_RUNTIME_DIR, else /tmp).
