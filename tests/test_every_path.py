@@ -20,6 +20,7 @@ from helpers import (
     FAKECUDA,
     PATHS,
     PROGRAMS,
+    descendants,
     job_argv,
     mpiexec,
     reports,
@@ -171,7 +172,7 @@ def test_a_leaked_per_node_session_is_cleaned_by_the_next(fake_gpu, short_tmp):
     [root] = fake_gpu.session_dirs()
     record = json.loads((root / "session.json").read_text())
     keeper = psutil.Process(record["owner"]["pid"])
-    reaper = [p for p in keeper.children() if "mpsrun.session.reaper" in " ".join(p.cmdline())]
+    reaper = descendants(keeper.pid, "mpsrun.session.reaper")
     for proc in (*reaper, keeper):
         proc.send_signal(signal.SIGKILL)
     job.wait(timeout=60)
