@@ -22,6 +22,8 @@ try:
 except Exception as exc:  # ImportError, or CuPy's own error for a missing driver or device
     if os.environ.get("RANK", "0") == "0":
         print(f"per_rank_limits.py needs CuPy and an NVIDIA GPU: {type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.exit(1)
+    time.sleep(30)  # the others wait to be stopped: rank 0's line is the job's one word (mpsrun ends them)
     sys.exit(1)
 
 KERNEL = cupy.RawKernel(

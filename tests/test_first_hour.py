@@ -113,7 +113,8 @@ def test_help_fits_a_terminal():
 
 def test_np_glued_to_its_number(no_gpu):
     """``-np4`` is four ranks (it was refused as ``not 'p4'``)."""
-    out = mpsrun("-np4", "--launcher", "local", sys.executable, "-c", "import os; print(os.environ['WORLD_SIZE'])")
+    out = mpsrun("-np4", "--launcher", "local", sys.executable, "-c",
+                 "import os; os.write(1, os.environ['WORLD_SIZE'].encode() + b'\\n')")  # one write: lines never mix
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["4"] * 4
 
@@ -168,8 +169,8 @@ def test_x_gives_every_rank_the_callers_variables(path, fake_gpu, monkeypatch):
     options = ["-x", "FIRST_HOUR_CALLER", "-x", "FIRST_HOUR_GIVEN=a b=c", "-x", "FIRST_HOUR_UNSET"]
     if path == "hosts":
         options += ["--mpiexec-arg=-genv", "--mpiexec-arg=FIRST_HOUR_CALLER", "--mpiexec-arg=remote"]
-    code = ("import json, os; print(json.dumps([os.environ.get(name) for name in "
-            "('FIRST_HOUR_CALLER', 'FIRST_HOUR_GIVEN', 'FIRST_HOUR_UNSET')]))")
+    code = ("import json, os; os.write(1, json.dumps([os.environ.get(name) for name in "
+            "('FIRST_HOUR_CALLER', 'FIRST_HOUR_GIVEN', 'FIRST_HOUR_UNSET')]).encode() + b'\\n')")  # one write
     out = run_job(path, options, [sys.executable, "-c", code], ranks=2)
     assert out.returncode == 0, out.stderr
     assert [json.loads(line) for line in out.stdout.splitlines()] == [["the caller's", "a b=c", None]] * 2
