@@ -10,7 +10,8 @@ pipes open.
 
 It reads its :class:`KeeperRequest` (the node session's name, the job's configuration as data, and
 the job's controller under ``--hosts``) as JSON on stdin, forks into the background, and answers
-``ready`` or ``<exit code> <why>`` on stdout.
+``ready`` or ``<exit code> <why>`` on stdout. Its session's directory was reserved by the starting
+rank; it listens there before its daemons start, so the node's other ranks connect and wait.
 """
 
 from __future__ import annotations
@@ -43,27 +44,52 @@ from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.interrupts import Interrupts
 from mpsrun.runtime.processes import ensure_descriptors, exit_now
 from mpsrun.runtime.protocol import Link, Listener, connect
+from mpsrun.session.claim import SessionClaim
 from mpsrun.session.paths import user_root_lock
 from mpsrun.session.session import Session
 
-__all__ = ["NodeKeeper", "main"]
+__all__ = ["NodeKeeper", "failure_answer", "main", "turn_away"]
+
+HELLO_WAIT = 1.0  # a waiting rank's hello, already sent when it is turned away
 
 
-def _start_session(config: JobConfig, request: KeeperRequest, deadline: Deadline) -> Session:
-    """The node's MPS session, started (its limits as the node's ranks will have them)."""
+def _start_session(config: JobConfig, request: KeeperRequest, deadline: Deadline, claim: SessionClaim) -> Session:
+    """The node's MPS session, started in ``claim`` (its limits as the node's ranks will have them)."""
     session = Session(gpus=list(config.gpus) if config.gpus is not None else "all", mps=config.mps,
                       keep_logs=config.keep_logs, export=False, gpu_bind=config.gpu_bind,
                       start_timeout=max(0.1, deadline.cap(DAEMON_START_TIMEOUT)))
     try:
         session.resolve()
         defaults = daemon_defaults(config, len(session.gpus), request.local_size, session.free_memory())
-        session.start(kind="node", name=request.name, defaults=defaults)
+        session.start(kind="node", name=request.name, defaults=defaults, claim=claim)
     except DaemonTimeoutError as exc:
         if deadline.expired():
             raise JobTimeoutError(f"timed out after {config.timeout:g} s while this node's MPS daemons started "
                                   f"({exc})", timeout=config.timeout or 0.0) from None
         raise
     return session
+
+
+def failure_answer(exc: BaseException) -> tuple[int, str]:
+    """A keeper that cannot start: its exit code and the node's one line about it."""
+    if isinstance(exc, MPSError):
+        return exc.exit_code, str(exc)
+    if isinstance(exc, KeyboardInterrupt):
+        return 3, "this node's keeper was interrupted while its session started"
+    return 3, f"node keeper failed: {exc!r}"
+
+
+def turn_away(listener: Listener, base: Path, **refusal: Any) -> None:
+    """Answer every rank still waiting in the listener's backlog with ``refusal``, then close it; under the user's
+    lock, where ranks connect, so none comes between (a rank that meets a closed connection knows we died)."""
+    with user_root_lock(base):
+        listener.sock.setblocking(False)
+        while (link := listener.accept()) is not None:
+            with contextlib.suppress(OSError):
+                link.expect(("hello",), Deadline(HELLO_WAIT))  # sent right after connecting: read, then answer
+                link.send("refuse", **refusal)
+            link.close()
+        listener.close()
 
 
 def _upstream(request: KeeperRequest) -> Link:
@@ -79,16 +105,15 @@ def _upstream(request: KeeperRequest) -> Link:
 class NodeKeeper:
     """A node's started session and the controller over its ranks. Make one with :meth:`open`."""
 
-    def __init__(self, config: JobConfig, request: KeeperRequest, session: Session, upstream: Link | None,
-                 policy: Policy) -> None:
+    def __init__(self, config: JobConfig, request: KeeperRequest, session: Session, listener: Listener,
+                 upstream: Link | None, policy: Policy) -> None:
         self.config, self.request, self.session = config, request, session
         self.closed = False
         reason = session.disabled_reason
         self._notices = [] if reason is None or config.quiet else without_mps(config, reason, bool(session.gpus))
         self._abort = config.mpi4py_abort == "on" and mpi4py_available()
         self._rendezvous = rendezvous("127.0.0.1", free_port(), os.environ)  # for a job of this node only
-        assert session.dirs is not None
-        self.listener = Listener(f"unix:{session.dirs.control_socket}")
+        self.listener = listener
         common: dict[str, Any] = {"session": session, "expected": request.local_size, "close": self.close}
         self.controller: NodeSide = (
             RelayController(self.listener, request.name, self._welcome, policy, upstream=upstream, **common)
@@ -96,18 +121,26 @@ class NodeKeeper:
 
     @classmethod
     def open(cls, config: JobConfig, request: KeeperRequest) -> NodeKeeper:
-        """Start the node's session (bounded by --timeout) and, under --hosts, join the job's controller."""
+        """Claim the node session's reserved directory and listen in it (the node's other ranks connect and wait);
+        start the session (bounded by --timeout) and, under --hosts, join the job's controller."""
         deadline = Deadline(config.timeout)
         ensure_descriptors(request.local_size or 1)
-        session = _start_session(config, request, deadline)
+        claim = SessionClaim(Path(request.base), "node", request.name, config.keep_logs, reserved=True)
+        session = listener = None
         try:
+            assert claim.dirs is not None
+            listener = Listener(f"unix:{claim.dirs.control_socket}")
+            session = _start_session(config, request, deadline, claim)
             upstream = _upstream(request) if request.upstream else None
             policy = Policy(grace=config.grace, timeout=deadline.remaining() if config.timeout else None,
                             timeout_total=config.timeout, mps_required=config.mps == "on")
-            return cls(config, request, session, upstream, policy)
-        except BaseException:
+            return cls(config, request, session, listener, upstream, policy)
+        except BaseException as exc:
+            if listener is not None:  # the node's ranks that wait hear why, and start no keeper of their own
+                code, why = failure_answer(exc)
+                turn_away(listener, Path(request.base), failed=True, exit_code=code, message=why)
             with contextlib.suppress(MPSError):
-                session.close()
+                session.close() if session is not None else claim.release()
             raise
 
     def _welcome(self, identity: RankIdentity, hello: Mapping[str, Any]) -> dict[str, Any]:
@@ -133,12 +166,12 @@ class NodeKeeper:
         self.closed = True
         self.controller.table.stop_accepting()
         lines = self._closing_lines()
-        with user_root_lock(Path(self.request.base)):  # no rank may join a keeper that is closing
-            self.listener.close()
-            try:
-                self.session.close()
-            except MPSError as exc:
-                lines.append(str(exc))
+        turn_away(self.listener, Path(self.request.base), retry=True)  # come again, to a new keeper
+        # A late rank finds no socket and a live owner: it waits for the directory to go, then starts a keeper.
+        try:
+            self.session.close()
+        except MPSError as exc:
+            lines.append(str(exc))
         if self.config.keep_logs and self.session.dirs is not None:
             lines.append(f"kept this node's session logs in {self.session.dirs.root}")
         return lines
@@ -194,9 +227,9 @@ def _open(request: KeeperRequest) -> NodeKeeper | int:
             keeper = NodeKeeper.open(JobConfig.from_json(request.config), request)
     except Exception as exc:  # the starting rank must hear why, whatever it was
         started.set()
-        code = exc.exit_code if isinstance(exc, MPSError) else 3
+        code, why = failure_answer(exc)
         with contextlib.suppress(OSError):  # the starting rank may be gone
-            print(f"{code} {exc if isinstance(exc, MPSError) else f'node keeper failed: {exc!r}'}", flush=True)
+            print(f"{code} {why}", flush=True)
         return code
     started.set()
     return keeper

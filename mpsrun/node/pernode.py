@@ -15,6 +15,7 @@ use it, with separate ``MPSRUN_TMPDIR`` directories, to simulate several nodes o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -23,6 +24,7 @@ import select
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -34,9 +36,18 @@ from mpsrun.rank.identity import RankIdentity, identity_from_env, job_key
 from mpsrun.rank.join import greet, report_failure
 from mpsrun.rank.supervisor import run_rank
 from mpsrun.runtime.constants import CONTROL_VARIABLE, KEEPER_START_TIMEOUT, NODE_ID_VARIABLE, TOKEN_VARIABLE
+from mpsrun.runtime.deadline import Deadline, backoff
 from mpsrun.runtime.protocol import Link, connect
 from mpsrun.session import registry
-from mpsrun.session.paths import base_directory, make_user_root, user_root, user_root_lock, validate_base
+from mpsrun.session.paths import (
+    base_directory,
+    drop_reservation,
+    make_user_root,
+    reserve_session_name,
+    user_root,
+    user_root_lock,
+    validate_base,
+)
 
 __all__ = ["KeeperRequest", "node_session_name", "run_per_node"]
 
@@ -67,7 +78,7 @@ def node_session_name(env: Mapping[str, str]) -> str:
 
 
 def _start_keeper(base: Path, name: str, config: JobConfig, local_size: int | None) -> None:
-    """Start the node keeper and wait until it answers or says why it cannot."""
+    """Start the node keeper in the directory reserved for it and wait until it answers or says why it cannot."""
     request = KeeperRequest(name, str(base), config.to_json(), local_size, os.environ.get("CUDA_VISIBLE_DEVICES"),
                             os.environ.get(CONTROL_VARIABLE), os.environ.get(TOKEN_VARIABLE, ""))
     keeper = subprocess.Popen([sys.executable, "-m", "mpsrun.node.keeper"], stdin=subprocess.PIPE,
@@ -78,32 +89,72 @@ def _start_keeper(base: Path, name: str, config: JobConfig, local_size: int | No
     keeper.wait()  # it forks into the background at once and says ready on the pipe
     # The keeper bounds its own start-up by --timeout and then says so; a little later we stop waiting.
     wait = KEEPER_START_TIMEOUT if config.timeout is None else min(KEEPER_START_TIMEOUT, config.timeout + 10)
-    ready, _, _ = select.select([keeper.stdout], [], [], wait)
-    answer = keeper.stdout.readline().decode(errors="replace").strip() if ready else ""
-    keeper.stdout.close()
-    if answer != "ready":
-        code, _, message = answer.partition(" ")
-        if code == str(ExitCode.TIMEOUT) or (not answer and config.timeout is not None):
-            raise JobTimeoutError(message or f"timed out after {config.timeout:g} s while this node's session started",
-                                  timeout=config.timeout or 0.0)
-        error = ConfigError if code == str(ExitCode.USAGE) else MPSError
-        raise error(message or f"this node's session did not start within {wait:g} s")
+    with keeper.stdout:
+        ready, _, _ = select.select([keeper.stdout], [], [], wait)
+        line = keeper.stdout.readline() if ready else None
+    answer = line.decode(errors="replace").strip() if line else ""
+    if answer == "ready":
+        return
+    if line is None and config.timeout is not None:
+        raise JobTimeoutError(f"timed out after {config.timeout:g} s while this node's session started",
+                              timeout=config.timeout)
+    if not answer:
+        raise MPSError(f"this node's session did not start within {wait:g} s" if line is None
+                       else "this node's keeper ended before its session was ready")
+    code, _, message = answer.partition(" ")
+    raise keeper_failure(int(code) if code.isdigit() else ExitCode.SETUP, message)
 
 
-def _join_node(base: Path, name: str, config: JobConfig, local_size: int | None) -> tuple[Link, dict[str, Any] | None]:
-    with user_root_lock(base):
-        address = f"unix:{user_root(base) / name / 'control'}"
-        try:
-            return connect(address), None
-        except OSError:
-            pass  # no keeper: ours to start
-        stale = user_root(base) / name
-        if stale.exists():  # a keeper that died left it (or kept its logs)
-            registry.reap(stale, locked=True)
-            if stale.exists():
-                stale.rename(stale.with_name(f"{name}-{secrets.token_hex(3)}"))
+def keeper_failure(code: int, message: str) -> MPSError:
+    """The error a keeper that could not start answered with (its exit code and its line)."""
+    if code == ExitCode.TIMEOUT:
+        return JobTimeoutError(message, timeout=0.0)
+    return (ConfigError if code == ExitCode.USAGE else MPSError)(message)
+
+
+def _reserve(base: Path, name: str) -> str | None:
+    """Under the user's lock: reserve the node session's directory for a keeper of ours; None while another
+    keeper starts or closes in it. A dead keeper's directory is reaped first (or set aside, its logs kept)."""
+    directory = user_root(base) / name
+    if directory.exists() or directory.is_symlink():
+        if not registry.read_state(directory).stale:
+            return None
+        registry.reap(directory, locked=True)
+        if directory.exists():
+            directory.rename(directory.with_name(f"{name}-{secrets.token_hex(3)}"))
+    return reserve_session_name(base, name)
+
+
+def _connect_or_reserve(base: Path, name: str, address: str) -> Link | str:
+    """The node keeper's link; or, with no keeper, the directory reserved for ours. The user's lock is held only to
+    look and to reserve: another keeper's start-up or closing is waited for without it."""
+    deadline = Deadline(KEEPER_START_TIMEOUT)
+    for delay in backoff():
+        with user_root_lock(base):
+            with contextlib.suppress(OSError):
+                return connect(address)
+            made = _reserve(base, name)
+        if made is not None:
+            return made
+        if deadline.expired():
+            raise MPSError(f"this node's session was neither ready nor gone within {KEEPER_START_TIMEOUT:g} s")
+        time.sleep(delay)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _join_node(base: Path, name: str, config: JobConfig, local_size: int | None) -> Link:
+    """Connect to the node's keeper, starting it if there is none."""
+    address = f"unix:{user_root(base) / name / 'control'}"
+    found = _connect_or_reserve(base, name, address)
+    if isinstance(found, Link):
+        return found
+    try:
         _start_keeper(base, name, config, local_size)
-        return connect(address), None
+    except BaseException:
+        with user_root_lock(base):
+            drop_reservation(base, name, found)
+        raise
+    return connect(address)
 
 
 def run_per_node(config: JobConfig, environ: Mapping[str, str] | None = None) -> int:
@@ -130,11 +181,15 @@ def run_per_node(config: JobConfig, environ: Mapping[str, str] | None = None) ->
 
     def join(hello: Mapping[str, Any]) -> tuple[Link, dict[str, Any] | None]:
         for _ in range(JOIN_ATTEMPTS):
-            link, _ = _join_node(base, name, config, identity.local_world_size)
+            link = _join_node(base, name, config, identity.local_world_size)
             answer = greet(link, {**hello, "settings": config.settings()})
-            if answer is not None:
+            if answer is not None and not answer.get("retry") and not answer.get("failed"):
                 return link, answer
             link.close()
+            if answer is None:  # no answer, no refusal: the keeper died (and a new one would only hide why)
+                raise MPSError(f"this node's keeper ended before rank {rank} could join")
+            if answer.get("failed"):  # the keeper could not start: one line for the node, as its starter's
+                raise keeper_failure(answer.get("exit_code", ExitCode.SETUP), str(answer.get("message", "")))
         raise MPSError(f"--per-node: this node's session kept closing before rank {rank} could join")
 
     return run_rank(config.command, identity, join, token=name)

@@ -25,18 +25,18 @@ _TELL_TIMEOUT = 5.0  # a rank that cannot start, telling the job's controller wh
 
 
 def greet(link: Link, hello: Mapping[str, Any]) -> dict[str, Any] | None:
-    """Say hello; the controller's welcome or refusal, or None if it went away (or asked us to come again)."""
+    """Say hello; the controller's welcome or refusal (``retry``: come again), or None if it went away."""
     link.send("hello", **hello)
-    answer = link.expect(("welcome", "refuse"), Deadline(WELCOME_TIMEOUT))
-    return None if answer is not None and answer.get("retry") else answer
+    return link.expect(("welcome", "refuse"), Deadline(WELCOME_TIMEOUT))
 
 
 def direct(address: str) -> Join:
-    """Join the controller at ``address`` (the launcher's, or a node keeper's)."""
+    """Join the controller at ``address`` (the launcher's)."""
 
     def join(hello: Mapping[str, Any]) -> tuple[Link, dict[str, Any] | None]:
         link = connect(address)
-        return link, greet(link, hello)
+        answer = greet(link, hello)
+        return link, None if answer is not None and answer.get("retry") else answer
 
     return join
 

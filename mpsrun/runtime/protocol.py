@@ -53,7 +53,7 @@ MESSAGES: dict[str, Message] = {
     "welcome": Message("down", {}, {"env": dict, "managed": list, "restore": dict, "tag": bool, "grace": _NUMBER,
                                     "mpi4py_abort": bool, "output_lock": (str, _OPTIONAL),
                                     "output_dir": (str, _OPTIONAL), "lines": list}),
-    "refuse": Message("down", {}, {"exit_code": int, "message": str, "retry": bool, "linger": bool}),
+    "refuse": Message("down", {}, {"exit_code": int, "message": str, "retry": bool, "linger": bool, "failed": bool}),
     "signal": Message("down", {"signal": int}, {"ranks": list}),
     "verdict": Message("down", {"rank": int, "exit_code": int}, {"lines": list, "linger": bool}),
     "say": Message("down", {"text": str}),

@@ -42,10 +42,12 @@ class SessionClaim:
     """A session's directory (``dirs``), its record (``record``, rewritten by :meth:`update`) and its reaper.
 
     ``kind``: ``api``, ``job`` or ``node`` (see :mod:`mpsrun.session.record`); ``name``: a fixed name (a node
-    session's, which every local rank computes), else a fresh random one.
+    session's, which every local rank computes), else a fresh random one; ``reserved``: its directory is made
+    (by the node's starting rank).
     """
 
-    def __init__(self, base: Path, kind: str, name: str | None = None, keep_logs: bool = False) -> None:
+    def __init__(self, base: Path, kind: str, name: str | None = None, keep_logs: bool = False,
+                 reserved: bool = False) -> None:
         _remove_stale(base)
         self.keep_logs = keep_logs
         self.dirs: SessionDirs | None = None  # kept after release(): what it was, for a last word about it
@@ -55,9 +57,11 @@ class SessionClaim:
             name = name or new_session_name(base)
             with uninterrupted():  # first, for the path to come: a SIGKILL from here on leaves nothing behind
                 self._reaper = Reaper(user_root(base) / name)
-            self.dirs = SessionDirs.create(base, [], name=name)
+            self.dirs = SessionDirs.create(base, [], name=name, reserved=reserved)
             self.record = SessionRecord.new(kind, argv=tuple(sys.argv), keep_logs=keep_logs)
             self.record.write(self.dirs.record_file)
+            if reserved:  # after the record, which names us: the directory is never without an owner's mark
+                self.dirs.end_reservation()
         except BaseException as exc:
             self.release()
             if isinstance(exc, OSError) and not isinstance(exc, MPSError):  # the machine's refusal (no space left)

@@ -29,12 +29,15 @@ from mpsrun.runtime.constants import LOCK_TIMEOUT, TMPDIR_VARIABLE
 from mpsrun.runtime.deadline import Deadline, poll_until
 
 __all__ = [
+    "RESERVATION",
     "SOCKET_PATH_MAX",
     "SessionDirs",
     "base_directory",
     "check_private_dir",
+    "drop_reservation",
     "make_user_root",
     "new_session_name",
+    "reserve_session_name",
     "session_base",
     "user_root",
     "user_root_lock",
@@ -246,6 +249,38 @@ def _new_directory(root_fd: int) -> str:
         return name
 
 
+RESERVATION = "reserved"  # the file in a node session's directory until its keeper claims it
+
+
+def reserve_session_name(base: Path, name: str) -> str:
+    """Make the directory of the node session ``name`` for the keeper that will claim it, with a file that holds
+    a fresh token (returned), which tells this reservation from a later one of that name. FileExistsError if
+    there is a directory of that name."""
+    token = os.urandom(8).hex()
+    root_fd = _user_root_fd(base)
+    try:
+        os.mkdir(name, 0o700, dir_fd=root_fd)
+        session_fd = os.open(name, _DIR_FLAGS, dir_fd=root_fd)
+    finally:
+        os.close(root_fd)
+    try:
+        marker = os.open(RESERVATION, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=session_fd)
+        with open(marker, "w") as stream:
+            stream.write(token)
+    finally:
+        os.close(session_fd)
+    return token
+
+
+def drop_reservation(base: Path, name: str, token: str) -> None:
+    """Remove the directory :func:`reserve_session_name` made with ``token``, if no keeper claimed it (the keeper
+    died first, or refused)."""
+    path = user_root(base) / name
+    with contextlib.suppress(OSError):
+        if (path / RESERVATION).read_text() == token:
+            shutil.rmtree(path)
+
+
 def validate_base(base: Path) -> None:
     """Raise :class:`ConfigError` if sessions under ``base`` would overflow a socket path."""
     length = longest_socket_path(user_root(base))
@@ -283,11 +318,13 @@ class SessionDirs:
     root: Path
 
     @classmethod
-    def create(cls, base: Path, gpu_indices: list[int], name: str | None = None) -> SessionDirs:
+    def create(cls, base: Path, gpu_indices: list[int], name: str | None = None,
+               reserved: bool = False) -> SessionDirs:
         """Make a private session directory with a pipe and log directory per GPU.
 
         Without ``name`` the directory gets a fresh random name (made atomically); a node
-        session passes the name every local rank of a job computes. Made through directory
+        session passes the name every local rank of a job computes, its directory ``reserved``
+        by its starting rank (:func:`reserve_session_name`). Made through directory
         descriptors from the checked user root down: no path is resolved twice.
         """
         validate_base(base)
@@ -295,7 +332,7 @@ class SessionDirs:
         try:
             if name is None:
                 name = _new_directory(root_fd)
-            else:
+            elif not reserved:
                 os.mkdir(name, 0o700, dir_fd=root_fd)
             session_fd = _open_private(name, root_fd, user_root(base) / name, create=False)
         finally:
@@ -311,6 +348,11 @@ class SessionDirs:
         finally:
             os.close(parent_fd)
         _make_gpu_dirs(session_fd, gpu_indices)
+
+    def end_reservation(self) -> None:
+        """Claimed (its record written): the rank that reserved this directory leaves it to its owner now."""
+        with contextlib.suppress(FileNotFoundError):
+            (self.root / RESERVATION).unlink()
 
     @property
     def session_id(self) -> str:

@@ -1,4 +1,4 @@
-"""A session's reaper: ``python -m mpsrun.session.reaper SESSION_DIR``, started with every session.
+"""A session's reaper: ``python -m mpsrun.session.reaper SESSION_DIR OWNER_PID``, started with every session.
 
 It waits on a pipe from the session's owner. An owner that closes its session says so
 and the reaper exits. An owner that dies instead (SIGKILL, a crash, the OOM killer) only
@@ -35,7 +35,7 @@ class Reaper:
 
     def __init__(self, root: Path) -> None:
         self.process = subprocess.Popen(  # it imports nothing until its owner dies
-            [*python_without_site("mpsrun.session.reaper"), str(root)],
+            [*python_without_site("mpsrun.session.reaper"), str(root), str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -58,8 +58,8 @@ class Reaper:
 
 def main(argv: Sequence[str]) -> NoReturn:
     """Wait for the owner's word; reap the session if the owner died without it. Ends the process."""
-    if len(argv) != 1:
-        print("usage: python -m mpsrun.session.reaper SESSION_DIR", file=sys.stderr)
+    if len(argv) != 2 or not argv[1].isdigit():
+        print("usage: python -m mpsrun.session.reaper SESSION_DIR OWNER_PID", file=sys.stderr)
         os._exit(2)
     if sys.stdin.buffer.read() == _CLOSED:
         exit_now(0)  # the owner waits for this exit
@@ -69,7 +69,9 @@ def main(argv: Sequence[str]) -> NoReturn:
         site.main()
     from mpsrun.session.registry import reap  # the owner died: now the heavier imports are worth it
 
-    reap(Path(argv[0]), force=True)  # the pipe's end proves its owner gone, even before it wrote the record
+    # The pipe's end proves its owner gone, even before it wrote the record; a node session's directory may be
+    # another owner's by now (its name is fixed), and is then left to that owner.
+    reap(Path(argv[0]), force=True, owner=int(argv[1]))
     exit_now(0)
 
 

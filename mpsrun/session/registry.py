@@ -25,7 +25,7 @@ from mpsrun.errors import DaemonError, MPSError, MPSUnavailableError, RecordErro
 from mpsrun.mps.daemon import CONTROL_EXECUTABLE, find_control_executable
 from mpsrun.runtime.constants import SESSION_DIR_VARIABLE
 from mpsrun.runtime.deadline import Deadline, poll_until
-from mpsrun.session.paths import base_directory, user_root, user_root_lock
+from mpsrun.session.paths import RESERVATION, base_directory, user_root, user_root_lock
 from mpsrun.session.record import SessionRecord
 
 __all__ = ["SessionState", "cleanup", "list_sessions", "main", "reap"]
@@ -128,13 +128,22 @@ def _stop_daemons(record: SessionRecord) -> int:
     return stopped
 
 
+def _owned_by(state: SessionState, pid: int) -> bool:
+    """Whether the session at ``state.root`` is still the one process ``pid`` owned: a node session's fixed name
+    may have been reserved (a reservation and no record) or claimed (a record of another owner) again since."""
+    if state.record is not None:
+        return state.record.owner.pid == pid
+    return not (state.root / RESERVATION).exists()
+
+
 def reap(root: Path, force: bool = False, keep_logs: bool | None = None, lock_timeout: float = 60.0,
-         locked: bool = False) -> str | None:
+         locked: bool = False, owner: int | None = None) -> str | None:
     """End what a session whose owner is gone left behind, and remove it; what was done, or None.
 
-    A live owner's session is left alone unless ``force``. Runs under the user's lock (taken
-    here unless the caller holds it: ``locked``), so the reaper, ``cleanup``, node keepers
-    and new sessions never work on one directory at once.
+    A live owner's session is left alone unless ``force``; with ``owner``, so is a session that is no
+    longer that process's. Runs under the user's lock (taken here unless the caller holds it:
+    ``locked``), so the reaper, ``cleanup``, node keepers and new sessions never work on one
+    directory at once.
     """
     lock = contextlib.nullcontext() if locked else user_root_lock(root.parent.parent, lock_timeout)
     with lock:
@@ -144,6 +153,8 @@ def reap(root: Path, force: bool = False, keep_logs: bool | None = None, lock_ti
         if not root.is_dir():
             return None
         state = read_state(root)
+        if owner is not None and not _owned_by(state, owner):
+            return None
         record = state.record
         if not force and record is not None:
             poll_until(lambda: (not record.owner.alive()) or None, Deadline(5.0))  # a dying owner
@@ -156,8 +167,8 @@ def reap(root: Path, force: bool = False, keep_logs: bool | None = None, lock_ti
         keep = record.keep_logs if keep_logs is None and record is not None else bool(keep_logs)
         if not keep:
             shutil.rmtree(root, ignore_errors=True)
-    owner = f"owner {record.owner.pid}" if record is not None else f"no record ({state.problem})"
-    return f"{'kept' if keep else 'removed'} ({'forced, ' if forced else ''}{owner}, {stopped} daemon(s) stopped)"
+    whose = f"owner {record.owner.pid}" if record is not None else f"no record ({state.problem})"
+    return f"{'kept' if keep else 'removed'} ({'forced, ' if forced else ''}{whose}, {stopped} daemon(s) stopped)"
 
 
 def cleanup(base: Path | None = None, force: Sequence[str] = (), dry_run: bool = False,

@@ -1,0 +1,119 @@
+"""Per-node start-up under load and faults (issue 25, item 5): jobs of one user never queue behind each other's
+keepers, and a keeper that dies while it starts fails its node at once, in one line, leaving nothing.
+
+The first rank of a node reserves the node session's directory under the user's lock and starts the keeper
+without it; the other ranks wait for that keeper, not for the lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+
+import psutil
+import pytest
+from helpers import descendants, fake, job_argv, settle, wait_for
+
+from mpsrun.session import registry
+from mpsrun.session.paths import RESERVATION, SessionDirs, drop_reservation, reserve_session_name, user_root
+from mpsrun.session.record import SessionRecord
+
+
+def _without_faults() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items() if not name.startswith("FAKE_MPS_")}
+
+
+def _keeper(fake_gpu) -> psutil.Process | None:
+    """The node keeper of this fake machine once its daemon was started (its log exists), else None."""
+    if not list(fake_gpu.tmpdir.rglob("control.log")):
+        return None
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if "mpsrun.node.keeper" in " ".join(proc.info["cmdline"] or []) and \
+                    proc.environ().get("MPSRUN_FAKE_NVML") == str(fake_gpu.nvml_dir):
+                return proc
+    return None
+
+
+def _mpsrun_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("mpsrun")]
+
+
+@pytest.mark.mpiexec
+def test_a_slow_keeper_start_does_not_hold_up_another_job(fake_gpu, short_tmp):
+    """A per-node job whose daemon never answers is still starting while another job of the same user runs to
+    its end on the node (it waited for the first job's whole start-up under the user's lock: 14-21 of 30
+    concurrent jobs failed after 60 s)."""
+    fake_gpu.daemon_env(FAKE_MPS_NO_ANSWER="1")
+    slow = subprocess.Popen(job_argv("per-node", [], ["true"], ranks=2), stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: _keeper(fake_gpu), what="the slow job's keeper did not start its daemon", proc=slow)
+        quick = subprocess.run(job_argv("per-node", [], fake("--report-dir", str(short_tmp)), ranks=2),
+                               capture_output=True, text=True, timeout=120, env=_without_faults())
+        assert quick.returncode == 0, quick.stderr
+        assert slow.poll() is None, "the quick job ran only after the slow one's start-up ended"
+        assert all(json.loads(p.read_text())["mps"] for p in short_tmp.glob("*.json"))
+    finally:
+        for proc in descendants(slow, "--per-node"):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(signal.SIGTERM)
+        slow.communicate(timeout=60)
+    settle(fake_gpu)
+
+
+@pytest.mark.mpiexec
+def test_concurrent_per_node_jobs_all_run_and_leave_nothing(fake_gpu):
+    """Eight 2-rank per-node jobs of one user at once on one node: each exits 0, and no keeper, daemon or
+    directory outlives them."""
+    jobs = [subprocess.Popen(job_argv("per-node", ["--mps", "on"], fake("--hold", "0.5"), ranks=2),
+                             stderr=subprocess.PIPE, text=True) for _ in range(8)]
+    results = [(job.wait(timeout=240), job.communicate()[1]) for job in jobs]
+    assert all(code == 0 for code, _ in results), results
+    settle(fake_gpu)
+
+
+@pytest.mark.mpiexec
+@pytest.mark.parametrize("path", ["per-node", "hosts"])
+def test_a_keeper_killed_in_start_up_fails_its_node_at_once(fake_gpu, path):
+    """SIGKILL to the node keeper while its daemon does not answer: exit 3 and one line saying the keeper
+    ended, at once (another rank started a replacement keeper that waited out the daemon's 30 s, and the
+    dead keeper's reaper removed the replacement's directory: 'daemon died', 'did not start within 120 s')."""
+    fake_gpu.daemon_env(FAKE_MPS_NO_ANSWER="1")
+    job = subprocess.Popen(job_argv(path, ["--mps", "on"], ["true"], ranks=2), stderr=subprocess.PIPE, text=True)
+    keeper = wait_for(lambda: _keeper(fake_gpu), what="the keeper did not start its daemon", proc=job)
+    keeper.kill()
+    _, err = job.communicate(timeout=120)
+    lines = _mpsrun_lines(err)
+    assert job.returncode == 3 and len(lines) == 1 and "keeper ended before" in lines[0], err
+    settle(fake_gpu, timeout=20.0)  # well before the 30 s a replacement keeper waited for its daemon
+
+
+def test_a_dead_owners_reaper_leaves_the_next_owner_of_its_name_alone(short_tmp):
+    """The reaper of a dead node keeper reaps the directory of that name only while it is still that keeper's:
+    not once another rank reserved it again, nor once a new keeper's record names another owner."""
+    name = "jfeedf00d"
+    root = user_root(short_tmp) / name
+    reserve_session_name(short_tmp, name)
+    assert registry.reap(root, force=True, owner=os.getpid()) is None and (root / RESERVATION).exists()
+    SessionRecord.new("node").write(root / "session.json")  # a new owner: this process
+    assert registry.reap(root, force=True, owner=os.getppid()) is None and root.is_dir()
+    assert registry.reap(root, force=True, owner=os.getpid()) is not None and not root.exists()
+
+
+def test_a_reservation_is_claimed_by_its_keeper_and_dropped_only_by_its_maker(short_tmp):
+    """A reserved directory loses its mark when claimed; a reservation is dropped only with its own token."""
+    name = "jc0ffee00"
+    token = reserve_session_name(short_tmp, name)
+    drop_reservation(short_tmp, name, "another token")
+    assert (user_root(short_tmp) / name / RESERVATION).exists()
+    drop_reservation(short_tmp, name, token)
+    assert not (user_root(short_tmp) / name).exists()
+    reserve_session_name(short_tmp, name)
+    dirs = SessionDirs.create(short_tmp, [0], name=name, reserved=True)
+    dirs.end_reservation()
+    assert not (dirs.root / RESERVATION).exists() and (dirs.root / "gpu0" / "pipe").is_dir()
+    dirs.remove()
+    assert not dirs.root.exists()
