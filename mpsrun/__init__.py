@@ -18,11 +18,12 @@ from mpsrun.errors import *  # noqa: F403 - exactly errors.__all__
 
 __version__ = "0.1.0"
 
-__all__ = [*errors.__all__, "Session", "__version__", "mps_session", "shared"]  # noqa: F405 - lazy names
+__all__ = [*errors.__all__, "Session", "__version__", "mps_session", "shared", "tune"]  # noqa: F405 - lazy names
 
 #: Imported on first use (PEP 562): every rank supervisor imports this package, and should not pay for NVML,
 #: psutil and the session machinery it never uses.
-_LAZY = {"Session": "mpsrun.session.session", "mps_session": "mpsrun.session.session", "shared": "mpsrun.shared"}
+_LAZY = {"Session": "mpsrun.session.session", "mps_session": "mpsrun.session.session", "shared": "mpsrun.shared",
+         "tune": "mpsrun.tuning"}
 
 
 def __getattr__(name: str) -> Any:

@@ -50,10 +50,12 @@ examples:
 subcommands:
   mpsrun bench [--ranks 1,2,4,8,16] [--repeats 3] [--json] [--plot FILE.png]
                                            measure time-sliced vs MPS vs one process on this GPU
+  mpsrun tune [--ranks 1,2,4,8] [--mps on,off] [--thread-percentage none,auto] [...] -- command
+                                           run your command under candidate settings; say which to use
   mpsrun doctor [--json]                   can MPS work here, and if not, why not (exit 0 if it can)
   mpsrun status [--json]                   this user's sessions on this node (owner, daemons, age)
   mpsrun cleanup [--force SESSION]         stop and remove stale sessions (owner gone); never others'
-  (a program called "bench", "doctor", "status" or "cleanup" runs as: mpsrun -- bench)
+  (a program called "bench", "tune", "doctor", "status" or "cleanup" runs as: mpsrun -- bench)
 
 exit status (the same under every launcher):
   0     every rank succeeded
@@ -83,11 +85,15 @@ def _print_error(message: str) -> None:
 
 
 def _subcommand(args: list[str]) -> int | None:
-    """Run ``bench``, ``doctor``, ``status`` or ``cleanup``; None when the words are a job."""
+    """Run ``bench``, ``tune``, ``doctor``, ``status`` or ``cleanup``; None when the words are a job."""
     if args[:1] == ["bench"]:  # a program named "bench" runs as: mpsrun -- bench
         from mpsrun.tools import bench
 
         return bench.main(args[1:])
+    if args[:1] == ["tune"]:
+        from mpsrun.tuning import cli as tune_cli
+
+        return tune_cli.main(args[1:])
     if args[:1] == ["doctor"]:
         from mpsrun.tools import doctor
 

@@ -26,7 +26,7 @@ LAYERS = [
     {"shared"},
     {"job"},
     {"node"},
-    {"tools"},
+    {"tools", "tuning"},
     {"cli", "_entry", "__main__", "__init__"},
 ]
 

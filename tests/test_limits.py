@@ -56,10 +56,14 @@ def test_mem_limit_round_trips_whole_sizes(number, unit):
 
 @given(st.text())
 def test_mem_limit_never_crashes(text):
-    """Arbitrary text either parses to a valid MPS size or raises ConfigError; nothing else."""
+    """Arbitrary text either parses to a valid MPS size (or ``auto``, in any case) or raises ConfigError; nothing
+    else."""
     try:
         result = parse_mem_limit(text)
     except ConfigError:
+        return
+    if text.strip().lower() == "auto":
+        assert result == "auto"
         return
     assert result[-1] in "MG" and result[:-1].isdigit() and int(result[:-1]) >= 1
 

@@ -95,10 +95,11 @@ def parse_ranks(value: object, setting: str = "-np") -> int:
 
 
 def parse_count(value: object, setting: str) -> int:
-    """A positive whole number (of workers, of repeats)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """A positive whole number (of workers, of repeats), as an int or its ASCII digits."""
+    number = _whole(value)
+    if number is None or number < 1:
         raise ConfigError(f"{setting} must be a positive whole number, not {value!r}", setting=setting, value=value)
-    return value
+    return number
 
 
 def parse_seconds(value: object, setting: str, allow_zero: bool = False) -> float:

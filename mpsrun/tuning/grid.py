@@ -1,0 +1,143 @@
+"""The settings ``mpsrun tune`` tries: rank counts, MPS on or off, thread percentages, and the job around them.
+
+A :class:`Setting` is one point of the grid; :class:`TuneJob` is what every trial shares (the command, the job
+options given, how throughput is counted). Everything here is checked before any trial runs: a bad value is a
+:class:`~mpsrun.errors.ConfigError` (one line, exit 2).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from mpsrun.config import values
+from mpsrun.config.commandline import parse_args, split_argv
+from mpsrun.errors import ConfigError, GPUError
+
+__all__ = ["SCALINGS", "Setting", "TuneJob", "default_ranks", "grid", "parse_mps_list", "parse_ranks_list",
+           "parse_thread_list"]
+
+SCALINGS = ("weak", "strong")
+#: Options each trial sets itself: the job options given to tune must leave them to it.
+_TUNED_FLAGS = {"-np": "--ranks", "-n": "--ranks", "--np": "--ranks", "--mps": "--mps",
+                "--thread-percentage": "--thread-percentage"}
+#: Variables for the tuned options: a trial's own options decide, so the caller's are not passed on.
+TUNED_VARIABLES = ("MPSRUN_NP", "MPSRUN_MPS", "MPSRUN_THREAD_PERCENTAGE")
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One point of the grid. ``thread_percentage`` None: not set (MPS's default, every SM)."""
+
+    ranks: int
+    mps: str
+    thread_percentage: str | None = None
+
+    def options(self) -> list[str]:
+        """The mpsrun options that make a job of this setting."""
+        tp = [] if self.thread_percentage is None else ["--thread-percentage", self.thread_percentage]
+        return ["-np", str(self.ranks), "--mps", self.mps, *tp]
+
+    def label(self) -> str:
+        return " ".join(self.options())
+
+    def to_json(self) -> dict[str, object]:
+        return {"ranks": self.ranks, "mps": self.mps, "thread_percentage": self.thread_percentage}
+
+
+@dataclass(frozen=True, slots=True)
+class TuneJob:
+    """What every trial shares: the command, the job options given to tune, and how throughput is counted
+    (``scaling``; or ``metric``, a regular expression whose first group, else whole match, is a number each
+    rank prints)."""
+
+    command: tuple[str, ...]
+    options: tuple[str, ...] = ()
+    scaling: str = "weak"
+    metric: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise ConfigError("mpsrun tune: no command given: mpsrun tune [options] -- command [args...]",
+                              setting="command")
+        values.parse_choice(self.scaling, SCALINGS, "--scaling")
+        if self.metric is not None:
+            try:
+                re.compile(self.metric)
+            except re.error as exc:
+                raise ConfigError(f"--metric: not a regular expression: {exc}", setting="--metric",
+                                  value=self.metric) from None
+        for word in split_argv([*self.options, "--", "true"])[0]:
+            name = word.split("=", 1)[0]
+            if name in _TUNED_FLAGS:
+                raise ConfigError(f"mpsrun tune sets {name} in each trial: give {_TUNED_FLAGS[name]} to tune instead",
+                                  setting=name)
+        parse_args([*self.options, "--", *self.command], environ={})  # what mpsrun itself would refuse
+
+    def argv(self, setting: Setting) -> list[str]:
+        """The mpsrun command line (without the program that runs mpsrun) of one trial."""
+        tag = ["--tag-output"] if self.metric is not None else []
+        return [*setting.options(), *tag, *self.options, "--", *self.command]
+
+    def command_line(self, setting: Setting) -> str:
+        """The command a user runs to get ``setting``, as a shell would take it."""
+        return shlex.join(["mpsrun", *setting.options(), *self.options, "--", *self.command])
+
+
+def parse_ranks_list(text: str) -> tuple[int, ...]:
+    """``1,2,4,8``: rank counts, each as ``-np`` takes it."""
+    return tuple(dict.fromkeys(values.parse_ranks(part.strip(), setting="--ranks") for part in _items(text, "--ranks")))
+
+
+def parse_thread_list(text: str) -> tuple[str | None, ...]:
+    """``none,auto,50``: thread percentages (``none``: not set), each as ``--thread-percentage`` takes one."""
+    found: list[str | None] = []
+    for part in _items(text, "--thread-percentage"):
+        word = part.strip().lower()
+        if word == "none":
+            found.append(None)
+        else:
+            found.append(str(values.parse_thread_spec(word, setting="--thread-percentage")))
+    return tuple(dict.fromkeys(found))
+
+
+def parse_mps_list(text: str) -> tuple[str, ...]:
+    """``on,off``: MPS modes, each as ``--mps`` takes one."""
+    return tuple(dict.fromkeys(values.parse_choice(part.strip().lower(), ("on", "off", "auto"), "--mps")
+                               for part in _items(text, "--mps")))
+
+
+def _items(text: str, setting: str) -> list[str]:
+    parts = text.split(",")
+    if not text.strip() or any(not part.strip() for part in parts):
+        raise ConfigError(f"{setting} takes a list separated by commas, not {text!r}", setting=setting, value=text)
+    return parts
+
+
+def default_ranks(options: Sequence[str], environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
+    """1, then 1, 2, 4 and 8 ranks per GPU the job would use (its ``--gpus``, else the GPUs visible here)."""
+    gpus = parse_args([*options, "--", "true"], environ=os.environ if environ is None else environ).gpus
+    count = len(gpus) if gpus else _visible_gpus()
+    return tuple(dict.fromkeys([1, *(per_gpu * count for per_gpu in (1, 2, 4, 8))]))
+
+
+def _visible_gpus() -> int:
+    from mpsrun.mps import gpus as gpu_info
+
+    try:
+        return max(1, len(gpu_info.visible_gpus()))
+    except GPUError:
+        return 1
+
+
+def grid(ranks: Sequence[int], mps: Sequence[str], thread_percentages: Sequence[str | None]) -> list[Setting]:
+    """Every combination, fewest ranks first; without MPS a thread percentage means nothing, so it is tried once."""
+    settings: list[Setting] = []
+    for count in sorted(ranks):
+        for mode in mps:
+            for spec in thread_percentages if mode != "off" else (None,):
+                settings.append(Setting(count, mode, spec))
+    return list(dict.fromkeys(settings))

@@ -1,0 +1,133 @@
+"""``mpsrun tune`` and ``mpsrun.tune`` on the fake GPU: the grid, the recommendation, ties, failures, the budget,
+an interruption, bad settings and the JSON.
+
+The programs tuned here print a rate that depends on the setting (``--metric``), so what tune must conclude is
+known exactly; timing-based throughput is shown on the H100 (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import MPSRUN, settle, wait_for
+
+import mpsrun
+from mpsrun.errors import ConfigError
+
+#: Each rank prints a rate: 100 under MPS, 10 without (so MPS with the most ranks wins, 10x per rank).
+MPS_WINS = ("import os; mps = bool(os.environ.get('CUDA_MPS_PIPE_DIRECTORY')); "
+            "print('rate:', 100 if mps else 10, flush=True)")
+#: The job's rate is 60 whatever the setting (each rank prints its share): nothing beats the baseline.
+FIXED_WORK = "import os; print('rate:', 60 / int(os.environ['WORLD_SIZE']))"
+
+
+def _tune(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*MPSRUN, "tune", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_mps_with_the_most_ranks_is_recommended_with_its_gain(fake_gpu):
+    """The setting of the highest throughput is recommended as the exact command to run, with its gain over the
+    baseline (one rank without MPS) and the next best; the JSON says the same."""
+    out = _tune("--ranks", "1,2,4", "--repeats", "2", "--metric", r"rate: (\S+)", "--json", "--",
+                sys.executable, "-c", MPS_WINS)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert {(t["ranks"], t["mps"]) for t in result["trials"]} == {(n, m) for n in (1, 2, 4) for m in ("on", "off")}
+    assert all(t["exit_code"] == 0 and len(t["seconds"]) == 2 for t in result["trials"])
+    assert result["best"]["ranks"] == 4 and result["best"]["mps"] == "on" and result["best"]["throughput"] == 400
+    assert result["baseline"]["ranks"] == 1 and result["baseline"]["mps"] == "off" and result["beats_baseline"]
+    assert result["command"].startswith("mpsrun -np 4 --mps on -- ")
+    table = _tune("--ranks", "1,4", "--repeats", "1", "--metric", r"rate: (\S+)", "--", sys.executable, "-c",
+                  MPS_WINS)
+    assert "run: mpsrun -np 4 --mps on --" in table.stdout and "40.00x the baseline (-np 1 --mps off)" in table.stdout
+    settle(fake_gpu)
+
+
+def test_nothing_beating_the_baseline_is_said_plainly(fake_gpu):
+    """When every setting gives the same throughput, each is a tie with the best, and tune says that nothing beats
+    the baseline beyond the noise and recommends the baseline itself."""
+    out = _tune("--ranks", "1,2", "--mps", "on,off", "--repeats", "2", "--metric", r"rate: (\S+)", "--",
+                sys.executable, "-c", FIXED_WORK)
+    assert out.returncode == 0, out.stderr
+    assert "nothing beats the baseline (-np 1 --mps off) beyond the noise" in out.stdout, out.stdout
+    assert "run: mpsrun -np 1 --mps off --" in out.stdout and out.stdout.count("tie with the best") == 3
+    settle(fake_gpu)
+
+
+def test_a_failing_setting_is_reported_and_the_rest_go_on(fake_gpu):
+    """A setting whose job fails shows its exit code and why; the other settings are measured and one recommended."""
+    program = "import os, sys; sys.exit('too many ranks') if os.environ['WORLD_SIZE'] == '2' else print('rate: 1')"
+    out = _tune("--ranks", "1,2", "--mps", "off", "--repeats", "1", "--metric", r"rate: (\S+)", "--json", "--",
+                sys.executable, "-c", program)
+    assert out.returncode == 0, out.stderr
+    trials = {t["ranks"]: t for t in json.loads(out.stdout)["trials"]}
+    assert trials[2]["exit_code"] == 1 and trials[2]["throughput"] is None and "too many ranks" in trials[2]["error"]
+    assert trials[1]["exit_code"] == 0 and trials[1]["throughput"] == 1
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize(("args", "why"), [
+    (["--ranks", "0,x"], "--ranks"), (["--mps", "on,maybe"], "--mps"), (["--thread-percentage", "none,150"], "--thread"),
+    (["--repeats", "0"], "--repeats"), (["--budget", "-1"], "--budget"), (["--scaling", "sideways"], "--scaling"),
+    (["--metric", "("], "--metric"), (["-np", "4"], "give --ranks"), (["--mps=on,off", "--bogus"], "--bogus"),
+    (["--ranks", "1,"], "--ranks"),
+])
+def test_bad_settings_are_one_line_and_exit_2_before_anything_runs(fake_gpu, short_tmp, args, why):
+    """A bad list value, an option tune sets itself, an unknown job option: one line, exit 2, and no trial ran."""
+    marker = short_tmp / "ran"
+    out = _tune(*args, "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')")
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1 and why in out.stderr, out.stderr
+    assert not marker.exists() and not fake_gpu.session_dirs()
+
+
+def test_a_command_without_the_separator_is_refused(fake_gpu):
+    """``mpsrun tune python x.py`` (no ``--``): one line saying where the command goes, exit 2."""
+    out = _tune("--ranks", "1", sys.executable, "-c", "pass")
+    assert out.returncode == 2 and "put the command after --" in out.stderr and len(out.stderr.splitlines()) == 1
+
+
+def test_the_budget_leaves_out_what_it_cannot_reach_and_says_which(fake_gpu):
+    """With a budget below the grid's estimate, the settings with the most ranks are left out, named, and the rest
+    still measured and judged."""
+    program = "import time; time.sleep(0.3); print('rate: 1')"
+    out = _tune("--ranks", "1,16", "--mps", "off", "--repeats", "3", "--budget", "10", "--json", "--", sys.executable,
+                "-c", program)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["dropped"] == [{"ranks": 16, "mps": "off", "thread_percentage": None}]
+    assert [t["ranks"] for t in result["trials"]] == [1] and "leaves out: -np 16 --mps off" in out.stderr
+    settle(fake_gpu)
+
+
+def test_an_interrupt_stops_cleanly_and_shows_what_was_measured(fake_gpu, short_tmp):
+    """SIGINT during a trial: the running job is stopped (nothing left behind), the trials measured until then are
+    shown, and tune exits 130."""
+    program = (f"import os, time; open(os.path.join({str(short_tmp)!r}, str(time.time())), 'w').close(); "
+               "time.sleep(0.2 if os.environ['WORLD_SIZE'] == '1' else 60); print('rate: 1')")
+    job = subprocess.Popen([*MPSRUN, "tune", "--ranks", "1,2", "--mps", "off", "--repeats", "1", "--metric",
+                            r"rate: (\S+)", "--", sys.executable, "-c", program], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: len(list(short_tmp.iterdir())) >= 4, what="the two-rank trial did not start", proc=job)
+    time.sleep(0.2)  # the ranks are in their sleep
+    job.send_signal(signal.SIGINT)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 130, err
+    assert "interrupted by SIGINT" in out and "-np 2 --mps off" in out and "run: mpsrun -np 1 --mps off" in out, out
+    settle(fake_gpu)
+
+
+def test_the_python_api_returns_the_trials_and_the_best(fake_gpu):
+    """``mpsrun.tune`` takes lists as Python values and returns every trial and the recommendation; bad values
+    raise ConfigError before anything runs."""
+    result = mpsrun.tune([sys.executable, "-c", MPS_WINS], ranks=[1, 2], mps=["on", "off"], repeats=1,
+                         metric=r"rate: (\S+)")
+    assert [(t.setting.ranks, t.setting.mps) for t in result.trials] == [(1, "on"), (1, "off"), (2, "on"), (2, "off")]
+    assert result.recommended is result.best and result.best.setting.ranks == 2 and result.best.median == 200
+    with pytest.raises(ConfigError):
+        mpsrun.tune(["true"], ranks=[0])
+    settle(fake_gpu)
