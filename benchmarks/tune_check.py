@@ -1,7 +1,8 @@
 """Check ``mpsrun tune`` on a workload whose answer is known: tune it, then run the recommended command three
 times and compare its throughput with the one tune predicted (GPU machine).
 
-    python benchmarks/tune_check.py OUT.json [--ranks 1,2,4,8] [--repeats 3] [--budget S] -- command [args...]
+    python benchmarks/tune_check.py OUT.json [--ranks 1,2,4,8] [--repeats 3] [--budget S] [--scaling weak|strong]
+                                    -- command [args...]
 
 OUT.json holds tune's own JSON (``mpsrun tune --json``) and a ``reproduced`` entry: the three runs' seconds and
 throughputs, and their median over the predicted median. ``mpsrun.tuning.report`` prints its table again:
@@ -56,8 +57,10 @@ def main() -> None:
     parser.add_argument("--ranks", default="1,2,4,8")
     parser.add_argument("--repeats", default="3")
     parser.add_argument("--budget")
+    parser.add_argument("--scaling", default="weak")
     args = parser.parse_args(sys.argv[1:split])
-    result = tune(sys.argv[split + 1:], ranks=args.ranks, repeats=args.repeats, budget=args.budget, progress=say)
+    result = tune(sys.argv[split + 1:], ranks=args.ranks, repeats=args.repeats, budget=args.budget,
+                  scaling=args.scaling, progress=say)
     print(format_report(result, int(args.repeats)), flush=True)
     data = {**result.to_json(), "reproduced": reproduce(result)}
     print(f"reproduced: {json.dumps(data['reproduced'])}", flush=True)

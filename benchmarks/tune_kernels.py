@@ -5,7 +5,8 @@
     python benchmarks/tune_kernels.py small --calibrate 1.0  # the launches that take about 1 s alone
 
 Each run does a fixed amount of work (``--launches`` kernels of ``--iters`` dependent multiply-adds per
-thread), so ``mpsrun tune --scaling weak`` compares settings on equal work per rank. ``small`` leaves most SMs
+thread), so ``mpsrun tune --scaling weak`` compares settings on equal work per rank; with ``--split`` the
+ranks share the launches (``WORLD_SIZE`` parts), for ``--scaling strong``. ``small`` leaves most SMs
 idle: under MPS, ranks' kernels run side by side, so MPS with the most ranks should win several times over
 time-slicing. ``fill`` sizes its grid from the SM count: one rank keeps the GPU busy, and no setting should beat
 one rank beyond the noise.
@@ -14,6 +15,7 @@ one rank beyond the noise.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import cupy
@@ -53,6 +55,7 @@ def main() -> None:
     parser.add_argument("mode", choices=["small", "fill"])
     parser.add_argument("--launches", type=int, default=100)
     parser.add_argument("--iters", type=int, default=200_000)
+    parser.add_argument("--split", action="store_true", help="do 1/WORLD_SIZE of the launches (strong scaling)")
     parser.add_argument("--calibrate", type=float, metavar="SECONDS",
                         help="print the --launches that take about SECONDS alone, and exit")
     args = parser.parse_args()
@@ -60,8 +63,9 @@ def main() -> None:
         seconds = run(args.mode, 20, args.iters) / 20
         print(max(1, round(args.calibrate / seconds)))
         return
-    seconds = run(args.mode, args.launches, args.iters)
-    print(f"kernels: {seconds:.3f} s for {args.launches} launches of {blocks(args.mode)} blocks")
+    launches = -(-args.launches // int(os.environ.get("WORLD_SIZE", "1"))) if args.split else args.launches
+    seconds = run(args.mode, launches, args.iters)
+    print(f"kernels: {seconds:.3f} s for {launches} launches of {blocks(args.mode)} blocks")
 
 
 if __name__ == "__main__":

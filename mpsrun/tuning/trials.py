@@ -88,7 +88,8 @@ def run_trial(job: TuneJob, setting: Setting, env: Mapping[str, str]) -> Run:
 @dataclass
 class Schedule:
     """The trials of one tuning, run in order. ``progress`` hears a line after each trial; ``budget`` (seconds)
-    bounds the whole."""
+    bounds the whole: in the first round each setting is started only if all its repeats still fit, as far as
+    the runs so far tell, and the budget ends any round early."""
 
     job: TuneJob
     settings: Sequence[Setting]
@@ -96,58 +97,74 @@ class Schedule:
     budget: float | None = None
     progress: Callable[[str], object] | None = None
 
+    def __post_init__(self) -> None:
+        self._env = {name: value for name, value in os.environ.items() if name not in TUNED_VARIABLES}
+        self._runs: dict[Setting, list[Run]] = {setting: [] for setting in self.settings}
+        self._done, self._planned = 0, self.repeats * len(self.settings)
+        self._start = time.monotonic()
+        self._warm = Run(0.0, 0, None)
+
     def run(self) -> TuneResult:
-        env = {name: value for name, value in os.environ.items() if name not in TUNED_VARIABLES}
-        start = time.monotonic()
-        runs: dict[Setting, list[Run]] = {setting: [] for setting in self.settings}
+        """Warm up, then every round; the trials (what was measured, also when a signal stopped it)."""
+        self._start = time.monotonic()
         interrupted: int | None = None
         try:
             with Interrupts():
-                warm = run_trial(self.job, self.settings[0], env)
-                self._say(f"warm-up ({self.settings[0].label()}): {warm.seconds:.2f} s, not counted")
-                dropped = self._over_budget(warm, start)
-                self._repeat(runs, [s for s in self.settings if s not in dropped], warm, start, env)
+                self._warm = run_trial(self.job, self.settings[0], self._env)
+                self._say(f"warm-up ({self.settings[0].label()}): {self._warm.seconds:.2f} s, not counted")
+                self._rounds()
         except InterruptionError as exc:  # what was measured so far still counts
             interrupted = exc.signal
-        trials = tuple(Trial(setting, tuple(done)) for setting, done in runs.items() if done)
-        left_out = tuple(setting for setting, done in runs.items() if not done)
-        return TuneResult(self.job, trials, left_out, interrupted, time.monotonic() - start)
+        trials = tuple(Trial(setting, tuple(done)) for setting, done in self._runs.items() if done)
+        left_out = tuple(setting for setting, done in self._runs.items() if not done)
+        return TuneResult(self.job, trials, left_out, interrupted, time.monotonic() - self._start)
 
-    def _repeat(self, runs: dict[Setting, list[Run]], settings: list[Setting], warm: Run, start: float,
-                env: Mapping[str, str]) -> None:
-        order = [s for repeat in range(self.repeats) for s in (settings if repeat % 2 == 0 else settings[::-1])]
-        for number, setting in enumerate(order, 1):
-            left = sum(self._estimate(s, runs, warm) for s in order[number - 1:])
-            if self.budget is not None and time.monotonic() - start + self._estimate(setting, runs, warm) > self.budget:
-                self._say(f"budget of {self.budget:g} s reached after {number - 1} of {len(order)} trials")
-                return
-            run = run_trial(self.job, setting, env)
-            runs[setting].append(run)
-            outcome = f"{run.seconds:.2f} s" if run.exit_code == 0 else f"failed, exit {run.exit_code}"
-            self._say(f"trial {number} of {len(order)} ({setting.label()}): {outcome}; "
-                      f"{_clock(time.monotonic() - start)} elapsed, about {_clock(max(0.0, left - run.seconds))} left")
+    def _rounds(self) -> None:
+        kept: list[Setting] = []
+        for setting in self.settings:  # the first round, fewest ranks first: what is learnt prices the next
+            if self._fits(setting, kept):
+                kept.append(setting)
+                self._trial(setting)
+            else:
+                self._planned -= self.repeats
+                self._say(f"the budget of {self.budget:g} s leaves out {setting.label()}")
+        for repeat in range(1, self.repeats):
+            for setting in kept if repeat % 2 == 0 else kept[::-1]:
+                if not self._fits(setting):
+                    self._say(f"budget of {self.budget:g} s reached after {self._done} trials")
+                    return
+                self._trial(setting)
 
-    def _estimate(self, setting: Setting, runs: Mapping[Setting, list[Run]], warm: Run) -> float:
-        """Seconds one job of ``setting`` should take: its slowest run so far, else the warm-up's, scaled by ranks
-        when each rank does the whole work (as if the GPU gave them no concurrency at all)."""
-        done = runs.get(setting)
-        if done:
-            return max(run.seconds for run in done)
-        scale = setting.ranks / self.settings[0].ranks if self.job.scaling == "weak" or self.job.metric else 1.0
-        return warm.seconds * max(1.0, scale)
+    def _trial(self, setting: Setting) -> None:
+        run = run_trial(self.job, setting, self._env)
+        self._runs[setting].append(run)
+        self._done += 1
+        outcome = f"{run.seconds:.2f} s" if run.exit_code == 0 else f"failed, exit {run.exit_code}"
+        left = self._estimate(setting) * (self._planned - self._done)
+        self._say(f"trial {self._done} of {self._planned} ({setting.label()}): {outcome}; "
+                  f"{_clock(time.monotonic() - self._start)} elapsed, about {_clock(left)} left")
 
-    def _over_budget(self, warm: Run, start: float) -> list[Setting]:
-        """The settings to leave out (most ranks first) so that every repeat of the rest fits the budget."""
+    def _fits(self, setting: Setting, kept: Sequence[Setting] | None = None) -> bool:
+        """Whether one more run of ``setting`` fits the budget; with ``kept`` (in the first round: the settings
+        kept so far), all its repeats and the repeats still to come of those."""
         if self.budget is None:
-            return []
-        kept = list(self.settings)
-        spent = time.monotonic() - start
-        while len(kept) > 1 and spent + self.repeats * sum(self._estimate(s, {}, warm) for s in kept) > self.budget:
-            kept.pop()
-        dropped = [s for s in self.settings if s not in kept]
-        if dropped:
-            self._say(f"the budget of {self.budget:g} s leaves out: {'; '.join(s.label() for s in dropped)}")
-        return dropped
+            return True
+        more = self._estimate(setting)
+        if kept is not None:
+            more += (self.repeats - 1) * (more + sum(self._estimate(s) for s in kept))
+        return time.monotonic() - self._start + more <= self.budget
+
+    def _estimate(self, setting: Setting) -> float:
+        """Seconds one job of ``setting`` should take: its slowest run so far; else the slowest run of the most
+        ranks below it (the same MPS mode first, else the warm-up), scaled by ranks when each rank does the whole
+        work (as if the GPU ran no two ranks at once)."""
+        if self._runs[setting]:
+            return max(run.seconds for run in self._runs[setting])
+        below = [s for s in self._runs if self._runs[s] and s.ranks <= setting.ranks]
+        below.sort(key=lambda s: (s.mps == setting.mps, s.ranks))
+        known = (below[-1].ranks, self._estimate(below[-1])) if below else (self.settings[0].ranks, self._warm.seconds)
+        weak = self.job.scaling == "weak" or self.job.metric is not None
+        return known[1] * (setting.ranks / known[0] if weak else 1.0)
 
     def _say(self, line: str) -> None:
         if self.progress is not None:
