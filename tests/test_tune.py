@@ -131,3 +131,21 @@ def test_the_python_api_returns_the_trials_and_the_best(fake_gpu):
     with pytest.raises(ConfigError):
         mpsrun.tune(["true"], ranks=[0])
     settle(fake_gpu)
+
+
+def test_a_saved_result_reports_and_plots_again(fake_gpu, tmp_path):
+    """``--json`` output read back with TuneResult.from_json gives the same table and recommendation, and --plot
+    draws a PNG (with the plot extra)."""
+    from mpsrun.tuning import TuneResult
+    from mpsrun.tuning.report import format_report, plot
+
+    out = _tune("--ranks", "1,2", "--repeats", "1", "--metric", r"rate: (\S+)", "--json", "--", sys.executable, "-c",
+                MPS_WINS)
+    saved = json.loads(out.stdout)
+    again = TuneResult.from_json(saved)
+    assert again.to_json() == saved
+    assert "run: mpsrun -np 2 --mps on --" in format_report(again, 1)
+    pytest.importorskip("matplotlib")
+    plot(again, str(tmp_path / "tune.png"))
+    assert (tmp_path / "tune.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    settle(fake_gpu)
