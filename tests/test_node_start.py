@@ -117,3 +117,21 @@ def test_a_reservation_is_claimed_by_its_keeper_and_dropped_only_by_its_maker(sh
     assert not (dirs.root / RESERVATION).exists() and (dirs.root / "gpu0" / "pipe").is_dir()
     dirs.remove()
     assert not dirs.root.exists()
+
+
+@pytest.mark.mpiexec
+@pytest.mark.parametrize("path", ["local", "mpiexec", "hosts"])
+def test_a_killed_rank_supervisor_is_128_plus_9_on_every_launcher(fake_gpu, short_tmp, path):
+    """SIGKILL to one rank's mpsrun supervisor: exit 137 and 'rank N's supervisor was killed by signal 9' under the
+    local, mpiexec and --hosts launchers (mpiexec and --hosts gave Hydra's bare 9)."""
+    job = subprocess.Popen(job_argv(path, [], fake("--hold", "60", "--report-dir", str(short_tmp)), ranks=2),
+                           stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: len(list(short_tmp.glob("*.json"))) >= 2, what="the ranks did not start", proc=job)
+    ranks = [proc for proc in psutil.Process(job.pid).children(recursive=True)
+             if "mpsrun.rank.pyrun" in " ".join(proc.cmdline())]
+    supervisor = max(ranks, key=lambda proc: proc.pid).parent()
+    supervisor.kill()
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == 137, err
+    assert "supervisor was killed by signal 9 (SIGKILL)" in err, err
+    settle(fake_gpu)

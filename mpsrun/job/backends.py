@@ -89,7 +89,11 @@ class MpiexecBackend:
     def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]:
         # The program by absolute path: Open MPI puts its own bin directory first on the ranks' PATH.
         argv = self._argv(config, [*SHIM, "--", program, *config.command[1:]])
-        return [LaunchSpec("mpiexec", argv, env, tuple(range(config.ranks)), stdin=True)]
+        return [self._spec(argv, env, config.ranks)]
+
+    def _spec(self, argv: tuple[str, ...], env: Mapping[str, str], ranks: int) -> LaunchSpec:
+        return LaunchSpec("mpiexec", argv, env, tuple(range(ranks)), stdin=True,
+                          signal_status=self.flavour in ("mpich", "intel"))
 
 
 class HostsBackend(MpiexecBackend):
@@ -111,7 +115,7 @@ class HostsBackend(MpiexecBackend):
         per_node = [sys.executable, "-m", "mpsrun", "--per-node", "--", program, *config.command[1:]]
         # Open MPI gives each --host one slot: the ranks are spread over them (--oversubscribe).
         argv = self._argv(config, per_node, hosts, export=self.EXPORT, oversubscribe=bool(config.hosts))
-        return [LaunchSpec("mpiexec", argv, env, tuple(range(config.ranks)), stdin=True)]
+        return [self._spec(argv, env, config.ranks)]
 
 
 def choose_backend(config: JobConfig) -> Backend:

@@ -164,7 +164,7 @@ class JobController(JudgingController):
 
     def _launcher_exited(self, started: Launched, returncode: int) -> None:
         name = started.spec.name
-        self.judge.launcher_ended(name, returncode)
+        self.judge.launcher_ended(name, returncode, started.spec.signal_status)
         missing = [r for r in started.spec.ranks if r not in self.ranks]
         running = [self.ranks[r] for r in started.spec.ranks if r in self.ranks and self.ranks[r].end is None]
         if missing:

@@ -90,11 +90,19 @@ class Judge:
         self.outcome, self.message = Outcome(cause, detail), message
         return True
 
-    def launcher_ended(self, name: str, returncode: int) -> None:
-        """A launcher process's status gives a lost rank its code (MPI_Abort's, say)."""
-        if self.outcome == Outcome("rank-failed", None) and returncode != 0:
-            self.outcome = Outcome("rank-failed", returncode)
-            self.message += f"; {name} {describe_returncode(returncode)}"
+    def launcher_ended(self, name: str, returncode: int, signal_status: bool = False) -> None:
+        """A launcher process's status gives a lost rank its code (MPI_Abort's, say). ``signal_status``: the
+        launcher exits with S for a process killed by signal S (Hydra), so a rank whose supervisor vanished
+        ends as it does under the local launcher, 128+S (a crashed supervisor exits 1: it stays 1)."""
+        if self.outcome != Outcome("rank-failed", None) or returncode == 0:
+            return
+        if signal_status and 2 <= returncode < 65 and self.first is not None:
+            self.outcome = Outcome("rank-failed", -returncode)
+            self.message += (f"; rank {self.first.rank}'s supervisor {describe_returncode(-returncode)} "
+                             f"({name} exited with code {returncode})")
+            return
+        self.outcome = Outcome("rank-failed", returncode)
+        self.message += f"; {name} {describe_returncode(returncode)}"
 
     def exit_code(self) -> int:
         return exit_code(self.outcome)
