@@ -31,6 +31,7 @@ from mpsrun.errors import MPSError, NoDriverError
 from mpsrun.mps import gpus as gpu_info
 from mpsrun.mps.daemon import unavailable_reason
 from mpsrun.runtime.processes import own_module
+from mpsrun.tools.plotting import pyplot
 
 __all__ = ["BenchRow", "main", "measure", "run_bench"]
 
@@ -186,13 +187,7 @@ def format_table(rows: Sequence[BenchRow], meta: Mapping[str, object]) -> str:
 
 
 def plot(rows: Sequence[BenchRow], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise MPSError("--plot needs matplotlib: pip install 'mpsrun[plot]'") from exc
+    plt = pyplot()
     figure, axis = plt.subplots(figsize=(6, 4))
     x = [row.ranks for row in rows]
     for mode, label in (("timesliced", "time-sliced"), ("mps", "MPS (mpsrun)"), ("reference", "one process")):

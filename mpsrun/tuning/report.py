@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Sequence
 
-from mpsrun.errors import MPSError
+from mpsrun.tools.plotting import pyplot
 from mpsrun.tuning.results import Trial, TuneResult
 
 __all__ = ["format_report", "plot"]
@@ -84,13 +84,7 @@ def format_report(result: TuneResult, repeats: int) -> str:
 
 def plot(result: TuneResult, path: str) -> None:
     """Each measured setting's median throughput, with its min-max spread as a bar."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise MPSError("--plot needs matplotlib: pip install 'mpsrun[plot]'") from exc
+    plt = pyplot()
     measured: Sequence[Trial] = [t for t in result.trials if t.measured]
     figure, axis = plt.subplots(figsize=(max(5.0, 0.7 * len(measured) + 2), 4))
     medians = [t.median for t in measured]
