@@ -69,6 +69,12 @@ class LocalBackend:
         ]
 
 
+#: How an MPI flavour's launcher reports a process killed by signal S: exit status offset + S. Open MPI's 128 + S
+#: is unambiguous; Hydra (MPICH, Intel) exits with S, as it exits with MPI_Abort's code: which one it was is not
+#: known, so its status is taken as it is.
+SIGNAL_STATUS = {"openmpi": 128}
+
+
 class MpiexecBackend:
     name, control, owns_daemons, head_start = "mpiexec", "unix", True, True
     server_after: float | None = SERVER_AFTER
@@ -93,7 +99,7 @@ class MpiexecBackend:
 
     def _spec(self, argv: tuple[str, ...], env: Mapping[str, str], ranks: int) -> LaunchSpec:
         return LaunchSpec("mpiexec", argv, env, tuple(range(ranks)), stdin=True,
-                          signal_status=self.flavour in ("mpich", "intel"))
+                          signal_status=SIGNAL_STATUS.get(self.flavour))
 
 
 class HostsBackend(MpiexecBackend):

@@ -21,7 +21,7 @@ from mpsrun.job.outcome import RankEnd, ranges
 from mpsrun.job.table import RankState
 from mpsrun.mps.watch import Finding
 from mpsrun.rank.identity import RankIdentity
-from mpsrun.runtime.constants import ABANDON_WAIT, NODE_CLOSE_WAIT, STOP_SIGNALS
+from mpsrun.runtime.constants import ABANDON_WAIT, LAUNCHER_REPORT_WAIT, NODE_CLOSE_WAIT, STOP_SIGNALS
 from mpsrun.runtime.protocol import Listener
 from mpsrun.session.session import Session
 
@@ -166,11 +166,20 @@ class JobController(JudgingController):
         name = started.spec.name
         self.judge.launcher_ended(name, returncode, started.spec.signal_status)
         missing = [r for r in started.spec.ranks if r not in self.ranks]
-        running = [self.ranks[r] for r in started.spec.ranks if r in self.ranks and self.ranks[r].end is None]
         if missing:
             self.fail("launcher-failed", returncode,
                       f"{name} {describe_returncode(returncode)} before rank(s) {ranges(missing)} started")
             self._never_started(missing)
-        elif returncode != 0 and running:
-            self.fail("launcher-failed", returncode,
-                      f"{name} {describe_returncode(returncode)} while rank(s) {ranges([s.rank for s in running])} ran")
+        elif returncode != 0 and self._running(started):
+            self.loop.after(LAUNCHER_REPORT_WAIT, lambda: self._launcher_outlived(started, returncode))
+
+    def _running(self, started: Launched) -> list[RankState]:
+        return [self.ranks[r] for r in started.spec.ranks if r in self.ranks and self.ranks[r].end is None]
+
+    def _launcher_outlived(self, started: Launched, returncode: int) -> None:
+        """The launcher ended while its ranks ran, and their reports have had time to come: what they said decides
+        (a lost rank takes the launcher's status as its own), else the launcher's status does."""
+        running = self._running(started)
+        if running:
+            self.fail("launcher-failed", returncode, f"{started.spec.name} {describe_returncode(returncode)} "
+                      f"while rank(s) {ranges([s.rank for s in running])} ran")

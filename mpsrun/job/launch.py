@@ -35,8 +35,9 @@ class LaunchSpec:
     stdin: bool = False
     #: ``argv`` are a rank supervisor's arguments: it is forked from this process (no interpreter to start).
     fork: bool = False
-    #: The launcher exits with S when a process it started was killed by signal S (MPICH's and Intel's Hydra).
-    signal_status: bool = False
+    #: The launcher exits with this plus S when a process it started was killed by signal S (128: Open MPI); None
+    #: when that cannot be told from its other codes.
+    signal_status: int | None = None
 
 
 class Launched:

@@ -67,6 +67,7 @@ class Judge:
         self.outcome = Outcome()
         self.message = ""
         self.first: RankEnd | None = None
+        self._launcher: tuple[str, int, int | None] | None = None  # an MPI launcher's end: name, status, offset
 
     @property
     def failed(self) -> bool:
@@ -81,7 +82,9 @@ class Judge:
         if end.returncode == 0 or self.failed:
             return False
         self.first = end
-        return self.decide("rank-failed", end.returncode, end.describe(first=True))
+        first = self.decide("rank-failed", end.returncode, end.describe(first=True))
+        self._lost_takes_launcher_status()
+        return first
 
     def decide(self, cause: str, detail: int | None, message: str) -> bool:
         """The job fails for this reason unless something failed first; True if this is first."""
@@ -90,19 +93,26 @@ class Judge:
         self.outcome, self.message = Outcome(cause, detail), message
         return True
 
-    def launcher_ended(self, name: str, returncode: int, signal_status: bool = False) -> None:
-        """A launcher process's status gives a lost rank its code (MPI_Abort's, say). ``signal_status``: the
-        launcher exits with S for a process killed by signal S (Hydra), so a rank whose supervisor vanished
-        ends as it does under the local launcher, 128+S (a crashed supervisor exits 1: it stays 1)."""
-        if self.outcome != Outcome("rank-failed", None) or returncode == 0:
+    def launcher_ended(self, name: str, returncode: int, signal_status: int | None = None) -> None:
+        """A launcher process's status gives a lost rank its code (MPI_Abort's, say), also one reported lost after
+        the launcher ended. ``signal_status``: the launcher exits with this plus S for a process killed by signal
+        S (Open MPI: 128), so a rank whose supervisor vanished is said in the local launcher's words."""
+        if returncode != 0:
+            self._launcher = (name, returncode, signal_status)
+            self._lost_takes_launcher_status()
+
+    def _lost_takes_launcher_status(self) -> None:
+        if self._launcher is None or self.outcome != Outcome("rank-failed", None) or self.first is None:
             return
-        if signal_status and 2 <= returncode < 65 and self.first is not None:
-            self.outcome = Outcome("rank-failed", -returncode)
-            self.message += (f"; rank {self.first.rank}'s supervisor {describe_returncode(-returncode)} "
+        name, returncode, signal_status = self._launcher
+        killed_by = returncode - signal_status if signal_status is not None else 0
+        if 2 <= killed_by < 65:
+            self.outcome = Outcome("rank-failed", -killed_by)
+            self.message += (f"; rank {self.first.rank}'s supervisor {describe_returncode(-killed_by)} "
                              f"({name} exited with code {returncode})")
-            return
-        self.outcome = Outcome("rank-failed", returncode)
-        self.message += f"; {name} {describe_returncode(returncode)}"
+        else:
+            self.outcome = Outcome("rank-failed", returncode)
+            self.message += f"; {name} {describe_returncode(returncode)}"
 
     def exit_code(self) -> int:
         return exit_code(self.outcome)

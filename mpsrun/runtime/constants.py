@@ -56,6 +56,9 @@ VERDICT_TIMEOUT = 300.0
 LINGER_TIMEOUT = 60.0
 #: A rank's output still open after its process group is gone (a writer that left the group).
 DRAIN_TIMEOUT = 2.0
+#: An MPI launcher that ended while ranks ran: how long their own reports (relayed by node keepers under --hosts)
+#: may still come before the launcher's status is the job's.
+LAUNCHER_REPORT_WAIT = 2.0
 #: After SIGKILL, how long a rank's supervisor gets to report before the rank is given up as lost.
 KILL_WAIT = 10.0
 #: How long a relaying node keeper waits for the job's verdicts once its ranks have ended.

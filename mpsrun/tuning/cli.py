@@ -7,7 +7,7 @@ import json
 from collections.abc import Sequence
 
 from mpsrun.errors import ConfigError, MPSError
-from mpsrun.exitcodes import ExitCode
+from mpsrun.exitcodes import ExitCode, Outcome, exit_code
 from mpsrun.runtime.output import say
 from mpsrun.tuning import tune
 from mpsrun.tuning.report import format_report, plot
@@ -86,5 +86,5 @@ def main(argv: Sequence[str]) -> int:
             say(f"mpsrun tune: error: {exc}")
             return ExitCode.SETUP
     if result.interrupted is not None:
-        return 128 + result.interrupted
+        return exit_code(Outcome("signal", result.interrupted))
     return ExitCode.OK if result.best is not None else ExitCode.SETUP
