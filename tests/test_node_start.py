@@ -27,15 +27,22 @@ def _without_faults() -> dict[str, str]:
 
 
 def _keeper(fake_gpu) -> psutil.Process | None:
-    """The node keeper of this fake machine once its daemon was started (its log exists), else None."""
-    if not list(fake_gpu.tmpdir.rglob("control.log")):
-        return None
-    for proc in psutil.process_iter(["cmdline"]):
-        with contextlib.suppress(psutil.Error):
-            if "mpsrun.node.keeper" in " ".join(proc.info["cmdline"] or []) and \
-                    proc.environ().get("MPSRUN_FAKE_NVML") == str(fake_gpu.nvml_dir):
-                return proc
+    """The node keeper of this fake machine once its daemon was started (its log exists): the owner its session's
+    record names (the process that forked into the keeper is gone by then); else None."""
+    for record in fake_gpu.tmpdir.glob("mpsrun-*/*/session.json"):
+        if list(record.parent.rglob("control.log")):
+            with contextlib.suppress(OSError, ValueError, KeyError, psutil.Error):
+                return psutil.Process(json.loads(record.read_text())["owner"]["pid"])
     return None
+
+
+def _waiting_ranks(fake_gpu) -> int:
+    """How many connections wait on the node keeper's control socket (the ranks that did not start it), from
+    /proc/net/unix, where each connection's server side carries the socket's path."""
+    paths = {str(path) for path in fake_gpu.tmpdir.glob("mpsrun-*/*/control")}
+    with open("/proc/net/unix") as table:
+        found = [line.split()[-1] for line in table if len(line.split()) == 8]
+    return max(0, sum(path in paths for path in found) - len(paths))  # less each listener's own line
 
 
 def _mpsrun_lines(stderr: str) -> list[str]:
@@ -84,6 +91,8 @@ def test_a_keeper_killed_in_start_up_fails_its_node_at_once(fake_gpu, path):
     fake_gpu.daemon_env(FAKE_MPS_NO_ANSWER="1")
     job = subprocess.Popen(job_argv(path, ["--mps", "on"], ["true"], ranks=2), stderr=subprocess.PIPE, text=True)
     keeper = wait_for(lambda: _keeper(fake_gpu), what="the keeper did not start its daemon", proc=job)
+    wait_for(lambda: _waiting_ranks(fake_gpu) >= 1, what="the other rank did not come to wait for the keeper",
+             proc=job)  # a rank that comes only after the keeper died starts a keeper of its own, rightly
     keeper.kill()
     _, err = job.communicate(timeout=120)
     lines = _mpsrun_lines(err)

@@ -18,6 +18,8 @@ from helpers import MPSRUN, settle, wait_for
 
 import mpsrun
 from mpsrun.errors import ConfigError
+from mpsrun.tuning import TuneResult
+from mpsrun.tuning.report import format_report, plot
 
 #: Each rank prints a rate: 100 under MPS, 10 without (so MPS with the most ranks wins, 10x per rank).
 MPS_WINS = ("import os; mps = bool(os.environ.get('CUDA_MPS_PIPE_DIRECTORY')); "
@@ -30,28 +32,34 @@ def _tune(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*MPSRUN, "tune", *args], capture_output=True, text=True, timeout=timeout)
 
 
-def test_mps_with_the_most_ranks_is_recommended_with_its_gain(fake_gpu):
+def test_mps_with_the_most_ranks_is_recommended_with_its_gain(fake_gpu, tmp_path):
     """The setting of the highest throughput is recommended as the exact command to run, with its gain over the
-    baseline (one rank without MPS) and the next best; the JSON says the same."""
-    out = _tune("--ranks", "1,2,4", "--repeats", "2", "--metric", r"rate: (\S+)", "--json", "--",
+    baseline (one rank without MPS) and the next best; the JSON says the same, and read back
+    (TuneResult.from_json) it gives the same table and, with the plot extra, a figure."""
+    out = _tune("--ranks", "1,2", "--repeats", "2", "--metric", r"rate: (\S+)", "--json", "--",
                 sys.executable, "-c", MPS_WINS)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    assert {(t["ranks"], t["mps"]) for t in result["trials"]} == {(n, m) for n in (1, 2, 4) for m in ("on", "off")}
+    assert {(t["ranks"], t["mps"]) for t in result["trials"]} == {(n, m) for n in (1, 2) for m in ("on", "off")}
     assert all(t["exit_code"] == 0 and len(t["seconds"]) == 2 for t in result["trials"])
-    assert result["best"]["ranks"] == 4 and result["best"]["mps"] == "on" and result["best"]["throughput"] == 400
+    assert result["best"]["ranks"] == 2 and result["best"]["mps"] == "on" and result["best"]["throughput"] == 200
     assert result["baseline"]["ranks"] == 1 and result["baseline"]["mps"] == "off" and result["beats_baseline"]
-    assert result["command"].startswith("mpsrun -np 4 --mps on -- ")
-    table = _tune("--ranks", "1,4", "--repeats", "1", "--metric", r"rate: (\S+)", "--", sys.executable, "-c",
-                  MPS_WINS)
-    assert "run: mpsrun -np 4 --mps on --" in table.stdout and "40.00x the baseline (-np 1 --mps off)" in table.stdout
+    assert result["command"].startswith("mpsrun -np 2 --mps on -- ")
+    again = TuneResult.from_json(result)
+    assert again.to_json() == result
+    table = format_report(again, 2)
+    assert "run: mpsrun -np 2 --mps on --" in table and "20.00x the baseline (-np 1 --mps off)" in table
+    assert "2.00x the next best (-np 1 --mps on)" in table
     settle(fake_gpu)
+    pytest.importorskip("matplotlib")
+    plot(again, str(tmp_path / "tune.png"))
+    assert (tmp_path / "tune.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_nothing_beating_the_baseline_is_said_plainly(fake_gpu):
     """When every setting gives the same throughput, each is a tie with the best, and tune says that nothing beats
     the baseline beyond the noise and recommends the baseline itself."""
-    out = _tune("--ranks", "1,2", "--mps", "on,off", "--repeats", "2", "--metric", r"rate: (\S+)", "--",
+    out = _tune("--ranks", "1,2", "--mps", "on,off", "--repeats", "1", "--metric", r"rate: (\S+)", "--",
                 sys.executable, "-c", FIXED_WORK)
     assert out.returncode == 0, out.stderr
     assert "nothing beats the baseline (-np 1 --mps off) beyond the noise" in out.stdout, out.stdout
@@ -75,7 +83,9 @@ def test_a_failing_setting_is_reported_and_the_rest_go_on(fake_gpu):
     (["--ranks", "0,x"], "--ranks"), (["--mps", "on,maybe"], "--mps"), (["--thread-percentage", "none,150"], "--thread"),
     (["--repeats", "0"], "--repeats"), (["--budget", "-1"], "--budget"), (["--scaling", "sideways"], "--scaling"),
     (["--metric", "("], "--metric"), (["-np", "4"], "give --ranks"), (["--mps=on,off", "--bogus"], "--bogus"),
-    (["--ranks", "1,"], "--ranks"),
+    (["--ranks", "1,"], "--ranks"), (["-n4"], "give --ranks"), (["--np=4"], "--np"),
+    (["--per-node"], "--per-node"), (["--version"], "--version"), (["--repeats", "100000"], "--repeats"),
+    (["--plot", "/nonexistent/x.png"], "--plot"), (["--plot", ""], "--plot"),
 ])
 def test_bad_settings_are_one_line_and_exit_2_before_anything_runs(fake_gpu, short_tmp, args, why):
     """A bad list value, an option tune sets itself, an unknown job option: one line, exit 2, and no trial ran."""
@@ -124,28 +134,51 @@ def test_an_interrupt_stops_cleanly_and_shows_what_was_measured(fake_gpu, short_
 def test_the_python_api_returns_the_trials_and_the_best(fake_gpu):
     """``mpsrun.tune`` takes lists as Python values and returns every trial and the recommendation; bad values
     raise ConfigError before anything runs."""
-    result = mpsrun.tune([sys.executable, "-c", MPS_WINS], ranks=[1, 2], mps=["on", "off"], repeats=1,
+    result = mpsrun.tune([sys.executable, "-c", MPS_WINS], ranks=2, mps=["on", "off"], repeats=1,
                          metric=r"rate: (\S+)")
-    assert [(t.setting.ranks, t.setting.mps) for t in result.trials] == [(1, "on"), (1, "off"), (2, "on"), (2, "off")]
+    assert [(t.setting.ranks, t.setting.mps) for t in result.trials] == [(2, "on"), (2, "off")]
     assert result.recommended is result.best and result.best.setting.ranks == 2 and result.best.median == 200
     with pytest.raises(ConfigError):
         mpsrun.tune(["true"], ranks=[0])
     settle(fake_gpu)
 
 
-def test_a_saved_result_reports_and_plots_again(fake_gpu, tmp_path):
-    """``--json`` output read back with TuneResult.from_json gives the same table and recommendation, and --plot
-    draws a PNG (with the plot extra)."""
-    from mpsrun.tuning import TuneResult
-    from mpsrun.tuning.report import format_report, plot
-
-    out = _tune("--ranks", "1,2", "--repeats", "1", "--metric", r"rate: (\S+)", "--json", "--", sys.executable, "-c",
-                MPS_WINS)
-    saved = json.loads(out.stdout)
-    again = TuneResult.from_json(saved)
-    assert again.to_json() == saved
-    assert "run: mpsrun -np 2 --mps on --" in format_report(again, 1)
-    pytest.importorskip("matplotlib")
-    plot(again, str(tmp_path / "tune.png"))
-    assert (tmp_path / "tune.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+@pytest.mark.parametrize("printed", ["v=", "v=inf"])
+def test_a_metric_that_is_no_finite_number_is_no_throughput(fake_gpu, printed):
+    """A --metric group that matched nothing, or a value that is not a finite number: the trial is reported as
+    missing the metric (it was a traceback, or NaN in the table and invalid JSON)."""
+    out = _tune("--ranks", "1", "--mps", "off", "--repeats", "1", "--metric", r"v=(\S+)?", "--json", "--",
+                sys.executable, "-c", f"print({printed!r})")
+    assert out.returncode == 3, out.stderr
+    [trial] = json.loads(out.stdout)["trials"]
+    assert trial["throughput"] is None and "no number matching --metric" in trial["error"]
     settle(fake_gpu)
+
+
+def test_a_command_the_warm_up_cannot_run_ends_tune_with_its_code(fake_gpu):
+    """A command that is not there: the warm-up says so, in one line, and tune exits 127 (it ran every trial and
+    exited 3)."""
+    out = _tune("--ranks", "1,2", "--", "/nonexistent/program")
+    assert out.returncode == 127 and "warm-up could not run the command" in out.stderr, out.stderr
+    assert "trial 1 of" not in out.stderr
+    settle(fake_gpu)
+
+
+def test_a_module_with_no_arguments_is_a_command(fake_gpu):
+    """``mpsrun tune ... -m MODULE --``: the module is the command, as for mpsrun itself."""
+    out = _tune("--ranks", "1", "--mps", "off", "--repeats", "1", "-m", "this", "--")
+    assert out.returncode == 0 and "run: mpsrun -np 1 --mps off -m this" in out.stdout, out.stderr
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"command": "true"}, {"options": "--gpus 0"}, {"options": [1]}, {"ranks": "x"}, {"mps": None},
+    {"progress": 5}, {"metric": 5}, {"repeats": 10**6},
+])
+def test_the_python_api_refuses_bad_values_before_anything_runs(fake_gpu, kwargs):
+    """Text where a list is needed, lists of non-strings, a progress that cannot be called: ConfigError before any
+    trial (``tune("true")`` ran the letters t, r, u, e)."""
+    arguments = {"command": ["true"], **kwargs}
+    with pytest.raises(ConfigError):
+        mpsrun.tune(arguments.pop("command"), **arguments)
+    assert not fake_gpu.session_dirs()

@@ -11,13 +11,13 @@ import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from mpsrun.errors import MPSError
+from mpsrun.errors import InterruptionError, MPSError
 from mpsrun.runtime.constants import CONTROL_VARIABLE, TOKEN_VARIABLE, WELCOME_TIMEOUT
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.output import say
 from mpsrun.runtime.protocol import Link, connect
 
-__all__ = ["Join", "direct", "greet", "report_failure"]
+__all__ = ["Join", "direct", "greet", "report_failure", "report_interrupt"]
 
 #: Joins a controller with a hello: the link, and the controller's answer (welcome or refusal; None if it went).
 Join = Callable[[Mapping[str, Any]], tuple[Link, "dict[str, Any] | None"]]
@@ -45,18 +45,30 @@ def report_failure(exc: MPSError, local_rank: int | None) -> None:
     """A rank that cannot start says why once: under ``--hosts`` to the job's controller, which makes it
     the job's one summary line; otherwise the node's first local rank prints it."""
     address = os.environ.get(CONTROL_VARIABLE)
-    if address and _tell_controller(address, exc):
+    if address and _tell_controller(address, str(exc), exc.exit_code):
         return
     if local_rank in (0, None):
         say(f"mpsrun: error: {exc}")
 
 
-def _tell_controller(address: str, exc: MPSError) -> bool:
+def report_interrupt(exc: InterruptionError, local_rank: int | None) -> None:
+    """A rank stopped by a signal before the ranks started says so once: under ``--hosts`` to the job's controller
+    (which says nothing more when the job had already failed: the launcher signals the ranks of a failed job);
+    otherwise the node's first local rank prints it."""
+    message = f"{exc} before the ranks started"
+    address = os.environ.get(CONTROL_VARIABLE)
+    if address and address.startswith("tcp:") and _tell_controller(address, message, exc.exit_code):
+        return
+    if local_rank in (0, None):
+        say(f"mpsrun: {message}")
+
+
+def _tell_controller(address: str, message: str, code: int) -> bool:
     try:
         link = connect(address)
         link.send("hello", role="node", token=os.environ.get(TOKEN_VARIABLE, ""), node=socket.gethostname())
         told = link.expect(("welcome",), Deadline(_TELL_TIMEOUT)) is not None and link.send(
-            "finding", message=str(exc), fatal=True, code=int(exc.exit_code))
+            "finding", message=message, fatal=True, code=int(code))
         link.close()
     except OSError:
         return False

@@ -29,7 +29,7 @@ from typing import Any
 from mpsrun.errors import InterruptionError, MPSError
 from mpsrun.exitcodes import ExitCode, Outcome, exit_code, signal_name
 from mpsrun.rank.identity import RankIdentity, identity_from_env
-from mpsrun.rank.join import Join, direct, report_failure
+from mpsrun.rank.join import Join, direct, report_failure, report_interrupt
 from mpsrun.runtime.constants import (
     CONTROL_VARIABLE,
     CONTROL_VARIABLES,
@@ -316,9 +316,8 @@ def run_rank(command: Sequence[str], identity: RankIdentity, join: Join, token: 
     try:
         with Interrupts():
             link, answer = join(fields)
-    except InterruptionError as exc:  # the launcher signals every rank: said once per node
-        if identity.local_rank == 0:
-            _say(f"{exc} before the ranks started")
+    except InterruptionError as exc:  # the launcher signals every rank: said once per node (or job)
+        report_interrupt(exc, identity.local_rank)
         return exc.exit_code
     except MPSError as exc:  # the node's session cannot start: said once
         report_failure(exc, identity.local_rank)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from mpsrun.config import values
+from mpsrun.errors import ConfigError
 from mpsrun.tuning.grid import TuneJob, default_ranks, grid, parse_mps_list, parse_ranks_list, parse_thread_list
 from mpsrun.tuning.results import Run, Trial, TuneResult
 from mpsrun.tuning.trials import Schedule
@@ -23,12 +24,27 @@ __all__ = ["Run", "Trial", "TuneResult", "tune"]
 Values = str | Sequence[object]
 
 
-def _text(items: Values) -> str:
-    """A list as the command line writes it (``1,2,4``; None as ``none``)."""
-    return items if isinstance(items, str) else ",".join("none" if item is None else str(item) for item in items)
+MAX_REPEATS = 1000
 
 
-def tune(command: Sequence[str], *, ranks: Values | None = None, thread_percentage: Values = "none",
+def _text(items: Values | int, setting: str) -> str:
+    """A list as the command line writes it (``1,2,4``; None as ``none``); a single value is a list of one."""
+    if isinstance(items, str):
+        return items
+    if items is None or isinstance(items, (int, float)):
+        items = [items]
+    if not isinstance(items, Sequence):
+        raise ConfigError(f"{setting} takes a list or text like '1,2,4', not {items!r}", setting=setting)
+    return ",".join("none" if item is None else str(item) for item in items)
+
+
+def _strings(words: Sequence[str], setting: str) -> tuple[str, ...]:
+    if isinstance(words, str) or not all(isinstance(word, str) for word in words):
+        raise ConfigError(f"{setting} is a list of strings (['python3', 'sim.py']), not {words!r}", setting=setting)
+    return tuple(words)
+
+
+def tune(command: Sequence[str], *, ranks: Values | int | None = None, thread_percentage: Values | int = "none",
          mps: Values = "on,off", repeats: int | str = 3, budget: float | str | None = None, scaling: str = "weak",
          metric: str | None = None, options: Sequence[str] = (),
          progress: Callable[[str], object] | None = None) -> TuneResult:
@@ -41,12 +57,20 @@ def tune(command: Sequence[str], *, ranks: Values | None = None, thread_percenta
     per second of the job; ``"strong"``: jobs per second; ``metric``: a regular expression for a number each
     rank prints, summed over ranks. ``budget``: seconds for all of it; what it cannot reach is left out.
     ``progress`` hears a line after each trial. A bad value raises :class:`~mpsrun.errors.ConfigError` before
-    anything runs.
+    anything runs; a command that cannot run at all, the warm-up's error (exit 126 or 127).
     """
-    job = TuneJob(tuple(command), tuple(options), scaling=values.parse_choice(scaling, ("weak", "strong"),
-                                                                            "--scaling"), metric=metric)
-    counts = parse_ranks_list(_text(ranks)) if ranks is not None else default_ranks(job.options)
-    settings = grid(counts, parse_mps_list(_text(mps)), parse_thread_list(_text(thread_percentage)))
-    schedule = Schedule(job, settings, values.parse_count(repeats, "--repeats"),
-                        None if budget is None else values.parse_seconds(budget, "--budget"), progress)
+    if progress is not None and not callable(progress):
+        raise ConfigError(f"progress must be callable, not {progress!r}", setting="progress")
+    if metric is not None and not isinstance(metric, str):
+        raise ConfigError(f"--metric is a regular expression, not {metric!r}", setting="--metric")
+    job = TuneJob(_strings(command, "command"), _strings(options, "options"),
+                  scaling=values.parse_choice(scaling, ("weak", "strong"), "--scaling"), metric=metric)
+    counts = parse_ranks_list(_text(ranks, "--ranks")) if ranks is not None else default_ranks(job.options)
+    settings = grid(counts, parse_mps_list(_text(mps, "--mps")),
+                    parse_thread_list(_text(thread_percentage, "--thread-percentage")))
+    count = values.parse_count(repeats, "--repeats")
+    if count > MAX_REPEATS:
+        raise ConfigError(f"--repeats must be at most {MAX_REPEATS}, not {repeats!r}", setting="--repeats")
+    schedule = Schedule(job, settings, count, None if budget is None else values.parse_seconds(budget, "--budget"),
+                        progress)
     return schedule.run()

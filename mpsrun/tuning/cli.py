@@ -10,7 +10,7 @@ from mpsrun.errors import ConfigError, MPSError
 from mpsrun.exitcodes import ExitCode, Outcome, exit_code
 from mpsrun.runtime.output import say
 from mpsrun.tuning import tune
-from mpsrun.tuning.report import format_report, plot
+from mpsrun.tuning.report import check_plot_path, format_report, plot
 
 __all__ = ["main"]
 
@@ -68,13 +68,15 @@ def _split(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str], list[str
 def main(argv: Sequence[str]) -> int:
     try:
         args, job_options, command = _split(argv)
+        if args.plot is not None:
+            check_plot_path(args.plot)
         lists = {name: value for name in ("ranks", "thread_percentage", "mps")
                  if (value := getattr(args, name)) is not None}
         result = tune(command, options=job_options, scaling=args.scaling, metric=args.metric, repeats=args.repeats,
                       budget=args.budget, progress=say, **lists)
-    except ConfigError as exc:
+    except MPSError as exc:  # a bad setting (exit 2), or a command the warm-up could not run (126, 127)
         say(f"mpsrun tune: error: {exc}")
-        return ExitCode.USAGE
+        return exc.exit_code
     if args.json:
         print(json.dumps(result.to_json(), indent=1))
     else:

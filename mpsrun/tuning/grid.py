@@ -14,16 +14,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from mpsrun.config import values
-from mpsrun.config.commandline import parse_args, split_argv
+from mpsrun.config.commandline import parse_args, parse_options, split_argv
 from mpsrun.errors import ConfigError, GPUError
 
 __all__ = ["SCALINGS", "Setting", "TuneJob", "default_ranks", "grid", "parse_mps_list", "parse_ranks_list",
            "parse_thread_list"]
 
 SCALINGS = ("weak", "strong")
-#: Options each trial sets itself: the job options given to tune must leave them to it.
-_TUNED_FLAGS = {"-np": "--ranks", "-n": "--ranks", "--np": "--ranks", "--mps": "--mps",
-                "--thread-percentage": "--thread-percentage"}
+#: Options each trial sets itself (by name in the job's configuration, and as written): the job options given to
+#: tune must leave them to it; what to give tune instead.
+_TUNED = {"nranks": "-np", "mps": "--mps", "thread_percentage": "--thread-percentage"}
+_TUNED_FLAGS = {"-np": "--ranks", "--mps": "--mps", "--thread-percentage": "--thread-percentage"}
 #: Variables for the tuned options: a trial's own options decide, so the caller's are not passed on.
 TUNED_VARIABLES = ("MPSRUN_NP", "MPSRUN_MPS", "MPSRUN_THREAD_PERCENTAGE")
 
@@ -60,31 +61,49 @@ class TuneJob:
     metric: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.command:
-            raise ConfigError("mpsrun tune: no command given: mpsrun tune [options] -- command [args...]",
-                              setting="command")
+        if not all(isinstance(word, str) for word in (*self.command, *self.options)):
+            raise ConfigError("the command and the job options are lists of strings", setting="command")
+        if not self.command and "-m" not in self.options:
+            raise ConfigError("no command given: mpsrun tune [options] -- command [args...]", setting="command")
         values.parse_choice(self.scaling, SCALINGS, "--scaling")
         if self.metric is not None:
             try:
                 re.compile(self.metric)
-            except re.error as exc:
+            except (re.error, TypeError) as exc:
                 raise ConfigError(f"--metric: not a regular expression: {exc}", setting="--metric",
                                   value=self.metric) from None
-        for word in split_argv([*self.options, "--", "true"])[0]:
-            name = word.split("=", 1)[0]
-            if name in _TUNED_FLAGS:
-                raise ConfigError(f"mpsrun tune sets {name} in each trial: give {_TUNED_FLAGS[name]} to tune instead",
-                                  setting=name)
-        parse_args([*self.options, "--", *self.command], environ={})  # what mpsrun itself would refuse
+        self._check_options()
+
+    def _check_options(self) -> None:
+        """The job options must leave tune's settings to it, and be what mpsrun itself would take (in the
+        environment the trials get)."""
+        environ = {name: value for name, value in os.environ.items() if name not in TUNED_VARIABLES}
+        try:
+            given = parse_options(split_argv([*self.options, "--", "true"])[0], environ={})
+            per_node = parse_args(self._words(), environ=environ).per_node
+        except SystemExit:  # --help or --version among the job options
+            raise ConfigError("--help and --version are not job options", setting="command line") from None
+        for name, flag in _TUNED.items():
+            if name in given:
+                raise ConfigError(f"mpsrun tune sets {flag} in each trial: give {_TUNED_FLAGS[flag]} to tune "
+                                  "instead", setting=flag)
+        if per_node:
+            raise ConfigError("--per-node runs under a launcher of your own: tune runs whole jobs (use --hosts or "
+                              "--launcher)", setting="--per-node")
+
+    def _words(self, setting: Setting | None = None) -> list[str]:
+        """The job's words after tune's own options: job options, then the command (``-m MODULE`` ends them)."""
+        tail = ["--", *self.command] if self.command else []
+        return [*(setting.options() if setting else []), *self.options, *tail]
 
     def argv(self, setting: Setting) -> list[str]:
         """The mpsrun command line (without the program that runs mpsrun) of one trial."""
         tag = ["--tag-output"] if self.metric is not None else []
-        return [*setting.options(), *tag, *self.options, "--", *self.command]
+        return [*setting.options(), *tag, *self._words()]
 
     def command_line(self, setting: Setting) -> str:
         """The command a user runs to get ``setting``, as a shell would take it."""
-        return shlex.join(["mpsrun", *setting.options(), *self.options, "--", *self.command])
+        return shlex.join(["mpsrun", *self._words(setting)])
 
 
 def parse_ranks_list(text: str) -> tuple[int, ...]:

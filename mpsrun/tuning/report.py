@@ -3,13 +3,15 @@ command line to run with its gains, plain words when nothing beat the baseline, 
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Sequence
 
+from mpsrun.errors import ConfigError, MPSError
 from mpsrun.tools.plotting import pyplot
 from mpsrun.tuning.results import Trial, TuneResult
 
-__all__ = ["format_report", "plot"]
+__all__ = ["check_plot_path", "format_report", "plot"]
 
 
 def _unit(result: TuneResult) -> str:
@@ -54,7 +56,10 @@ def _rows(result: TuneResult) -> list[str]:
 def _verdict(result: TuneResult) -> list[str]:
     best, baseline, chosen = result.best, result.baseline, result.recommended
     if best is None or chosen is None:
-        return ["nothing could be measured: every trial failed (see the notes above)"]
+        if any(t.runs for t in result.trials):
+            return ["nothing could be measured: every trial failed (see the notes above)"]
+        why = "it was interrupted" if result.interrupted is not None else "the budget left out every setting"
+        return [f"nothing was measured: {why}"]
     run = f"run: {result.job.command_line(chosen.setting)}"
     if baseline is None or best is baseline:
         lines = [run, f"  the baseline ({best.setting.label()}) is the best measured"]
@@ -82,6 +87,25 @@ def format_report(result: TuneResult, repeats: int) -> str:
     return "\n".join([*lines, *_verdict(result)])
 
 
+def check_plot_path(path: str) -> None:
+    """Refuse, before anything runs, a --plot that could not be drawn: no matplotlib, a format it does not write,
+    or a directory that is not there or not ours to write."""
+    if not path:
+        raise ConfigError("--plot needs a file name (FILE.png)", setting="--plot")
+    try:
+        plt = pyplot()
+    except MPSError as exc:
+        raise ConfigError(str(exc), setting="--plot") from None
+    kinds = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    if suffix not in kinds:
+        raise ConfigError(f"--plot {path}: name a file ending in one of .{', .'.join(sorted(kinds))}", setting="--plot")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+        raise ConfigError(f"--plot {path}: {directory} is not a directory this user can write", setting="--plot")
+
+
 def plot(result: TuneResult, path: str) -> None:
     """Each measured setting's median throughput, with its min-max spread as a bar."""
     plt = pyplot()
@@ -96,5 +120,9 @@ def plot(result: TuneResult, path: str) -> None:
     axis.set_ylabel("throughput (median; bars: min-max)")
     axis.set_title(f"mpsrun tune: {' '.join(result.job.command)[:60]}", fontsize=9)
     figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    try:
+        figure.savefig(path)
+    except (OSError, ValueError) as exc:
+        raise MPSError(f"--plot {path}: {exc}") from None
+    finally:
+        plt.close(figure)

@@ -9,16 +9,18 @@ alike. With a budget, the settings it cannot reach are left out before they star
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
-from mpsrun.errors import InterruptionError
+from mpsrun.errors import CommandNotExecutableError, CommandNotFoundError, InterruptionError
+from mpsrun.exitcodes import ExitCode
 from mpsrun.runtime.interrupts import Interrupts
 from mpsrun.runtime.processes import own_module
 from mpsrun.tuning.grid import TUNED_VARIABLES, Setting, TuneJob
@@ -27,29 +29,44 @@ from mpsrun.tuning.results import Run, Trial, TuneResult
 __all__ = ["Schedule", "run_trial"]
 
 _TAGGED = re.compile(r"\[rank (\d+)\] (.*)")
+#: A warm-up that ends so cannot run the command at all (not found, not executable): tune stops there.
+_CANNOT_RUN = {ExitCode.NOT_FOUND: CommandNotFoundError, ExitCode.NOT_EXECUTABLE: CommandNotExecutableError}
+
+
+_TAIL = 64 << 10  # what is read of a failed trial's stderr: its last lines say why
 
 
 def _why(stderr: IO[bytes]) -> str:
     """A failed job's own last line (mpsrun's summary), and the program's last line before it."""
-    stderr.seek(0)
+    stderr.seek(max(0, stderr.seek(0, os.SEEK_END) - _TAIL))
     lines = [line.strip() for line in stderr.read().decode(errors="replace").splitlines() if line.strip()]
     ours = [line for line in lines if line.startswith("mpsrun:")]
     theirs = [line for line in lines if not line.startswith("mpsrun:")]
     summary = ours[-1].removeprefix("mpsrun:").strip().removeprefix("error:").strip() if ours else ""
-    return "; ".join(part for part in (summary, f"last output line: {theirs[-1]}" if theirs else "") if part)
+    return "; ".join(part for part in (summary, f"last output line: {theirs[-1][:200]}" if theirs else "") if part)
 
 
-def metric_total(output: str, pattern: str, ranks: int) -> tuple[float | None, str]:
+def _number(match: re.Match[str]) -> float | None:
+    """The match's first group (else the whole match) as a finite number; None if it is none."""
+    text = match.group(1) if match.re.groups else match.group(0)
+    try:
+        value = float(text) if text is not None else math.nan
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def metric_total(lines: Iterable[str], pattern: str, ranks: int) -> tuple[float | None, str]:
     """The sum over ranks of the number each rank printed last that ``pattern`` matches (its first group, else the
-    whole match); None and why, if a rank printed none."""
+    whole match; finite numbers only), from tagged output lines; None and why, if a rank printed none."""
     regex = re.compile(pattern)
     found: dict[int, float] = {}
-    for line in output.splitlines():
+    for line in lines:
         tagged = _TAGGED.match(line)
         match = regex.search(tagged.group(2)) if tagged else None
-        if tagged and match:
-            with contextlib.suppress(ValueError, IndexError):
-                found[int(tagged.group(1))] = float(match.group(1) if regex.groups else match.group(0))
+        value = _number(match) if tagged and match else None
+        if tagged and value is not None:
+            found[int(tagged.group(1))] = value
     missing = [rank for rank in range(ranks) if rank not in found]
     if missing:
         return None, f"no number matching --metric in the output of rank(s) {', '.join(map(str, missing))}"
@@ -59,16 +76,18 @@ def metric_total(output: str, pattern: str, ranks: int) -> tuple[float | None, s
 def _throughput(job: TuneJob, setting: Setting, seconds: float, stdout: IO[bytes]) -> tuple[float | None, str]:
     if job.metric is not None:
         stdout.seek(0)
-        return metric_total(stdout.read().decode(errors="replace"), job.metric, setting.ranks)
+        lines = (line.decode(errors="replace").rstrip("\n") for line in stdout)  # line by line: output may be large
+        return metric_total(lines, job.metric, setting.ranks)
     return (setting.ranks if job.scaling == "weak" else 1) / seconds, ""
 
 
 def run_trial(job: TuneJob, setting: Setting, env: Mapping[str, str]) -> Run:
-    """Run one job of ``setting`` and time it. A stopping signal is passed on to the job, which ends cleanly,
-    and then raised again."""
+    """Run one job of ``setting`` and time it (its output is kept only for ``--metric``, its errors for why it
+    failed). A stopping signal is passed on to the job, which ends cleanly, and then raised again."""
     with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
         start = time.monotonic()
-        process = subprocess.Popen([*own_module("mpsrun.cli"), *job.argv(setting)], stdout=stdout, stderr=stderr,
+        process = subprocess.Popen([*own_module("mpsrun.cli"), *job.argv(setting)], stderr=stderr,
+                                   stdout=stdout if job.metric is not None else subprocess.DEVNULL,
                                    stdin=subprocess.DEVNULL, env=dict(env))
         try:
             code = process.wait()
@@ -112,6 +131,9 @@ class Schedule:
             with Interrupts():
                 self._warm = run_trial(self.job, self.settings[0], self._env)
                 self._say(f"warm-up ({self.settings[0].label()}): {self._warm.seconds:.2f} s, not counted")
+                if self._warm.exit_code in _CANNOT_RUN:  # every trial would only say it again
+                    why = f"the warm-up could not run the command: {self._warm.error}"
+                    raise _CANNOT_RUN[self._warm.exit_code](why)
                 self._rounds()
         except InterruptionError as exc:  # what was measured so far still counts
             interrupted = exc.signal
@@ -128,7 +150,7 @@ class Schedule:
             else:
                 self._planned -= self.repeats
                 self._say(f"the budget of {self.budget:g} s leaves out {setting.label()}")
-        for repeat in range(1, self.repeats):
+        for repeat in range(1, self.repeats if kept else 1):
             for setting in kept if repeat % 2 == 0 else kept[::-1]:
                 if not self._fits(setting):
                     self._say(f"budget of {self.budget:g} s reached after {self._done} trials")
