@@ -11,6 +11,7 @@ import subprocess
 from collections.abc import Sequence
 
 from mpsrun.errors import ConfigError
+from mpsrun.runtime.interrupts import uninterrupted
 from mpsrun.runtime.processes import kill_group
 
 __all__ = [
@@ -63,17 +64,17 @@ def detect_flavour(mpiexec: str) -> str:
     It runs in a process group of its own: on a timeout or an interrupt the whole group is killed, so a wrapper
     script's children are not left behind.
     """
+    probe = None
     try:
-        probe = subprocess.Popen([mpiexec, "--version"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    except OSError:
-        return "unknown"
-    try:
+        with uninterrupted():  # a signal while it starts waits until the probe is ours to kill (it leaked 1 in 20)
+            probe = subprocess.Popen([mpiexec, "--version"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
         output, _ = probe.communicate(timeout=20)
     except BaseException as exc:
-        kill_group(probe.pid, signal.SIGKILL)
-        probe.communicate()
-        if isinstance(exc, subprocess.TimeoutExpired):
+        if probe is not None:
+            kill_group(probe.pid, signal.SIGKILL)
+            probe.communicate()
+        if isinstance(exc, (subprocess.TimeoutExpired, OSError)):
             return "unknown"
         raise
     return flavour_of_version(output)
