@@ -238,7 +238,7 @@ def _open(request: KeeperRequest) -> NodeKeeper | int:
 def main() -> int:
     request = KeeperRequest.from_json(json.loads(sys.stdin.read()))
     if os.fork() > 0:
-        os._exit(0)  # the starting rank waits for this; the keeper lives on in the background
+        exit_now(0)  # the starting rank waits for this; the keeper lives on in the background
     keeper = _open(request)
     if isinstance(keeper, int):
         return keeper

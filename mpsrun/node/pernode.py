@@ -24,10 +24,9 @@ import select
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from mpsrun.config.options import JobConfig
 from mpsrun.errors import ConfigError, JobTimeoutError, MPSError
@@ -36,7 +35,7 @@ from mpsrun.rank.identity import RankIdentity, identity_from_env, job_key
 from mpsrun.rank.join import greet, report_failure
 from mpsrun.rank.supervisor import run_rank
 from mpsrun.runtime.constants import CONTROL_VARIABLE, KEEPER_START_TIMEOUT, NODE_ID_VARIABLE, TOKEN_VARIABLE
-from mpsrun.runtime.deadline import Deadline, backoff
+from mpsrun.runtime.deadline import Deadline, poll_until
 from mpsrun.runtime.protocol import Link, connect
 from mpsrun.session import registry
 from mpsrun.session.paths import (
@@ -128,18 +127,17 @@ def _reserve(base: Path, name: str) -> str | None:
 def _connect_or_reserve(base: Path, name: str, address: str) -> Link | str:
     """The node keeper's link; or, with no keeper, the directory reserved for ours. The user's lock is held only to
     look and to reserve: another keeper's start-up or closing is waited for without it."""
-    deadline = Deadline(KEEPER_START_TIMEOUT)
-    for delay in backoff():
+
+    def attempt() -> Link | str | None:
         with user_root_lock(base):
             with contextlib.suppress(OSError):
                 return connect(address)
-            made = _reserve(base, name)
-        if made is not None:
-            return made
-        if deadline.expired():
-            raise MPSError(f"this node's session was neither ready nor gone within {KEEPER_START_TIMEOUT:g} s")
-        time.sleep(delay)
-    raise AssertionError("unreachable")  # pragma: no cover
+            return _reserve(base, name)
+
+    found = cast("Link | str | None", poll_until(attempt, Deadline(KEEPER_START_TIMEOUT)))  # mypy solves no unions
+    if found is None:
+        raise MPSError(f"this node's session was neither ready nor gone within {KEEPER_START_TIMEOUT:g} s")
+    return found
 
 
 def _join_node(base: Path, name: str, config: JobConfig, local_size: int | None) -> Link:

@@ -23,8 +23,8 @@ __all__ = ["SCALINGS", "Setting", "TuneJob", "default_ranks", "grid", "parse_mps
 SCALINGS = ("weak", "strong")
 #: Options each trial sets itself (by name in the job's configuration, and as written): the job options given to
 #: tune must leave them to it; what to give tune instead.
-_TUNED = {"nranks": "-np", "mps": "--mps", "thread_percentage": "--thread-percentage"}
-_TUNED_FLAGS = {"-np": "--ranks", "--mps": "--mps", "--thread-percentage": "--thread-percentage"}
+_TUNED = {"nranks": ("-np", "--ranks"), "mps": ("--mps", "--mps"),
+          "thread_percentage": ("--thread-percentage", "--thread-percentage")}
 #: Variables for the tuned options: a trial's own options decide, so the caller's are not passed on.
 TUNED_VARIABLES = ("MPSRUN_NP", "MPSRUN_MPS", "MPSRUN_THREAD_PERCENTAGE")
 
@@ -83,9 +83,9 @@ class TuneJob:
             per_node = parse_args(self._words(), environ=environ).per_node
         except SystemExit:  # --help or --version among the job options
             raise ConfigError("--help and --version are not job options", setting="command line") from None
-        for name, flag in _TUNED.items():
+        for name, (flag, instead) in _TUNED.items():
             if name in given:
-                raise ConfigError(f"mpsrun tune sets {flag} in each trial: give {_TUNED_FLAGS[flag]} to tune "
+                raise ConfigError(f"mpsrun tune sets {flag} in each trial: give {instead} to tune "
                                   "instead", setting=flag)
         if per_node:
             raise ConfigError("--per-node runs under a launcher of your own: tune runs whole jobs (use --hosts or "

@@ -12,6 +12,7 @@ import contextlib
 import math
 import os
 import re
+import signal
 import subprocess
 import tempfile
 import time
@@ -92,7 +93,7 @@ def run_trial(job: TuneJob, setting: Setting, env: Mapping[str, str]) -> Run:
         try:
             code = process.wait()
         except BaseException as exc:
-            signal_number = exc.signal if isinstance(exc, InterruptionError) else 2
+            signal_number = exc.signal if isinstance(exc, InterruptionError) else signal.SIGINT
             with contextlib.suppress(ProcessLookupError):  # our own child, by pid; the job stops its ranks
                 process.send_signal(signal_number)
             process.wait()
