@@ -12,11 +12,13 @@ import json
 import os
 import signal
 import subprocess
+import sys
 
 import psutil
 import pytest
-from helpers import descendants, fake, job_argv, settle, wait_for
+from helpers import MPSRUN, descendants, fake, job_argv, settle, wait_for
 
+from mpsrun.runtime.constants import LATE_WAIT
 from mpsrun.session import registry
 from mpsrun.session.paths import RESERVATION, SessionDirs, drop_reservation, reserve_session_name, user_root
 from mpsrun.session.record import SessionRecord
@@ -151,3 +153,47 @@ def test_a_killed_rank_supervisor_is_named_on_every_launcher(fake_gpu, short_tmp
     else:
         assert job.returncode in (9, 137) and f"exited with code {job.returncode}" in err, err
     settle(fake_gpu)
+
+
+# The rank that starts the node's keeper, gone right after its keeper said it was ready and before it joined (as
+# an interrupt or SIGKILL can leave it): it reserves the node's session, starts the keeper, and exits when its
+# stdin ends.
+_STARTER_WHO_NEVER_JOINS = """
+import os, sys
+from mpsrun.cli import _config
+from mpsrun.node import pernode
+from mpsrun.rank.identity import identity_from_env
+from mpsrun.session.paths import base_directory, make_user_root, user_root
+
+base, name = base_directory(os.environ), pernode.node_session_name(os.environ)
+make_user_root(base)
+assert isinstance(pernode._connect_or_reserve(base, name, f"unix:{user_root(base) / name / 'control'}"), str)
+pernode._start_keeper(base, name, _config(["--per-node", "true"]), identity_from_env(os.environ))
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def _node_rank_env(rank: int) -> dict[str, str]:
+    """The variables MPICH's Hydra gives rank ``rank`` of a 2-rank job on one node."""
+    return {**os.environ, "MPSRUN_JOB_ID": "starter-gone", "PMI_RANK": str(rank), "PMI_SIZE": "2",
+            "MPI_LOCALRANKID": str(rank), "MPI_LOCALNRANKS": "2"}
+
+
+@pytest.mark.parametrize("gone", ["before", "after"])
+def test_a_starter_gone_before_it_joined_does_not_keep_the_node(fake_gpu, gone):
+    """The rank that started the node keeper ends right after the keeper is ready, without joining, ``before`` or
+    ``after`` the node's other rank runs to its end: the keeper, its daemon and the session are gone at once (the
+    keeper waited its full 30 s for the starting rank to come)."""
+    starter = subprocess.Popen([sys.executable, "-c", _STARTER_WHO_NEVER_JOINS], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, env=_node_rank_env(0))
+    try:
+        assert starter.stdout is not None and starter.stdout.readline() == "ready\n"
+        if gone == "before":
+            starter.communicate(timeout=60)
+        other = subprocess.run([*MPSRUN, "--per-node", "true"], capture_output=True, text=True, timeout=120,
+                               env=_node_rank_env(1))
+        assert other.returncode == 0, other.stderr
+    finally:
+        starter.communicate(timeout=60)
+    assert settle(fake_gpu, timeout=LATE_WAIT / 3), "the node's session waited for its starter after the job"

@@ -12,7 +12,9 @@ until the keeper is gone, so the launcher's end means the node's session is gone
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from typing import NamedTuple
 
 from mpsrun.job.controller import Controller, JudgingController, Policy, Welcome
 from mpsrun.job.table import RankState
@@ -21,24 +23,52 @@ from mpsrun.runtime.output import say
 from mpsrun.runtime.protocol import Listener
 from mpsrun.session.session import Session
 
-__all__ = ["NodeController", "NodeSide"]
+__all__ = ["NodeController", "NodeSide", "Starter"]
+
+
+class Starter(NamedTuple):
+    """The rank that started the keeper, and the pipe it holds open until it has joined: the keeper's end of it
+    reports the rank's end when the rank never joins (interrupted or killed right after the keeper was ready)."""
+
+    rank: int
+    pipe: int
 
 
 class NodeSide(Controller):
     """What every node keeper's controller does. ``expected``: how many ranks the launcher put on this node (None
-    when it does not say); ``close``: ends the node's session, returning what to say about it."""
+    when it does not say); ``close``: ends the node's session, returning what to say about it; ``starter``: the rank
+    that started the keeper (the controller owns its pipe from now on)."""
 
     def __init__(self, listener: Listener, token: str, welcome: Welcome, policy: Policy, *, session: Session,
-                 expected: int | None, close: Callable[[], list[str]]) -> None:
+                 expected: int | None, close: Callable[[], list[str]], starter: Starter | None = None) -> None:
         super().__init__(listener, token, welcome, policy, session)
         self.expected = expected
         self._close_node = close
         self._closed = False
+        self._starter = starter
+        self._absent = 0  # ranks of the node that will never come (a starter gone before it joined)
         self.give_up = False  # no rank ever came, or the ranks the launcher announced never did
 
     def _arm(self) -> None:
         super()._arm()
         self.loop.after(IDLE_TIMEOUT, self._idle)
+        if self._starter is not None:
+            self.loop.watch(self._starter.pipe, self._starter_left)
+
+    def _starter_left(self) -> None:
+        """The starting rank let go of its pipe: it joined first, or it never will (and no one waits for it)."""
+        assert self._starter is not None
+        self.loop.unwatch(self._starter.pipe)
+        os.close(self._starter.pipe)
+        if self._starter.rank in self.ranks:
+            return
+        self._absent += 1
+        if self.ranks and not self._awaited():
+            self._late_ranks_overdue()
+
+    def _awaited(self) -> bool:
+        """Whether ranks the launcher put on this node have yet to come."""
+        return len(self.ranks) + self._absent < (self.expected or 0)
 
     def _idle(self) -> None:
         if not self.ranks:
@@ -48,14 +78,14 @@ class NodeSide(Controller):
         say(f"mpsrun keeper: {text}")  # into keeper.log
 
     def _done(self) -> bool:
-        every = len(self.ranks) >= (self.expected or 1)
+        every = len(self.ranks) + self._absent >= (self.expected or 1)
         return self.give_up or (every and all(s.end is not None and s.verdict_sent for s in self.ranks.values()))
 
     def _verdict_lines(self, state: RankState, lines: list[str]) -> tuple[list[str], bool]:
         """The last rank out waits for the node's teardown (and, lingering, for the keeper to end)."""
         if not all(s.verdict_sent for s in self.ranks.values()):
             return lines, False
-        if len(self.ranks) < (self.expected or 0):  # a rank of the node has yet to come: keep the session a while
+        if self._awaited():  # a rank of the node has yet to come: keep the session a while
             self.loop.after(LATE_WAIT, self._late_ranks_overdue)
             return lines, False
         return lines + self._delivered(self._close()), True
@@ -87,8 +117,9 @@ class NodeController(NodeSide, JudgingController):
     that can still be delivered, so exactly one rank's supervisor prints it."""
 
     def __init__(self, listener: Listener, token: str, welcome: Welcome, policy: Policy, *, session: Session,
-                 expected: int | None, close: Callable[[], list[str]]) -> None:
-        super().__init__(listener, token, welcome, policy, session=session, expected=expected, close=close)
+                 expected: int | None, close: Callable[[], list[str]], starter: Starter | None = None) -> None:
+        super().__init__(listener, token, welcome, policy, session=session, expected=expected, close=close,
+                         starter=starter)
         self._summary_said = False
 
     def note(self, text: str) -> None:

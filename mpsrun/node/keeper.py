@@ -35,7 +35,7 @@ from mpsrun.job.controller import Policy
 from mpsrun.job.mpiexec import mpi4py_available
 from mpsrun.job.placement import daemon_defaults, welcome, without_mps
 from mpsrun.job.report import mps_report, verified_line
-from mpsrun.node.controller import NodeController, NodeSide
+from mpsrun.node.controller import NodeController, NodeSide, Starter
 from mpsrun.node.pernode import KeeperRequest
 from mpsrun.node.relay import RelayController
 from mpsrun.rank.identity import RankIdentity
@@ -106,7 +106,7 @@ class NodeKeeper:
     """A node's started session and the controller over its ranks. Make one with :meth:`open`."""
 
     def __init__(self, config: JobConfig, request: KeeperRequest, session: Session, listener: Listener,
-                 upstream: Link | None, policy: Policy) -> None:
+                 upstream: Link | None, policy: Policy, starter: Starter | None) -> None:
         self.config, self.request, self.session = config, request, session
         self.closed = False
         reason = session.disabled_reason
@@ -114,15 +114,17 @@ class NodeKeeper:
         self._abort = config.mpi4py_abort == "on" and mpi4py_available()
         self._rendezvous = rendezvous("127.0.0.1", free_port(), os.environ)  # for a job of this node only
         self.listener = listener
-        common: dict[str, Any] = {"session": session, "expected": request.local_size, "close": self.close}
+        common: dict[str, Any] = {"session": session, "expected": request.local_size, "close": self.close,
+                                  "starter": starter}
         self.controller: NodeSide = (
             RelayController(self.listener, request.name, self._welcome, policy, upstream=upstream, **common)
             if upstream is not None else NodeController(self.listener, request.name, self._welcome, policy, **common))
 
     @classmethod
-    def open(cls, config: JobConfig, request: KeeperRequest) -> NodeKeeper:
+    def open(cls, config: JobConfig, request: KeeperRequest, starter_pipe: int) -> NodeKeeper:
         """Claim the node session's reserved directory and listen in it (the node's other ranks connect and wait);
-        start the session (bounded by --timeout) and, under --hosts, join the job's controller."""
+        start the session (bounded by --timeout) and, under --hosts, join the job's controller. ``starter_pipe``:
+        the starting rank's pipe, which the keeper's controller owns once it is built."""
         deadline = Deadline(config.timeout)
         ensure_descriptors(request.local_size or 1)
         claim = SessionClaim(Path(request.base), "node", request.name, config.keep_logs, reserved=True)
@@ -134,7 +136,8 @@ class NodeKeeper:
             upstream = _upstream(request) if request.upstream else None
             policy = Policy(grace=config.grace, timeout=deadline.remaining() if config.timeout else None,
                             timeout_total=config.timeout, mps_required=config.mps == "on")
-            return cls(config, request, session, listener, upstream, policy)
+            starter = Starter(request.starter, starter_pipe) if request.starter is not None else None
+            return cls(config, request, session, listener, upstream, policy, starter)
         except BaseException as exc:
             if listener is not None:  # the node's ranks that wait hear why, and start no keeper of their own
                 code, why = failure_answer(exc)
@@ -218,13 +221,13 @@ def _abandon_when_alone(started: threading.Event) -> None:
             return
 
 
-def _open(request: KeeperRequest) -> NodeKeeper | int:
+def _open(request: KeeperRequest, starter_pipe: int) -> NodeKeeper | int:
     """The keeper, started; or, when it cannot start, its exit code once the starting rank has heard why."""
     started = threading.Event()
     threading.Thread(target=_abandon_when_alone, args=(started,), daemon=True).start()
     try:
         with Interrupts():  # a stopping signal while the session starts: undo it, say why, exit
-            keeper = NodeKeeper.open(JobConfig.from_json(request.config), request)
+            keeper = NodeKeeper.open(JobConfig.from_json(request.config), request, starter_pipe)
     except Exception as exc:  # the starting rank must hear why, whatever it was
         started.set()
         code, why = failure_answer(exc)
@@ -239,7 +242,9 @@ def main() -> int:
     request = KeeperRequest.from_json(json.loads(sys.stdin.read()))
     if os.fork() > 0:
         exit_now(0)  # the starting rank waits for this; the keeper lives on in the background
-    keeper = _open(request)
+    # The starting rank holds our stdout's pipe until it has joined: a copy, kept when our output leaves that pipe,
+    # tells the controller if it went (interrupted, killed) before it could.
+    keeper = _open(request, os.dup(sys.stdout.fileno()))
     if isinstance(keeper, int):
         return keeper
     try:

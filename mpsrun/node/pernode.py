@@ -26,7 +26,7 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple, cast
+from typing import IO, Any, NamedTuple, cast
 
 from mpsrun.config.options import JobConfig
 from mpsrun.errors import ConfigError, JobTimeoutError, MPSError
@@ -55,8 +55,8 @@ JOIN_ATTEMPTS = 3  # a keeper may close just as a late rank arrives; the rank th
 
 class KeeperRequest(NamedTuple):
     """What the rank that starts a keeper tells it: the node session's name and base, the job's configuration
-    (as the rank read it), how many ranks the launcher put on the node, and under ``--hosts`` the job's
-    controller and token."""
+    (as the rank read it), how many ranks the launcher put on the node, under ``--hosts`` the job's controller and
+    token, and the starting rank's number."""
 
     name: str
     base: str
@@ -65,6 +65,7 @@ class KeeperRequest(NamedTuple):
     devices: str | None = None  # the CUDA_VISIBLE_DEVICES every local rank must share
     upstream: str | None = None
     token: str = ""
+    starter: int | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> KeeperRequest:
@@ -76,10 +77,14 @@ def node_session_name(env: Mapping[str, str]) -> str:
     return "j" + hashlib.sha256(f"{node}:{job_key(env)}".encode()).hexdigest()[:8]
 
 
-def _start_keeper(base: Path, name: str, config: JobConfig, local_size: int | None) -> None:
-    """Start the node keeper in the directory reserved for it and wait until it answers or says why it cannot."""
-    request = KeeperRequest(name, str(base), config.to_json(), local_size, os.environ.get("CUDA_VISIBLE_DEVICES"),
-                            os.environ.get(CONTROL_VARIABLE), os.environ.get(TOKEN_VARIABLE, ""))
+def _start_keeper(base: Path, name: str, config: JobConfig, identity: RankIdentity) -> IO[bytes]:
+    """Start the node keeper in the directory reserved for it and wait until it answers or says why it cannot.
+
+    Returns the keeper's answering pipe, still open: the keeper knows by its closing that this rank will not come,
+    so it is closed only once this rank has joined (or when this process ends)."""
+    request = KeeperRequest(name, str(base), config.to_json(), identity.local_world_size,
+                            os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get(CONTROL_VARIABLE),
+                            os.environ.get(TOKEN_VARIABLE, ""), identity.rank)
     keeper = subprocess.Popen([sys.executable, "-m", "mpsrun.node.keeper"], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
     assert keeper.stdin is not None and keeper.stdout is not None
@@ -88,12 +93,12 @@ def _start_keeper(base: Path, name: str, config: JobConfig, local_size: int | No
     keeper.wait()  # it forks into the background at once and says ready on the pipe
     # The keeper bounds its own start-up by --timeout and then says so; a little later we stop waiting.
     wait = KEEPER_START_TIMEOUT if config.timeout is None else min(KEEPER_START_TIMEOUT, config.timeout + 10)
-    with keeper.stdout:
-        ready, _, _ = select.select([keeper.stdout], [], [], wait)
-        line = keeper.stdout.readline() if ready else None
+    ready, _, _ = select.select([keeper.stdout], [], [], wait)
+    line = keeper.stdout.readline() if ready else None
     answer = line.decode(errors="replace").strip() if line else ""
     if answer == "ready":
-        return
+        return keeper.stdout
+    keeper.stdout.close()
     if line is None and config.timeout is not None:
         raise JobTimeoutError(f"timed out after {config.timeout:g} s while this node's session started",
                               timeout=config.timeout)
@@ -140,19 +145,23 @@ def _connect_or_reserve(base: Path, name: str, address: str) -> Link | str:
     return found
 
 
-def _join_node(base: Path, name: str, config: JobConfig, local_size: int | None) -> Link:
-    """Connect to the node's keeper, starting it if there is none."""
+def _join_node(base: Path, name: str, config: JobConfig, identity: RankIdentity) -> tuple[Link, IO[bytes] | None]:
+    """Connect to the node's keeper, starting it if there is none (then also the pipe that tells it we are here)."""
     address = f"unix:{user_root(base) / name / 'control'}"
     found = _connect_or_reserve(base, name, address)
     if isinstance(found, Link):
-        return found
+        return found, None
     try:
-        _start_keeper(base, name, config, local_size)
+        pipe = _start_keeper(base, name, config, identity)
     except BaseException:
         with user_root_lock(base):
             drop_reservation(base, name, found)
         raise
-    return connect(address)
+    try:
+        return connect(address), pipe
+    except BaseException:
+        pipe.close()
+        raise
 
 
 def run_per_node(config: JobConfig, environ: Mapping[str, str] | None = None) -> int:
@@ -175,12 +184,13 @@ def run_per_node(config: JobConfig, environ: Mapping[str, str] | None = None) ->
         report_failure(exc, identity.local_rank)
         return exc.exit_code
     name = node_session_name(env)
-    rank = identity.rank
+    rank, joining = identity.rank, identity  # (mypy keeps no narrowing into the closure)
 
     def join(hello: Mapping[str, Any]) -> tuple[Link, dict[str, Any] | None]:
         for _ in range(JOIN_ATTEMPTS):
-            link = _join_node(base, name, config, identity.local_world_size)
-            answer = greet(link, {**hello, "settings": config.settings()})
+            link, pipe = _join_node(base, name, config, joining)
+            with pipe or contextlib.nullcontext():  # we started the keeper: held until it has answered us
+                answer = greet(link, {**hello, "settings": config.settings()})
             if answer is not None and not answer.get("retry") and not answer.get("failed"):
                 return link, answer
             link.close()

@@ -17,7 +17,7 @@ from mpsrun.job.controller import Policy, Welcome
 from mpsrun.job.outcome import RankEnd
 from mpsrun.job.table import RankState
 from mpsrun.mps.watch import Finding
-from mpsrun.node.controller import NodeSide
+from mpsrun.node.controller import NodeSide, Starter
 from mpsrun.runtime.constants import STOP_SIGNALS, VERDICT_WAIT
 from mpsrun.runtime.protocol import Link, Listener
 from mpsrun.session.session import Session
@@ -29,8 +29,10 @@ class RelayController(NodeSide):
     """``upstream``: the link to the job's controller, already welcomed."""
 
     def __init__(self, listener: Listener, token: str, welcome: Welcome, policy: Policy, *, session: Session,
-                 expected: int | None, close: Callable[[], list[str]], upstream: Link) -> None:
-        super().__init__(listener, token, welcome, policy, session=session, expected=expected, close=close)
+                 expected: int | None, close: Callable[[], list[str]], upstream: Link,
+                 starter: Starter | None = None) -> None:
+        super().__init__(listener, token, welcome, policy, session=session, expected=expected, close=close,
+                         starter=starter)
         self.upstream = upstream
         self._orphaned = False  # the job's controller is gone: this node decides alone (exit 3)
 
