@@ -229,3 +229,15 @@ class RecordError(MPSError, ValueError):
 
 class HandoffError(MPSError):
     """A shared region could not be had: its publisher failed, or the deadline passed."""
+
+
+class JoinError(MPSError):
+    """A per-node rank could not join its node's session. ``speaks``: whether this rank says why, or stays silent
+    because the rank that started the node's keeper says it (what every local rank meets alike, such as a bad
+    option, is said by the node's local rank 0 instead). ``exit_code``: the cause's."""
+
+    speaks: bool
+
+    def __init__(self, message: str, *, speaks: bool, exit_code: int = ExitCode.SETUP) -> None:
+        super().__init__(message, speaks=speaks)
+        self.exit_code = exit_code

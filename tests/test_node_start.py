@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -18,7 +19,12 @@ import psutil
 import pytest
 from helpers import MPSRUN, descendants, fake, job_argv, settle, wait_for
 
+from mpsrun.job.table import RankTable
+from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import LATE_WAIT
+from mpsrun.runtime.deadline import Deadline
+from mpsrun.runtime.loop import EventLoop
+from mpsrun.runtime.protocol import Listener, connect
 from mpsrun.session import registry
 from mpsrun.session.paths import RESERVATION, SessionDirs, drop_reservation, reserve_session_name, user_root
 from mpsrun.session.record import SessionRecord
@@ -86,19 +92,22 @@ def test_concurrent_per_node_jobs_all_run_and_leave_nothing(fake_gpu):
 
 @pytest.mark.mpiexec
 @pytest.mark.parametrize("path", ["per-node", "hosts"])
-def test_a_keeper_killed_in_start_up_fails_its_node_at_once(fake_gpu, path):
-    """SIGKILL to the node keeper while its daemon does not answer: exit 3 and one line saying the keeper
-    ended, at once (another rank started a replacement keeper that waited out the daemon's 30 s, and the
-    dead keeper's reaper removed the replacement's directory: 'daemon died', 'did not start within 120 s')."""
+@pytest.mark.parametrize(("sig", "code", "said"), [(signal.SIGKILL, 3, "keeper ended before"),
+                                                   (signal.SIGTERM, 143, "keeper was interrupted by SIGTERM")])
+def test_a_keeper_killed_in_start_up_fails_its_node_at_once(fake_gpu, path, sig, code, said):
+    """SIGKILL or SIGTERM to the node keeper while its daemon does not answer: exit 3 (143 for SIGTERM) and one line
+    saying what happened to the keeper, at once, whichever local rank started it (another rank started a
+    replacement keeper that waited out the daemon's 30 s, and the dead keeper's reaper removed the replacement's
+    directory: 'daemon died', 'did not start within 120 s'; a starter that was not local rank 0 said nothing)."""
     fake_gpu.daemon_env(FAKE_MPS_NO_ANSWER="1")
     job = subprocess.Popen(job_argv(path, ["--mps", "on"], ["true"], ranks=2), stderr=subprocess.PIPE, text=True)
     keeper = wait_for(lambda: _keeper(fake_gpu), what="the keeper did not start its daemon", proc=job)
     wait_for(lambda: _waiting_ranks(fake_gpu) >= 1, what="the other rank did not come to wait for the keeper",
              proc=job)  # a rank that comes only after the keeper died starts a keeper of its own, rightly
-    keeper.kill()
+    keeper.send_signal(sig)
     _, err = job.communicate(timeout=120)
     lines = _mpsrun_lines(err)
-    assert job.returncode == 3 and len(lines) == 1 and "keeper ended before" in lines[0], err
+    assert job.returncode == code and len(lines) == 1 and said in lines[0], err
     settle(fake_gpu, timeout=20.0)  # well before the 30 s a replacement keeper waited for its daemon
 
 
@@ -155,10 +164,10 @@ def test_a_killed_rank_supervisor_is_named_on_every_launcher(fake_gpu, short_tmp
     settle(fake_gpu)
 
 
-# The rank that starts the node's keeper, gone right after its keeper said it was ready and before it joined (as
-# an interrupt or SIGKILL can leave it): it reserves the node's session, starts the keeper, and exits when its
-# stdin ends.
-_STARTER_WHO_NEVER_JOINS = """
+# The rank that starts the node's keeper: it reserves the node's session, starts the keeper and says "ready"; when
+# its stdin ends it either exits without joining (as an interrupt or SIGKILL right after its keeper was ready can
+# leave it) or, given "join", joins as `mpsrun --per-node true`, still holding the keeper's pipe.
+_STARTER = """
 import os, sys
 from mpsrun.cli import _config
 from mpsrun.node import pernode
@@ -168,16 +177,21 @@ from mpsrun.session.paths import base_directory, make_user_root, user_root
 base, name = base_directory(os.environ), pernode.node_session_name(os.environ)
 make_user_root(base)
 assert isinstance(pernode._connect_or_reserve(base, name, f"unix:{user_root(base) / name / 'control'}"), str)
-pernode._start_keeper(base, name, _config(["--per-node", "true"]), identity_from_env(os.environ))
+pipe = pernode._start_keeper(base, name, _config(["--per-node", "true"]), identity_from_env(os.environ))
 print("ready", flush=True)
 sys.stdin.read()
+if sys.argv[1:] == ["join"]:
+    os.set_inheritable(pipe.fileno(), True)
+    os.execv(sys.executable, [sys.executable, "-m", "mpsrun", "--per-node", "true"])
 """
 
 
-def _node_rank_env(rank: int) -> dict[str, str]:
-    """The variables MPICH's Hydra gives rank ``rank`` of a 2-rank job on one node."""
-    return {**os.environ, "MPSRUN_JOB_ID": "starter-gone", "PMI_RANK": str(rank), "PMI_SIZE": "2",
-            "MPI_LOCALRANKID": str(rank), "MPI_LOCALNRANKS": "2"}
+def _node_rank_env(rank: int, local_size: bool = True) -> dict[str, str]:
+    """The variables MPICH's Hydra gives rank ``rank`` of a 2-rank job on one node (without the node's rank count:
+    as a launcher that does not say it)."""
+    env = {**os.environ, "MPSRUN_JOB_ID": "starter", "PMI_RANK": str(rank), "PMI_SIZE": "2",
+           "MPI_LOCALRANKID": str(rank), "MPI_LOCALNRANKS": "2"}
+    return env if local_size else {name: value for name, value in env.items() if name != "MPI_LOCALNRANKS"}
 
 
 @pytest.mark.parametrize("gone", ["before", "after"])
@@ -185,7 +199,7 @@ def test_a_starter_gone_before_it_joined_does_not_keep_the_node(fake_gpu, gone):
     """The rank that started the node keeper ends right after the keeper is ready, without joining, ``before`` or
     ``after`` the node's other rank runs to its end: the keeper, its daemon and the session are gone at once (the
     keeper waited its full 30 s for the starting rank to come)."""
-    starter = subprocess.Popen([sys.executable, "-c", _STARTER_WHO_NEVER_JOINS], stdin=subprocess.PIPE,
+    starter = subprocess.Popen([sys.executable, "-c", _STARTER], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, text=True, env=_node_rank_env(0))
     try:
         assert starter.stdout is not None and starter.stdout.readline() == "ready\n"
@@ -197,3 +211,46 @@ def test_a_starter_gone_before_it_joined_does_not_keep_the_node(fake_gpu, gone):
     finally:
         starter.communicate(timeout=60)
     assert settle(fake_gpu, timeout=LATE_WAIT / 3), "the node's session waited for its starter after the job"
+
+
+def test_the_keeper_keeps_the_node_for_its_starter(fake_gpu):
+    """A launcher that does not say how many ranks share the node: the rank that started the keeper joins only
+    after another rank ran to its end, and the session is still there for it (the keeper closed after the first
+    rank, and a starter that connected as it closed failed with exit 3, silently when not local rank 0)."""
+    starter = subprocess.Popen([sys.executable, "-c", _STARTER, "join"], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=_node_rank_env(0, local_size=False))
+    try:
+        assert starter.stdout is not None and starter.stdout.readline() == "ready\n"
+        other = subprocess.run([*MPSRUN, "--per-node", "true"], capture_output=True, text=True, timeout=120,
+                               env=_node_rank_env(1, local_size=False))
+        assert other.returncode == 0, other.stderr
+        [session] = fake_gpu.session_dirs()
+    finally:
+        _, err = starter.communicate(timeout=120)
+    assert starter.returncode == 0, err
+    assert not session.exists() and settle(fake_gpu, timeout=LATE_WAIT / 3)
+
+
+class _NoEvents:
+    """A controller that is told nothing worth doing (RankTable's events)."""
+
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: None
+
+
+def test_a_rank_connected_but_unheard_when_its_keeper_closes_is_asked_to_come_again(short_tmp):
+    """A rank whose connection the keeper accepted, but whose hello it had not yet read when it began to close, is
+    told to come again (to a new keeper); it met a closed connection and failed with 'this node's keeper ended
+    before rank N could join', said by no one when it was not the node's local rank 0."""
+    address = f"unix:{short_tmp / 'control'}"
+    loop, listener = EventLoop(), Listener(address)
+    token = secrets.token_hex(8)
+    table = RankTable(loop, listener, token, _NoEvents(), "host")
+    link = connect(address)
+    loop.run_once(10.0)  # accepted
+    link.send("hello", role="rank", token=token, identity=RankIdentity(1, 1).to_json())
+    table.stop_accepting()
+    listener.close()
+    loop.close()
+    assert link.expect(("welcome", "refuse"), Deadline(10.0)) == {"type": "refuse", "retry": True}

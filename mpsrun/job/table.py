@@ -7,6 +7,7 @@ rank supervisors and node keepers on the listener, checks the job's token, keeps
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import signal
 from collections.abc import Iterable, Mapping
@@ -16,17 +17,28 @@ from typing import Any, Protocol
 from mpsrun.exitcodes import ExitCode
 from mpsrun.job.outcome import RankEnd
 from mpsrun.rank.identity import RankIdentity
-from mpsrun.runtime.constants import STOP_SIGNALS
+from mpsrun.runtime.constants import HELLO_WAIT, STOP_SIGNALS
+from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.loop import EventLoop
 from mpsrun.runtime.processes import ProcessRef, kill_group
 from mpsrun.runtime.protocol import Link, Listener
 
-__all__ = ["RankEvents", "RankState", "RankTable"]
+__all__ = ["RankEvents", "RankState", "RankTable", "refuse_newcomer"]
 
 
 def token_matches(offered: object, token: str) -> bool:
     """The token a rank offered is the job's (compared in constant time)."""
     return isinstance(offered, str) and hmac.compare_digest(offered.encode(), token.encode())
+
+
+def refuse_newcomer(link: Link, **refusal: Any) -> None:
+    """Answer a peer that connected but was not yet heard with ``refusal``, once its hello (sent right after
+    connecting) is read, and close the link: a peer that meets a closed link without an answer takes it for a
+    crash."""
+    with contextlib.suppress(OSError):
+        link.expect(("hello",), Deadline(HELLO_WAIT))
+        link.send("refuse", **refusal)
+    link.close()
 
 
 @dataclass(slots=True, eq=False)
@@ -69,6 +81,7 @@ class RankTable:
         self.ranks: dict[int, RankState] = {}
         self.nodes: set[Link] = set()  # open links of node keepers (each closes once its host's session is gone)
         self.accepting = True  # False once a node keeper closes: a rank that comes then starts a new one
+        self._unheard: set[Link] = set()  # accepted, their hello not yet read
         loop.watch(listener.fileno(), self._accept)
 
     def add(self, state: RankState) -> RankState:
@@ -77,8 +90,13 @@ class RankTable:
         return state
 
     def stop_accepting(self) -> None:
-        """A node keeper is closing: a rank that says hello from now on is asked to come again (to a new one)."""
+        """A node keeper is closing: a rank that says hello from now on is asked to come again (to a new one), as is
+        one already connected that has yet to be heard (the loop may end before its hello is read)."""
         self.accepting = False
+        for link in list(self._unheard):
+            self.loop.unwatch(link.fd)
+            self._unheard.discard(link)
+            refuse_newcomer(link, retry=True)
 
     def live(self) -> list[RankState]:
         return [s for s in self.ranks.values() if s.end is None]
@@ -93,10 +111,12 @@ class RankTable:
     def _accept(self) -> None:
         link = self.listener.accept()
         if link is not None:
+            self._unheard.add(link)
             self.loop.watch(link.fd, lambda: self._on_link(link))
 
     def close(self, link: Link) -> None:
         self.loop.unwatch(link.fd)
+        self._unheard.discard(link)
         link.close()
         self._forget_node(link)
 
@@ -107,6 +127,7 @@ class RankTable:
 
     def _on_link(self, link: Link) -> None:
         messages = link.receive()
+        self._unheard.discard(link)
         if messages is None:
             self.loop.unwatch(link.fd)  # before the close: see Link
             link.close()

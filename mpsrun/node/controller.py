@@ -45,7 +45,7 @@ class NodeSide(Controller):
         self.expected = expected
         self._close_node = close
         self._closed = False
-        self._starter = starter
+        self._starter = starter  # None once it has let go of its pipe
         self._absent = 0  # ranks of the node that will never come (a starter gone before it joined)
         self.give_up = False  # no rank ever came, or the ranks the launcher announced never did
 
@@ -57,17 +57,21 @@ class NodeSide(Controller):
 
     def _starter_left(self) -> None:
         """The starting rank let go of its pipe: it joined first, or it never will (and no one waits for it)."""
-        assert self._starter is not None
-        self.loop.unwatch(self._starter.pipe)
-        os.close(self._starter.pipe)
-        if self._starter.rank in self.ranks:
+        starter, self._starter = self._starter, None
+        assert starter is not None
+        self.loop.unwatch(starter.pipe)
+        os.close(starter.pipe)
+        if starter.rank in self.ranks:
             return
         self._absent += 1
         if self.ranks and not self._awaited():
             self._late_ranks_overdue()
 
     def _awaited(self) -> bool:
-        """Whether ranks the launcher put on this node have yet to come."""
+        """Whether ranks of this node have yet to come: the starting rank, still on its way, or others the launcher
+        put on the node (when it says how many)."""
+        if self._starter is not None and self._starter.rank not in self.ranks:
+            return True
         return len(self.ranks) + self._absent < (self.expected or 0)
 
     def _idle(self) -> None:
@@ -78,7 +82,7 @@ class NodeSide(Controller):
         say(f"mpsrun keeper: {text}")  # into keeper.log
 
     def _done(self) -> bool:
-        every = len(self.ranks) + self._absent >= (self.expected or 1)
+        every = len(self.ranks) + self._absent >= (self.expected or 1) and not self._awaited()
         return self.give_up or (every and all(s.end is not None and s.verdict_sent for s in self.ranks.values()))
 
     def _verdict_lines(self, state: RankState, lines: list[str]) -> tuple[list[str], bool]:

@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from mpsrun.config.options import JobConfig
-from mpsrun.errors import ConfigError, DaemonTimeoutError, JobTimeoutError, MPSError
+from mpsrun.errors import ConfigError, DaemonTimeoutError, InterruptionError, JobTimeoutError, MPSError
 from mpsrun.job.channel import free_port, rendezvous
 from mpsrun.job.controller import Policy
 from mpsrun.job.mpiexec import mpi4py_available
 from mpsrun.job.placement import daemon_defaults, welcome, without_mps
 from mpsrun.job.report import mps_report, verified_line
+from mpsrun.job.table import refuse_newcomer
 from mpsrun.node.controller import NodeController, NodeSide, Starter
 from mpsrun.node.pernode import KeeperRequest
 from mpsrun.node.relay import RelayController
@@ -49,9 +50,6 @@ from mpsrun.session.paths import user_root_lock
 from mpsrun.session.session import Session
 
 __all__ = ["NodeKeeper", "failure_answer", "main", "turn_away"]
-
-HELLO_WAIT = 1.0  # a waiting rank's hello, already sent when it is turned away
-
 
 def _start_session(config: JobConfig, request: KeeperRequest, deadline: Deadline, claim: SessionClaim) -> Session:
     """The node's MPS session, started in ``claim`` (its limits as the node's ranks will have them)."""
@@ -72,6 +70,8 @@ def _start_session(config: JobConfig, request: KeeperRequest, deadline: Deadline
 
 def failure_answer(exc: BaseException) -> tuple[int, str]:
     """A keeper that cannot start: its exit code and the node's one line about it."""
+    if isinstance(exc, InterruptionError):  # the node's ranks end as a signalled rank does
+        return exc.exit_code, f"this node's keeper was {exc} while its session started"
     if isinstance(exc, MPSError):
         return exc.exit_code, str(exc)
     if isinstance(exc, KeyboardInterrupt):
@@ -85,10 +85,7 @@ def turn_away(listener: Listener, base: Path, **refusal: Any) -> None:
     with user_root_lock(base):
         listener.sock.setblocking(False)
         while (link := listener.accept()) is not None:
-            with contextlib.suppress(OSError):
-                link.expect(("hello",), Deadline(HELLO_WAIT))  # sent right after connecting: read, then answer
-                link.send("refuse", **refusal)
-            link.close()
+            refuse_newcomer(link, **refusal)
         listener.close()
 
 
@@ -140,8 +137,9 @@ class NodeKeeper:
             return cls(config, request, session, listener, upstream, policy, starter)
         except BaseException as exc:
             if listener is not None:  # the node's ranks that wait hear why, and start no keeper of their own
-                code, why = failure_answer(exc)
-                turn_away(listener, Path(request.base), failed=True, exit_code=code, message=why)
+                code, why = failure_answer(exc)  # (and say it only if the rank that started us cannot)
+                turn_away(listener, Path(request.base), failed=True, exit_code=code, message=why,
+                          heard=_starter_listens())
             with contextlib.suppress(MPSError):
                 session.close() if session is not None else claim.release()
             raise
@@ -209,14 +207,20 @@ def _detach(log_dir: Path | None) -> None:
     os.close(stdin)
 
 
+def _starter_listens(wait: float = 0.0) -> bool:
+    """Whether the rank that started us still reads our answer (the reading end of our stdout is open), looking for
+    up to ``wait`` seconds."""
+    poller = select.poll()
+    poller.register(sys.stdout.fileno(), select.POLLERR)  # on a pipe's writing end: no reader any more
+    return not poller.poll(int(wait * 1000))
+
+
 def _abandon_when_alone(started: threading.Event) -> None:
     """The rank waiting for our answer is gone (interrupted, killed: the reading end of our stdout closed)
     before we are ready: stop starting, as if told to."""
-    poller = select.poll()
-    poller.register(sys.stdout.fileno(), select.POLLERR)  # on a pipe's writing end: no reader any more
     while not started.is_set():
         # Ready is said only after `started` is set, so a reader gone before then was not answered.
-        if poller.poll(100) and not started.is_set():
+        if not _starter_listens(0.1) and not started.is_set():
             os.kill(os.getpid(), signal.SIGTERM)
             return
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import IO, Any, NamedTuple, cast
 
 from mpsrun.config.options import JobConfig
-from mpsrun.errors import ConfigError, JobTimeoutError, MPSError
+from mpsrun.errors import ConfigError, JoinError, MPSError
 from mpsrun.exitcodes import ExitCode
 from mpsrun.rank.identity import RankIdentity, identity_from_env, job_key
 from mpsrun.rank.join import greet, report_failure
@@ -99,21 +99,14 @@ def _start_keeper(base: Path, name: str, config: JobConfig, identity: RankIdenti
     if answer == "ready":
         return keeper.stdout
     keeper.stdout.close()
-    if line is None and config.timeout is not None:
-        raise JobTimeoutError(f"timed out after {config.timeout:g} s while this node's session started",
-                              timeout=config.timeout)
+    if line is None and config.timeout is not None:  # the rank that started the keeper says why, as it knows
+        raise JoinError(f"timed out after {config.timeout:g} s while this node's session started", speaks=True,
+                        exit_code=ExitCode.TIMEOUT)
     if not answer:
-        raise MPSError(f"this node's session did not start within {wait:g} s" if line is None
-                       else "this node's keeper ended before its session was ready")
+        raise JoinError(f"this node's session did not start within {wait:g} s" if line is None
+                        else "this node's keeper ended before its session was ready", speaks=True)
     code, _, message = answer.partition(" ")
-    raise keeper_failure(int(code) if code.isdigit() else ExitCode.SETUP, message)
-
-
-def keeper_failure(code: int, message: str) -> MPSError:
-    """The error a keeper that could not start answered with (its exit code and its line)."""
-    if code == ExitCode.TIMEOUT:
-        return JobTimeoutError(message, timeout=0.0)
-    return (ConfigError if code == ExitCode.USAGE else MPSError)(message)
+    raise JoinError(message, speaks=True, exit_code=int(code) if code.isdigit() else ExitCode.SETUP)
 
 
 def _reserve(base: Path, name: str) -> str | None:
@@ -141,7 +134,8 @@ def _connect_or_reserve(base: Path, name: str, address: str) -> Link | str:
 
     found = cast("Link | str | None", poll_until(attempt, Deadline(KEEPER_START_TIMEOUT)))  # mypy solves no unions
     if found is None:
-        raise MPSError(f"this node's session was neither ready nor gone within {KEEPER_START_TIMEOUT:g} s")
+        raise JoinError(f"this node's session was neither ready nor gone within {KEEPER_START_TIMEOUT:g} s",
+                        speaks=True)
     return found
 
 
@@ -195,9 +189,11 @@ def run_per_node(config: JobConfig, environ: Mapping[str, str] | None = None) ->
                 return link, answer
             link.close()
             if answer is None:  # no answer, no refusal: the keeper died (and a new one would only hide why)
-                raise MPSError(f"this node's keeper ended before rank {rank} could join")
-            if answer.get("failed"):  # the keeper could not start: one line for the node, as its starter's
-                raise keeper_failure(answer.get("exit_code", ExitCode.SETUP), str(answer.get("message", "")))
-        raise MPSError(f"--per-node: this node's session kept closing before rank {rank} could join")
+                raise JoinError(f"this node's keeper ended before rank {rank} could join", speaks=False)  # as
+                # the rank that started it, which saw it die, says
+            if answer.get("failed"):  # the keeper could not start: said once, by the rank that started it if it heard
+                raise JoinError(str(answer.get("message", "")), exit_code=answer.get("exit_code", ExitCode.SETUP),
+                                speaks=not answer.get("heard") and joining.local_rank == 0)
+        raise JoinError(f"--per-node: this node's session kept closing before rank {rank} could join", speaks=True)
 
     return run_rank(config.command, identity, join, token=name)

@@ -11,7 +11,7 @@ import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from mpsrun.errors import InterruptionError, MPSError
+from mpsrun.errors import InterruptionError, JoinError, MPSError
 from mpsrun.runtime.constants import CONTROL_VARIABLE, TOKEN_VARIABLE, WELCOME_TIMEOUT
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.output import say
@@ -43,11 +43,12 @@ def direct(address: str) -> Join:
 
 def report_failure(exc: MPSError, local_rank: int | None) -> None:
     """A rank that cannot start says why once: under ``--hosts`` to the job's controller, which makes it
-    the job's one summary line; otherwise the node's first local rank prints it."""
+    the job's one summary line; otherwise the node's first local rank prints it (or, for a :class:`JoinError`, the
+    rank it names)."""
     address = os.environ.get(CONTROL_VARIABLE)
     if address and _tell_controller(address, str(exc), exc.exit_code):
         return
-    if local_rank in (0, None):
+    if exc.speaks if isinstance(exc, JoinError) else local_rank in (0, None):
         say(f"mpsrun: error: {exc}")
 
 

@@ -77,6 +77,8 @@ KEEPER_START_TIMEOUT = 120.0
 UPSTREAM_TIMEOUT = 30.0
 #: Connecting to a controller.
 CONNECT_TIMEOUT = 10.0
+#: A peer's hello, sent right after it connects, read before it is turned away.
+HELLO_WAIT = 1.0
 #: Each MPS daemon's start (to answer, and its server to come up) and stop (quit, then signals).
 DAEMON_START_TIMEOUT = 30.0
 DAEMON_STOP_TIMEOUT = 10.0
