@@ -12,7 +12,9 @@ import subprocess
 import sys
 
 import pytest
-from helpers import PATHS, gpu_job_argv, run_job
+from helpers import PATHS, gpu_job_argv, run_job, settle
+
+from mpsrun.rank.frameworks import NCCL_ON_A_SHARED_GPU
 
 #: Rank 0 listens at MASTER_ADDR:MASTER_PORT; every other rank connects and says who it is.
 MEET = """
@@ -116,3 +118,100 @@ def test_no_false_interrupt_when_the_launcher_ends_a_failed_job(path, fake_gpu, 
     assert out.returncode == 3, out.stderr
     assert "rank 1" in out.stderr and "exited with code 3" in out.stderr, out.stderr
     assert "received SIGTERM" not in out.stderr, out.stderr
+
+
+SHOW_XLA = "import os; os.write(1, f\"{os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION')}\\n\".encode())"
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("options", "callers", "expected"), [
+    ([], None, "0.187"),  # four ranks share the GPU: JAX's 75% split among them (rounded down)
+    (["--mem-limit", "1G"], None, "None"),  # a limit per rank: JAX takes 75% of it
+    (["--mps", "off"], None, "0.187"),  # time-sliced ranks share the GPU's memory too
+    ([], "0.5", "0.5"),  # the caller's value wins
+])
+def test_ranks_that_share_a_gpu_split_jaxs_preallocation(path, fake_gpu, monkeypatch, options, callers, expected):
+    """Four ranks on one GPU get XLA_PYTHON_CLIENT_MEM_FRACTION 0.75/4, so JAX's preallocation fits them all (each
+    took 75% of the GPU, and every rank after the first failed out of memory); not with a memory limit per rank, and
+    never over the caller's value."""
+    if callers is None:
+        monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    else:
+        monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", callers)
+    out = run_job(path, options, [sys.executable, "-c", SHOW_XLA], ranks=4)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [expected] * 4, out.stdout
+
+
+#: JAX as its users write it: an array on the GPU, a reduction, with nothing set for JAX's memory.
+JAX = """
+import jax, jax.numpy as jnp
+x = jnp.ones((1024, 1024))
+print("sum", float((x @ x).sum()) / 1024 ** 3, jax.devices()[0].platform, flush=True)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
+def test_four_jax_ranks_share_one_gpu_without_flags(path, monkeypatch):
+    """Four JAX ranks on GPU 0 under MPS, no --mem-limit and no JAX variable set by hand: every rank runs on the GPU
+    and is an MPS client (each preallocated 75% of the GPU, and ranks 1-3 failed with CUDA_ERROR_OUT_OF_MEMORY)."""
+    pytest.importorskip("jax")
+    for name in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR"):
+        monkeypatch.delenv(name, raising=False)
+    out = subprocess.run(gpu_job_argv(path, ["-v"], [sys.executable, "-c", JAX], ranks=4), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["sum", "1.0", "gpu"] * 4, out.stdout
+    assert "4 of 4 ranks connected to MPS" in out.stderr, out.stderr
+
+
+#: NCCL as it fails when two ranks share a GPU: it writes its warning where NCCL_DEBUG_FILE says (%h: the host,
+#: %p: the pid) when NCCL_DEBUG is set, and the rank raises "invalid usage".
+FAKE_NCCL = """
+import os, socket, sys
+if os.environ.get("NCCL_DEBUG") == "WARN" and os.environ.get("NCCL_DEBUG_FILE"):
+    path = os.environ["NCCL_DEBUG_FILE"].replace("%h", socket.gethostname()).replace("%p", str(os.getpid()))
+    with open(path, "w") as log:
+        log.write(f"{socket.gethostname()}:{os.getpid()} [0] init.cc:1 NCCL WARN Duplicate GPU detected : rank 1 "
+                  "and rank 0 both on CUDA device 1a000\\n")
+sys.exit("torch.distributed.DistBackendError: NCCL error: invalid usage")
+"""
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_nccls_duplicate_gpu_is_explained_in_one_line(path, fake_gpu, monkeypatch):
+    """Ranks that share a GPU fail in NCCL: the summary says in one line that NCCL cannot put several ranks on one
+    GPU and what works (it said only 'rank 0 exited with code 1 first', with NCCL's 'invalid usage' in the ranks'
+    own output)."""
+    monkeypatch.delenv("NCCL_DEBUG", raising=False)
+    monkeypatch.delenv("NCCL_DEBUG_FILE", raising=False)
+    out = run_job(path, [], [sys.executable, "-c", FAKE_NCCL], ranks=2)
+    assert out.returncode == 1, out.stderr
+    said = [line for line in out.stderr.splitlines() if line.startswith("mpsrun")]
+    assert len(said) == 1 and NCCL_ON_A_SHARED_GPU in said[0], out.stderr
+    assert not fake_gpu.session_dirs() or settle(fake_gpu)
+
+
+def test_the_callers_nccl_debugging_is_left_alone(fake_gpu, monkeypatch):
+    """A caller who set NCCL_DEBUG keeps NCCL's output where NCCL puts it: mpsrun sets no NCCL_DEBUG_FILE."""
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    monkeypatch.delenv("NCCL_DEBUG_FILE", raising=False)
+    show = "import os; print(os.environ.get('NCCL_DEBUG'), os.environ.get('NCCL_DEBUG_FILE'))"
+    out = run_job("local", [], [sys.executable, "-c", show], ranks=2)
+    assert out.returncode == 0 and out.stdout.splitlines() == ["INFO None"] * 2, out.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
+def test_nccl_on_one_gpu_ends_with_the_explanation(path, monkeypatch):
+    """Two ranks on GPU 0 all-reduce with torch.distributed's NCCL backend: NCCL refuses (invalid usage) and the
+    summary says in one line why and what works."""
+    pytest.importorskip("torch")
+    for name in ("MASTER_ADDR", "MASTER_PORT", "NCCL_DEBUG", "NCCL_DEBUG_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    program = TORCH.replace('"gloo"', '"nccl"').replace("tensor = torch.ones", "torch.cuda.set_device(0)\ntensor = torch.ones")
+    out = subprocess.run(gpu_job_argv(path, [], [sys.executable, "-c", program], ranks=2), capture_output=True,
+                         text=True, timeout=300)
+    said = [line for line in out.stderr.splitlines() if line.startswith("mpsrun")]
+    assert out.returncode != 0 and len(said) == 1 and NCCL_ON_A_SHARED_GPU in said[0], out.stderr

@@ -15,6 +15,7 @@ from mpsrun.config.options import JobConfig
 from mpsrun.errors import ConfigError
 from mpsrun.mps.environment import MANAGED_VARIABLES, GpuTarget, worker_variables
 from mpsrun.mps.limits import DaemonDefaults, auto_mem_limits
+from mpsrun.rank.frameworks import shared_gpu_defaults
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import (
     CONTROL_VARIABLES,
@@ -37,6 +38,7 @@ class RankPlan:
     thread_percentage: int | None = None
     mem_limit: str | None = None
     priority: int | None = None
+    sharers: int | None = None  # the node's ranks that use its GPU (under --gpu-bind none: every GPU), when known
 
 
 def gpu_of_rank(local_rank: int, local_size: int | None, ngpus: int, policy: str) -> int:
@@ -98,8 +100,10 @@ def plan_rank(identity: RankIdentity, ngpus: int, config: JobConfig, free: Seque
                         config.priority)
     local_size = identity.local_world_size
     gpu = 0 if config.gpu_bind == "none" else gpu_of_rank(identity.local_rank, local_size, ngpus, config.map_by)
+    sharers = None if local_size is None else local_size if config.gpu_bind == "none" else \
+        _sharing(config, local_size, ngpus, "")[gpu]
     return RankPlan(identity.rank, gpu, _percentage(config, identity, gpu, ngpus),
-                    _mem_limits(config, local_size, ngpus, free)[gpu], config.priority)
+                    _mem_limits(config, local_size, ngpus, free)[gpu], config.priority, sharers)
 
 
 def plan_job(nranks: int, ngpus: int, config: JobConfig, free: Sequence[int] = ()) -> list[RankPlan]:
@@ -194,6 +198,7 @@ def welcome(identity: RankIdentity, config: JobConfig, ngpus: int, target_of: Ca
     for item in config.exports:  # -x: resolved where the command line was read
         name, given, value = item.partition("=")
         restore[name] = value if given else None
-    return {"env": env, "managed": list(MANAGED_VARIABLES), "restore": restore, "tag": config.tag_output,
+    return {"env": env, "defaults": shared_gpu_defaults(env, plan.sharers), "managed": list(MANAGED_VARIABLES),
+            "restore": restore, "tag": config.tag_output,
             "grace": config.grace, "mpi4py_abort": mpi4py_abort, "output_lock": output_lock,
             "output_dir": config.output_filename}

@@ -28,6 +28,7 @@ from typing import Any
 
 from mpsrun.errors import InterruptionError, MPSError
 from mpsrun.exitcodes import ExitCode, Outcome, exit_code, signal_name
+from mpsrun.rank.frameworks import failure_reason
 from mpsrun.rank.identity import RankIdentity, identity_from_env
 from mpsrun.rank.join import Join, direct, report_failure, report_interrupt
 from mpsrun.runtime.constants import (
@@ -112,7 +113,9 @@ class RankSupervisor:
                 close_all(files)
             self.loop.run_until(lambda: self.returncode is not None and not self.streams)
         assert self.returncode is not None
-        return self._finish(Outcome("ok" if self.returncode == 0 else "rank-failed", self.returncode))
+        if self.returncode == 0:
+            return self._finish(Outcome("ok", 0))
+        return self._finish(Outcome("rank-failed", self.returncode), failure_reason(self.env))
 
     def _output_files(self) -> list[int]:
         """The rank's stdout and stderr files under ``--output-filename`` (made with the user's umask), or none."""
@@ -291,7 +294,8 @@ def through_mpi4py(command: list[str], program: str) -> list[str]:
 
 def rank_env(base: Mapping[str, str], welcome: Mapping[str, Any]) -> dict[str, str]:
     """The rank's environment: ours, less what mpsrun manages, with the caller's values of what an MPI launcher
-    rewrites put back (``restore``: None for one the caller did not set), plus what the controller gave."""
+    rewrites put back (``restore``: None for one the caller did not set), plus what the controller gave (``env``;
+    each group of ``defaults`` only where the rank's environment has none of its names)."""
     managed = set(welcome.get("managed") or ()) | set(CONTROL_VARIABLES) | {JOB_ID_VARIABLE}
     env = {k: v for k, v in base.items() if k not in managed}
     for name, value in (welcome.get("restore") or {}).items():
@@ -299,6 +303,9 @@ def rank_env(base: Mapping[str, str], welcome: Mapping[str, Any]) -> dict[str, s
             env.pop(str(name), None)
         else:
             env[str(name)] = str(value)
+    for group in welcome.get("defaults") or ():
+        if not any(name in env for name in group):
+            env.update({str(k): str(v) for k, v in group.items()})
     env.update({str(k): str(v) for k, v in (welcome.get("env") or {}).items()})
     return env
 
