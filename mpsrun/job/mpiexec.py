@@ -97,8 +97,7 @@ def mpiexec_command(
     ranks than slots (by default one per physical core) without ``--oversubscribe``, which only
     allows more and changes nothing for fewer: ranks that share GPUs often outnumber the cores
     (``oversubscribe=False`` leaves the slots to a host file). It passes a variable to ranks on
-    other hosts only when named with ``-x`` (``export``). Hydra passes the whole environment. Open MPI's
-    ``--quiet`` drops the boxes it prints when a rank fails, which only repeat mpsrun's summary.
+    other hosts only when named with ``-x`` (``export``). Hydra passes the whole environment.
     """
     as_root = (os.geteuid() == 0) if as_root is None else as_root
     argv = [mpiexec, "-n", str(nranks)]
@@ -107,8 +106,6 @@ def mpiexec_command(
             argv.append("--allow-run-as-root")
         if oversubscribe and "--oversubscribe" not in extra_args:
             argv.append("--oversubscribe")
-        if not {"-q", "--quiet"} & set(extra_args):  # no help box after mpsrun's own summary of a failed rank
-            argv.append("--quiet")
         for name in export:
             argv += ["-x", name]
     return [*argv, *extra_args, *rank_command]
