@@ -18,9 +18,11 @@ from mpsrun.rank.identity import RankIdentity, identity_from_env, job_key, slurm
 
 
 def start_rank(node_dir, node, local, global_rank, per_node, *args, job="77"):
+    """Rank ``global_rank`` of a Slurm step with ``per_node`` tasks on each of two nodes (``node``: "A" or "B"), as
+    srun starts it (a step's tasks per node are always in SLURM_STEP_TASKS_PER_NODE)."""
     env = {**os.environ, "MPSRUN_TMPDIR": str(node_dir), "MPSRUN_NODE_ID": node, "SLURM_JOB_ID": job,
            "SLURM_STEP_ID": "0", "SLURM_LOCALID": str(local), "SLURM_PROCID": str(global_rank),
-           "SLURM_NTASKS_PER_NODE": str(per_node)}
+           "SLURM_STEP_TASKS_PER_NODE": f"{per_node}(x2)", "SLURM_NODEID": str("AB".index(node))}
     return subprocess.Popen([sys.executable, "-m", "mpsrun", "--per-node", "--mps", "on", sys.executable,
                              str(FAKECUDA), *args], env=env, stderr=subprocess.PIPE, text=True)
 

@@ -1,14 +1,16 @@
-"""The fake ``nvidia-cuda-mps-control`` as a client: one command per stdin line to the fake daemon's socket.
+"""The fake ``nvidia-cuda-mps-control`` as a client, and the fake MPS server: the short-lived processes.
 
 Kept apart from fake_mps_control.py (the daemon) so that a command, run as its own process as mpsrun runs
 the real client, starts on the built-in modules alone: the real client is a small C program, and the
-tests run thousands of commands. Any option (``-f``, ``--server``, ``-h``) goes to fake_mps_control.
+tests run thousands of commands (and start a server per session). Hence ``_socket``, the C module under
+``socket``, whose import (enum and more) costs more than the command. Any other option (``-f``, ``-h``)
+goes to fake_mps_control.
 """
 
 from __future__ import annotations
 
+import _socket
 import os
-import socket
 import sys
 
 NO_DAEMON = "Cannot find MPS control daemon process"
@@ -21,18 +23,19 @@ def pipe_dir() -> str:
 def send(command: str, directory: os.PathLike[str] | str | None = None, timeout: float | None = None) -> str | None:
     """Send one command to the daemon; None when no daemon answers."""
     path = os.path.join(os.fspath(directory or pipe_dir()), "control")
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.settimeout(timeout)
+    conn = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
-        conn.connect(path)
-    except OSError:
-        conn.close()
-        return None
-    with conn:
+        conn.settimeout(timeout)
+        try:
+            conn.connect(path)
+        except OSError:
+            return None
         conn.sendall(command.encode() + b"\n")
         chunks = []
         while chunk := conn.recv(65536):
             chunks.append(chunk)
+    finally:
+        conn.close()
     return b"".join(chunks).decode()
 
 
@@ -49,9 +52,35 @@ def run_client() -> int:
     return 0
 
 
+def run_server(uuid: str) -> int:
+    """The fake MPS server: shows up in the fake NVML as a compute process, dies with the daemon (its stdin ends)."""
+    nvml_dir = os.environ.get("MPSRUN_FAKE_NVML")
+    entry = os.path.join(nvml_dir, "procs", str(os.getpid())) if nvml_dir else None
+    if entry is not None:
+        os.makedirs(os.path.dirname(entry), exist_ok=True)
+        with open(entry, "w") as record:
+            record.write(f'{{"uuid": "{uuid}", "type": "C"}}')  # JSON, without importing json
+    try:
+        while os.read(0, 65536):  # EOF when the daemon exits or stops us
+            pass
+    finally:
+        if entry is not None:
+            try:  # noqa: SIM105 - contextlib's import would cost more than this process's work
+                os.unlink(entry)
+            except FileNotFoundError:
+                pass
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         return run_client()
+    if argv[0] == "--server":
+        return run_server(argv[1])
     from fake_mps_control import main as daemon_main
 
     return daemon_main(argv)
+
+
+if __name__ == "__main__":  # the daemon starts its server so
+    sys.exit(main(sys.argv[1:]))

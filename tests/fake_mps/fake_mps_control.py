@@ -36,10 +36,11 @@ import threading
 import time
 from pathlib import Path
 
-from fake_mps_client import NO_DAEMON, run_client, send
+from fake_mps_client import NO_DAEMON, run_client, run_server, send
 
 __all__ = ["NO_DAEMON", "main", "send"]
 RECORDING = Path(__file__).resolve().parent.parent / "data" / "h100" / "transcript.json"
+CLIENT = str(Path(__file__).resolve().with_name("fake_mps_client.py"))  # its server starts on built-in modules
 
 
 def recorded_reply(command: str) -> str:
@@ -101,7 +102,7 @@ class State:
     def ensure_server(self) -> int:
         if self.server is None or self.server.poll() is not None:
             self.server = subprocess.Popen(
-                [sys.executable, "-S", os.path.abspath(__file__), "--server", self.uuid],
+                [sys.executable, "-S", CLIENT, "--server", self.uuid],
                 stdin=subprocess.PIPE,
                 stdout=sys.stdout,
                 stderr=subprocess.STDOUT,
@@ -344,26 +345,11 @@ def run_daemon() -> int:
     return 0
 
 
-def run_server(uuid: str) -> int:
-    """The fake MPS server: shows up in the fake NVML as a compute process, dies with the daemon."""
-    nvml_dir = os.environ.get("MPSRUN_FAKE_NVML")
-    entry = Path(nvml_dir, "procs", str(os.getpid())) if nvml_dir else None
-    if entry is not None:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        entry.write_text(json.dumps({"uuid": uuid, "type": "C"}))
-    try:
-        sys.stdin.buffer.read()  # EOF when the daemon exits or stops us
-    finally:
-        if entry is not None:
-            entry.unlink(missing_ok=True)
-    return 0
-
-
 def main(argv: list[str]) -> int:
     if not argv:
         return run_client()
     if argv[0] == "--server":
-        return run_server(argv[1])
+        return run_server(argv[1])  # fake_mps_client's (the daemon starts that file)
     if argv[0] == "-f":
         return run_daemon()
     if argv[0] in ("-h", "--help"):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fake_mps_control import send
+from fake_mps_client import send
 
 
 class Context:
