@@ -31,9 +31,9 @@ def main() -> NoReturn:
     interpreter's own finalisation (hundreds of modules) would add tens of milliseconds to every
     job, so the process ends at once, once its output is flushed.
     """
+    from mpsrun.runtime.processes import exit_now, open_standard_descriptors
+
+    open_standard_descriptors()
     from mpsrun.cli import main as command
 
-    code = command(pending=_pending)
-    from mpsrun.runtime.processes import exit_now
-
-    exit_now(code)
+    exit_now(command(pending=_pending))

@@ -312,3 +312,26 @@ def test_a_daemon_that_dies_under_the_job_is_said_once(fake_gpu, short_tmp, path
     assert len(said) == 1 and "died under the job" in said[0], err  # the ranks say what CUDA told them
     assert not [line for line in err.splitlines() if line.startswith("[20")], err  # no block of the daemon's log
     settle(fake_gpu)
+
+
+def _with_closed(fd: int, path: str, argv: list[str]) -> tuple[list[str], object]:
+    """``argv`` with descriptor ``fd`` closed in mpsrun: the command line and the preexec_fn that closes it (under a
+    bare --per-node, in each rank's mpsrun, not in mpiexec, whose own closed stdout is its own affair)."""
+    if path != "per-node":
+        return argv, lambda: os.close(fd)
+    launcher, ranks = argv[:3], argv[3:]
+    return [*launcher, "sh", "-c", f'exec "$@" {fd}>&-', "sh", *ranks], None
+
+
+@pytest.mark.mpiexec
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("fd", [1, 2])
+def test_a_closed_stdout_or_stderr_changes_nothing_but_the_output(fake_gpu, path, fd):
+    """mpsrun started with stdout or stderr closed (``>&-``): the job runs and exits with its rank's code, with no
+    traceback (Python's sys.stdout is None then: 'NoneType' object has no attribute 'flush', exit 1; under
+    the mpiexec launchers mpiexec's stdout was closed for good, and Hydra failed with 255)."""
+    argv, close = _with_closed(fd, path, job_argv(path, [], ["sh", "-c", "exit 6"], ranks=2))
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120, preexec_fn=close)
+    assert out.returncode == 6, out.stderr
+    assert "Traceback" not in out.stderr and "Traceback" not in out.stdout, out.stderr
+    settle(fake_gpu)

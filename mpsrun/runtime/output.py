@@ -24,6 +24,8 @@ PIPE_BUF = select.PIPE_BUF
 def say(line: str) -> None:
     """Write a line of ours to stderr in one write (print writes the newline apart: with unbuffered output the
     lines of several processes then run into each other); nothing if stderr is gone."""
+    if sys.stderr is None:  # started with stderr closed
+        return
     try:
         sys.stderr.write(line + "\n")
         sys.stderr.flush()

@@ -29,6 +29,7 @@ __all__ = [
     "flush_output",
     "inherited_fds",
     "kill_group",
+    "open_standard_descriptors",
     "own_module",
     "parent_pid",
     "pidfd",
@@ -56,8 +57,25 @@ def _stat_fields(pid: int) -> list[str] | None:
 def flush_output() -> None:
     """Write out what Python holds of stdout and stderr (a closed or broken stream: nothing more to say there)."""
     for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
+        if stream is not None:  # None: started with that descriptor closed
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+
+
+def open_standard_descriptors() -> None:
+    """Put /dev/null on stdin, stdout or stderr where we were started with it closed (``cmd >&-``): else the
+    next file or socket we open takes that number, and the ranks, which inherit 0-2, would read or write it."""
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            opened = os.open(os.devnull, os.O_RDWR)  # the lowest free number: this one
+            if opened != fd:
+                os.close(opened)
+                continue
+            os.set_inheritable(fd, True)  # as a standard descriptor is (os.open's are not)
+            if getattr(sys, name) is None:  # Python found it closed too: its stream writes there now
+                setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))  # noqa: SIM115 - for life
 
 
 def exit_now(code: int) -> NoReturn:
