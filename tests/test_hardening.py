@@ -335,3 +335,31 @@ def test_a_closed_stdout_or_stderr_changes_nothing_but_the_output(fake_gpu, path
     assert out.returncode == 6, out.stderr
     assert "Traceback" not in out.stderr and "Traceback" not in out.stdout, out.stderr
     settle(fake_gpu)
+
+
+@pytest.mark.mpiexec
+@pytest.mark.parametrize("path", PATHS)
+def test_a_relative_tmpdir_is_taken_from_the_working_directory(fake_gpu, short_tmp, monkeypatch, path):
+    """MPSRUN_TMPDIR=relbase, relative to the working directory: the ranks are MPS clients of a daemon found at
+    once (the daemon, which runs in a directory of its own, looked for a relative pipe directory there: 'did not
+    answer within 30 s', exit 3)."""
+    (short_tmp / "relbase").mkdir(mode=0o700)
+    monkeypatch.chdir(short_tmp)
+    monkeypatch.setenv("MPSRUN_TMPDIR", "relbase")
+    reports = short_tmp / "reports"
+    reports.mkdir()
+    out = subprocess.run(job_argv(path, ["--mps", "on"], fake("--report-dir", str(reports)), ranks=2),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert all(json.loads(p.read_text())["mps"] for p in reports.glob("*.json")), out.stderr
+    assert not list((short_tmp / "relbase").glob("mpsrun-*/*"))
+
+
+def test_a_relative_tmpdir_serves_mps_session(fake_gpu, short_tmp, monkeypatch):
+    """mps_session(tmpdir="relbase") starts its daemon at once (it timed out after 30 s)."""
+    from mpsrun import mps_session
+
+    (short_tmp / "relbase").mkdir(mode=0o700)
+    monkeypatch.chdir(short_tmp)
+    with mps_session(gpu=0, tmpdir="relbase") as session:
+        assert session.enabled and os.path.isabs(session.env()["CUDA_MPS_PIPE_DIRECTORY"])

@@ -54,12 +54,13 @@ _MAX_GPU_DIGITS = 3
 
 
 def base_directory(environ: Mapping[str, str] | None = None) -> Path:
-    """The directory under which this user's session root is made."""
+    """The directory under which this user's session root is made, as an absolute path: the daemons run in
+    directories of their own, where a relative pipe directory would name another place."""
     env = os.environ if environ is None else environ
     for name in (TMPDIR_VARIABLE, "XDG_RUNTIME_DIR"):
         value = env.get(name)
         if value:
-            return Path(value)
+            return Path(value).absolute()
     return Path("/tmp")
 
 
@@ -67,7 +68,7 @@ def session_base(tmpdir: object = None) -> Path:
     """Where an ``mps_session(tmpdir=...)`` makes its directories, checked (socket path length)."""
     if tmpdir is not None and (not isinstance(tmpdir, (str, os.PathLike)) or not os.fspath(tmpdir)):
         raise ConfigError(f"tmpdir must name a directory, not {tmpdir!r}", setting="tmpdir", value=tmpdir)
-    base = Path(tmpdir) if tmpdir is not None else base_directory()
+    base = Path(tmpdir).absolute() if tmpdir is not None else base_directory()
     validate_base(base)
     return base
 
