@@ -254,3 +254,26 @@ def test_a_rank_connected_but_unheard_when_its_keeper_closes_is_asked_to_come_ag
     listener.close()
     loop.close()
     assert link.expect(("welcome", "refuse"), Deadline(10.0)) == {"type": "refuse", "retry": True}
+
+
+def _first_keeper(fake_gpu) -> psutil.Process | None:
+    """A node keeper process of this fake machine, as soon as one runs (before it has forked, or after)."""
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if "mpsrun.node.keeper" in (proc.info["cmdline"] or []) and \
+                    proc.environ().get("MPSRUN_TMPDIR") == str(fake_gpu.tmpdir):
+                return proc
+    return None
+
+
+@pytest.mark.mpiexec
+@pytest.mark.parametrize("path", ["per-node", "hosts"])
+def test_a_keeper_killed_as_it_appears_leaves_nothing_after_the_job(fake_gpu, short_tmp, path):
+    """SIGKILL to the node keeper the moment it appears: the job fails with one line, and the keeper the other rank
+    then started, with its daemons and session, is gone with the job (it waited 30 s for the rank that had
+    failed; under --hosts the job took 31-35 s to end)."""
+    job = subprocess.Popen(job_argv(path, [], fake("--hold", "5"), ranks=2), stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: _first_keeper(fake_gpu), what="no keeper started", proc=job).kill()
+    _, err = job.communicate(timeout=120)
+    assert job.returncode != 0 and len(_mpsrun_lines(err)) <= 1, err
+    assert settle(fake_gpu, timeout=LATE_WAIT / 3), "a keeper outlived the job"

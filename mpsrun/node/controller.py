@@ -20,6 +20,7 @@ from mpsrun.job.controller import Controller, JudgingController, Policy, Welcome
 from mpsrun.job.table import RankState
 from mpsrun.runtime.constants import IDLE_TIMEOUT, LATE_WAIT
 from mpsrun.runtime.output import say
+from mpsrun.runtime.processes import ProcessRef, pidfd
 from mpsrun.runtime.protocol import Listener
 from mpsrun.session.session import Session
 
@@ -27,11 +28,13 @@ __all__ = ["NodeController", "NodeSide", "Starter"]
 
 
 class Starter(NamedTuple):
-    """The rank that started the keeper, and the pipe it holds open until it has joined: the keeper's end of it
-    reports the rank's end when the rank never joins (interrupted or killed right after the keeper was ready)."""
+    """The rank that started the keeper; the pipe it holds open until it has joined (the keeper's end of it reports
+    the rank's end when the rank never joins: interrupted or killed right after the keeper was ready); and the
+    process that started that rank, the node's launcher (mpiexec's proxy, srun's step daemon), when known."""
 
     rank: int
     pipe: int
+    launcher: ProcessRef | None = None
 
 
 class NodeSide(Controller):
@@ -47,6 +50,8 @@ class NodeSide(Controller):
         self._closed = False
         self._starter = starter  # None once it has let go of its pipe
         self._absent = 0  # ranks of the node that will never come (a starter gone before it joined)
+        self._launcher: int | None = None  # a pidfd of the process that started the node's first rank
+        self._launcher_ended = False
         self.give_up = False  # no rank ever came, or the ranks the launcher announced never did
 
     def _arm(self) -> None:
@@ -54,6 +59,8 @@ class NodeSide(Controller):
         self.loop.after(IDLE_TIMEOUT, self._idle)
         if self._starter is not None:
             self.loop.watch(self._starter.pipe, self._starter_left)
+            if self._starter.launcher is not None:
+                self._watch_launcher(self._starter.launcher)
 
     def _starter_left(self) -> None:
         """The starting rank let go of its pipe: it joined first, or it never will (and no one waits for it)."""
@@ -67,9 +74,32 @@ class NodeSide(Controller):
         if self.ranks and not self._awaited():
             self._late_ranks_overdue()
 
+    def _watch_launcher(self, launcher: ProcessRef) -> None:
+        """Watch the launcher of the node's ranks: once it has ended, no rank of this node is still on its way (one
+        that failed before it could join, say)."""
+        fd = pidfd(launcher.pid)
+        if fd is not None and launcher.alive():  # the pidfd is that very process's
+            self._launcher = fd
+            self.loop.watch(fd, self._launcher_gone)
+        elif fd is not None:
+            os.close(fd)
+
+    def _launcher_gone(self) -> None:
+        assert self._launcher is not None
+        self.loop.unwatch(self._launcher)
+        os.close(self._launcher)
+        self._launcher, self._launcher_ended = None, True
+        if not self.ranks:
+            self.give_up = True
+        elif not self._awaited():
+            self._late_ranks_overdue()
+
     def _awaited(self) -> bool:
         """Whether ranks of this node have yet to come: the starting rank, still on its way, or others the launcher
-        put on the node (when it says how many)."""
+        put on the node (when it says how many). None once the job is stopping or the launcher has ended: no rank
+        comes then."""
+        if self.stopping is not None or self._launcher_ended:
+            return False
         if self._starter is not None and self._starter.rank not in self.ranks:
             return True
         return len(self.ranks) + self._absent < (self.expected or 0)

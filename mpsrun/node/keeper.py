@@ -43,7 +43,7 @@ from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import DAEMON_START_TIMEOUT, UPSTREAM_TIMEOUT
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.interrupts import Interrupts
-from mpsrun.runtime.processes import ensure_descriptors, exit_now
+from mpsrun.runtime.processes import ProcessRef, ensure_descriptors, exit_now
 from mpsrun.runtime.protocol import Link, Listener, connect
 from mpsrun.session.claim import SessionClaim
 from mpsrun.session.paths import user_root_lock
@@ -133,7 +133,8 @@ class NodeKeeper:
             upstream = _upstream(request) if request.upstream else None
             policy = Policy(grace=config.grace, timeout=deadline.remaining() if config.timeout else None,
                             timeout_total=config.timeout, mps_required=config.mps == "on")
-            starter = Starter(request.starter, starter_pipe) if request.starter is not None else None
+            launcher = ProcessRef(*request.launcher) if request.launcher else None
+            starter = Starter(request.starter, starter_pipe, launcher) if request.starter is not None else None
             return cls(config, request, session, listener, upstream, policy, starter)
         except BaseException as exc:
             if listener is not None:  # the node's ranks that wait hear why, and start no keeper of their own
