@@ -1,4 +1,4 @@
-"""The ``mpsrun`` command's entry point: it takes the stopping signals before anything else is imported.
+"""The ``mpsrun`` command's entry point: it takes the job's signals before anything else is imported.
 
 Between the interpreter's start and the job's own signal handling lie tens of milliseconds of
 imports; a Ctrl-C there would otherwise print a ``KeyboardInterrupt`` traceback. Here a signal
@@ -10,7 +10,7 @@ from __future__ import annotations
 import signal
 from typing import NoReturn
 
-from mpsrun.runtime.constants import STOP_SIGNALS
+from mpsrun.runtime.constants import PASS_SIGNALS, STOP_SIGNALS
 
 _pending: list[int] = []
 
@@ -19,9 +19,14 @@ def _note(number: int, frame: object) -> None:
     _pending.append(number)
 
 
-for _number in STOP_SIGNALS:
+def _drop(number: int, frame: object) -> None:
+    """SIGUSR1/SIGUSR2 before the job's loop forwards them: no rank to pass them to yet (their default would end
+    mpsrun). A handler, not SIG_IGN, which the ranks would inherit."""
+
+
+for _number, _handler in [*((n, _note) for n in STOP_SIGNALS), *((n, _drop) for n in PASS_SIGNALS)]:
     if signal.getsignal(_number) is not signal.SIG_IGN:  # inherited as ignored (nohup): stays ignored
-        signal.signal(_number, _note)
+        signal.signal(_number, _handler)
 
 
 def main() -> NoReturn:

@@ -7,6 +7,7 @@ values to mpsrun.shared and mpsrun bench: each is one line and its exit code, at
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import MPSRUN, PATHS, descendants, fake, job_argv, mpiexec, settle, wait_for
+from helpers import MPSRUN, PATHS, descendants, fake, job_argv, mpiexec, settle, supervisors, wait_for
 
 from mpsrun.errors import SharedArrayError
 
@@ -363,3 +364,18 @@ def test_a_relative_tmpdir_serves_mps_session(fake_gpu, short_tmp, monkeypatch):
     monkeypatch.chdir(short_tmp)
     with mps_session(gpu=0, tmpdir="relbase") as session:
         assert session.enabled and os.path.isabs(session.env()["CUDA_MPS_PIPE_DIRECTORY"])
+
+
+@pytest.mark.mpiexec
+@pytest.mark.parametrize("path", PATHS)
+def test_sigusr1_while_mpsrun_starts_is_not_fatal(fake_gpu, path):
+    """SIGUSR1 to mpsrun once its session directory exists, before the ranks run: the job runs to its end (SIGUSR1's
+    default action ended mpsrun with 138 and no word; under the mpiexec launcher ranks then could not reach it)."""
+    job = subprocess.Popen(job_argv(path, [], ["sh", "-c", "sleep 1"], ranks=2), stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: fake_gpu.session_dirs(), what="no session directory", proc=job)
+    for pid in supervisors(job, path):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == 0, err
+    settle(fake_gpu)
