@@ -166,12 +166,16 @@ def test_a_full_session_base_is_one_line_and_exit_3(fake_gpu, full_tmpfs, monkey
     assert [p.name for p in full_tmpfs.rglob("*")] in ([], [f"mpsrun-{os.getuid()}"])
 
 
-def test_a_session_base_that_is_no_place_for_directories_is_one_line_and_exit_3(fake_gpu, monkeypatch):
-    """MPSRUN_TMPDIR=/proc: one line and exit 3, not a FileNotFoundError traceback."""
+@pytest.mark.mpiexec
+@pytest.mark.parametrize("path", PATHS)
+def test_a_session_base_that_is_no_place_for_directories_is_one_line_and_exit_3(fake_gpu, monkeypatch, path):
+    """MPSRUN_TMPDIR=/proc: one line and exit 3 on every path, not a FileNotFoundError traceback (per-node and
+    --hosts said 'No such file or directory: mpsrun-0' once per rank)."""
     monkeypatch.setenv("MPSRUN_TMPDIR", "/proc")
-    out = subprocess.run([*MPSRUN, "-np", "2", "--launcher", "local", "true"], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode in (2, 3) and out.stderr.count("\n") == 1, out.stderr
+    out = subprocess.run(job_argv(path, [], ["true"], ranks=2), capture_output=True, text=True, timeout=60)
+    lines = [line for line in out.stderr.splitlines() if line.startswith("mpsrun")]
+    assert out.returncode == 3 and len(lines) == 1, out.stderr
+    assert "cannot make a session directory under /proc" in lines[0], out.stderr
 
 
 def _open_files(limit: int):

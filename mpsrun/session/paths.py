@@ -223,8 +223,14 @@ def _user_root_fd(base: Path) -> int:
 
 
 def make_user_root(base: Path) -> Path:
-    """This user's private root under ``base``, made 0700 if missing, refused if unsafe."""
-    os.close(_user_root_fd(base))
+    """This user's private root under ``base``, made 0700 if missing, refused if unsafe (MPSError, also for what
+    the machine refuses: a base under /proc, no space left)."""
+    try:
+        os.close(_user_root_fd(base))
+    except OSError as exc:
+        if isinstance(exc, MPSError):
+            raise
+        raise MPSError(f"cannot make a session directory under {base}: {exc.strerror or exc}") from None
     return user_root(base)
 
 
