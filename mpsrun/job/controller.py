@@ -160,11 +160,12 @@ class Controller:
         return False
 
     def _refusal(self, identity: RankIdentity) -> tuple[int, str] | None:
-        """Why this rank may not join (its exit code and what to say), or None."""
-        if identity.rank in self.ranks:
-            return ExitCode.SETUP, f"rank {identity.rank} is already part of this job"
+        """Why this rank may not join (its exit code and what to say), or None. Once the job is stopping, nothing
+        is said: a rank given up as never started may still come then, and is not a second rank of its number."""
         if self.stopping is not None:
             return self._refusal_code(), ""
+        if identity.rank in self.ranks:
+            return ExitCode.SETUP, f"rank {identity.rank} is already part of this job"
         return None
 
     def _refusal_code(self) -> int:
