@@ -88,6 +88,8 @@ BAD_COMMAND_LINES = [
     (["--mem-limit", "12Q", "python"], "--mem-limit: value must be a size"),
     (["--timeout", "-5", "python"], "positive number of seconds"),
     (["--timeout", "nan", "python"], "positive number of seconds"),
+    (["--timeout", "1e9", "python"], "below 1,000,000,000"),  # it said only 'must be a positive number'
+    (["--timeout", "\uff15", "python"], "positive number of seconds"),  # a fullwidth 5 was taken as 5
     (["--grace", "-1", "python"], "must be a number of seconds"),
     (["--priority", "2", "python"], "--priority: value must be 0"),
     (["--gpus", "zero", "python"], "GPU indices or GPU- UUIDs"),

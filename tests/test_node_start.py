@@ -17,7 +17,7 @@ import sys
 
 import psutil
 import pytest
-from helpers import MPSRUN, descendants, fake, job_argv, settle, wait_for
+from helpers import MPSRUN, descendants, fake, job_argv, mpiexec, settle, wait_for
 
 from mpsrun.job.table import RankTable
 from mpsrun.rank.identity import RankIdentity
@@ -295,4 +295,17 @@ def test_a_timeout_while_the_node_starts_is_said_once(fake_gpu, path):
     lines = _mpsrun_lines(out.stderr)
     assert out.returncode == 124 and lines and "timed out after 0.5 s" in lines[-1], out.stderr
     assert len([line for line in lines if "timed out" in line]) == 1, out.stderr
+    settle(fake_gpu)
+
+
+@pytest.mark.mpiexec
+def test_ranks_with_different_options_are_told_which(fake_gpu):
+    """Per-node ranks started with different options (one with --tag-output): exit 2 and one line that names the
+    option (it was a dump of both ranks' settings, some 900 characters), and nothing left."""
+    script = 'if [ "$PMI_RANK" = 0 ]; then exec "$@" --tag-output true; else exec "$@" true; fi'
+    out = subprocess.run([mpiexec(), "-n", "2", "sh", "-c", script, "sh", *MPSRUN, "--per-node"],
+                         capture_output=True, text=True, timeout=120)
+    lines = _mpsrun_lines(out.stderr)
+    assert out.returncode == 2 and len(lines) == 1 and "(--tag-output)" in lines[0] and len(lines[0]) < 250, \
+        out.stderr
     settle(fake_gpu)

@@ -160,8 +160,18 @@ def test_a_command_the_warm_up_cannot_run_ends_tune_with_its_code(fake_gpu):
     """A command that is not there: the warm-up says so, in one line, and tune exits 127 (it ran every trial and
     exited 3)."""
     out = _tune("--ranks", "1,2", "--", "/nonexistent/program")
-    assert out.returncode == 127 and "warm-up could not run the command" in out.stderr, out.stderr
+    assert out.returncode == 127 and "warm-up could not run the job" in out.stderr, out.stderr
     assert "trial 1 of" not in out.stderr
+    settle(fake_gpu)
+
+
+def test_job_options_mpsrun_refuses_end_tune_at_the_warm_up(fake_gpu):
+    """A job option mpsrun refuses when the job starts (--gpus 9 on a one-GPU machine): tune says so in one line
+    and exits 2 after the warm-up (it reported the warm-up as timed, ran every trial to 'failed, exit 2', and
+    exited 3)."""
+    out = _tune("--ranks", "1,2", "--repeats", "1", "--gpus", "9", "--", "true")
+    assert out.returncode == 2 and "warm-up could not run the job" in out.stderr, out.stderr
+    assert "trial 1 of" not in out.stderr and "not counted" not in out.stderr, out.stderr
     settle(fake_gpu)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 from mpsrun.config import values
 from mpsrun.errors import ConfigError
 
-__all__ = ["JobConfig", "Option", "option_variables", "options"]
+__all__ = ["JobConfig", "Option", "differing_options", "option_variables", "options"]
 
 _METADATA = "mpsrun.option"
 
@@ -189,6 +189,13 @@ class JobConfig:
 def options() -> dict[str, Option]:
     """Field name -> declaration, in declaration order."""
     return {f.name: f.metadata[_METADATA] for f in fields(JobConfig) if _METADATA in f.metadata}
+
+
+def differing_options(settings: Mapping[str, Any], others: Mapping[str, Any]) -> list[str]:
+    """The options (as spelled on the command line) two ranks' :meth:`JobConfig.settings` disagree on."""
+    declared = options()
+    return [declared[name].flags[-1] if name in declared else name
+            for name in sorted(set(settings) | set(others)) if settings.get(name) != others.get(name)]
 
 
 def option_variables() -> set[str]:

@@ -102,17 +102,21 @@ def parse_count(value: object, setting: str) -> int:
     return number
 
 
+#: Longer waits than 31 years are a typo, and some of the system's timers overflow on them.
+MAX_SECONDS = 1e9
+
+
 def parse_seconds(value: object, setting: str, allow_zero: bool = False) -> float:
     """A finite number of seconds, positive (or zero when allowed), from a number or its text."""
     number = math.nan
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         number = float(value)
-    elif isinstance(value, str):
+    elif isinstance(value, str) and value.isascii():  # float() takes other scripts' digits too
         with contextlib.suppress(ValueError):
             number = float(value)
-    if not (0 <= number < 1e9 if allow_zero else 0 < number < 1e9):
-        raise ConfigError(f"{setting} must be a {'' if allow_zero else 'positive '}number of seconds, not {value!r}",
-                          setting=setting, value=value)
+    if not (0 <= number < MAX_SECONDS if allow_zero else 0 < number < MAX_SECONDS):
+        raise ConfigError(f"{setting} must be a {'' if allow_zero else 'positive '}number of seconds below "
+                          f"{MAX_SECONDS:,.0f}, not {value!r}", setting=setting, value=value)
     return number
 
 

@@ -96,9 +96,8 @@ class NodeSide(Controller):
 
     def _awaited(self) -> bool:
         """Whether ranks of this node have yet to come: the starting rank, still on its way, or others the launcher
-        put on the node (when it says how many). None once the job is stopping or the launcher has ended: no rank
-        comes then."""
-        if self.stopping is not None or self._launcher_ended:
+        put on the node (when it says how many). None once the launcher has ended: no rank comes then."""
+        if self._launcher_ended:
             return False
         if self._starter is not None and self._starter.rank not in self.ranks:
             return True

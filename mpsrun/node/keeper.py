@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mpsrun.config.options import JobConfig
+from mpsrun.config.options import JobConfig, differing_options
 from mpsrun.errors import ConfigError, DaemonTimeoutError, InterruptionError, JobTimeoutError, MPSError
 from mpsrun.job.channel import free_port, rendezvous
 from mpsrun.job.controller import Policy
@@ -147,8 +147,10 @@ class NodeKeeper:
 
     def _welcome(self, identity: RankIdentity, hello: Mapping[str, Any]) -> dict[str, Any]:
         if hello.get("settings") != self.config.settings():
-            raise ConfigError("the ranks on this node were started with different mpsrun options "
-                              f"({hello.get('settings')!r}, not {self.config.settings()!r})", setting="options")
+            differ = differing_options(self.config.settings(), hello.get("settings") or {})
+            raise ConfigError(f"rank {identity.rank} was started with other mpsrun options than the rank that started "
+                              f"this node's session ({', '.join(differ)}); every rank of a per-node job needs the same",
+                              setting="options")
         if hello.get("devices") != self.request.devices:
             raise ConfigError("the ranks on this node see different GPUs (CUDA_VISIBLE_DEVICES "
                               f"{hello.get('devices')!r}, not {self.request.devices!r}); mpsrun --per-node needs "

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
-from mpsrun.errors import CommandNotExecutableError, CommandNotFoundError, InterruptionError
+from mpsrun.errors import CommandNotExecutableError, CommandNotFoundError, ConfigError, InterruptionError
 from mpsrun.exitcodes import ExitCode
 from mpsrun.runtime.interrupts import Interrupts
 from mpsrun.runtime.processes import own_module
@@ -30,8 +30,10 @@ from mpsrun.tuning.results import Run, Trial, TuneResult
 __all__ = ["Schedule", "run_trial"]
 
 _TAGGED = re.compile(r"\[rank (\d+)\] (.*)")
-#: A warm-up that ends so cannot run the command at all (not found, not executable): tune stops there.
-_CANNOT_RUN = {ExitCode.NOT_FOUND: CommandNotFoundError, ExitCode.NOT_EXECUTABLE: CommandNotExecutableError}
+#: A warm-up that ends so cannot run the command at all (not found, not executable, or mpsrun refused the job's
+#: options, such as a GPU that is not there): tune stops there.
+_CANNOT_RUN = {ExitCode.NOT_FOUND: CommandNotFoundError, ExitCode.NOT_EXECUTABLE: CommandNotExecutableError,
+               ExitCode.USAGE: ConfigError}
 
 
 _TAIL = 64 << 10  # what is read of a failed trial's stderr: its last lines say why
@@ -131,10 +133,10 @@ class Schedule:
         try:
             with Interrupts():
                 self._warm = run_trial(self.job, self.settings[0], self._env)
-                self._say(f"warm-up ({self.settings[0].label()}): {self._warm.seconds:.2f} s, not counted")
                 if self._warm.exit_code in _CANNOT_RUN:  # every trial would only say it again
-                    why = f"the warm-up could not run the command: {self._warm.error}"
+                    why = f"the warm-up could not run the job: {self._warm.error}"
                     raise _CANNOT_RUN[self._warm.exit_code](why)
+                self._say(f"warm-up ({self.settings[0].label()}): {self._warm.seconds:.2f} s, not counted")
                 self._rounds()
         except InterruptionError as exc:  # what was measured so far still counts
             interrupted = exc.signal
