@@ -86,25 +86,25 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def python_without_site(module: str) -> list[str]:
+def python_without_site(module: str, prelude: str = "") -> list[str]:
     """The command that runs ``module.main(sys.argv[1:])`` in a new interpreter started without ``site`` (-S).
 
     For mpsrun's own processes that start once per rank or per session (rank supervisors, reapers): no
     site-packages scan and no ``.pth`` hooks (tens of milliseconds on machines with many packages), so
     such a module imports only the standard library (a test holds that line).
     """
-    return own_module(module, site=False)
+    return own_module(module, site=False, prelude=prelude)
 
 
-def own_module(module: str, site: bool = True) -> list[str]:
+def own_module(module: str, site: bool = True, prelude: str = "") -> list[str]:
     """The command that runs mpsrun's ``module.main(sys.argv[1:])`` in a new interpreter (``site``: with
     site-packages). mpsrun is found where this process found it, and nothing is imported from the working
     directory (``-m`` and ``-c`` put it first on the path, where another checkout of mpsrun, or a
-    ``math.py``, would otherwise win)."""
+    ``math.py``, would otherwise win). ``prelude``: statements run first, before anything of mpsrun is imported."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return [sys.executable, *(() if site else ("-S",)), "-c",
-            f"import sys; sys.path[:] = [{root!r}, *(p for p in sys.path if p)]; from {module} import main; "
-            "from mpsrun.runtime.processes import exit_now; exit_now(main(sys.argv[1:]))"]
+            f"import sys\n{prelude}\nsys.path[:] = [{root!r}, *(p for p in sys.path if p)]\nfrom {module} import main\n"
+            "from mpsrun.runtime.processes import exit_now\nexit_now(main(sys.argv[1:]))"]
 
 
 def parent_pid(pid: int) -> int | None:

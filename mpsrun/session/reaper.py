@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 __all__ = ["Reaper", "main"]
 
 _CLOSED = b"closed"
+#: Run first by the reaper's interpreter: a session that ends as it should costs its reaper an interpreter's start
+#: and no more (mpsrun's modules are imported only when the owner died; ``main`` then reads the pipe's end).
+_WAIT_FOR_OWNER = f"import os\nif sys.stdin.buffer.read() == {_CLOSED!r}:\n    os._exit(0)"
 
 
 class Reaper:
@@ -35,7 +38,7 @@ class Reaper:
 
     def __init__(self, root: Path) -> None:
         self.process = subprocess.Popen(  # it imports nothing until its owner dies
-            [*python_without_site("mpsrun.session.reaper"), str(root), str(os.getpid())],
+            [*python_without_site("mpsrun.session.reaper", prelude=_WAIT_FOR_OWNER), str(root), str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
