@@ -123,12 +123,11 @@ def test_no_false_interrupt_when_the_launcher_ends_a_failed_job(path, fake_gpu, 
 SHOW_XLA = "import os; os.write(1, f\"{os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION')}\\n\".encode())"
 
 
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize(("options", "callers", "expected"), [
-    ([], None, "0.187"),  # four ranks share the GPU: JAX's 75% split among them (rounded down)
-    (["--mem-limit", "1G"], None, "None"),  # a limit per rank: JAX takes 75% of it
-    (["--mps", "off"], None, "0.187"),  # time-sliced ranks share the GPU's memory too
-    ([], "0.5", "0.5"),  # the caller's value wins
+@pytest.mark.parametrize(("path", "options", "callers", "expected"), [
+    *((path, [], None, "0.187") for path in PATHS),  # four ranks share the GPU: JAX's 75% split (rounded down)
+    ("local", ["--mem-limit", "1G"], None, "None"),  # a limit per rank: mpsrun leaves JAX alone
+    ("local", ["--mps", "off"], None, "0.187"),  # time-sliced ranks share the GPU's memory too
+    ("mpiexec", [], "0.5", "0.5"),  # the caller's value wins
 ])
 def test_ranks_that_share_a_gpu_split_jaxs_preallocation(path, fake_gpu, monkeypatch, options, callers, expected):
     """Four ranks on one GPU get XLA_PYTHON_CLIENT_MEM_FRACTION 0.75/4, so JAX's preallocation fits them all (each

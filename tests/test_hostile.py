@@ -130,7 +130,7 @@ _WORDS = st.sampled_from(["-np", "2", "3", "--launcher", "local", "--mps", "off"
                           "nosuchprogram", "--keep-logs", "--priority", "1"])
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.one_of(_WORDS, st.text(max_size=8)), max_size=8))
 @example(words=["-m"])  # found in CI: `mpsrun -m true`, a rank's own ImportError traceback
 @pytest.mark.slow
