@@ -25,7 +25,6 @@ the daemon. Fault injection for tests, through the daemon's environment:
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import signal
 import socket
@@ -34,25 +33,30 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 from fake_mps_client import NO_DAEMON, run_client, run_server, send
 
 __all__ = ["NO_DAEMON", "main", "send"]
-RECORDING = Path(__file__).resolve().parent.parent / "data" / "h100" / "transcript.json"
-CLIENT = str(Path(__file__).resolve().with_name("fake_mps_client.py"))  # its server starts on built-in modules
+# os.path, not pathlib, and json only when needed: the daemon starts with every session (thousands in the suite),
+# and those imports (re, enum, urllib) were half its start-up.
+HERE = os.path.dirname(os.path.realpath(__file__))
+RECORDING = os.path.join(os.path.dirname(HERE), "data", "h100", "transcript.json")
+CLIENT = os.path.join(HERE, "fake_mps_client.py")  # its server starts on built-in modules
 
 
 def recorded_reply(command: str) -> str:
     """The real daemon's recorded output for ``command`` (tests/data/h100/transcript.json)."""
-    records = json.loads(RECORDING.read_text())["records"]
+    import json
+
+    with open(RECORDING) as recording:
+        records = json.load(recording)["records"]
     return next(r["stdout"] for r in records if r.get("cmd") == command)
 
 
 
 
-def pipe_dir() -> Path:
-    return Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps")
+def pipe_dir() -> str:
+    return os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
 
 
 def pid_alive(pid: int) -> bool:
@@ -308,9 +312,10 @@ def run_daemon() -> int:
         print("An instance of this daemon is already running", flush=True)
         return 1
     directory = pipe_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "nvidia-cuda-mps-control.pid").write_text(f"{os.getpid()}\n")
-    (directory / "control_lock").touch()
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "nvidia-cuda-mps-control.pid"), "w") as pid_file:
+        pid_file.write(f"{os.getpid()}\n")
+    open(os.path.join(directory, "control_lock"), "a").close()
     if os.environ.get("FAKE_MPS_NO_ANSWER"):
         while True:
             time.sleep(1)
@@ -328,14 +333,13 @@ def run_daemon() -> int:
                 done.set()
 
     for name in ("control", "control_privileged"):
-        with_path = directory / name
-        if with_path.exists():
-            with_path.unlink()
-    server = socketserver.ThreadingUnixStreamServer(str(directory / "control"), Handler)
+        if os.path.lexists(os.path.join(directory, name)):
+            os.unlink(os.path.join(directory, name))
+    server = socketserver.ThreadingUnixStreamServer(os.path.join(directory, "control"), Handler)
     server.daemon_threads = True
     privileged = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    privileged.bind(str(directory / "control_privileged"))
-    state.log("Starting control daemon using socket " + str(directory / "control"))
+    privileged.bind(os.path.join(directory, "control_privileged"))
+    state.log("Starting control daemon using socket " + os.path.join(directory, "control"))
     state.log(f"To connect CUDA applications to this daemon, set env CUDA_MPS_PIPE_DIRECTORY={directory}")
     state.log("CUDA MPS Control binary version: 13000 (fake)")
     # A short poll interval: the real daemon exits about 170 ms after quit (recorded), not 0.5 s.
