@@ -108,7 +108,20 @@ def _start_keeper(base: Path, name: str, config: JobConfig, identity: RankIdenti
         raise JoinError(f"this node's session did not start within {wait:g} s" if line is None
                         else "this node's keeper ended before its session was ready", speaks=True)
     code, _, message = answer.partition(" ")
-    raise JoinError(message, speaks=True, exit_code=int(code) if code.isdigit() else ExitCode.SETUP)
+    exit_code = int(code) if code.isdigit() else ExitCode.SETUP
+    raise JoinError(message, speaks=_starter_says(exit_code, identity.local_rank), exit_code=exit_code)
+
+
+def _transient(exit_code: int) -> bool:
+    """A keeper's start-up failure that another keeper would not meet again (it was signalled, or timed out)."""
+    return exit_code == ExitCode.TIMEOUT or exit_code > 128
+
+
+def _starter_says(exit_code: int, local_rank: int) -> bool:
+    """Whether the rank that started a keeper says why it failed: a failure any keeper of the node would meet (a bad
+    option, MPS unavailable) is said by the node's local rank 0, whether it started that keeper or waited for it, so
+    ranks that come later and meet it again add nothing; one that only this keeper met, by its starting rank."""
+    return _transient(exit_code) or local_rank == 0
 
 
 def _reserve(base: Path, name: str) -> str | None:
@@ -193,9 +206,10 @@ def run_per_node(config: JobConfig, environ: Mapping[str, str] | None = None) ->
             if answer is None:  # no answer, no refusal: the keeper died (and a new one would only hide why)
                 raise JoinError(f"this node's keeper ended before rank {rank} could join", speaks=False)  # as
                 # the rank that started it, which saw it die, says
-            if answer.get("failed"):  # the keeper could not start: said once, by the rank that started it if it heard
-                raise JoinError(str(answer.get("message", "")), exit_code=answer.get("exit_code", ExitCode.SETUP),
-                                speaks=not answer.get("heard") and joining.local_rank == 0)
+            if answer.get("failed"):  # the keeper could not start: said once (see _starter_says)
+                code = answer.get("exit_code", ExitCode.SETUP)
+                said = joining.local_rank == 0 and not (_transient(code) and answer.get("heard"))  # see _starter_says
+                raise JoinError(str(answer.get("message", "")), exit_code=code, speaks=said)
         raise JoinError(f"--per-node: this node's session kept closing before rank {rank} could join", speaks=True)
 
     return run_rank(config.command, identity, join, token=name)
