@@ -196,7 +196,7 @@ def test_the_callers_nccl_debugging_is_left_alone(fake_gpu, monkeypatch):
     """A caller who set NCCL_DEBUG keeps NCCL's output where NCCL puts it: mpsrun sets no NCCL_DEBUG_FILE."""
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
     monkeypatch.delenv("NCCL_DEBUG_FILE", raising=False)
-    show = "import os; print(os.environ.get('NCCL_DEBUG'), os.environ.get('NCCL_DEBUG_FILE'))"
+    show = "import os; os.write(1, f\"{os.environ.get('NCCL_DEBUG')} {os.environ.get('NCCL_DEBUG_FILE')}\\n\".encode())"
     out = run_job("local", [], [sys.executable, "-c", show], ranks=2)
     assert out.returncode == 0 and out.stdout.splitlines() == ["INFO None"] * 2, out.stderr
 

@@ -106,9 +106,11 @@ def fake_cuda(monkeypatch, short_tmp):
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_every_rank_on_a_gpu_reads_one_copy(fake_gpu, fake_cuda, short_tmp, path):
+def test_every_rank_on_a_gpu_reads_one_copy(fake_gpu, fake_cuda, short_tmp, monkeypatch, path):
     """On every path, one rank per GPU allocates and fills the table and the others map that one copy: the same
-    data in every rank, one allocation of its size on the GPU."""
+    data in every rank, one allocation of its size on the GPU. (The fill starts once every rank has asked: on a
+    loaded machine a rank that asked after the holder had ended filled anew, as documented: 1 of 5 fresh runs.)"""
+    monkeypatch.setenv("FILL_AFTER_ASKED", "1")
     out = run(RANK, ranks=4, path=path)
     assert out.returncode == 0, out.stderr
     seen = reports(short_tmp)
