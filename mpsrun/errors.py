@@ -232,9 +232,9 @@ class HandoffError(MPSError):
 
 
 class JoinError(MPSError):
-    """A per-node rank could not join its node's session. ``speaks``: whether this rank says why, or stays silent
-    because the rank that started the node's keeper says it (what every local rank meets alike, such as a bad
-    option, is said by the node's local rank 0 instead). ``exit_code``: the cause's."""
+    """A per-node rank could not join its node's session. ``speaks``: whether this rank says why, so that the node
+    says it once (what any keeper of the node would meet, by its local rank 0; what only one keeper met, by the
+    rank that started it). ``exit_code``: the cause's."""
 
     speaks: bool
 

@@ -138,7 +138,7 @@ class NodeKeeper:
             return cls(config, request, session, listener, upstream, policy, starter)
         except BaseException as exc:
             if listener is not None:  # the node's ranks that wait hear why, and start no keeper of their own
-                code, why = failure_answer(exc)  # (and say it only if the rank that started us cannot)
+                code, why = failure_answer(exc)  # heard: whether the rank that started us gets it too
                 turn_away(listener, Path(request.base), failed=True, exit_code=code, message=why,
                           heard=_starter_listens())
             with contextlib.suppress(MPSError):

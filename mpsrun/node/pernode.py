@@ -208,7 +208,7 @@ def run_per_node(config: JobConfig, environ: Mapping[str, str] | None = None) ->
                 # the rank that started it, which saw it die, says
             if answer.get("failed"):  # the keeper could not start: said once (see _starter_says)
                 code = answer.get("exit_code", ExitCode.SETUP)
-                said = joining.local_rank == 0 and not (_transient(code) and answer.get("heard"))  # see _starter_says
+                said = joining.local_rank == 0 and not (_transient(code) and answer.get("heard"))
                 raise JoinError(str(answer.get("message", "")), exit_code=code, speaks=said)
         raise JoinError(f"--per-node: this node's session kept closing before rank {rank} could join", speaks=True)
 

@@ -43,8 +43,8 @@ def direct(address: str) -> Join:
 
 def report_failure(exc: MPSError, local_rank: int | None) -> None:
     """A rank that cannot start says why once: under ``--hosts`` to the job's controller, which makes it
-    the job's one summary line; otherwise the node's first local rank prints it (or, for a :class:`JoinError`, the
-    rank it names)."""
+    the job's one summary line; otherwise the node's first local rank prints it (a :class:`JoinError` says itself
+    whether this rank does)."""
     address = os.environ.get(CONTROL_VARIABLE)
     if address and _tell_controller(address, str(exc), exc.exit_code):
         return
