@@ -383,3 +383,20 @@ def test_sigusr1_while_mpsrun_starts_is_not_fatal(fake_gpu, path):
     _, err = job.communicate(timeout=120)
     assert job.returncode == 0, err
     settle(fake_gpu)
+
+
+@pytest.mark.mpiexec
+@pytest.mark.parametrize("path", ["mpiexec", "hosts"])
+def test_a_reader_that_leaves_early_ends_the_job_at_once(fake_gpu, path):
+    """mpsrun's output piped to a reader that takes one line (``| head -1``): mpiexec dies of SIGPIPE, and the job
+    says so in one line, at once (under --hosts it took 33 s: the job's controller gave up ranks as never started
+    whose starts its node keeper still relayed, and that keeper then waited 30 s for their verdicts)."""
+    job = subprocess.Popen(job_argv(path, ["--tag-output"], ["seq", "1", "2000000"], ranks=2),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert job.stdout is not None and job.stdout.readline().endswith("1\n")
+    job.stdout.close()  # the reader is gone: the next writes fail
+    _, stderr = job.communicate(timeout=25)  # less than a node keeper's wait for its verdicts
+    assert job.returncode == 128 + signal.SIGPIPE, stderr
+    assert [line for line in stderr.splitlines() if line.startswith("mpsrun")] == [stderr.splitlines()[0]], stderr
+    assert "SIGPIPE" in stderr and "before rank" not in stderr, stderr
+    settle(fake_gpu)

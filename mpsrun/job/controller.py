@@ -277,6 +277,11 @@ class Controller:
             state.link.send("verdict", rank=state.rank, exit_code=self._verdict_code(state) if code is None else code,
                             lines=lines, linger=linger)
 
+    def judged_before_report(self, link: Link, state: RankState) -> None:
+        """A node keeper reports the end of a rank decided here before its report came (given up as never started
+        when its launcher ended): the keeper gets the rank's verdict, or would wait for it until its own deadline."""
+        link.send("verdict", rank=state.rank, exit_code=self._verdict_code(state), lines=[], linger=False)
+
     def _verdict_lines(self, state: RankState, lines: list[str]) -> tuple[list[str], bool]:
         """What a rank's supervisor says with its verdict, and whether it waits (lingers) for the node's end."""
         return lines, False

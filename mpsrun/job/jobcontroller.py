@@ -163,15 +163,21 @@ class JobController(JudgingController):
         self._never_started([r for r in spec.ranks if r not in self.ranks])
 
     def _launcher_exited(self, started: Launched, returncode: int) -> None:
-        name = started.spec.name
-        self.judge.launcher_ended(name, returncode, started.spec.signal_status)
+        self.judge.launcher_ended(started.spec.name, returncode, started.spec.signal_status)
+        if self.table.nodes and any(r not in self.ranks for r in started.spec.ranks):
+            # Node keepers relay their ranks' starts: those of ranks that ran may still be on their way.
+            self.loop.after(LAUNCHER_REPORT_WAIT, lambda: self._launcher_judged(started, returncode, waited=True))
+        else:
+            self._launcher_judged(started, returncode, waited=False)
+
+    def _launcher_judged(self, started: Launched, returncode: int, waited: bool) -> None:
         missing = [r for r in started.spec.ranks if r not in self.ranks]
         if missing:
-            self.fail("launcher-failed", returncode,
-                      f"{name} {describe_returncode(returncode)} before rank(s) {ranges(missing)} started")
+            self.fail("launcher-failed", returncode, f"{started.spec.name} {describe_returncode(returncode)} "
+                      f"before rank(s) {ranges(missing)} started")
             self._never_started(missing)
         elif returncode != 0 and self._running(started):
-            self.loop.after(LAUNCHER_REPORT_WAIT, lambda: self._launcher_outlived(started, returncode))
+            self.loop.after(0 if waited else LAUNCHER_REPORT_WAIT, lambda: self._launcher_outlived(started, returncode))
 
     def _running(self, started: Launched) -> list[RankState]:
         return [self.ranks[r] for r in started.spec.ranks if r in self.ranks and self.ranks[r].end is None]

@@ -74,6 +74,8 @@ class RankEvents(Protocol):
 
     def node_closed(self) -> None: ...
 
+    def judged_before_report(self, link: Link, state: RankState) -> None: ...
+
 
 class RankTable:
     def __init__(self, loop: EventLoop, listener: Listener, token: str, events: RankEvents, host: str) -> None:
@@ -175,7 +177,11 @@ class RankTable:
 
     def _report(self, link: Link, kind: str, message: Mapping[str, Any]) -> None:
         state = self._state_of(link, message)
-        if state is None or state.end is not None:
+        if state is None:
+            return
+        if state.end is not None:
+            if kind == "exited" and link.peer.get("role") == "node":  # its node waits for a verdict all the same
+                self.events.judged_before_report(link, state)
             return
         if kind == "started":
             if message.get("host") == self.host and message.get("start") is not None:
