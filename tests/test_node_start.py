@@ -264,7 +264,7 @@ def _first_keeper(fake_gpu) -> psutil.Process | None:
     """A node keeper process of this fake machine, as soon as one runs (before it has forked, or after)."""
     for proc in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
-            if "mpsrun.node.keeper" in (proc.info["cmdline"] or []) and \
+            if "from mpsrun.node.keeper import main" in " ".join(proc.info["cmdline"] or []) and \
                     proc.environ().get("MPSRUN_TMPDIR") == str(fake_gpu.tmpdir):
                 return proc
     return None

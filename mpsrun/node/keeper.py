@@ -1,4 +1,4 @@
-"""The node keeper: ``python -m mpsrun.node.keeper``, started by the first local rank of a per-node job.
+"""The node keeper: ``mpsrun.node.keeper.main``, run in a new interpreter by the first local rank of a per-node job.
 
 It owns the node's MPS session (daemons, record, reaper) and a controller over the node's ranks
 (:mod:`mpsrun.node.controller`, or :mod:`mpsrun.node.relay` under ``--hosts``). Every local rank's
@@ -245,7 +245,7 @@ def _open(request: KeeperRequest, starter_pipe: int) -> NodeKeeper | int:
     return keeper
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:  # (no arguments: the request comes on stdin)
     request = KeeperRequest.from_json(json.loads(sys.stdin.read()))
     if os.fork() > 0:
         exit_now(0)  # the starting rank waits for this; the keeper lives on in the background

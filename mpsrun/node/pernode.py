@@ -36,7 +36,7 @@ from mpsrun.rank.join import greet, report_failure
 from mpsrun.rank.supervisor import run_rank
 from mpsrun.runtime.constants import CONTROL_VARIABLE, KEEPER_START_TIMEOUT, NODE_ID_VARIABLE, TOKEN_VARIABLE
 from mpsrun.runtime.deadline import Deadline, poll_until
-from mpsrun.runtime.processes import ProcessRef
+from mpsrun.runtime.processes import ProcessRef, own_module
 from mpsrun.runtime.protocol import Link, connect
 from mpsrun.session import registry
 from mpsrun.session.paths import (
@@ -87,7 +87,7 @@ def _start_keeper(base: Path, name: str, config: JobConfig, identity: RankIdenti
     request = KeeperRequest(name, str(base), config.to_json(), identity.local_world_size,
                             os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get(CONTROL_VARIABLE),
                             os.environ.get(TOKEN_VARIABLE, ""), identity.rank, ProcessRef.of(os.getppid()))
-    keeper = subprocess.Popen([sys.executable, "-m", "mpsrun.node.keeper"], stdin=subprocess.PIPE,
+    keeper = subprocess.Popen(own_module("mpsrun.node.keeper"), stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
     assert keeper.stdin is not None and keeper.stdout is not None
     keeper.stdin.write(json.dumps(request._asdict()).encode())
