@@ -23,7 +23,6 @@ import secrets
 import select
 import socket
 import subprocess
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any, NamedTuple, cast
