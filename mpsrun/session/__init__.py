@@ -7,6 +7,6 @@ session exports (:mod:`~mpsrun.session.export`), this user's sessions on the nod
 ``mpsrun cleanup`` (:mod:`~mpsrun.session.registry`), and :class:`~mpsrun.session.session.Session`, the one
 daemon life cycle of ``mps_session()``, the launcher and node keepers.
 
-Imports: the standard library, psutil and filelock, :mod:`mpsrun.mps`, :mod:`mpsrun.config`,
+Imports: the standard library, psutil, :mod:`mpsrun.mps`, :mod:`mpsrun.config`,
 :mod:`mpsrun.runtime` and the bottom layer.
 """

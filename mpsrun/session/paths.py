@@ -17,6 +17,7 @@ sockets, whose paths Linux limits to 107 bytes, so paths are kept short and chec
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import stat
@@ -307,15 +308,23 @@ def user_root_lock(base: Path, timeout: float = LOCK_TIMEOUT) -> Iterator[Path]:
     The lock is on the root directory itself, which outlives every session, so no lock
     file is ever left behind.
     """
-    import filelock  # only node sessions lock: the other paths skip its import
-
     fd = _user_root_fd(base)
     try:
-        if not poll_until(lambda: filelock.lock_descriptor(fd, blocking=False) or None, Deadline(timeout)):
+        if not poll_until(lambda: _try_lock(fd) or None, Deadline(timeout)):
             raise MPSError(f"another mpsrun of yours held the lock on {user_root(base)} for more than {timeout:g} s")
         yield user_root(base)
     finally:
         os.close(fd)  # closing the descriptor releases the lock
+
+
+def _try_lock(fd: int) -> bool:
+    """Take the exclusive lock on ``fd`` if no one holds it (flock, as filelock takes it; its import cost each rank
+    of a per-node job more CPU than its lock)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 @dataclass(slots=True)

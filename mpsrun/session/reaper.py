@@ -66,7 +66,7 @@ def main(argv: Sequence[str]) -> NoReturn:
         os._exit(2)
     if sys.stdin.buffer.read() == _CLOSED:
         exit_now(0)  # the owner waits for this exit
-    if sys.flags.no_site:  # started without site: its packages (psutil, filelock) are needed now
+    if sys.flags.no_site:  # started without site: its packages (psutil) are needed now
         import site
 
         site.main()
