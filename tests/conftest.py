@@ -173,17 +173,36 @@ class FakeGPU:
 
     def orphans(self) -> list[psutil.Process]:
         """Live processes started under this fake machine that are no longer our descendants."""
-        found = []
+        pids = _pids_whose_environment_has(f"MPSRUN_FAKE_NVML={self.nvml_dir}".encode())
+        if not pids:
+            return []
         mine = {p.pid for p in psutil.Process().children(recursive=True)} | {os.getpid()}
-        for proc in psutil.process_iter(["pid", "environ"]):
-            env = proc.info["environ"] or {}
-            if proc.pid not in mine and env.get("MPSRUN_FAKE_NVML") == str(self.nvml_dir) and _ours(proc):
-                found.append(proc)
+        found = []
+        for pid in pids - mine:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if _ours(proc := psutil.Process(pid)):
+                    found.append(proc)
         return found
 
     def session_dirs(self) -> list[Path]:
         root = self.tmpdir / f"mpsrun-{os.getuid()}"
         return sorted(p for p in root.iterdir()) if root.is_dir() else []
+
+
+def _pids_whose_environment_has(entry: bytes) -> set[int]:
+    """The processes whose environment holds ``entry`` (``NAME=value``), read raw from /proc: tests and their
+    fixtures look after every job, and psutil's process_iter(environ) costs about 15 times the CPU."""
+    found = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/environ", "rb") as stream:
+                    data = stream.read()
+            except OSError:  # gone, or not ours to read
+                continue
+            if data.startswith(entry + b"\0") or b"\0" + entry + b"\0" in data:
+                found.add(int(name))
+    return found
 
 
 def _cmdline(proc: psutil.Process) -> list[str] | str:
