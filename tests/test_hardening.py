@@ -400,3 +400,31 @@ def test_a_reader_that_leaves_early_ends_the_job_at_once(fake_gpu, path):
     assert [line for line in stderr.splitlines() if line.startswith("mpsrun")] == [stderr.splitlines()[0]], stderr
     assert "SIGPIPE" in stderr and "before rank" not in stderr, stderr
     settle(fake_gpu)
+
+
+def _node_keeper(fake_gpu) -> psutil.Process:
+    """The node keeper of this fake machine's job."""
+    return next(p for p in psutil.process_iter(["cmdline"]) if "mpsrun.node.keeper" in " ".join(p.info["cmdline"] or [])
+                and p.environ().get("MPSRUN_FAKE_NVML") == str(fake_gpu.nvml_dir))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["per-node", "hosts"])
+def test_a_stopped_node_keeper_cannot_outlast_the_timeout(fake_gpu, short_tmp, path):
+    """A node keeper stopped (SIGSTOP) while its ranks run: --timeout still ends the job, with 124 and one line,
+    once the controller's own way (SIGTERM, --grace, its verdict) is overdue (it hung until killed, over 60 s). Slow
+    on purpose: the supervisors give the keeper --grace and 10 s more before they act on their own."""
+    options = ["--timeout", "2", "--grace", "0.5"]
+    job = subprocess.Popen(job_argv(path, options, fake("--hold", "60", "--report-dir", str(short_tmp)), ranks=2),
+                           stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: len(list(short_tmp.glob("*.json"))) >= 2, what="the ranks did not start", proc=job)
+    keeper = _node_keeper(fake_gpu)
+    keeper.suspend()
+    try:
+        _, err = job.communicate(timeout=60)
+    finally:
+        keeper.resume()  # it then finds its ranks gone and ends its session
+    lines = [line for line in err.splitlines() if line.startswith("mpsrun")]
+    assert job.returncode == 124 and 1 <= len(lines) <= 2 and all("time" in line for line in lines), err
+    assert "timed out after 2 s" in err, err
+    settle(fake_gpu)

@@ -117,6 +117,14 @@ class JobController(JudgingController):
             self._nodes_timer = True
             self.loop.after(NODE_CLOSE_WAIT, self._nodes_late)
 
+    def _lost(self) -> None:
+        """Ranks still silent after SIGKILL are given up; a node keeper that relayed no word of them answers no more
+        (stopped, or its host is gone): its closing is not waited for either."""
+        silent = any(state.link in self.table.nodes for state in self.table.live())
+        super()._lost()
+        if silent:
+            self._nodes_late()
+
     def _nodes_late(self) -> None:
         self._nodes_overdue = True
         self.launchers.wind_down(self.policy.grace)

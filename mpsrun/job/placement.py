@@ -200,5 +200,5 @@ def welcome(identity: RankIdentity, config: JobConfig, ngpus: int, target_of: Ca
         restore[name] = value if given else None
     return {"env": env, "defaults": shared_gpu_defaults(env, plan.sharers), "managed": list(MANAGED_VARIABLES),
             "restore": restore, "tag": config.tag_output,
-            "grace": config.grace, "mpi4py_abort": mpi4py_abort, "output_lock": output_lock,
+            "grace": config.grace, "timeout": config.timeout, "mpi4py_abort": mpi4py_abort, "output_lock": output_lock,
             "output_dir": config.output_filename}

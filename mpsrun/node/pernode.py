@@ -35,6 +35,7 @@ from mpsrun.rank.join import greet, report_failure
 from mpsrun.rank.supervisor import run_rank
 from mpsrun.runtime.constants import CONTROL_VARIABLE, KEEPER_START_TIMEOUT, NODE_ID_VARIABLE, TOKEN_VARIABLE
 from mpsrun.runtime.deadline import Deadline, poll_until
+from mpsrun.runtime.output import say
 from mpsrun.runtime.processes import ProcessRef, own_module
 from mpsrun.runtime.protocol import Link, connect
 from mpsrun.session import registry
@@ -181,6 +182,9 @@ def run_per_node(config: JobConfig, environ: Mapping[str, str] | None = None) ->
                        "MPI_LOCALRANKID, SLURM_LOCALID, ...): start mpsrun --per-node with srun or mpiexec")
     if identity.world_size is None and config.nranks is not None:
         identity = RankIdentity(identity.rank, identity.local_rank, config.nranks, identity.local_world_size)
+    if (config.mpiexec or config.mpiexec_args) and CONTROL_VARIABLE not in env and identity.local_rank == 0:
+        say("mpsrun: warning: --mpiexec and --mpiexec-arg have no effect with --per-node (the launcher that started "
+            "this rank is the job's)")
     base = base_directory(env)
     try:
         if config.nranks is not None and config.nranks != identity.world_size:

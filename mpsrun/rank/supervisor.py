@@ -28,15 +28,15 @@ from typing import Any
 
 from mpsrun.errors import InterruptionError, MPSError
 from mpsrun.exitcodes import ExitCode, Outcome, exit_code, signal_name
+from mpsrun.rank.environ import rank_env
 from mpsrun.rank.frameworks import failure_reason
 from mpsrun.rank.identity import RankIdentity, identity_from_env
 from mpsrun.rank.join import Join, direct, report_failure, report_interrupt
 from mpsrun.runtime.constants import (
     CONTROL_VARIABLE,
-    CONTROL_VARIABLES,
     DRAIN_TIMEOUT,
     FORWARDED_SIGNALS,
-    JOB_ID_VARIABLE,
+    KILL_WAIT,
     LINGER_TIMEOUT,
     STOP_SIGNALS,
     TOKEN_VARIABLE,
@@ -57,7 +57,7 @@ from mpsrun.runtime.processes import (
 )
 from mpsrun.runtime.protocol import Link
 
-__all__ = ["RankSupervisor", "main", "rank_env", "run_rank", "through_mpi4py"]
+__all__ = ["RankSupervisor", "main", "run_rank", "through_mpi4py"]
 
 
 def _say(text: str) -> None:
@@ -76,7 +76,7 @@ class RankSupervisor:
 
     def __init__(self, identity: RankIdentity, command: Sequence[str], env: Mapping[str, str], link: Link,
                  welcome: Mapping[str, Any], fds: Sequence[int]) -> None:
-        self.rank = identity.rank
+        self.rank, self.local_rank = identity.rank, identity.local_rank
         self.command = list(command)
         self.env = dict(env)
         self.link = link
@@ -92,6 +92,10 @@ class RankSupervisor:
         self.streams: dict[int, LineTagger] = {}  # the read ends of the rank's stdout and stderr, when tagged
         self.killing = False
         self.controller_lost = False
+        # The job's --timeout, should its controller stop answering (a node keeper stopped by SIGSTOP): by then it
+        # has signalled the ranks, waited --grace, and judged them.
+        self.timeout: float | None = welcome.get("timeout")
+        self.backstop = Deadline(None if self.timeout is None else self.timeout + self.grace + KILL_WAIT)
 
     def run(self) -> int:
         program, code, reason = find_program(self.command[0], self.env.get("PATH"))
@@ -111,6 +115,8 @@ class RankSupervisor:
                 return self._finish(Outcome("setup", _exec_failure_code(exc)), f"{self.command[0]}: {exc.strerror}")
             finally:
                 close_all(files)
+            if self.timeout is not None:
+                self.loop.after(self.backstop.remaining(), self._overdue)
             self.loop.run_until(lambda: self.returncode is not None and not self.streams)
         assert self.returncode is not None
         if self.returncode == 0:
@@ -213,6 +219,11 @@ class RankSupervisor:
         if sig in STOP_SIGNALS and self.returncode is None:
             self.link.send("interrupted", rank=self.rank, signal=sig)
 
+    def _overdue(self) -> None:
+        """The job's controller let its --timeout pass without ending this rank: end it as the controller would."""
+        if self.returncode is None:
+            self._signal(signal.SIGTERM)
+
     @staticmethod
     def _said(message: Mapping[str, Any]) -> None:
         if message["type"] == "say":  # a node keeper's word for the user, sent as the rank ended
@@ -236,7 +247,8 @@ class RankSupervisor:
         returncode = own.detail if own.cause != "ok" else 0
         self.link.send("exited", rank=self.rank, returncode=returncode, reason=reason)
         with Interrupts() as interrupts, interrupts.deferred():  # the job's end is not cut short: noted only
-            verdict = self.link.expect(("verdict",), Deadline(VERDICT_TIMEOUT), others=self._said)
+            wait = VERDICT_TIMEOUT if self.timeout is None else max(1.0, self.backstop.remaining())
+            verdict = self.link.expect(("verdict",), Deadline(wait), others=self._said)
             if verdict is not None and verdict.get("linger"):  # the node keeper's last rank: wait until it is gone
                 self.link.expect(("",), Deadline(LINGER_TIMEOUT), others=self._said)
         self.link.close()
@@ -252,6 +264,11 @@ class RankSupervisor:
             _say(f"rank {self.rank}: the job's controller (mpsrun, or the node keeper) died under the job; "
                  "the rank was stopped")
             return Outcome("setup")
+        if verdict is None and self.backstop.expired():
+            if self.local_rank in (0, None):  # once per node
+                _say(f"timed out after {self.timeout:g} s; the job's controller did not stop the ranks (it no "
+                     "longer answers), so their supervisors did")
+            return Outcome("timeout")
         if verdict is None:
             if reason:
                 _say(f"rank {self.rank}: {reason}")
@@ -290,24 +307,6 @@ def through_mpi4py(command: list[str], program: str) -> list[str]:
     if interpreter_option or command[1:3] in (["-m", "mpi4py"], ["-m", PYRUN]):
         return command
     return [command[0], "-m", PYRUN, *command[1:]]
-
-
-def rank_env(base: Mapping[str, str], welcome: Mapping[str, Any]) -> dict[str, str]:
-    """The rank's environment: ours, less what mpsrun manages, with the caller's values of what an MPI launcher
-    rewrites put back (``restore``: None for one the caller did not set), plus what the controller gave (``env``;
-    each group of ``defaults`` only where the rank's environment has none of its names)."""
-    managed = set(welcome.get("managed") or ()) | set(CONTROL_VARIABLES) | {JOB_ID_VARIABLE}
-    env = {k: v for k, v in base.items() if k not in managed}
-    for name, value in (welcome.get("restore") or {}).items():
-        if value is None:
-            env.pop(str(name), None)
-        else:
-            env[str(name)] = str(value)
-    for group in welcome.get("defaults") or ():
-        if not any(name in env for name in group):
-            env.update({str(k): str(v) for k, v in group.items()})
-    env.update({str(k): str(v) for k, v in (welcome.get("env") or {}).items()})
-    return env
 
 
 def run_rank(command: Sequence[str], identity: RankIdentity, join: Join, token: str,
