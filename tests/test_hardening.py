@@ -428,3 +428,14 @@ def test_a_stopped_node_keeper_cannot_outlast_the_timeout(fake_gpu, short_tmp, p
     assert job.returncode == 124 and 1 <= len(lines) <= 2 and all("time" in line for line in lines), err
     assert "timed out after 2 s" in err, err
     settle(fake_gpu)
+
+
+@pytest.mark.mpiexec
+def test_mpiexec_options_under_per_node_are_said_to_do_nothing(fake_gpu):
+    """--mpiexec-arg given to mpsrun --per-node (where the user's launcher already started the ranks) is said once
+    to have no effect, as under --launcher local (it was ignored without a word)."""
+    out = subprocess.run(job_argv("per-node", ["--mpiexec-arg", "-verbose"], ["true"], ranks=2), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("have no effect with --per-node") == 1, out.stderr
+    settle(fake_gpu)
