@@ -161,7 +161,8 @@ class FakeGPU:
         """What NVML reports as free on every fake GPU from now on (bytes)."""
         for gpu in self.gpus:
             gpu["memory_free"] = free
-        (self.nvml_dir / "gpus.json").write_text(json.dumps(self.gpus))
+        (self.nvml_dir / "gpus.json.tmp").write_text(json.dumps(self.gpus))
+        (self.nvml_dir / "gpus.json.tmp").replace(self.nvml_dir / "gpus.json")  # NVML reads it while jobs run
 
     def daemon_env(self, **switches: str) -> None:
         """Set fault-injection switches (FAKE_MPS_*) for daemons started from now on."""

@@ -214,3 +214,53 @@ def test_nccl_on_one_gpu_ends_with_the_explanation(path, monkeypatch):
                          text=True, timeout=300)
     said = [line for line in out.stderr.splitlines() if line.startswith("mpsrun")]
     assert out.returncode != 0 and len(said) == 1 and NCCL_ON_A_SHARED_GPU in said[0], out.stderr
+
+
+#: Rank 2 fails at once (as a rank out of device memory does); the others wait for the job to stop them.
+RANK_2_FAILS = "import os, sys, time\nif os.environ['RANK'] == '2': sys.exit(1)\ntime.sleep(60)\n"
+
+
+@pytest.mark.parametrize(("path", "options", "free_gib", "hinted"), [
+    *[(path, [], 1, True) for path in PATHS],
+    ("local", [], 60, False),  # memory to spare: the rank's own exit code says all there is
+    ("local", ["--mem-limit", "200M"], 1, False),  # each rank had its limit already
+])
+def test_a_rank_short_of_shared_memory_is_told_the_limit(fake_gpu, path, options, free_gib, hinted):
+    """A rank that fails on a GPU it shares with no memory limit, while less than a rank's share of the GPU is free
+    (the others hold more than theirs), is summed up with the GPU's memory and --mem-limit auto, in the one line
+    (it was only 'rank 2 exited with code 1 first'); not when memory was left, nor when limits applied."""
+    fake_gpu.set_free_memory(free_gib << 30)
+    out = run_job(path, options, [sys.executable, "-c", RANK_2_FAILS], ranks=4)
+    said = [line for line in out.stderr.splitlines() if line.startswith("mpsrun")]
+    assert out.returncode == 1 and len(said) == 1 and "rank 2" in said[0], out.stderr
+    hint = "GPU 0 had 1.0 GiB free, less than one rank's share (20.0 GiB) with 4 ranks and no memory limit; if it " \
+           "ran out of device memory, --mem-limit auto gives each rank its share"
+    assert (hint in said[0]) == hinted, out.stderr
+    settle(fake_gpu)
+
+
+#: Each rank takes a quarter of the GPU's memory and more: the last to ask runs out while the others hold theirs.
+GREEDY = """
+import os, sys, time
+import cupy
+free, total = cupy.cuda.runtime.memGetInfo()
+if os.environ["RANK"] != "3":
+    block = cupy.empty(int(total * 0.3), dtype=cupy.uint8)
+    time.sleep(30)
+else:
+    time.sleep(5)
+    block = cupy.empty(int(total * 0.3), dtype=cupy.uint8)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
+def test_a_rank_out_of_device_memory_is_told_the_limit(path):
+    """Four CuPy ranks on GPU 0, each taking 30% of its memory: the fourth runs out, and the summary says in one
+    line that it had less than a rank's share free and that --mem-limit auto gives each rank its share."""
+    pytest.importorskip("cupy")
+    out = subprocess.run(gpu_job_argv(path, [], [sys.executable, "-c", GREEDY], ranks=4), capture_output=True,
+                         text=True, timeout=300)
+    said = [line for line in out.stderr.splitlines() if line.startswith("mpsrun")]
+    assert out.returncode == 1 and len(said) == 1 and "rank 3" in said[0], out.stderr
+    assert "less than one rank's share" in said[0] and "--mem-limit auto" in said[0], out.stderr

@@ -21,13 +21,15 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mpsrun.errors import MPSError
 from mpsrun.exitcodes import ExitCode, Outcome, exit_code, signal_name
 from mpsrun.job.outcome import JobResult, Judge, RankEnd
 from mpsrun.job.table import RankState, RankTable
+from mpsrun.mps import gpus
+from mpsrun.mps.limits import memory_hint
 from mpsrun.mps.watch import Finding, RankWatch, with_descendants
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import FORWARDED_SIGNALS, KILL_WAIT, PASS_SIGNALS, SAME_INTERRUPT, WATCH_INTERVAL
@@ -142,8 +144,10 @@ class Controller:
         refusal = self._refusal(identity)
         if refusal is None:
             try:
-                link.send("welcome", **self.welcome(identity, hello))
-                self.table.add(RankState(identity.rank, link))
+                answer = self.welcome(identity, hello)
+                shared = answer.pop("unlimited_gpu", None)
+                link.send("welcome", **answer)
+                self.table.add(RankState(identity.rank, link, unlimited_gpu=tuple(shared) if shared else None))
                 return
             except MPSError as exc:
                 refusal = (exc.exit_code, f"mpsrun: error: {exc}")
@@ -190,8 +194,20 @@ class Controller:
         if end.returncode != 0 and self.watch is not None and self.stopping is None:
             for finding in self.watch.dead_daemons():  # the rank failed because its server went away
                 self._finding(finding)
+        if end.returncode not in (0, None) and not end.reason and state.unlimited_gpu is not None:
+            end = replace(end, reason=self._memory_hint(*state.unlimited_gpu))
         state.ended(end)
         self._ended(state, end)
+
+    def _memory_hint(self, position: int, sharers: int) -> str:
+        """Whether a failed rank's GPU, shared with no memory limit, was short of memory as it ended (NVML)."""
+        if self.session is None or not self.session.enabled:
+            return ""  # without MPS no limit could have helped
+        gpu = self.session.gpus[position]
+        try:
+            return memory_hint(gpu.index, gpus.memory_free(gpu.uuid), gpu.memory_total, sharers)
+        except MPSError:
+            return ""
 
     def interrupted(self, sig: int, source: int) -> None:
         """A rank's supervisor (or a node keeper) got a stopping signal from outside: the job was interrupted.

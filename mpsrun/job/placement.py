@@ -201,4 +201,10 @@ def welcome(identity: RankIdentity, config: JobConfig, ngpus: int, target_of: Ca
     return {"env": env, "defaults": shared_gpu_defaults(env, plan.sharers), "managed": list(MANAGED_VARIABLES),
             "restore": restore, "tag": config.tag_output,
             "grace": config.grace, "timeout": config.timeout, "mpi4py_abort": mpi4py_abort, "output_lock": output_lock,
-            "output_dir": config.output_filename}
+            "output_dir": config.output_filename, "unlimited_gpu": _unlimited_gpu(plan, ngpus)}
+
+
+def _unlimited_gpu(plan: RankPlan, ngpus: int) -> list[int] | None:
+    """For the controller (not sent): the rank's GPU and its number of ranks, when it shares it with no limit."""
+    shared = ngpus and plan.sharers is not None and plan.sharers > 1 and plan.mem_limit is None
+    return [plan.gpu, plan.sharers] if shared and plan.sharers is not None else None

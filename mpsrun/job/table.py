@@ -51,6 +51,7 @@ class RankState:
     process: ProcessRef | None = None
     end: RankEnd | None = None
     verdict_sent: bool = False
+    unlimited_gpu: tuple[int, int] | None = None  # its GPU's position and ranks, shared with no memory limit
 
     def ended(self, end: RankEnd) -> None:
         self.end = end

@@ -246,6 +246,12 @@ def _find(item: int | str, visible: Sequence[GPU]) -> GPU:
     return found
 
 
+def memory_free(uuid: str) -> int:
+    """The GPU's free memory now, in bytes."""
+    with _nvml() as nvml:
+        return int(nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByUUID(uuid)).free)
+
+
 def compute_processes(uuid: str) -> dict[int, bool]:
     """Processes holding a CUDA context on the GPU: ``{pid: is_mps_client}``.
 

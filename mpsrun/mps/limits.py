@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from mpsrun.errors import ConfigError
 
-__all__ = ["SERVER_SHARE_MIB", "DaemonDefaults", "auto_mem_limit", "auto_mem_limits", "stored_mem_limit"]
+__all__ = ["SERVER_SHARE_MIB", "DaemonDefaults", "auto_mem_limit", "auto_mem_limits", "memory_hint", "stored_mem_limit"]
 
 #: Device memory the MPS server takes (66 MiB measured on an H100), with room to spare.
 SERVER_SHARE_MIB = 128
@@ -51,6 +51,19 @@ def auto_mem_limits(free: Sequence[int], sharing: Sequence[int], shared: bool,
         return [auto_mem_limit(min(free), max(sharing), "each GPU", setting)] * len(free)
     return [auto_mem_limit(bytes_, ranks, f"GPU {position}", setting) if ranks else None
             for position, (bytes_, ranks) in enumerate(zip(free, sharing, strict=True))]
+
+
+def memory_hint(gpu_index: int, free: int, total: int, sharers: int) -> str:
+    """What to say of a rank that failed on a GPU it shared with ``sharers - 1`` others, none of them limited, when
+    it had less than a rank's share of memory left (``free`` bytes, looked at as it ended): the others held more
+    than theirs, which is what a limit per rank prevents. Empty otherwise (a rank's own exit code says no more)."""
+    share = total // sharers
+    if free >= share:
+        return ""
+    gib = 1 << 30
+    return (f"GPU {gpu_index} had {free / gib:.1f} GiB free, less than one rank's share ({share / gib:.1f} GiB) with "
+            f"{sharers} ranks and no memory limit; if it ran out of device memory, --mem-limit auto gives each rank "
+            "its share")
 
 
 def stored_mem_limit(limit: str) -> str:

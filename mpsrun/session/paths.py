@@ -293,38 +293,30 @@ def validate_base(base: Path) -> None:
     """Raise :class:`ConfigError` if sessions under ``base`` would overflow a socket path."""
     length = longest_socket_path(user_root(base))
     if length > SOCKET_PATH_MAX:
-        raise ConfigError(
-            f"session directory base {base} is too long: MPS sockets under it would need {length} bytes "
-            f"(limit {SOCKET_PATH_MAX}); set MPSRUN_TMPDIR to a shorter directory, e.g. /tmp",
-            setting="tmpdir",
-            value=str(base),
-        )
+        raise ConfigError(f"session directory base {base} is too long: MPS sockets under it would need {length} bytes "
+                          f"(limit {SOCKET_PATH_MAX}); set MPSRUN_TMPDIR to a shorter directory, e.g. /tmp",
+                          setting="tmpdir", value=str(base))
 
 
 @contextlib.contextmanager
 def user_root_lock(base: Path, timeout: float = LOCK_TIMEOUT) -> Iterator[Path]:
-    """Hold this user's lock on the session root under ``base`` (node sessions start and end under it).
-
-    The lock is on the root directory itself, which outlives every session, so no lock
-    file is ever left behind.
-    """
+    """Hold this user's lock on the session root under ``base`` (node sessions start and end under it): flock on
+    the root directory itself, which outlives every session, so no lock file is ever left behind."""
     fd = _user_root_fd(base)
     try:
-        if not poll_until(lambda: _try_lock(fd) or None, Deadline(timeout)):
+        if not poll_until(lambda: _try_lock(fd), Deadline(timeout)):
             raise MPSError(f"another mpsrun of yours held the lock on {user_root(base)} for more than {timeout:g} s")
         yield user_root(base)
     finally:
         os.close(fd)  # closing the descriptor releases the lock
 
 
-def _try_lock(fd: int) -> bool:
-    """Take the exclusive lock on ``fd`` if no one holds it (flock, as filelock takes it; its import cost each rank
-    of a per-node job more CPU than its lock)."""
-    try:
+def _try_lock(fd: int) -> bool | None:
+    """The lock on ``fd``, or None while another process holds it (filelock's import cost more than its flock)."""
+    with contextlib.suppress(BlockingIOError):
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
+        return True
+    return None
 
 
 @dataclass(slots=True)
