@@ -19,7 +19,7 @@ fi
 {
   nvidia-smi -L; nvidia-smi --query-gpu=compute_mode,driver_version --format=csv
   command -v nvidia-cuda-mps-control mpiexec; mpiexec --version | head -2
-  python3 -c "import filelock, psutil, mpi4py; print('filelock', filelock.__version__, 'mpi4py', mpi4py.__version__)"
+  python3 -c "import psutil, mpi4py; print('psutil', psutil.__version__, 'mpi4py', mpi4py.__version__)"
 } 2>&1 | tee "$OUT/machine.log"
 rc=0
 if [ "$what" = all ] || [ "$what" = tier ]; then
