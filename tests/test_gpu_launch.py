@@ -105,7 +105,8 @@ def test_two_jobs_at_once_on_one_gpu(tmp_path):
 
 
 def test_per_node_under_mpirun(tmp_path, monkeypatch):
-    """mpirun -np 4 mpsrun --per-node: one daemon for the node, every rank verified, daemon gone after the last."""
+    """mpirun -np 4 mpsrun --per-node: one session for the node (a daemon per GPU: on two GPUs, ranks 0-1 on GPU 0
+    and 2-3 on GPU 1), every rank verified, the daemons gone after the last."""
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         pytest.skip("no mpirun")
@@ -118,7 +119,9 @@ def test_per_node_under_mpirun(tmp_path, monkeypatch):
     assert out.returncode == 0, out.stderr[-3000:]
     seen = probes(tmp_path)
     assert [p["rank"] for p in seen] == [0, 1, 2, 3]
-    assert len({p["env"]["CUDA_MPS_PIPE_DIRECTORY"] for p in seen}) == 1
+    pipes = {p["env"]["CUDA_MPS_PIPE_DIRECTORY"] for p in seen}
+    assert len({Path(pipe).parents[1] for pipe in pipes}) == 1, pipes  # one node session
+    assert len(pipes) == len({p["env"]["CUDA_VISIBLE_DEVICES"] for p in seen}), pipes  # a daemon per GPU in use
     assert "4 of 4 ranks connected to MPS" in out.stderr  # from the node keeper, once
     root = base / f"mpsrun-{os.getuid()}"
     assert not root.exists() or list(root.iterdir()) == []
