@@ -439,3 +439,16 @@ def test_mpiexec_options_under_per_node_are_said_to_do_nothing(fake_gpu):
     assert out.returncode == 0, out.stderr
     assert out.stderr.count("have no effect with --per-node") == 1, out.stderr
     settle(fake_gpu)
+
+
+@pytest.mark.mpiexec
+@pytest.mark.parametrize("path", PATHS)
+def test_a_large_environment_reaches_the_ranks(fake_gpu, path):
+    """An environment of 1.5 MB (Linux allows 2 MiB by default) reaches every rank whole (local and mpiexec failed
+    with exit 3 and 'the job's controller went away': the welcome, which carries it, was over a line's limit)."""
+    big = {f"BIGVAR{i}": "z" * 10000 for i in range(150)}
+    check = "import os; assert all(len(os.environ[f'BIGVAR{i}']) == 10000 for i in range(150))"
+    out = subprocess.run(job_argv(path, [], [sys.executable, "-c", check], ranks=2), capture_output=True, text=True,
+                         timeout=120, env={**os.environ, **big})
+    assert out.returncode == 0, out.stderr[-2000:]
+    settle(fake_gpu)

@@ -25,7 +25,8 @@ from mpsrun.runtime.deadline import Deadline, backoff
 __all__ = ["HELLO_MAX", "LINE_MAX", "MESSAGES", "Link", "Listener", "connect", "decode", "encode", "new_token"]
 
 HELLO_MAX = 1 << 16  # a peer that has not shown the token: its hello, and nothing longer
-LINE_MAX = 1 << 20  # an admitted peer that sends more without a newline is not one of ours
+LINE_MAX = 1 << 24  # an admitted peer that sends more without a newline is not one of ours (a welcome carries
+# the caller's environment, which Linux lets grow to a quarter of the stack limit: 2 MiB by default)
 _OPTIONAL = type(None)
 
 
