@@ -37,18 +37,19 @@ def test_a_missing_python_script_is_pythons_one_line(path, fake_gpu, tmp_path):
     assert out.stderr.count("can't open file") == 2, out.stderr
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_a_python_ranks_traceback_holds_only_the_programs_frames(path, fake_gpu, tmp_path):
+@pytest.mark.parametrize(("path", "error", "code"), [*[(path, "ValueError", 1) for path in PATHS],
+                                                     ("local", "KeyboardInterrupt", 130)])
+def test_a_python_ranks_traceback_holds_only_the_programs_frames(path, fake_gpu, tmp_path, error, code):
     """An uncaught exception in a Python rank shows the program's frames only (it carried 8 frames of mpi4py's
-    runner and runpy), and the job's exit code is Python's, 1."""
+    runner and runpy; a KeyboardInterrupt still did), and the job's exit code is Python's (1, or 130: SIGINT)."""
     pytest.importorskip("mpi4py")
     script = tmp_path / "boom.py"
-    script.write_text("def fail():\n    raise ValueError('boom')\n\n\nfail()\n")
+    script.write_text(f"def fail():\n    raise {error}('boom')\n\n\nfail()\n")
     out = run_job(path, [], [sys.executable, str(script)], ranks=2)
-    assert out.returncode == 1, out.stderr
+    assert out.returncode == code, out.stderr
     frames = re.findall(r'File "([^"]+)"', out.stderr)
     assert frames and set(frames) == {str(script)}, out.stderr
-    assert "ValueError: boom" in out.stderr
+    assert f"{error}: boom" in out.stderr
 
 
 def test_bench_without_a_gpu_says_so_in_one_line(no_gpu):

@@ -29,6 +29,12 @@ def program_frames(tb: TracebackType | None) -> TracebackType | None:
     return tb
 
 
+def _program_only(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+    """Python's hook, on the program's frames only (it reads the exception's own traceback)."""
+    frames = program_frames(tb)
+    sys.__excepthook__(kind, value.with_traceback(frames), frames)
+
+
 def _unopenable(args: list[str], exc: BaseException) -> bool:
     """Whether ``exc`` says that the script itself could not be opened (Python's own exit code 2)."""
     return (isinstance(exc, OSError) and bool(args) and args[0] not in ("-m", "-c", "-")
@@ -41,6 +47,8 @@ def main(args: list[str]) -> int:
         run_command_line(args)
     except (SystemExit, KeyboardInterrupt) as exc:
         set_abort_status(exc)
+        # Python ends on an uncaught KeyboardInterrupt as by SIGINT (130), after its hook prints the traceback.
+        sys.excepthook = _program_only
         raise
     except BaseException as exc:
         tb = program_frames(exc.__traceback__)
