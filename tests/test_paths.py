@@ -78,3 +78,25 @@ def test_check_private_dir_accepts_0700(short_tmp):
     path = short_tmp / "ok"
     path.mkdir(mode=0o700)
     check_private_dir(path)
+
+
+def test_removing_a_session_leaves_a_new_one_of_its_name_alone(short_tmp, monkeypatch):
+    """A node session's directory made again under the same name while the old one is being removed (a late rank
+    reserving it for a new keeper) survives the old one's removal. It was deleted by the removal's second pass, and
+    the new keeper failed with 'cannot make a session directory: No such file or directory' (1 in 200 loaded runs)."""
+    from mpsrun.session import paths
+
+    old = SessionDirs.create(short_tmp, [0], name="jnode")
+    real_rmtree, came = paths.shutil.rmtree, []
+
+    def rmtree_then_a_late_rank_comes(path, *args, **kwargs):
+        real_rmtree(path, *args, **kwargs)
+        if not old.root.exists() and not came:
+            came.append(True)
+            old.root.mkdir()
+            (old.root / "reservation").write_text("theirs")
+
+    monkeypatch.setattr(paths.shutil, "rmtree", rmtree_then_a_late_rank_comes)
+    old.remove()
+    assert (old.root / "reservation").read_text() == "theirs"
+    assert [p.name for p in old.root.parent.iterdir()] == ["jnode"]

@@ -89,11 +89,8 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _refuse(path: Path, reason: str) -> UnsafeDirectoryError:
-    return UnsafeDirectoryError(
-        f"refusing to use {path}: it {reason}; remove it or set MPSRUN_TMPDIR to a private directory",
-        path=str(path),
-        reason=reason,
-    )
+    return UnsafeDirectoryError(f"refusing to use {path}: it {reason}; remove it or set MPSRUN_TMPDIR to a private "
+                                "directory", path=str(path), reason=reason)
 
 
 def _check_private(info: os.stat_result, path: Path) -> None:
@@ -211,11 +208,8 @@ def _make_gpu_dirs(session_fd: int, gpu_indices: list[int]) -> None:
 
 
 def _user_root_fd(base: Path) -> int:
-    """This user's private root under ``base``: made 0700 if missing, refused if unsafe; an open descriptor.
-
-    Everything is checked on descriptors, never on a path resolved again later, and the base
-    must not let another user move entries in it, so what was checked is what is used.
-    """
+    """This user's private root under ``base``: made 0700 if missing, refused if unsafe; an open descriptor. All is
+    checked on descriptors, in a base no other user may move entries in: what was checked is what is used."""
     base_fd = _open_base(base)
     try:
         return _open_private(user_root(base).name, base_fd, user_root(base), create=True)
@@ -391,10 +385,14 @@ class SessionDirs:
         return self.log_dir(index) / "control.log"
 
     def remove(self) -> None:
-        """Delete the session directory and everything in it (sockets included; a link is only unlinked)."""
+        """Delete the session directory and everything in it (sockets included; a link is only unlinked). It is
+        renamed away first, so a node session of its name made meanwhile (by a late rank) is never touched."""
         if self.root.is_symlink():
             self.root.unlink()
             return
-        shutil.rmtree(self.root, ignore_errors=True)  # descriptor-based on Linux: it never follows a link
-        if self.root.exists():
-            shutil.rmtree(self.root)  # a second try raises, with the reason
+        doomed = self.root.with_name(f"{self.root.name}-gone{os.urandom(3).hex()}")
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(self.root, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)  # descriptor-based on Linux: it never follows a link
+            if doomed.exists():
+                shutil.rmtree(doomed)  # a second try raises, with the reason
