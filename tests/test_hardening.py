@@ -452,3 +452,26 @@ def test_a_large_environment_reaches_the_ranks(fake_gpu, path):
                          timeout=120, env={**os.environ, **big})
     assert out.returncode == 0, out.stderr[-2000:]
     settle(fake_gpu)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["local", "mpiexec"])
+def test_a_stopped_daemon_cannot_turn_a_timeout_into_a_rank_failure(fake_gpu, short_tmp, path):
+    """The MPS daemon stopped (SIGSTOP) while ranks run under --timeout: the job still ends with 124 (the local
+    launcher exited 1, 'rank 1 exited with code 1 first': its loop was held up by the daemon's silence past the
+    deadline, and the ranks' ends came before its timer). Slow on purpose: each unanswered control command waits
+    out its own 10 s."""
+    job = subprocess.Popen(job_argv(path, ["--timeout", "3", "--grace", "0.5"],
+                                    fake("--hold", "30", "--report-dir", str(short_tmp)), ranks=2),
+                           stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: len(list(short_tmp.glob("*.json"))) >= 2, what="the ranks did not start", proc=job)
+    daemon = next(p for p in descendants(job, "nvidia-cuda-mps-control") if p.cmdline()[-1] == "-f")
+    daemon.suspend()
+    try:
+        _, err = job.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(psutil.Error):
+            daemon.resume()
+    assert job.returncode == 124, err
+    assert "timed out after 3 s" in err and "first" not in err, err
+    settle(fake_gpu)

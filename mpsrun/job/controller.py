@@ -33,6 +33,7 @@ from mpsrun.mps.limits import memory_hint
 from mpsrun.mps.watch import Finding, RankWatch, with_descendants
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import FORWARDED_SIGNALS, KILL_WAIT, PASS_SIGNALS, SAME_INTERRUPT, WATCH_INTERVAL
+from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.loop import EventLoop, Timer
 from mpsrun.runtime.protocol import Link, Listener
 from mpsrun.session.session import Session
@@ -344,6 +345,7 @@ class JudgingController(Controller):
                  session: Session | None = None) -> None:
         super().__init__(listener, token, welcome, policy, session)
         self.judge = Judge()
+        self._deadline = Deadline(None)  # --timeout's, once armed
 
     def result(self, teardown_failure: str = "", late_signal: int | None = None) -> JobResult:
         return self.judge.result([s.end for s in self.ranks.values() if s.end is not None], teardown_failure,
@@ -359,6 +361,8 @@ class JudgingController(Controller):
         self.stop(signal.SIGTERM)
 
     def _ended(self, state: RankState, end: RankEnd) -> None:
+        if self._deadline.expired() and not self.judge.failed:  # the timer is late (the loop was held up): it
+            self._timed_out()  # comes first all the same
         if self.judge.rank_ended(end):
             self.stop(signal.SIGTERM)
         self._verdict(state)
@@ -370,6 +374,7 @@ class JudgingController(Controller):
         return self.judge.exit_code()
 
     def _arm(self) -> None:
+        self._deadline = Deadline(self.policy.timeout)
         if self.policy.timeout is not None:
             self.loop.after(self.policy.timeout, self._timed_out)
 

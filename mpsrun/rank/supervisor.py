@@ -247,7 +247,8 @@ class RankSupervisor:
         returncode = own.detail if own.cause != "ok" else 0
         self.link.send("exited", rank=self.rank, returncode=returncode, reason=reason)
         with Interrupts() as interrupts, interrupts.deferred():  # the job's end is not cut short: noted only
-            wait = VERDICT_TIMEOUT if self.timeout is None else max(1.0, self.backstop.remaining())
+            # Past the backstop, a controller held up (by a daemon that does not answer) still gets KILL_WAIT.
+            wait = VERDICT_TIMEOUT if self.timeout is None else max(KILL_WAIT, self.backstop.remaining())
             verdict = self.link.expect(("verdict",), Deadline(wait), others=self._said)
             if verdict is not None and verdict.get("linger"):  # the node keeper's last rank: wait until it is gone
                 self.link.expect(("",), Deadline(LINGER_TIMEOUT), others=self._said)
@@ -261,8 +262,8 @@ class RankSupervisor:
     def _decided(self, own: Outcome, reason: str, verdict: Mapping[str, Any] | None) -> Outcome:
         """The job's word on this rank (its verdict), else the rank's own end."""
         if verdict is None and self.controller_lost:
-            _say(f"rank {self.rank}: the job's controller (mpsrun, or the node keeper) died under the job; "
-                 "the rank was stopped")
+            if self.local_rank in (0, None):  # once per node
+                _say("the job's controller (mpsrun, or the node keeper) died under the job; its ranks were stopped")
             return Outcome("setup")
         if verdict is None and self.backstop.expired():
             if self.local_rank in (0, None):  # once per node
