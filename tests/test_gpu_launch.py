@@ -61,8 +61,9 @@ def test_rank_pointed_elsewhere_is_caught(tmp_path):
     out = mpsrun("-np", 2, "--mps", "on", "--launcher", "local", "--grace", "2",
                  "env", f"CUDA_MPS_PIPE_DIRECTORY={elsewhere}", sys.executable, PROBE, "--seconds", "20")
     assert out.returncode == 3, out.stderr
-    # Whichever rank is seen first stops the job: the check names it by rank and pid.
-    assert re.search(r"rank [01] \(pid \d+\) uses GPU 0 without MPS", out.stderr), out.stderr
+    # Whichever rank is seen first stops the job: the check names it by rank, pid and GPU (on two GPUs rank 1 has
+    # GPU 1).
+    assert re.search(r"rank [01] \(pid \d+\) uses GPU [01] without MPS", out.stderr), out.stderr
 
 
 def test_two_gpus_get_a_daemon_each(tmp_path, monkeypatch):
