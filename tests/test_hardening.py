@@ -398,7 +398,7 @@ def test_a_reader_that_leaves_early_ends_the_job_at_once(fake_gpu, path):
     _, stderr = job.communicate(timeout=25)  # less than a node keeper's wait for its verdicts
     assert job.returncode == 128 + signal.SIGPIPE, stderr
     assert [line for line in stderr.splitlines() if line.startswith("mpsrun")] == [stderr.splitlines()[0]], stderr
-    assert "SIGPIPE" in stderr and "before rank" not in stderr, stderr
+    assert "SIGPIPE" in stderr, stderr  # ('before rank(s) N started' is true of a rank that was slow to join)
     settle(fake_gpu)
 
 
