@@ -455,7 +455,7 @@ def test_a_large_environment_reaches_the_ranks(fake_gpu, path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", ["local", "mpiexec"])
+@pytest.mark.parametrize("path", ["local"])  # the path that failed (mpiexec, per-node and --hosts gave 124)
 def test_a_stopped_daemon_cannot_turn_a_timeout_into_a_rank_failure(fake_gpu, short_tmp, path):
     """The MPS daemon stopped (SIGSTOP) while ranks run under --timeout: the job still ends with 124 (the local
     launcher exited 1, 'rank 1 exited with code 1 first': its loop was held up by the daemon's silence past the

@@ -8,7 +8,6 @@ the command line wins.
 from __future__ import annotations
 
 import argparse
-import difflib
 import re
 import shlex
 import sys
@@ -36,6 +35,8 @@ def _suggestion(message: str, flags: Iterable[str]) -> str:
     """`` (did you mean --tag-output?)`` for a mistyped option (Python 3.14's argparse does this itself)."""
     unknown = message.partition("unrecognized arguments: ")[2].split()
     for word in unknown[:1]:
+        import difflib  # for a mistyped option only
+
         close = difflib.get_close_matches(word.split("=", 1)[0], [f for f in flags if f.startswith("--")], n=1)
         if close:
             return f" (did you mean {close[0]}?)"

@@ -16,13 +16,12 @@ use it, with separate ``MPSRUN_TMPDIR`` directories, to simulate several nodes o
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import secrets
 import select
 import socket
 import subprocess
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any, NamedTuple, cast
@@ -38,7 +37,6 @@ from mpsrun.runtime.deadline import Deadline, poll_until
 from mpsrun.runtime.output import say
 from mpsrun.runtime.processes import ProcessRef, own_module
 from mpsrun.runtime.protocol import Link, connect
-from mpsrun.session import registry
 from mpsrun.session.paths import (
     base_directory,
     drop_reservation,
@@ -76,7 +74,7 @@ class KeeperRequest(NamedTuple):
 
 def node_session_name(env: Mapping[str, str]) -> str:
     node = env.get(NODE_ID_VARIABLE) or socket.gethostname()
-    return "j" + hashlib.sha256(f"{node}:{job_key(env)}".encode()).hexdigest()[:8]
+    return f"j{zlib.crc32(f'{node}:{job_key(env)}'.encode()):08x}"  # 32 bits, as a sha256 prefix was, without OpenSSL
 
 
 def _start_keeper(base: Path, name: str, config: JobConfig, identity: RankIdentity) -> IO[bytes]:
@@ -129,11 +127,13 @@ def _reserve(base: Path, name: str) -> str | None:
     keeper starts or closes in it. A dead keeper's directory is reaped first (or set aside, its logs kept)."""
     directory = user_root(base) / name
     if directory.exists() or directory.is_symlink():
+        from mpsrun.session import registry  # rarely needed: not imported by every rank
+
         if not registry.read_state(directory).stale:
             return None
         registry.reap(directory, locked=True)
         if directory.exists():
-            directory.rename(directory.with_name(f"{name}-{secrets.token_hex(3)}"))
+            directory.rename(directory.with_name(f"{name}-{os.urandom(3).hex()}"))  # (secrets: OpenSSL's import)
     return reserve_session_name(base, name)
 
 
