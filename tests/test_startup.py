@@ -348,3 +348,23 @@ def test_only_the_jobs_token_admits_a_rank():
     assert token_matches(token, token)
     assert not token_matches(new_token(), token) and not token_matches(token[:-1], token)
     assert not token_matches(None, token) and not token_matches(token.encode(), token)
+
+
+def test_a_deferring_block_remembers_a_signal_that_comes_as_it_ends(monkeypatch):
+    """``Interrupts(deferred=True)`` (a rank's supervisor ending its rank): a stopping signal that comes while the
+    block ends, as its handlers are put back, is remembered, not raised. The pattern it replaced ended the deferral
+    first, and a SIGTERM in between (the reaper's, as a killed mpsrun's session was reaped) raised a traceback."""
+    from mpsrun.runtime import interrupts as module
+
+    real_restore = module.restore_signals
+
+    def signalled_while_restoring(previous):
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered at once, to the handler still in force
+        real_restore(previous)
+
+    monkeypatch.setattr(module, "restore_signals", signalled_while_restoring)
+    with module.Interrupts(deferred=True) as interrupts:
+        pass
+    assert interrupts.received == [signal.SIGTERM]
+    with pytest.raises(module.InterruptionError), module.Interrupts() as old, old.deferred():  # the old pattern
+        pass

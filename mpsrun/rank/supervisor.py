@@ -246,7 +246,9 @@ class RankSupervisor:
     def _finish(self, own: Outcome, reason: str = "") -> int:
         returncode = own.detail if own.cause != "ok" else 0
         self.link.send("exited", rank=self.rank, returncode=returncode, reason=reason)
-        with Interrupts() as interrupts, interrupts.deferred():  # the job's end is not cut short: noted only
+        # The job's end is not cut short: a signal is noted only, also one that comes as the block ends (a deferral
+        # that ended inside the block let the reaper's SIGTERM raise there: a traceback, once under load).
+        with Interrupts(deferred=True) as interrupts:
             # Past the backstop, a controller held up (by a daemon that does not answer) still gets KILL_WAIT.
             wait = VERDICT_TIMEOUT if self.timeout is None else max(KILL_WAIT, self.backstop.remaining())
             verdict = self.link.expect(("verdict",), Deadline(wait), others=self._said)

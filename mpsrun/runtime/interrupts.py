@@ -46,9 +46,9 @@ def restore_signals(previous: dict[int, Handler]) -> None:
 class Interrupts:
     """Handlers for the stopping signals while the block runs (in the main thread; elsewhere nothing)."""
 
-    def __init__(self) -> None:
+    def __init__(self, deferred: bool = False) -> None:
         self.received: list[int] = []
-        self.deferring = False
+        self.deferring = deferred  # True: every signal in the block is only remembered, up to its very end
         self._previous: dict[int, Handler] = {}
         self._thread: int | None = None  # the thread whose handlers these are, once in force
 
