@@ -95,25 +95,6 @@ def test_sigkill_to_mpsrun_leaves_nothing(fake_gpu, clean_tmp, short_tmp, path):
     settle(fake_gpu)
 
 
-@pytest.mark.parametrize("path", ["local", "mpiexec"])
-def test_a_killed_mpsrun_is_said_once(fake_gpu, short_tmp, path):
-    """SIGKILL to the mpsrun command: its ranks' supervisors stop them, and one of them (the node's first) says why,
-    once (each of the three said it)."""
-    reports = short_tmp / "reports"
-    reports.mkdir()
-    with open(short_tmp / "stderr", "w+") as stderr:
-        job = subprocess.Popen(job_argv(path, ["--grace", "1"], fake("--hold", "60", "--report-dir", str(reports))),
-                               stdout=subprocess.DEVNULL, stderr=stderr)
-        wait_ready(reports, proc=job)
-        job.kill()
-        job.wait(timeout=60)
-        settle(fake_gpu)
-        stderr.seek(0)
-        text = stderr.read()
-        said = [line for line in text.splitlines() if line.startswith("mpsrun")]
-    assert len(said) == 1 and "died under the job" in said[0], text
-
-
 @pytest.mark.parametrize("path", PATHS)
 def test_mpi_abort_in_one_rank(fake_gpu, clean_tmp, path):
     """MPI_Abort(5) in rank 1 of an mpi4py program ends the job with exit 5 on every path (Hydra kills every rank at

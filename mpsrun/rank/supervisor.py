@@ -263,9 +263,9 @@ class RankSupervisor:
 
     def _decided(self, own: Outcome, reason: str, verdict: Mapping[str, Any] | None) -> Outcome:
         """The job's word on this rank (its verdict), else the rank's own end."""
-        if verdict is None and self.controller_lost:
-            if self.local_rank in (0, None):  # once per node
-                _say("the job's controller (mpsrun, or the node keeper) died under the job; its ranks were stopped")
+        if verdict is None and self.controller_lost:  # each rank says it: the reaper may have ended any of them
+            _say(f"rank {self.rank}: the job's controller (mpsrun, or the node keeper) died under the job; "
+                 "the rank was stopped")
             return Outcome("setup")
         if verdict is None and self.backstop.expired():
             if self.local_rank in (0, None):  # once per node
