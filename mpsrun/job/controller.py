@@ -192,11 +192,11 @@ class Controller:
             self._signal(self.stopping, [state])
 
     def rank_ended(self, state: RankState, end: RankEnd) -> None:
-        if end.returncode != 0 and self.watch is not None and self.stopping is None:
-            for finding in self.watch.dead_daemons():  # the rank failed because its server went away
+        if end.returncode != 0 and self.stopping is None:  # a failure of its own, not an end the job's stop caused
+            for finding in self.watch.dead_daemons() if self.watch is not None else ():  # its server went away
                 self._finding(finding)
-        if end.returncode not in (0, None) and not end.reason and state.unlimited_gpu is not None:
-            end = replace(end, reason=self._memory_hint(*state.unlimited_gpu))
+            if end.returncode is not None and not end.reason and state.unlimited_gpu is not None:
+                end = replace(end, reason=self._memory_hint(*state.unlimited_gpu))
         state.ended(end)
         self._ended(state, end)
 

@@ -206,5 +206,6 @@ def welcome(identity: RankIdentity, config: JobConfig, ngpus: int, target_of: Ca
 
 def _unlimited_gpu(plan: RankPlan, ngpus: int) -> list[int] | None:
     """For the controller (not sent): the rank's GPU and its number of ranks, when it shares it with no limit."""
-    shared = ngpus and plan.sharers is not None and plan.sharers > 1 and plan.mem_limit is None
-    return [plan.gpu, plan.sharers] if shared and plan.sharers is not None else None
+    if ngpus and plan.sharers is not None and plan.sharers > 1 and plan.mem_limit is None:
+        return [plan.gpu, plan.sharers]
+    return None
