@@ -171,25 +171,28 @@ def run_source(source: str, ranks: int = 3, options: tuple[str, ...] | list[str]
 
 def supervisors(job: subprocess.Popen, path: str) -> list[int]:
     """The processes to signal as 'mpsrun': the launcher, or under --per-node every rank's mpsrun (as srun does)."""
-    import psutil
-
     if path != "per-node":
         return [job.pid]
-    return [p.pid for p in psutil.Process(job.pid).children(recursive=True) if "--per-node" in p.cmdline()]
+    return [proc.pid for proc in per_node_ranks(job)]
 
 
 def per_node_ranks(job: subprocess.Popen) -> list[Any]:
-    """The per-node mpsrun processes under ``job`` (an mpiexec)."""
+    """The per-node mpsrun processes the launcher ``job`` (an mpiexec) started. Not a rank's child caught between
+    fork and exec: it still shows its parent's command line, and a signal meant for mpsrun would reach the keeper or
+    program it is about to become."""
     import psutil
 
-    found = []
+    found = {}
     for proc in psutil.Process(job.pid).children(recursive=True):
-        try:
+        with contextlib.suppress(psutil.Error):
             if "--per-node" in proc.cmdline():
-                found.append(proc)
-        except psutil.Error:
-            continue
-    return found
+                found[proc.pid] = proc
+    launched = []
+    for proc in found.values():
+        with contextlib.suppress(psutil.Error):
+            if proc.ppid() not in found:
+                launched.append(proc)
+    return launched
 
 
 # -- the GPU tier -------------------------------------------------------------------------------------------------

@@ -41,10 +41,11 @@ def test_segfaulting_rank_gives_139(fake_gpu):
     assert "rank 1" in out.stderr and "SIGSEGV" in out.stderr
 
 
-def test_fatal_gpu_fault_reports_the_torn_down_ranks(fake_gpu):
-    """One rank's fatal GPU fault tears down every client; mpsrun names the first rank to fail, says what the
-    MPS log shows, and lists the ranks the server tore down."""
-    out = mpsrun("-np", 3, "--launcher", "local", "--grace", "1", *fake("--hold", "20", "--fault-rank", "1"))
+def test_fatal_gpu_fault_reports_the_torn_down_ranks(fake_gpu, short_tmp):
+    """One rank's fatal GPU fault, once every rank is a client, tears down every client; mpsrun names the first rank
+    to fail, says what the MPS log shows, and lists the ranks the server tore down."""
+    out = mpsrun("-np", 3, "--launcher", "local", "--grace", "1",
+                 *fake("--hold", "20", "--fault-rank", "1", "--report-dir", str(short_tmp)))
     assert out.returncode == 1
     assert "cudaErrorIllegalAddress" in out.stderr
     assert "a client hit a fatal GPU error" in out.stderr

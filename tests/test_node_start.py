@@ -309,3 +309,17 @@ def test_ranks_with_different_options_are_told_which(fake_gpu):
     assert out.returncode == 2 and len(lines) == 1 and "(--tag-output)" in lines[0] and len(lines[0]) < 250, \
         out.stderr
     settle(fake_gpu)
+
+
+def test_a_keeper_killed_before_it_reads_its_request_is_named(monkeypatch, short_tmp):
+    """A keeper killed before it has read its request (SIGUSR1 at once): the starting rank says the keeper was
+    killed by that signal (it failed with 'cannot reach the job's controller: [Errno 32] Broken pipe', writing the
+    request to a dead keeper)."""
+    from mpsrun.config.options import JobConfig
+    from mpsrun.errors import JoinError
+    from mpsrun.node import pernode
+
+    suicide = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGUSR1)"]
+    monkeypatch.setattr(pernode, "own_module", lambda module: suicide)
+    with pytest.raises(JoinError, match=r"keeper was killed by signal 10 \(SIGUSR1\) before its session was ready"):
+        pernode._start_keeper(short_tmp, "j0", JobConfig(command=("true",)), RankIdentity(0, 0, 1, 1))

@@ -91,6 +91,7 @@ class ControlDaemon:
     _popen: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _servers: dict[int, ProcessRef] = field(default_factory=dict, init=False)
     answered: bool = field(default=False, init=False)  # it has answered a command: it can take `quit`
+    silent: str = field(default="", init=False)  # then it left this one unanswered: no more commands are sent
     quitting: bool = field(default=False, init=False)  # stop() has begun: its end is no failure
 
     @property
@@ -194,30 +195,30 @@ class ControlDaemon:
             raise DaemonStartError(f"MPS control daemon exited{'' if code is None else f' with code {code}'} {doing}"
                                    + (f"; last log line: {tail.splitlines()[-1]}" if tail else ""), log_tail=tail)
 
-    def stop(self, timeout: float = 10.0, grace: float = 2.0) -> None:
-        """Stop the daemon and its servers: ``quit``, then signals to its process group.
+    def stop(self, timeout: float = 10.0, grace: float = 2.0) -> bool:
+        """Stop the daemon and its servers: ``quit``, then signals to its process group. True when ``quit`` was
+        sent and did not end it within ``timeout`` (the caller says so).
 
         ``quit`` blocks while clients are alive, so it gets a deadline; after that (or at once, for a daemon
-        not yet listening) its process group gets SIGTERM, then SIGKILL. Then every server we saw is checked
-        to be gone (by pid and start time; never by name).
+        not yet listening or no longer answering) its process group gets SIGTERM, then SIGKILL. Then every server
+        we saw is checked to be gone (by pid and start time; never by name).
         """
         if self.process is None:
-            return
+            return False
         self.quitting = True
-        deadline = Deadline(timeout)
-        if self.alive and not self.answered and self._popen is not None:
-            self._end_group(grace)
+        deadline, forced = Deadline(timeout), False
+        if self.alive and (self.silent or not self.answered) and self._popen is not None:
+            self._end_group(grace)  # its silence was said where it was met: quit would only wait it out again
         elif self.alive:
             self._remember_servers()
             try:
                 self.command("quit", timeout=max(0.1, deadline.remaining()))
             except DaemonError as exc:
                 log.debug("quit failed: %s", exc)
-            if not self._wait_exit(deadline.remaining()):
-                log.warning("mpsrun: MPS control daemon %d did not quit in %g s; terminating it",
-                            self.process.pid, timeout)
+            if forced := not self._wait_exit(deadline.remaining()):
                 self._end_group(grace)
         self._reap_servers(grace)
+        return forced
 
     def _remember_servers(self) -> None:
         """Every server the daemon started, to check they are gone afterwards: its log names each one (no
@@ -234,6 +235,8 @@ class ControlDaemon:
     def _end_group(self, grace: float) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):
             self._signal_group(sig)
+            if sig == signal.SIGTERM:
+                self._signal_group(signal.SIGCONT)  # a stopped daemon takes its SIGTERM now, not at SIGKILL
             if self._wait_exit(grace):
                 return
 
@@ -275,13 +278,20 @@ class ControlDaemon:
             return subprocess.run([self.executable], input=text + "\n", capture_output=True, text=True,
                                   env=self.env, timeout=timeout, check=False)
         except subprocess.TimeoutExpired as exc:
-            raise DaemonTimeoutError(f"MPS control command {text!r} got no answer within {timeout:g} s",
-                                     command=text, log_tail=self.log_tail()) from exc
+            # Answered before, not in a second now: stopped or stuck, and later commands would wait too. (quit
+            # blocks while clients live, as documented; a deadline cut short by the caller's says nothing.)
+            why = f"MPS control command {text!r} got no answer within {timeout:g} s"
+            if self.answered and text != "quit" and timeout >= 1.0 and not self.silent:
+                self.silent = why
+            raise DaemonTimeoutError(why, command=text, log_tail=self.log_tail()) from exc
         except OSError as exc:
             raise DaemonError(f"cannot run {self.executable}: {exc.strerror}", command=text) from exc
 
     def command(self, text: str, timeout: float | None = None) -> str:
         """Send one control command and return its reply; raise :class:`DaemonError` on failure."""
+        if self.silent:
+            raise DaemonTimeoutError(f"the MPS control daemon stopped answering ({self.silent})", command=text,
+                                     log_tail=self.log_tail())
         result = self._run_client(text, self.command_timeout if timeout is None else timeout)
         reply = (result.stdout + result.stderr).strip()
         if result.returncode != 0 or reply.startswith(NO_DAEMON):
@@ -343,9 +353,9 @@ class ControlDaemon:
                                      command="get_server_status", log_tail=self.log_tail())
         return server
 
-    def server_list(self) -> list[int]:
+    def server_list(self, timeout: float | None = None) -> list[int]:
         """PIDs of this daemon's servers (also remembered for the shutdown check)."""
-        pids = parse_pid_list(self.command("get_server_list"))
+        pids = parse_pid_list(self.command("get_server_list", timeout))
         for pid in pids:
             self.saw_server(pid)
         return pids
@@ -366,8 +376,8 @@ class ControlDaemon:
             raise DaemonError(f"unexpected reply to get_server_status: {reply!r}", command="get_server_status",
                               reply=reply) from None
 
-    def client_list(self, server_pid: int) -> list[int]:
-        return parse_pid_list(self.command(f"get_client_list {server_pid}"))
+    def client_list(self, server_pid: int, timeout: float | None = None) -> list[int]:
+        return parse_pid_list(self.command(f"get_client_list {server_pid}", timeout))
 
     def clients(self) -> set[int]:
         """PIDs of every client connected to any of this daemon's servers."""
@@ -385,6 +395,6 @@ class ControlDaemon:
                 return []
             raise
 
-    def terminate_client(self, server_pid: int, client_pid: int) -> None:
+    def terminate_client(self, server_pid: int, client_pid: int, timeout: float | None = None) -> None:
         """Ask the server to end a client's work (it fails at its next CUDA call)."""
-        self.command(f"terminate_client {server_pid} {client_pid}")
+        self.command(f"terminate_client {server_pid} {client_pid}", timeout)

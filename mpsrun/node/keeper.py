@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import select
 import signal
 import socket
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -172,10 +173,11 @@ class NodeKeeper:
         lines = self._closing_lines()
         turn_away(self.listener, Path(self.request.base), retry=True)  # come again, to a new keeper
         # A late rank finds no socket and a live owner: it waits for the directory to go, then starts a keeper.
-        try:
-            self.session.close()
-        except MPSError as exc:
-            lines.append(str(exc))
+        with _warnings_into(lines):  # (a hanging quit): our stderr is a log file; the launcher prints its own
+            try:
+                self.session.close()
+            except MPSError as exc:
+                lines.append(str(exc))
         if self.config.keep_logs and self.session.dirs is not None:
             lines.append(f"kept this node's session logs in {self.session.dirs.root}")
         return lines
@@ -197,6 +199,27 @@ class NodeKeeper:
             self.controller.run()
         finally:
             self.close()
+
+
+class _Collector(logging.Handler):
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__(logging.WARNING)
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage().removeprefix("mpsrun: "))
+
+
+@contextlib.contextmanager
+def _warnings_into(lines: list[str]) -> Iterator[None]:
+    """The warnings mpsrun logs meanwhile, appended to ``lines`` (which the node's last rank says)."""
+    logger = logging.getLogger("mpsrun")
+    collector = _Collector(lines)
+    logger.addHandler(collector)
+    try:
+        yield
+    finally:
+        logger.removeHandler(collector)
 
 
 def _detach(log_dir: Path | None) -> None:

@@ -28,7 +28,7 @@ from typing import IO, Any, NamedTuple, cast
 
 from mpsrun.config.options import JobConfig
 from mpsrun.errors import ConfigError, JoinError, MPSError
-from mpsrun.exitcodes import ExitCode
+from mpsrun.exitcodes import ExitCode, describe_returncode
 from mpsrun.rank.identity import RankIdentity, identity_from_env, job_key
 from mpsrun.rank.join import greet, report_failure
 from mpsrun.rank.supervisor import run_rank
@@ -88,9 +88,12 @@ def _start_keeper(base: Path, name: str, config: JobConfig, identity: RankIdenti
     keeper = subprocess.Popen(own_module("mpsrun.node.keeper"), stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
     assert keeper.stdin is not None and keeper.stdout is not None
-    keeper.stdin.write(json.dumps(request._asdict()).encode())
-    keeper.stdin.close()
-    keeper.wait()  # it forks into the background at once and says ready on the pipe
+    with contextlib.suppress(BrokenPipeError), keeper.stdin:  # a keeper killed at once: its status, below, says so
+        keeper.stdin.write(json.dumps(request._asdict()).encode())
+    if keeper.wait() != 0:  # it forks into the background at once (exit 0) and says ready on the pipe
+        keeper.stdout.close()
+        raise JoinError(f"this node's keeper {describe_returncode(keeper.returncode)} before its session was ready",
+                        speaks=True)
     # The keeper bounds its own start-up by --timeout and then says so; a little later we stop waiting.
     wait = KEEPER_START_TIMEOUT if config.timeout is None else min(KEEPER_START_TIMEOUT, config.timeout + 10)
     ready, _, _ = select.select([keeper.stdout], [], [], wait)

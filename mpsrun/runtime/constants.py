@@ -61,6 +61,10 @@ DRAIN_TIMEOUT = 2.0
 LAUNCHER_REPORT_WAIT = 2.0
 #: After SIGKILL, how long a rank's supervisor gets to report before the rank is given up as lost.
 KILL_WAIT = 10.0
+#: Detaching the ranks from MPS before they are signalled: each control command's deadline, and the time after
+#: which no more are sent. Below KILL_WAIT, so a daemon that stopped answering holds the stop up for less than the
+#: ranks' supervisors give their controller.
+DETACH_TIMEOUT = 5.0
 #: How long a relaying node keeper waits for the job's verdicts once its ranks have ended.
 VERDICT_WAIT = 30.0
 #: How long a node keeper keeps its session for ranks the launcher said would come.

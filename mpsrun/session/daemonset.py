@@ -7,6 +7,7 @@ session (its ``CUDA_VISIBLE_DEVICES`` lists them all) and every worker sees them
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -16,6 +17,8 @@ from mpsrun.mps.daemon import ControlDaemon
 from mpsrun.mps.environment import GpuTarget
 from mpsrun.mps.gpus import GPU
 from mpsrun.mps.limits import DaemonDefaults
+from mpsrun.runtime.constants import DETACH_TIMEOUT
+from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.interrupts import uninterrupted
 from mpsrun.session.paths import SessionDirs
 
@@ -23,6 +26,8 @@ if TYPE_CHECKING:
     from mpsrun.mps.watch import ClientWatcher
 
 __all__ = ["DaemonSet"]
+
+log = logging.getLogger("mpsrun")
 
 
 class DaemonSet:
@@ -117,14 +122,18 @@ class DaemonSet:
         return result
 
     def detach(self, pids: Iterable[int]) -> list[int]:
-        """``terminate_client`` for those ``pids`` that are clients; the PIDs detached."""
+        """``terminate_client`` for those ``pids`` that are clients; the PIDs detached. A courtesy before the ranks
+        are signalled, so bounded: each command by DETACH_TIMEOUT, and none is sent once that much time has gone."""
         wanted = set(pids)
         detached: list[int] = []
+        deadline = Deadline(DETACH_TIMEOUT)
         for daemon in (d for d in self.daemons if d.alive):
-            for server in daemon.server_list():
-                for client in sorted(wanted & set(daemon.client_list(server))):
+            for server in daemon.server_list(DETACH_TIMEOUT):
+                for client in sorted(wanted & set(daemon.client_list(server, DETACH_TIMEOUT))):
+                    if deadline.expired():  # the signals that follow end the rest
+                        return detached
                     with contextlib.suppress(DaemonError):  # it may have exited meanwhile
-                        daemon.terminate_client(server, client)
+                        daemon.terminate_client(server, client, DETACH_TIMEOUT)
                         detached.append(client)
         return detached
 
@@ -136,17 +145,33 @@ class DaemonSet:
             self._stopper.start()
 
     def stop(self, timeout: float) -> list[BaseException]:
-        """Stop every daemon (the last started first), or wait for :meth:`stop_soon`'s; what failed."""
+        """Stop every daemon, or wait for :meth:`stop_soon`'s; what failed."""
         if self._stopper is None:
             return self._stop_each(timeout)
         self._stopper.join()
         return self._stop_errors
 
     def _stop_each(self, timeout: float) -> list[BaseException]:
-        errors: list[BaseException] = []
-        for daemon in reversed(self.daemons):
+        """Stop every daemon at once: each may wait out its own quit (one after another, two hanging quits took twice
+        as long). One line names those that quit did not end."""
+        results: dict[int, bool | BaseException] = {}
+
+        def stop(daemon: ControlDaemon) -> None:
             try:
-                daemon.stop(timeout=timeout)
+                results[id(daemon)] = daemon.stop(timeout=timeout)
             except Exception as exc:  # keep stopping the others
-                errors.append(exc)
-        return errors
+                results[id(daemon)] = exc
+
+        helpers = [threading.Thread(target=stop, args=(daemon,), name="mpsrun-stop", daemon=True)
+                   for daemon in self.daemons[1:]]
+        for helper in helpers:
+            helper.start()
+        if self.daemons:
+            stop(self.daemons[0])
+        for helper in helpers:
+            helper.join()
+        forced = [str(daemon.pid) for daemon in self.daemons if results.get(id(daemon)) is True]
+        if forced:
+            log.warning("mpsrun: MPS control daemon%s %s did not quit in %g s; terminated", "s" * (len(forced) > 1),
+                        ", ".join(forced), timeout)
+        return [result for result in results.values() if isinstance(result, BaseException)]

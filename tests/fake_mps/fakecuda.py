@@ -141,8 +141,8 @@ def main() -> int:
                                                                         "LOCAL_WORLD_SIZE")}}
         Path(report).write_text(json.dumps(info))
     if args.fault or args.fault_rank == rank:
-        if args.fault_rank is not None:
-            time.sleep(0.5)  # the other ranks are clients with work in flight by then
+        if args.fault_rank is not None and args.report_dir:  # every rank a client first, with work in flight
+            _wait_for_reports(args.report_dir, int(os.environ.get("WORLD_SIZE", "1")))
         ctx.fault()
     if args.kill_rank == rank:
         os.kill(os.getpid(), 9)
@@ -162,6 +162,15 @@ def main() -> int:
     if args.fail_rank is None or args.fail_rank == rank:
         return args.exit
     return 0
+
+
+def _wait_for_reports(directory: str, count: int, timeout: float = 60.0) -> None:
+    """Until ``count`` ranks have written their report to ``directory`` (each is a client by then)."""
+    end = time.monotonic() + timeout
+    while len([name for name in os.listdir(directory) if name.endswith(".json")]) < count:
+        if time.monotonic() > end:
+            raise SystemExit(f"fakecuda: fewer than {count} reports in {directory} after {timeout:g} s")
+        time.sleep(0.02)
 
 
 if __name__ == "__main__":
