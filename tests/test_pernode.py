@@ -56,6 +56,22 @@ def test_job_key_and_identity_from_launcher_variables():
     assert identity_from_env({"PMI_RANK": "0"}) is None
 
 
+@pytest.mark.parametrize(("variables", "said"), [
+    ({"MPI_LOCALRANKID": "9", "MPI_LOCALNRANKS": "1", "PMI_RANK": "0", "PMI_SIZE": "1"}, "local rank 9 of 1"),
+    ({"MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1", "PMI_RANK": "3", "PMI_SIZE": "2"}, "rank 3 of 2"),
+    ({"MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "4", "PMI_RANK": "0", "PMI_SIZE": "2"}, "4 ranks on this node of 2"),
+])
+def test_impossible_launcher_variables_are_refused(fake_gpu, variables, said):
+    """A rank whose launcher variables cannot be (a local rank beyond the node's count, a rank beyond the job's
+    size) is refused with exit 2 and one line naming them (it was accepted, and its keeper waited for ranks that
+    could never come)."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith(("SLURM_", "PMI_", "MPI_"))}
+    out = subprocess.run([sys.executable, "-m", "mpsrun", "--per-node", "true"], env={**env, **variables},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.count("mpsrun") == 1 and said in out.stderr, out.stderr
+    assert not fake_gpu.session_dirs()
+
+
 def test_two_nodes_one_daemon_each_and_teardown_after_the_last_rank(fake_gpu, short_tmp):
     """4 ranks on 2 simulated nodes: each node's ranks share one server; a node's daemon outlives its early
     ranks (the slow rank keeps working) and is gone, with its directory, after the last one."""

@@ -183,6 +183,9 @@ def run_per_node(config: JobConfig, environ: Mapping[str, str] | None = None) ->
     if identity is None:
         raise MPSError("--per-node: no local-rank variable from the launcher (OMPI_COMM_WORLD_LOCAL_RANK, "
                        "MPI_LOCALRANKID, SLURM_LOCALID, ...): start mpsrun --per-node with srun or mpiexec")
+    if (impossible := identity.impossible()) is not None:  # said by every such rank: its own variables
+        raise ConfigError(f"--per-node: the launcher's variables do not fit together: {impossible}",
+                          setting="launcher", value=identity.to_json())
     if identity.world_size is None and config.nranks is not None:
         identity = RankIdentity(identity.rank, identity.local_rank, config.nranks, identity.local_world_size)
     if (config.mpiexec or config.mpiexec_args) and CONTROL_VARIABLE not in env and identity.local_rank == 0:

@@ -67,6 +67,17 @@ class RankIdentity(NamedTuple):
     def to_json(self) -> dict[str, int | None]:
         return dict(self._asdict())
 
+    def impossible(self) -> str | None:
+        """What makes this identity impossible (a rank beyond a size the launcher gave), or None."""
+        local_size, size = self.local_world_size, self.world_size
+        if local_size is not None and self.local_rank >= local_size:
+            return f"local rank {self.local_rank} of {local_size} on this node"
+        if size is not None and self.rank >= size:
+            return f"rank {self.rank} of {size}"
+        if local_size is not None and size is not None and local_size > size:
+            return f"{local_size} ranks on this node of {size} in all"
+        return None
+
     @classmethod
     def from_json(cls, data: Mapping[str, object]) -> RankIdentity:
         values = {k: data.get(k) for k in ("rank", "local_rank", "world_size", "local_world_size")}
