@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import MPSRUN, PATHS, descendants, fake, job_argv, mpiexec, settle, supervisors, wait_for
+from helpers import MPSRUN, PATHS, descendants, fake, job_argv, mpiexec, per_node_ranks, settle, supervisors, wait_for
 
 from mpsrun.errors import SharedArrayError
 
@@ -449,6 +449,38 @@ def test_a_stopped_node_keeper_cannot_outlast_the_timeout(fake_gpu, short_tmp, p
     lines = [line for line in err.splitlines() if line.startswith("mpsrun")]
     assert job.returncode == 124 and 1 <= len(lines) <= 2 and all("time" in line for line in lines), err
     assert "timed out after 6 s" in err, err
+    settle(fake_gpu)
+
+
+def _ended(pid: int) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # its stopped parent has not reaped it
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.mpiexec
+@pytest.mark.parametrize("path", ["per-node", "hosts"])
+def test_a_stopped_rank_supervisor_does_not_keep_its_program_past_the_timeout(fake_gpu, short_tmp, path):
+    """A rank's own mpsrun stopped (SIGSTOP) under --timeout, its program ignoring SIGTERM: the program still ends
+    after --grace (its controller kills its process group, not only asks its supervisor), and once the supervisor
+    is continued the job ends with 124 (the program ran on until it finished by itself: 60 s here, forever for
+    some). The stopped supervisor itself holds the launcher until continued, as any stopped process does."""
+    program = ("import json, os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+               f"json.dump({{'pid': os.getpid()}}, open(os.path.join({str(short_tmp)!r}, os.environ['RANK'] + "
+               "'.json'), 'w')); time.sleep(60)")
+    job = subprocess.Popen(job_argv(path, ["--timeout", "6", "--grace", "0.5"], [sys.executable, "-c", program],
+                                    ranks=2), stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: len(list(short_tmp.glob("*.json"))) >= 2, what="the ranks did not start", proc=job)
+    programs = [json.loads(report.read_text())["pid"] for report in short_tmp.glob("*.json")]
+    stopped = per_node_ranks(job)[0]
+    stopped.suspend()
+    try:
+        wait_for(lambda: all(_ended(pid) for pid in programs), 40, "a program outlived its stopped supervisor")
+    finally:
+        stopped.resume()
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 124 and "timed out after 6 s" in err, err
     settle(fake_gpu)
 
 

@@ -279,6 +279,8 @@ class Controller:
                 continue
             if state.link is not None and state.link.usable:
                 by_link.setdefault(state.link, []).append(state.rank)
+                if sig == signal.SIGKILL and state.process is not None:  # also past a supervisor that reads no
+                    state.process.signal_group(sig)  # more (stopped): the program it started ends all the same
             elif state.process is not None:
                 state.process.signal_group(sig)
         for link, ranks in by_link.items():
