@@ -107,6 +107,21 @@ def test_a_killed_rank_supervisor_stops_the_node_and_leaves_nothing(fake_gpu, sh
     assert leftovers(node) == []
 
 
+def test_a_rank_started_twice_by_hand_does_not_keep_the_node(fake_gpu, short_tmp):
+    """Two processes started by hand as rank 0 of a node the launcher variables give 2 ranks: the second is refused
+    in one line, and the node's session ends with the first rank, well before the 30 s a node keeps for a rank still
+    to come (it waited for a second rank, though the refused one had taken that place)."""
+    [node] = node_dirs(fake_gpu, ["A"]).values()
+    first = start_rank(node, "A", 0, 0, 2, "--report-dir", str(short_tmp), "--hold", "3")
+    wait_ready(short_tmp, count=1, timeout=60)
+    second = start_rank(node, "A", 0, 0, 2, "--hold", "3")
+    _, err = second.communicate(timeout=60)
+    assert second.returncode == 3 and err.count("mpsrun") == 1 and "rank 0 is already part of this job" in err, err
+    _, err = first.communicate(timeout=20)  # LATE_WAIT (30 s) would come first
+    assert first.returncode == 0, err
+    assert leftovers(node) == []
+
+
 def test_per_node_without_launcher_variables_is_a_setup_error(fake_gpu, monkeypatch):
     """--per-node outside srun/mpiexec (no local-rank variable) fails with exit 3 and says why."""
     for name in ("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK"):

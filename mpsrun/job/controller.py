@@ -157,8 +157,13 @@ class Controller:
         if not known:  # the refusal is its verdict; its end may be the node's last, which closes the node first
             state = self.table.add(RankState(identity.rank))
             self.rank_ended(state, RankEnd(identity.rank, None, code, why.removeprefix("mpsrun: error: ")))
+        elif self.stopping is None:
+            self._came_twice(identity)
         link.send("refuse", exit_code=code, message=message, linger=self._lingers())
         self.table.close(link)
+
+    def _came_twice(self, identity: RankIdentity) -> None:
+        """A second process said it was rank ``identity.rank`` and was refused."""
 
     def _lingers(self) -> bool:
         """Whether a rank told its end now waits for this controller's process to end (a node keeper's, closed)."""

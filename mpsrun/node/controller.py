@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 from mpsrun.job.controller import Controller, JudgingController, Policy, Welcome
 from mpsrun.job.table import RankState
+from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import IDLE_TIMEOUT, LATE_WAIT
 from mpsrun.runtime.output import say
 from mpsrun.runtime.processes import ProcessRef, pidfd
@@ -70,6 +71,13 @@ class NodeSide(Controller):
         os.close(starter.pipe)
         if starter.rank in self.ranks:
             return
+        self._absent += 1
+        if self.ranks and not self._awaited():
+            self._late_ranks_overdue()
+
+    def _came_twice(self, identity: RankIdentity) -> None:
+        """It took one of the places the launcher announced for this node (ranks started by hand with the same
+        local rank): no other rank comes for that place."""
         self._absent += 1
         if self.ranks and not self._awaited():
             self._late_ranks_overdue()
