@@ -25,6 +25,7 @@ from helpers import (
     mpiexec,
     reports,
     settle,
+    supervisors,
     wait_ready,
 )
 
@@ -233,7 +234,7 @@ def test_one_interrupt_per_rank_is_not_a_second_ctrl_c(fake_gpu, short_tmp, monk
                            stderr=subprocess.PIPE, text=True)
     wait_ready(short_tmp, pattern="ready*", proc=job)
     if path == "per-node":
-        targets = [p.pid for p in psutil.Process(job.pid).children(recursive=True) if "--per-node" in p.cmdline()]
+        targets = supervisors(job, path)
     else:
         targets = [p.pid for p in psutil.Process(job.pid).children() if "mpiexec" in p.name()]
     for pid in targets:

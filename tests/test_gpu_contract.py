@@ -12,9 +12,8 @@ import signal
 import subprocess
 import sys
 
-import psutil
 import pytest
-from helpers import PATHS, TESTS, gpu_job_argv, wait_ready
+from helpers import PATHS, TESTS, gpu_job_argv, supervisors, wait_ready
 
 pytestmark = pytest.mark.gpu
 
@@ -51,8 +50,7 @@ def test_signal_to_mpsrun(cupy_job, path, sig, code):
     proc = subprocess.Popen(gpu_job_argv(path, ["--grace", "2"], [sys.executable, str(cupy_job["script"]), "hang"]),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wait_ready(cupy_job["ready"], timeout=120, proc=proc, pattern="*")
-    targets = [proc.pid] if path != "per-node" else [
-        p.pid for p in psutil.Process(proc.pid).children(recursive=True) if "--per-node" in p.cmdline()]
+    targets = supervisors(proc, path)
     for pid in targets if sig != signal.SIGKILL else targets[:1]:
         os.kill(pid, sig)
     _, err = proc.communicate(timeout=180)

@@ -8,11 +8,13 @@ values to mpsrun.shared and mpsrun bench: each is one line and its exit code, at
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import random
 import re
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,7 +24,19 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import MPSRUN, PATHS, descendants, fake, job_argv, mpiexec, per_node_ranks, settle, supervisors, wait_for
+from helpers import (
+    MPSRUN,
+    PATHS,
+    descendants,
+    fake,
+    job_argv,
+    mpiexec,
+    per_node_ranks,
+    settle,
+    supervisors,
+    wait_for,
+    wait_processes_gone,
+)
 
 from mpsrun.errors import SharedArrayError
 
@@ -307,18 +321,22 @@ def test_a_quit_that_hangs_after_every_rank_succeeded_is_no_timeout(fake_gpu, pa
 @pytest.mark.parametrize("path", PATHS)
 def test_hanging_quits_are_waited_out_together_and_said_once(fake_gpu, path):
     """Two GPUs whose daemons' quit hangs, after every rank succeeded: exit 0 and one line naming both daemons, on
-    every path, within one quit deadline (10 s) and not two (the daemons were stopped one after another, each said
-    in a line of its own; per-node and --hosts said nothing, their keepers' warnings went to the keepers' logs).
-    Slow on purpose: a hanging quit is waited out."""
+    every path, and both daemons were sent quit together, as their kept logs show (they were stopped one after
+    another, 10 s apart, each said in a line of its own; per-node and --hosts said nothing, their keepers' warnings
+    went to the keepers' logs). Slow on purpose: a hanging quit is waited out."""
     fake_gpu.daemon_env(FAKE_MPS_QUIT_HANG="1")
-    started = time.monotonic()
-    out = subprocess.run(job_argv(path, ["--gpus", "all"], ["true"], ranks=2), capture_output=True, text=True,
-                         timeout=120)
-    elapsed = time.monotonic() - started
-    lines = [line for line in out.stderr.splitlines() if line.startswith("mpsrun")]
+    out = subprocess.run(job_argv(path, ["--gpus", "all", "--keep-logs"], ["true"], ranks=2), capture_output=True,
+                         text=True, timeout=120)
+    quits = [line for line in out.stderr.splitlines() if "did not quit" in line]
     assert out.returncode == 0, out.stderr
-    assert len(lines) == 1 and re.search(r"MPS control daemons \d+, \d+ did not quit in 10 s", lines[0]), out.stderr
-    assert elapsed < 20, f"{elapsed:.1f} s: the two quits' deadlines ran one after the other"
+    assert len(quits) == 1 and re.search(r"MPS control daemons \d+, \d+ did not quit in 10 s", quits[0]), out.stderr
+    wait_processes_gone(fake_gpu)
+    logs = [log.read_text() for root in fake_gpu.session_dirs() for log in root.glob("gpu*/log/control.log")]
+    stamps = [datetime.datetime.fromisoformat(match) for log in logs
+              for match in re.findall(r"\[(\S+ \S+) Control +\d+\] Cmd:quit", log)]
+    for root in fake_gpu.session_dirs():
+        shutil.rmtree(root)
+    assert len(stamps) == 2 and abs((stamps[0] - stamps[1]).total_seconds()) < 5, logs  # (one after another: >= 10)
     settle(fake_gpu)
 
 

@@ -130,7 +130,8 @@ _WORDS = st.sampled_from(["-np", "2", "3", "--launcher", "local", "--mps", "off"
                           "nosuchprogram", "--keep-logs", "--priority", "1"])
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@pytest.mark.timeout(300)  # 15 jobs: about 60 s beside the other tests, more on a loaded machine
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.one_of(_WORDS, st.text(max_size=8)), max_size=8))
 @example(words=["-m"])  # found in CI: `mpsrun -m true`, a rank's own ImportError traceback
 @example(words=["timeout"])  # found in a fresh run: coreutils' `timeout true` exits 125, the rank's own code

@@ -275,7 +275,10 @@ def _first_keeper(fake_gpu) -> psutil.Process | None:
 def test_a_keeper_killed_as_it_appears_leaves_nothing_after_the_job(fake_gpu, short_tmp, path):
     """SIGKILL to the node keeper the moment it appears: the job fails with one line, and the keeper the other rank
     then started, with its daemons and session, is gone with the job (it waited 30 s for the rank that had
-    failed; under --hosts the job took 31-35 s to end)."""
+    failed; under --hosts the job took 31-35 s to end). The daemons answer only after 5 s, so that the kill lands
+    while the keeper starts, however late a loaded machine lets the test see it (it came after the ranks had joined:
+    each then said that its controller died)."""
+    fake_gpu.daemon_env(FAKE_MPS_ANSWER_AFTER="5")
     job = subprocess.Popen(job_argv(path, [], fake("--hold", "5"), ranks=2), stderr=subprocess.PIPE, text=True)
     wait_for(lambda: _first_keeper(fake_gpu), what="no keeper started", proc=job).kill()
     _, err = job.communicate(timeout=120)

@@ -67,6 +67,7 @@ def _check_installed(env_dir, cwd) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # pip builds and installs: about 40 s beside the other tests, minutes on a loaded machine
 def test_install_into_a_fresh_venv(tmp_path):
     """The wheel pip builds from this tree (as ``pip install .`` builds and installs it) installs with its
     dependencies into a fresh venv and gives a working ``mpsrun`` command with ``py.typed`` (one build: pip's

@@ -17,6 +17,7 @@ the daemon. Fault injection for tests, through the daemon's environment:
 
 * ``FAKE_MPS_START_FAIL=1``: the daemon prints an error and exits 1 at once;
 * ``FAKE_MPS_NO_ANSWER=1``: the daemon runs but never opens its socket;
+* ``FAKE_MPS_ANSWER_AFTER=S``: it opens its socket only after S seconds;
 * ``FAKE_MPS_QUIT_HANG=1``: ``quit`` never returns (the daemon ignores SIGTERM too);
 * ``FAKE_MPS_INIT_POLLS=N``: a new server answers INITIALIZING N times first;
 * ``FAKE_MPS_MAX_CLIENTS=N``: the server's client limit (48, as recorded on the H100).
@@ -319,6 +320,7 @@ def run_daemon() -> int:
     if os.environ.get("FAKE_MPS_NO_ANSWER"):
         while True:
             time.sleep(1)
+    time.sleep(float(os.environ.get("FAKE_MPS_ANSWER_AFTER", "0")))
     state = State()
     if os.environ.get("FAKE_MPS_QUIT_HANG"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
