@@ -527,26 +527,33 @@ def test_a_large_environment_reaches_the_ranks(fake_gpu, path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fake_gpu", [1, 2], indirect=True)
 @pytest.mark.parametrize("path", ["local"])  # the path that failed (mpiexec, per-node and --hosts gave 124)
 def test_a_stopped_daemon_cannot_turn_a_timeout_into_a_rank_failure(fake_gpu, short_tmp, path):
-    """The MPS daemon stopped (SIGSTOP) while ranks run under --timeout: the job still ends with 124 (the local
-    launcher exited 1, 'rank 1 exited with code 1 first': its loop was held up by the daemon's silence past the
-    deadline, and the ranks' ends came before its timer). No more commands go to a daemon that left one
-    unanswered (each waited out its own 10 s: the job took 32 s, with 4 lines). Slow on purpose: the first
-    unanswered command waits out its deadline. The timeout leaves the ranks time to start under load."""
-    job = subprocess.Popen(job_argv(path, ["--timeout", "6", "--grace", "0.5"],
+    """The MPS daemons stopped (SIGSTOP) while ranks run under --timeout, on one GPU or two: the job still ends with
+    124 (the local launcher exited 1, 'rank 1 exited with code 1 first': its loop was held up by the daemon's silence
+    past the deadline, and the ranks' ends came before its timer), saying the timeout once and the silence once. No
+    more commands go to a daemon that left one unanswered (each waited out its own 10 s: the job took 32 s, with 4
+    lines); the watch's commands, in the controller's loop, wait 2 s (with two GPUs they held the loop past the
+    ranks' supervisors' backstop, and the timeout was said twice). Slow on purpose: the first unanswered command
+    waits out its deadline. The timeout leaves the ranks time to start under load, and the fake ranks' kernels wait
+    as long for the stopped daemon (a real rank's kernels run on its server, which is not stopped)."""
+    job = subprocess.Popen(job_argv(path, ["--timeout", "6", "--grace", "0.5", "--gpus", "all"],
                                     fake("--hold", "30", "--report-dir", str(short_tmp)), ranks=2),
-                           stderr=subprocess.PIPE, text=True)
+                           stderr=subprocess.PIPE, text=True, env={**os.environ, "FAKE_KERNEL_WAIT": "60"})
     wait_for(lambda: len(list(short_tmp.glob("*.json"))) >= 2, what="the ranks did not start", proc=job)
-    daemon = next(p for p in descendants(job, "nvidia-cuda-mps-control") if p.cmdline()[-1] == "-f")
-    daemon.suspend()
+    daemons = [p for p in descendants(job, "nvidia-cuda-mps-control") if p.cmdline()[-1] == "-f"]
+    for daemon in daemons:
+        daemon.suspend()
     try:
         _, err = job.communicate(timeout=120)
     finally:
-        with contextlib.suppress(psutil.Error):
-            daemon.resume()
+        for daemon in daemons:
+            with contextlib.suppress(psutil.Error):
+                daemon.resume()
     lines = [line for line in err.splitlines() if line.startswith("mpsrun")]
-    assert job.returncode == 124, err
-    assert "timed out after 6 s" in err and "first" not in err, err
+    assert job.returncode == 124 and len(daemons) == len(fake_gpu.uuids), err
+    assert "timed out after 6 s" in err and "first" not in err and "supervisors did" not in err, err
+    assert err.count("ran longer than") == 1 and err.count("stopped answering") <= 1, err
     assert len(lines) <= 3 and "did not quit" not in err, err  # its silence is said once, not again at its quit
     settle(fake_gpu)

@@ -1,16 +1,11 @@
 """Controllers: one job contract, applied to ranks wherever and however they were started.
 
-Rank supervisors (and, for jobs over several hosts, node keepers relaying for theirs) join a
-controller through its :class:`~mpsrun.job.table.RankTable`. Every controller welcomes each rank
-with its environment, watches that the ranks are MPS clients, and stops them the same way: at the
-first failure, ``terminate_client`` for connected ranks, SIGTERM, ``--grace``, SIGKILL.
-
-* :class:`Controller`: what every controller does (this module).
-* :class:`JudgingController`: decides the job's outcome itself: the first failure decides the exit
-  code (:class:`~mpsrun.job.outcome.Judge`) and each rank's verdict.
-* :class:`~mpsrun.job.jobcontroller.JobController`: the ``mpsrun`` command's, over every rank of the job.
-* :class:`~mpsrun.node.controller.NodeController` and :class:`~mpsrun.node.relay.RelayController`: a node
-  keeper's, over one node's ranks; the relay passes everything up to a multi-host job's controller.
+Rank supervisors (and node keepers relaying for theirs) join a controller through its
+:class:`~mpsrun.job.table.RankTable`. Every controller welcomes each rank with its environment, watches
+that the ranks are MPS clients, and stops them the same way: at the first failure, ``terminate_client``
+for connected ranks, SIGTERM, ``--grace``, SIGKILL. :class:`JudgingController` decides the job's outcome
+itself (:class:`~mpsrun.job.outcome.Judge`); :mod:`mpsrun.job.jobcontroller` and :mod:`mpsrun.node` build on
+these.
 """
 
 from __future__ import annotations
@@ -77,10 +72,8 @@ class Controller:
         return self.table.ranks
 
     def run(self, first: Callable[[], object] | None = None, pending: Sequence[int] = ()) -> None:
-        """Run to the end; ``first`` runs once the loop handles signals (it may raise MPSError).
-
-        ``pending``: stopping signals that arrived before the loop took over (acted on first).
-        """
+        """Run to the end; ``first`` runs once the loop handles signals (it may raise MPSError). ``pending``:
+        stopping signals that arrived before the loop took over (acted on first)."""
         with self.loop.signals(FORWARDED_SIGNALS, self._on_signal):
             self._arm()
             if self.watch is not None:
@@ -401,6 +394,6 @@ class JudgingController(Controller):
 
     def _timed_out(self) -> None:
         timeout = self.policy.timeout_total or self.policy.timeout
-        self.note(f"timeout: the job ran longer than {timeout:g} s; stopping it")
-        self.judge.decide("timeout", None, f"timed out after {timeout:g} s")
-        self.stop(signal.SIGTERM)
+        if self.judge.decide("timeout", None, f"timed out after {timeout:g} s"):  # not after a failure, nor twice
+            self.note(f"timeout: the job ran longer than {timeout:g} s; stopping it")  # (its late timer: _ended)
+            self.stop(signal.SIGTERM)

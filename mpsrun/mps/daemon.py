@@ -91,7 +91,7 @@ class ControlDaemon:
     _popen: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _servers: dict[int, ProcessRef] = field(default_factory=dict, init=False)
     answered: bool = field(default=False, init=False)  # it has answered a command: it can take `quit`
-    silent: str = field(default="", init=False)  # then it left this one unanswered: no more commands are sent
+    silent: str = field(default="", init=False)  # then it left one unanswered (said so): no more commands are sent
     quitting: bool = field(default=False, init=False)  # stop() has begun: its end is no failure
 
     @property
@@ -282,16 +282,15 @@ class ControlDaemon:
             # blocks while clients live, as documented; a deadline cut short by the caller's says nothing.)
             why = f"MPS control command {text!r} got no answer within {timeout:g} s"
             if self.answered and text != "quit" and timeout >= 1.0 and not self.silent:
-                self.silent = why
-            raise DaemonTimeoutError(why, command=text, log_tail=self.log_tail()) from exc
+                self.silent = f"the MPS control daemon stopped answering ({why})"
+            raise DaemonTimeoutError(self.silent or why, command=text, log_tail=self.log_tail()) from exc
         except OSError as exc:
             raise DaemonError(f"cannot run {self.executable}: {exc.strerror}", command=text) from exc
 
     def command(self, text: str, timeout: float | None = None) -> str:
         """Send one control command and return its reply; raise :class:`DaemonError` on failure."""
         if self.silent:
-            raise DaemonTimeoutError(f"the MPS control daemon stopped answering ({self.silent})", command=text,
-                                     log_tail=self.log_tail())
+            raise DaemonTimeoutError(self.silent, command=text, log_tail=self.log_tail())
         result = self._run_client(text, self.command_timeout if timeout is None else timeout)
         reply = (result.stdout + result.stderr).strip()
         if result.returncode != 0 or reply.startswith(NO_DAEMON):
@@ -368,8 +367,8 @@ class ControlDaemon:
         if (server := ProcessRef.of(pid)) is not None:
             self._servers[pid] = server
 
-    def server_status(self, server_pid: int) -> ServerStatus:
-        reply = self.command(f"get_server_status {server_pid}")
+    def server_status(self, server_pid: int, timeout: float | None = None) -> ServerStatus:
+        reply = self.command(f"get_server_status {server_pid}", timeout)
         try:
             return parse_server_status(reply)
         except ValueError:

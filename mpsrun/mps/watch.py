@@ -22,6 +22,7 @@ from mpsrun.mps import gpus as gpu_info
 from mpsrun.mps.daemon import ControlDaemon
 from mpsrun.mps.gpus import GPU
 from mpsrun.mps.replies import ServerStatus, connected_clients, started_servers
+from mpsrun.runtime.constants import WATCH_COMMAND_TIMEOUT
 
 __all__ = ["ClientWatcher", "ConnectionLog", "Finding", "LogNews", "Look", "RankWatch", "with_descendants"]
 
@@ -188,7 +189,8 @@ class RankWatch:
     def _server_fault(self, daemon: ControlDaemon) -> Finding | None:
         """A server started by its first client is checked then: is it ACTIVE, or in FAULT?"""
         try:
-            faulty = [pid for pid in daemon.server_list() if daemon.server_status(pid) is ServerStatus.FAULT]
+            faulty = [pid for pid in daemon.server_list(WATCH_COMMAND_TIMEOUT)
+                      if daemon.server_status(pid, WATCH_COMMAND_TIMEOUT) is ServerStatus.FAULT]
         except DaemonError as exc:
             log.debug("server check skipped: %s", exc)
             return None

@@ -65,6 +65,9 @@ KILL_WAIT = 10.0
 #: which no more are sent. Below KILL_WAIT, so a daemon that stopped answering holds the stop up for less than the
 #: ranks' supervisors give their controller.
 DETACH_TIMEOUT = 5.0
+#: A control command of the job's watch (a server's state once its first client is in): it runs in the controller's
+#: loop, which must stay free for its ranks and timers, so a daemon that stops answering is found within this.
+WATCH_COMMAND_TIMEOUT = 2.0
 #: How long a relaying node keeper waits for the job's verdicts once its ranks have ended.
 VERDICT_WAIT = 30.0
 #: How long a node keeper keeps its session for ranks the launcher said would come.

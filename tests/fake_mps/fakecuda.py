@@ -52,7 +52,8 @@ class Context:
         """One 'kernel launch': an MPS client learns here that it was terminated or faulted."""
         if not self.mps:
             return
-        state = send(f"__client_poll {self.pid}", self.pipe, timeout=5)
+        # (a fake's kernel asks its daemon; a real one's runs on the server, a daemon's SIGSTOP notwithstanding)
+        state = send(f"__client_poll {self.pid}", self.pipe, timeout=float(os.environ.get("FAKE_KERNEL_WAIT", "5")))
         if state == "terminated":
             raise SystemExit(_fail("cudaErrorMpsClientTerminated"))
         if state == "fault":
