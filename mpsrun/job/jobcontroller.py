@@ -43,6 +43,7 @@ class JobController(JudgingController):
         self.launchers = Launchers(self.loop, self._launcher_exited, self._launch_failed)
         self.notes: list[str] = []  # what each host's node keeper had to say (under --hosts), for the job's end
         self.abandoned = False  # the job cannot run: see abandon()
+        self.late_signal: int | None = None  # a stopping signal once every rank had ended (see _on_signal)
         self._say = note
         self._server_after = server_after
         self._nodes_overdue = self._nodes_timer = False
@@ -137,7 +138,11 @@ class JobController(JudgingController):
     # -- signals and time -------------------------------------------------------------------------
 
     def _on_signal(self, sig: int) -> None:
-        if not self.abandoned:
+        if sig in STOP_SIGNALS and self.table.ended(self.expected) and not self.abandoned:
+            # The hosts' node keepers end their sessions within deadlines of their own, as the other paths' teardown
+            # does after their loop: noted for the job's end, as a signal while ending the job, and not acted on.
+            self.late_signal = self.late_signal or sig
+        elif not self.abandoned:
             super()._on_signal(sig)
         elif sig in STOP_SIGNALS:  # the job never ran: whatever still starts its refused ranks goes at once
             self.launchers.kill()

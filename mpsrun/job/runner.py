@@ -135,7 +135,7 @@ class Job:
                     if channel is not None:
                         channel.close()
                     teardown_failure = self._close(session, claim)
-        late = interrupts.received[0] if interrupts.received else None
+        late = interrupts.received[0] if interrupts.received else controller.late_signal
         result = controller.result(teardown_failure, late)
         if late is not None and result.cause == "signal" and not controller.judge.failed:
             self.note(result.message)
