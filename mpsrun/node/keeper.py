@@ -173,13 +173,11 @@ class NodeKeeper:
         lines = self._closing_lines()
         turn_away(self.listener, Path(self.request.base), retry=True)  # come again, to a new keeper
         # A late rank finds no socket and a live owner: it waits for the directory to go, then starts a keeper.
-        with _warnings_into(lines):  # (a hanging quit): our stderr is a log file; the launcher prints its own
+        with _warnings_into(lines):  # (a hanging quit, logs kept): our stderr is a log file; a launcher prints its own
             try:
                 self.session.close()
             except MPSError as exc:
                 lines.append(str(exc))
-        if self.config.keep_logs and self.session.dirs is not None:
-            lines.append(f"kept this node's session logs in {self.session.dirs.root}")
         return lines
 
     def _closing_lines(self) -> list[str]:
