@@ -194,9 +194,10 @@ class RankTable:
         self.events.rank_ended(state, RankEnd(state.rank, pid, returncode, message.get("reason", "")))
 
     def _lost(self, link: Link) -> None:
+        gone = "its node keeper is gone" if link.peer.get("role") == "node" else "its supervisor is gone"
         for state in [s for s in self.live() if s.link is link]:
             if state.process is not None:  # its leader died with its supervisor; end what it left
                 kill_group(state.process.pid, signal.SIGKILL)
             pid = state.process.pid if state.process is not None else None
-            self.events.rank_ended(state, RankEnd(state.rank, pid, None, "its supervisor is gone"))
+            self.events.rank_ended(state, RankEnd(state.rank, pid, None, gone))
         self._forget_node(link)
