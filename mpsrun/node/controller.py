@@ -69,15 +69,16 @@ class NodeSide(Controller):
         assert starter is not None
         self.loop.unwatch(starter.pipe)
         os.close(starter.pipe)
-        if starter.rank in self.ranks:
-            return
-        self._absent += 1
-        if self.ranks and not self._awaited():
-            self._late_ranks_overdue()
+        if starter.rank not in self.ranks:
+            self._place_left_empty()
 
     def _came_twice(self, identity: RankIdentity) -> None:
         """It took one of the places the launcher announced for this node (ranks started by hand with the same
-        local rank): no other rank comes for that place."""
+        local rank), so no other rank comes for it."""
+        self._place_left_empty()
+
+    def _place_left_empty(self) -> None:
+        """A place the launcher announced for this node will have no rank."""
         self._absent += 1
         if self.ranks and not self._awaited():
             self._late_ranks_overdue()
