@@ -45,9 +45,9 @@ def main() -> NoReturn:
     code = command(pending=_pending)
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # from here on a signal comes as if after our exit
     if code == 0 and len(_pending) > before:  # after the job's own handling gave the signals back to _note
-        from mpsrun.exitcodes import signal_name
+        from mpsrun.exitcodes import Outcome, exit_code, signal_name
         from mpsrun.runtime.output import say
 
         say(f"mpsrun: interrupted by {signal_name(_pending[before])} while ending the job")  # as during teardown
-        code = 128 + _pending[before]
+        code = exit_code(Outcome("signal", _pending[before]))
     exit_now(code)

@@ -67,10 +67,10 @@ class StubDaemon:
     def saw_server(self, pid, from_log=False):
         self.server_pids.append(pid)
 
-    def server_list(self):
+    def server_list(self, timeout=None):
         return [4242]
 
-    def server_status(self, pid):
+    def server_status(self, pid, timeout=None):
         self.asked += 1
         return self.status
 
@@ -282,8 +282,8 @@ def test_no_gpu_list_is_read_ahead_where_node_keepers_read_it(fake_gpu, path):
     settle(fake_gpu)
 
 
-@pytest.mark.parametrize("path", ["local", "mpiexec", "hosts"])
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize(("path", "sig"), [("local", signal.SIGTERM), ("mpiexec", signal.SIGTERM),
+                                         ("hosts", signal.SIGHUP)])
 @pytest.mark.slow
 def test_a_signal_during_the_teardown_is_said(fake_gpu, path, sig):
     """A SIGTERM or SIGHUP to mpsrun once the ranks have ended, while a daemon will not quit: teardown finishes
