@@ -69,6 +69,23 @@ def test_the_job_returns_after_the_node_teardown(fake_gpu, path):
     assert not fake_gpu.session_dirs() and not fake_gpu.orphans()
 
 
+@pytest.mark.mpiexec
+def test_a_supervisor_holds_the_launchers_connection_until_it_ends(fake_gpu):
+    """A per-node rank's supervisor, waiting for its node's teardown after its program ended (a quit that hangs),
+    still holds the PMI connection MPICH's Hydra handed it, as a plain rank would until its end: Hydra's proxy spun
+    a whole core from the moment that connection closed (the supervisor closed its copy once the program had it)."""
+    fake_gpu.daemon_env(FAKE_MPS_QUIT_HANG="1")
+    job = subprocess.Popen(job_argv("per-node", [], ["true"], ranks=1), stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: any("Cmd:quit" in p.read_text() for p in fake_gpu.tmpdir.rglob("control.log")),
+             what="the program did not end", proc=job)  # the supervisor waits now; the quit hangs for 10 s
+    [supervisor] = per_node_ranks(job)
+    held = os.readlink(f"/proc/{supervisor.pid}/fd/{supervisor.environ()['PMI_FD']}")
+    _, err = job.communicate(timeout=60)
+    assert held.startswith("socket:"), held
+    assert job.returncode == 0, err
+    settle(fake_gpu)
+
+
 IGNORE_TERM = ("import os, signal, sys, time\n"
                "signal.signal(signal.SIGINT, signal.SIG_IGN); signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
                "open(os.path.join(sys.argv[1], os.environ['RANK']), 'w').close()\n"

@@ -150,7 +150,8 @@ class RankSupervisor:
         except OSError:
             close_all([fd for pipe in pipes or () for fd in pipe])
             raise
-        close_all(self.fds)  # the rank has them now; holding them would keep its launcher's connections open
+        # The launcher's descriptors (MPICH's PMI_FD) stay open here until this process ends, as a plain rank holds
+        # them: Hydra's proxy spins a core from the moment a rank's PMI connection closes until its process is gone.
         pid = self.process.pid
         self.link.send("started", rank=self.rank, pid=pid, start=start_ticks(pid), host=socket.gethostname())
         exit_fd = pidfd(pid)
