@@ -281,7 +281,7 @@ def test_per_node_keeps_logs_and_the_next_job_keeps_them_too(fake_gpu):
                          timeout=120)
     assert out.returncode == 0, out.stderr
     [kept] = fake_gpu.session_dirs()
-    assert out.stderr.count(f"kept session logs in {kept}") == 1, out.stderr
+    assert f"kept session logs in {kept}" in out.stderr and out.stderr.count(str(kept)) == 1, out.stderr
     again = subprocess.run(job_argv("local", [], ["true"]), capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and fake_gpu.session_dirs() == [kept]
     cleaned = subprocess.run([sys.executable, "-m", "mpsrun", "cleanup"], capture_output=True, text=True, timeout=60)
