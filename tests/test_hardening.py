@@ -474,9 +474,10 @@ def test_a_stopped_rank_supervisor_does_not_keep_its_program_past_the_timeout(fa
     after --grace (its controller kills its process group, not only asks its supervisor), and once the supervisor
     is continued the job ends with 124 (the program ran on until it finished by itself: 60 s here, forever for
     some). The stopped supervisor itself holds the launcher until continued, as any stopped process does."""
+    report = f"os.path.join({str(short_tmp)!r}, os.environ['RANK'])"  # written whole, then named .json
     program = ("import json, os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-               f"json.dump({{'pid': os.getpid()}}, open(os.path.join({str(short_tmp)!r}, os.environ['RANK'] + "
-               "'.json'), 'w')); time.sleep(60)")
+               f"open({report} + '.tmp', 'w').write(json.dumps({{'pid': os.getpid()}})); "
+               f"os.replace({report} + '.tmp', {report} + '.json'); time.sleep(60)")
     job = subprocess.Popen(job_argv(path, ["--timeout", "6", "--grace", "0.5"], [sys.executable, "-c", program],
                                     ranks=2), stderr=subprocess.PIPE, text=True)
     wait_for(lambda: len(list(short_tmp.glob("*.json"))) >= 2, what="the ranks did not start", proc=job)
