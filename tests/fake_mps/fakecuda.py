@@ -140,7 +140,8 @@ def main() -> int:
                 "env": {k: v for k, v in os.environ.items()
                         if k.startswith(("CUDA_", "MPSRUN_")) or k in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
                                                                         "LOCAL_WORLD_SIZE")}}
-        Path(report).write_text(json.dumps(info))
+        Path(f"{report}.tmp").write_text(json.dumps(info))
+        os.replace(f"{report}.tmp", report)  # whole when it appears: tests read it as soon as it does
     if args.fault or args.fault_rank == rank:
         if args.fault_rank is not None and args.report_dir:  # every rank a client first, with work in flight
             _wait_for_reports(args.report_dir, int(os.environ.get("WORLD_SIZE", "1")))
