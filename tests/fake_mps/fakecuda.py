@@ -140,8 +140,11 @@ def main() -> int:
                 "env": {k: v for k, v in os.environ.items()
                         if k.startswith(("CUDA_", "MPSRUN_")) or k in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
                                                                         "LOCAL_WORLD_SIZE")}}
-        Path(f"{report}.tmp").write_text(json.dumps(info))
-        os.replace(f"{report}.tmp", report)  # whole when it appears: tests read it as soon as it does
+        if args.report:  # a path of the caller's (/dev/stdout, say): written as it is
+            Path(report).write_text(json.dumps(info))
+        else:  # whole when it appears in the directory: tests read a rank's report as soon as it does
+            Path(f"{report}.tmp").write_text(json.dumps(info))
+            os.replace(f"{report}.tmp", report)
     if args.fault or args.fault_rank == rank:
         if args.fault_rank is not None and args.report_dir:  # every rank a client first, with work in flight
             _wait_for_reports(args.report_dir, int(os.environ.get("WORLD_SIZE", "1")))
