@@ -49,7 +49,6 @@ from mpsrun.runtime.output import LineTagger, say
 from mpsrun.runtime.processes import (
     close_all,
     find_program,
-    inherited_fds,
     kill_group,
     pidfd,
     set_parent_death_signal,
@@ -75,12 +74,11 @@ class RankSupervisor:
     """Runs one rank's command to its end under the controller's rules."""
 
     def __init__(self, identity: RankIdentity, command: Sequence[str], env: Mapping[str, str], link: Link,
-                 welcome: Mapping[str, Any], fds: Sequence[int]) -> None:
+                 welcome: Mapping[str, Any]) -> None:
         self.rank, self.local_rank = identity.rank, identity.local_rank
         self.command = list(command)
         self.env = dict(env)
         self.link = link
-        self.fds = list(fds)
         self.grace = float(welcome.get("grace", 5.0))
         self.tag = bool(welcome.get("tag"))
         self.mpi4py_abort = bool(welcome.get("mpi4py_abort"))
@@ -150,8 +148,9 @@ class RankSupervisor:
         except OSError:
             close_all([fd for pipe in pipes or () for fd in pipe])
             raise
-        # The launcher's descriptors (MPICH's PMI_FD) stay open here until this process ends, as a plain rank holds
-        # them: Hydra's proxy spins a core from the moment a rank's PMI connection closes until its process is gone.
+        # The launcher's descriptors (MPICH's PMI_FD) reach the rank (close_fds=False: Python's own are not
+        # inheritable) and stay open here too until this process ends, as a plain rank holds them: Hydra's proxy
+        # spins a core from the moment a rank's PMI connection closes until its process is gone.
         pid = self.process.pid
         self.link.send("started", rank=self.rank, pid=pid, start=start_ticks(pid), host=socket.gethostname())
         exit_fd = pidfd(pid)
@@ -316,7 +315,6 @@ def through_mpi4py(command: list[str], program: str) -> list[str]:
 def run_rank(command: Sequence[str], identity: RankIdentity, join: Join, token: str,
              hello: Mapping[str, Any] | None = None) -> int:
     """Join the job's controller, then supervise ``command`` as rank ``identity.rank``."""
-    fds = inherited_fds()  # first: what the launcher handed us, before we open anything
     parent = os.getppid()
     set_parent_death_signal(signal.SIGTERM)  # our launcher gone: stop the rank like a SIGTERM
     if os.getppid() != parent:
@@ -339,7 +337,7 @@ def run_rank(command: Sequence[str], identity: RankIdentity, join: Join, token: 
         return _refused(link, answer, identity)
     for line in answer.get("lines") or ():
         _say(str(line))
-    return RankSupervisor(identity, command, rank_env(os.environ, answer), link, answer, fds).run()
+    return RankSupervisor(identity, command, rank_env(os.environ, answer), link, answer).run()
 
 
 def _refused(link: Link, answer: Mapping[str, Any] | None, identity: RankIdentity) -> int:

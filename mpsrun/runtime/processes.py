@@ -27,7 +27,6 @@ __all__ = [
     "exit_now",
     "find_program",
     "flush_output",
-    "inherited_fds",
     "kill_group",
     "open_standard_descriptors",
     "own_module",
@@ -188,24 +187,6 @@ def set_parent_death_signal(sig: int = signal.SIGKILL, parent: int | None = None
     _prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     if parent is not None and os.getppid() != parent:
         os.kill(os.getpid(), sig)
-
-
-def inherited_fds() -> list[int]:
-    """Descriptors above 2 that this process inherited and would pass on to a child.
-
-    MPI launchers hand their ranks descriptors (MPICH's ``PMI_FD``, Slurm's PMI2); a rank
-    supervisor must pass every one of them to the rank. Descriptors Python opens itself are
-    not inheritable (PEP 446), so what is inheritable here came from the parent.
-    """
-    found = []
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        try:
-            if fd > 2 and os.get_inheritable(fd):
-                found.append(fd)
-        except OSError:  # the listing's own descriptor, closed by now
-            pass
-    return sorted(found)
 
 
 #: Descriptors a controller holds apart from its ranks' (listener, epoll, the daemons' pipes, NVML, logs), with room.
