@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import importlib.util
 import json
 import os
 import random
@@ -207,10 +208,15 @@ def main() -> int:
     # Bytecode as installed packages have it (pip compiles on install): a source tree may not have it yet, and a
     # machine may forbid writing it (PYTHONDONTWRITEBYTECODE; the GPU machine does), which would make every
     # process compile its imports again. The warm-up round writes what is missing.
+    # pynvml too, the one module from outside the standard library that a job imports: without its bytecode
+    # every job compiles it again, and that holds the interpreter's lock while the job starts.
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     for tree in [REPO, *(Path(item.partition("=")[2]) for item in args.tree)]:
         subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree / "mpsrun")], check=True,
                        stdout=subprocess.DEVNULL)
+    nvml = importlib.util.find_spec("pynvml")
+    if nvml and nvml.origin and subprocess.run([sys.executable, "-m", "compileall", "-q", nvml.origin]).returncode:
+        print(f"note: could not write the bytecode of {nvml.origin}: every job compiles it", flush=True)
     rng = random.Random(args.seed)  # noqa: S311 - a reproducible order, not a secret
     results: dict[str, object] = {"repeats": args.repeats, "seed": args.seed}
     for n in (int(part) for part in args.trivial_ranks.split(",")) if args.only != "real" else ():

@@ -179,22 +179,22 @@ def callers_values(caller: Mapping[str, str]) -> dict[str, str | None]:
 
 def welcome(identity: RankIdentity, config: JobConfig, ngpus: int, target_of: Callable[[int], GpuTarget | None],
             mpi4py_abort: bool, free: Sequence[int] = (), session_dir: str | None = None,
-            output_lock: str | None = None, caller: Mapping[str, str] | None = None) -> dict[str, Any]:
+            output_lock: str | None = None, callers: Mapping[str, str | None] | None = None) -> dict[str, Any]:
     """What a rank's supervisor is told when it says hello: the rank's variables and how to run it.
 
     ``free``: each GPU's free memory under MPS (for ``--mem-limit auto``). ``session_dir``: the job's (or
     node's) private directory, also without MPS (:mod:`mpsrun.shared` keeps its handles there).
     ``mpi4py_abort``: whether Python ranks run through mpi4py's runner (mpi4py is installed, and not off).
-    ``caller``: the environment the job was started from, when this process has it (the ``mpsrun`` command, not a
-    node keeper): what an MPI launcher rewrote of it is put back.
+    ``callers``: :func:`callers_values` of the environment the job was started from, when this process has it (the
+    ``mpsrun`` command, not a node keeper): what an MPI launcher rewrote of it is put back.
     """
     plan = plan_rank(identity, ngpus, config, free)
     env = rank_environment(target_of(plan.gpu) if ngpus else None, plan, identity)
     if session_dir is not None:
         env.setdefault(SESSION_DIR_VARIABLE, session_dir)
     restore: dict[str, str | None] = {}
-    if caller is not None:
-        restore.update(callers_values(caller))
+    if callers is not None:
+        restore.update(callers)
     for item in config.exports:  # -x: resolved where the command line was read
         name, given, value = item.partition("=")
         restore[name] = value if given else None

@@ -121,12 +121,15 @@ class Job:
             claim = channel = session = None
             try:
                 if backend.owns_daemons:
-                    gpus.read_ahead()  # while the directory, the socket and mpiexec's start are made
+                    if not backend.head_start:
+                        gpus.read_ahead()  # while the directory and the socket are made
                     claim = SessionClaim(session_base(None), "job", keep_logs=self.config.keep_logs)
                 channel = ControlChannel(f"unix:{claim.dirs.control_socket}" if claim and claim.dirs else "tcp",
                                          rendezvous(first_host(self.config), free_port(), os.environ))
                 if backend.head_start:
                     self._start_early(backend, program, channel, claim)
+                    if backend.owns_daemons:  # only now: the reading's imports hold the interpreter's lock
+                        gpus.read_ahead()  # while mpiexec starts the ranks
                 session = self._new_session() if claim else None
                 failure = self._set_up(session, claim, channel)
                 controller = self._run(backend, session, program, channel, interrupts, failure)
@@ -214,20 +217,21 @@ class Job:
         self._elapsed("daemons ready" if session.enabled else "set up without MPS")
 
     def _welcome(self, session: Session | None, output_lock: str | None) -> Callable[..., dict[str, Any]]:
-        from mpsrun.job.placement import welcome
+        from mpsrun.job.placement import callers_values, welcome
 
         config, n = self.config, self.config.ranks
         abort = config.mpi4py_abort == "on" and mpi4py_available()
         ngpus = len(session.gpus) if session else 0
         free = session.free_memory() if session else []
         directory = str(session.dirs.root) if session and session.dirs else None
+        callers = callers_values(os.environ)  # once: the whole environment, gone through for each rank otherwise
 
         def answer(identity: RankIdentity, hello: Mapping[str, Any]) -> dict[str, Any]:
             # One node: what the launcher did not say, the job knows.
             identity = RankIdentity(identity.rank, identity.local_rank, identity.world_size or n,
                                     identity.local_world_size or n)
             return welcome(identity, config, ngpus, session.target if session else lambda _: None, abort, free,
-                           directory, output_lock, caller=os.environ)
+                           directory, output_lock, callers=callers)
 
         return answer
 

@@ -160,8 +160,9 @@ _read_ahead: _ReadAhead | None = None
 
 
 def read_ahead() -> None:
-    """Start reading the GPU list now, for the next :func:`list_gpus` to take: NVML's import and initialisation
-    (about 40 ms on the H100) then overlap what a job does before it plans its ranks (docs/benchmarks.md)."""
+    """Start reading the GPU list now, for the next :func:`list_gpus` to take: NVML's initialisation then overlaps
+    what a job does before it plans its ranks (docs/benchmarks.md). Its import does not: a thread's Python code
+    holds the interpreter's lock, so the caller starts it once nothing of its own is more urgent."""
     global _read_ahead
     if _read_ahead is None:
         _read_ahead = _ReadAhead()
