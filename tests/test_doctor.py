@@ -60,3 +60,26 @@ def test_our_own_daemon_is_recognised(fake_gpu):
         # The fake daemon runs as a script named nvidia-cuda-mps-control, so its process name matches.
         entry = pids[session.daemons[0].pid]
         assert entry["mpsrun"] and entry["mine"] and entry["pipe_dir"] == str(session.daemons[0].pipe_dir)
+
+
+@pytest.mark.parametrize("writable", [True, False])
+def test_nvml_without_bytecode_is_warned_of(fake_gpu, monkeypatch, tmp_path, writable):
+    """A pynvml whose bytecode cannot be written (PYTHONDONTWRITEBYTECODE) gets a warning naming the file and the
+    compileall command; one whose bytecode the import writes gets none."""
+    import os
+
+    fake = Path(__file__).parent / "fake_nvml" / "pynvml.py"
+    copy = tmp_path / "nvml" / "pynvml.py"
+    copy.parent.mkdir()
+    copy.write_text(fake.read_text())
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(copy.parent), os.environ.get("PYTHONPATH", "")]))
+    if writable:
+        monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    out = doctor("--json")
+    warnings = [w for w in json.loads(out.stdout)["warnings"] if "compiled bytecode" in w]
+    if writable:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and str(copy) in warnings[0] and "-m compileall" in warnings[0]

@@ -30,6 +30,7 @@ from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import FORWARDED_SIGNALS, KILL_WAIT, PASS_SIGNALS, SAME_INTERRUPT, WATCH_INTERVAL
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.loop import EventLoop, Timer
+from mpsrun.runtime.processes import ProcessRef
 from mpsrun.runtime.protocol import Link, Listener
 from mpsrun.session.session import Session
 
@@ -66,6 +67,7 @@ class Controller:
         self._detached = False
         self._interrupts: dict[int, float] = {}  # source -> when its first interrupt came
         self._refusals: set[str] = set()  # refusals already said
+        self._unrecorded: list[ProcessRef] = []  # ranks started this turn of the loop, for the session's record
 
     @property
     def ranks(self) -> dict[int, RankState]:
@@ -185,9 +187,16 @@ class Controller:
     def rank_started(self, state: RankState, message: Mapping[str, Any]) -> None:
         self._started(state, message)
         if state.process is not None and self.session is not None:
-            self.session.add_rank(state.process)
+            if not self._unrecorded:  # one write of the record for the ranks that start in one turn, not one each
+                self.loop.after(0, self._record_started)
+            self._unrecorded.append(state.process)
         if self.stopping is not None:  # started while the job was already stopping
             self._signal(self.stopping, [state])
+
+    def _record_started(self) -> None:
+        started, self._unrecorded = self._unrecorded, []
+        if self.session is not None:
+            self.session.add_ranks(started)
 
     def rank_ended(self, state: RankState, end: RankEnd) -> None:
         if end.returncode != 0 and self.stopping is None:  # a failure of its own, not an end the job's stop caused

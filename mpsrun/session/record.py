@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -132,8 +132,8 @@ class SessionRecord:
     def with_gpus(self, gpus: tuple[str, ...]) -> SessionRecord:
         return replace(self, gpus=gpus)
 
-    def with_rank(self, rank: ProcessRef) -> SessionRecord:
-        return replace(self, ranks=(*self.ranks, rank))
+    def with_ranks(self, ranks: Sequence[ProcessRef]) -> SessionRecord:
+        return replace(self, ranks=(*self.ranks, *ranks))
 
     def with_launcher(self, launcher: ProcessRef) -> SessionRecord:
         return replace(self, launchers=(*self.launchers, launcher))

@@ -228,15 +228,15 @@ class Session:
         """The client watcher over every GPU of the session and the daemon that serves it."""
         return self._daemons.watcher()
 
-    def add_rank(self, rank: ProcessRef) -> None:
-        """Record a local rank's process group, so a reaper can end it if we die (a record that cannot be written
+    def add_ranks(self, ranks: Sequence[ProcessRef]) -> None:
+        """Record local ranks' process groups, so a reaper can end them if we die (a record that cannot be written
         only costs that: the job goes on, and says so)."""
-        if self._claim is not None and self._state == "running":
+        if self._claim is not None and self._state == "running" and ranks:
             try:
-                self._claim.update(self._claim.record.with_rank(rank))
+                self._claim.update(self._claim.record.with_ranks(ranks))
             except MPSError as exc:
-                log.warning("mpsrun: warning: %s; should mpsrun be killed, rank %d's processes may outlive it",
-                            exc, rank.pid)
+                log.warning("mpsrun: warning: %s; should mpsrun be killed, the processes of rank(s) with pid %s may "
+                            "outlive it", exc, ", ".join(str(rank.pid) for rank in ranks))
 
     @property
     def state(self) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -147,6 +148,18 @@ def _software(report: dict[str, Any], problems: list[str]) -> None:
     report["cupy"] = _cupy()
 
 
+def _nvml_bytecode(warnings: list[str]) -> None:
+    """pynvml without its compiled bytecode, that no import can write (PYTHONDONTWRITEBYTECODE, a read-only
+    install): every job compiles it again while it starts, and holds the interpreter's lock meanwhile."""
+    spec = importlib.util.find_spec("pynvml")
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return
+    cached = importlib.util.cache_from_source(spec.origin)
+    if not os.path.exists(cached):
+        warnings.append(f"{spec.origin} has no compiled bytecode, so every mpsrun job compiles it as it starts; "
+                        f"'{sys.executable} -m compileall {spec.origin}' writes it once")
+
+
 def gather() -> dict[str, Any]:
     """Everything doctor knows, as plain data (the ``--json`` output)."""
     problems: list[str] = []  # MPS cannot work
@@ -154,6 +167,7 @@ def gather() -> dict[str, Any]:
     report: dict[str, Any] = {"problems": problems, "warnings": warnings, "mps_processes": _mps_processes()}
     _gpus(report, problems, warnings)
     _software(report, problems)
+    _nvml_bytecode(warnings)  # after _gpus: an import that could write the bytecode has
     report["settings"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MPSRUN_")}
     report["usable"] = not problems
     return report
