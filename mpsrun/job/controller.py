@@ -1,11 +1,10 @@
 """Controllers: one job contract, applied to ranks wherever and however they were started.
 
-Rank supervisors (and node keepers relaying for theirs) join a controller through its
-:class:`~mpsrun.job.table.RankTable`. Every controller welcomes each rank with its environment, watches
-that the ranks are MPS clients, and stops them the same way: at the first failure, ``terminate_client``
-for connected ranks, SIGTERM, ``--grace``, SIGKILL. :class:`JudgingController` decides the job's outcome
-itself (:class:`~mpsrun.job.outcome.Judge`); :mod:`mpsrun.job.jobcontroller` and :mod:`mpsrun.node` build on
-these.
+Rank supervisors (and node keepers relaying for theirs) join through a :class:`~mpsrun.job.table.RankTable`. Every
+controller welcomes each rank with its environment, watches that the ranks are MPS clients, and stops them the same
+way: at the first failure, ``terminate_client`` for connected ranks, SIGTERM, ``--grace``, SIGKILL.
+:class:`JudgingController` decides the job's outcome itself (:class:`~mpsrun.job.outcome.Judge`);
+:mod:`mpsrun.job.jobcontroller` and :mod:`mpsrun.node` build on these.
 """
 
 from __future__ import annotations
@@ -16,18 +15,18 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from mpsrun.errors import MPSError
 from mpsrun.exitcodes import ExitCode, Outcome, exit_code, signal_name
-from mpsrun.job.outcome import JobResult, Judge, RankEnd
+from mpsrun.job.outcome import JobResult, Judge, Policy, RankEnd
 from mpsrun.job.table import RankState, RankTable
 from mpsrun.mps import gpus
 from mpsrun.mps.limits import memory_hint
 from mpsrun.mps.watch import Finding, RankWatch, with_descendants
 from mpsrun.rank.identity import RankIdentity
-from mpsrun.runtime.constants import FORWARDED_SIGNALS, KILL_WAIT, PASS_SIGNALS, SAME_INTERRUPT, WATCH_INTERVAL
+from mpsrun.runtime.constants import FORWARDED_SIGNALS, KILL_WAIT, PASS_SIGNALS, SAME_INTERRUPT
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.loop import EventLoop, Timer
 from mpsrun.runtime.processes import ProcessRef
@@ -38,15 +37,6 @@ __all__ = ["Controller", "JudgingController", "Policy", "Welcome"]
 
 #: What a controller gives each rank it admits (its environment and settings), from its identity and hello.
 Welcome = Callable[[RankIdentity, Mapping[str, Any]], dict[str, Any]]
-
-
-@dataclass(frozen=True, slots=True)
-class Policy:
-    grace: float = 5.0
-    timeout: float | None = None  # seconds left of the job's --timeout when the ranks start
-    timeout_total: float | None = None  # the --timeout itself, for the message
-    mps_required: bool = False  # --mps on: a rank found without MPS fails the job
-    watch_interval: float = WATCH_INTERVAL
 
 
 class Controller:
@@ -194,9 +184,9 @@ class Controller:
             self._signal(self.stopping, [state])
 
     def _record_started(self) -> None:
-        started, self._unrecorded = self._unrecorded, []
         if self.session is not None:
-            self.session.add_ranks(started)
+            self.session.add_ranks(self._unrecorded)
+        self._unrecorded = []
 
     def rank_ended(self, state: RankState, end: RankEnd) -> None:
         if end.returncode != 0 and self.stopping is None:  # a failure of its own, not an end the job's stop caused
@@ -212,18 +202,14 @@ class Controller:
         if self.session is None or not self.session.enabled:
             return ""  # without MPS no limit could have helped
         gpu = self.session.gpus[position]
-        try:
+        with contextlib.suppress(MPSError):
             return memory_hint(gpu.index, gpus.memory_free(gpu.uuid), gpu.memory_total, sharers)
-        except MPSError:
-            return ""
+        return ""
 
     def interrupted(self, sig: int, source: int) -> None:
-        """A rank's supervisor (or a node keeper) got a stopping signal from outside: the job was interrupted.
-
-        srun and mpiexec send one to every rank, so one from each ``source`` (a connection) is one
-        interrupt; a SIGINT from the same source again, later than a terminal and a launcher
-        would deliver the same Ctrl-C twice, is the user's second Ctrl-C: kill at once.
-        """
+        """A rank's supervisor (or a node keeper) got a stopping signal from outside. srun and mpiexec send one to every
+        rank, so one from each ``source`` (a connection) is one interrupt; a SIGINT from the same source again, later
+        than a terminal and a launcher would deliver one Ctrl-C twice, is the user's second Ctrl-C: kill at once."""
         now = time.monotonic()
         first = self._interrupts.setdefault(source, now)
         if self.interrupted_by is None or (sig == signal.SIGINT and now - first > SAME_INTERRUPT):

@@ -15,9 +15,9 @@ from typing import Any
 
 from mpsrun.errors import DaemonError
 from mpsrun.exitcodes import ExitCode, describe_returncode
-from mpsrun.job.controller import JudgingController, Policy, Welcome
+from mpsrun.job.controller import JudgingController, Welcome
 from mpsrun.job.launch import Launched, Launchers, LaunchSpec
-from mpsrun.job.outcome import RankEnd, ranges
+from mpsrun.job.outcome import Policy, RankEnd, ranges
 from mpsrun.job.table import RankState
 from mpsrun.mps.watch import Finding
 from mpsrun.rank.identity import RankIdentity

@@ -10,8 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mpsrun.exitcodes import Outcome, describe_returncode, exit_code, signal_name
+from mpsrun.runtime.constants import WATCH_INTERVAL
 
-__all__ = ["JobResult", "Judge", "RankEnd", "ranges"]
+__all__ = ["JobResult", "Judge", "Policy", "RankEnd", "ranges"]
 
 
 def ranges(values: Sequence[int]) -> str:
@@ -23,6 +24,16 @@ def ranges(values: Sequence[int]) -> str:
         else:
             parts.append([value, value])
     return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in parts) or "none"
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """The rules a controller applies: how long a rank gets to end when stopped, the job's time, what fails it."""
+    grace: float = 5.0
+    timeout: float | None = None  # seconds left of the job's --timeout when the ranks start
+    timeout_total: float | None = None  # the --timeout itself, for the message
+    mps_required: bool = False  # --mps on: a rank found without MPS fails the job
+    watch_interval: float = WATCH_INTERVAL
 
 
 @dataclass(slots=True)

@@ -30,6 +30,7 @@ from mpsrun.exitcodes import ExitCode
 from mpsrun.job.backends import Backend, choose_backend
 from mpsrun.job.channel import ControlChannel, free_port, rendezvous
 from mpsrun.job.mpiexec import mpi4py_available
+from mpsrun.job.outcome import Policy
 from mpsrun.mps import gpus
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import DAEMON_START_TIMEOUT
@@ -237,7 +238,6 @@ class Job:
 
     def _controller(self, backend: Backend, session: Session | None, channel: ControlChannel) -> JobController:
         """The job's controller, with the launcher started ahead (if any) in its care."""
-        from mpsrun.job.controller import Policy
         from mpsrun.job.jobcontroller import JobController
 
         config = self.config

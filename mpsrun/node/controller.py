@@ -16,7 +16,8 @@ import os
 from collections.abc import Callable
 from typing import NamedTuple
 
-from mpsrun.job.controller import Controller, JudgingController, Policy, Welcome
+from mpsrun.job.controller import Controller, JudgingController, Welcome
+from mpsrun.job.outcome import Policy
 from mpsrun.job.table import RankState
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import IDLE_TIMEOUT, LATE_WAIT

@@ -32,8 +32,8 @@ from typing import Any
 from mpsrun.config.options import JobConfig, differing_options
 from mpsrun.errors import ConfigError, DaemonTimeoutError, InterruptionError, JobTimeoutError, MPSError
 from mpsrun.job.channel import free_port, rendezvous
-from mpsrun.job.controller import Policy
 from mpsrun.job.mpiexec import mpi4py_available
+from mpsrun.job.outcome import Policy
 from mpsrun.job.placement import daemon_defaults, welcome, without_mps
 from mpsrun.job.report import mps_report, verified_line
 from mpsrun.job.table import refuse_newcomer

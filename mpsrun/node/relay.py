@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from mpsrun.exitcodes import ExitCode
-from mpsrun.job.controller import Policy, Welcome
-from mpsrun.job.outcome import RankEnd
+from mpsrun.job.controller import Welcome
+from mpsrun.job.outcome import Policy, RankEnd
 from mpsrun.job.table import RankState
 from mpsrun.mps.watch import Finding
 from mpsrun.node.controller import NodeSide, Starter
