@@ -36,9 +36,11 @@ def main() -> NoReturn:
     interpreter's own finalisation (hundreds of modules) would add tens of milliseconds to every
     job, so the process ends at once, once its output is flushed.
     """
+    from mpsrun.mps.gpus import kept_until_exit
     from mpsrun.runtime.processes import exit_now, open_standard_descriptors
 
     open_standard_descriptors()
+    kept_until_exit()
     from mpsrun.cli import main as command
 
     before = len(_pending)

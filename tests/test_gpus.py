@@ -1,5 +1,6 @@
 """Unit tests: CUDA_VISIBLE_DEVICES handling and GPU selection (pure), and the NVML seam on the fake."""
 
+import os
 import subprocess
 import sys
 
@@ -72,6 +73,22 @@ def test_nvml_seam_on_fake_driver(fake_gpu, monkeypatch):
     assert [g.index for g in gpus.visible_gpus()] == [1]
     assert gpus.driver_info().cuda_version == "13.0"
     assert gpus.compute_pids(fake_gpu.uuids[0]) == set()
+
+
+def test_the_command_keeps_nvml_to_its_end_and_a_session_does_not(fake_gpu, short_tmp, monkeypatch):
+    """The mpsrun command never shuts NVML down (its process ends right after the job, and the shutdown would only
+    delay that); a session opened from Python code does, at its end."""
+    from mpsrun import mps_session
+
+    log = short_tmp / "shutdowns"
+    monkeypatch.setenv("FAKE_NVML_SHUTDOWN_LOG", str(log))
+    job = subprocess.run([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "local", "true"],
+                         capture_output=True, text=True, timeout=120)
+    assert job.returncode == 0, job.stderr
+    assert not log.exists() or log.read_text() == ""
+    with mps_session(gpu=0):
+        gpus.list_gpus()
+    assert set(log.read_text().split()) == {str(os.getpid())}
 
 
 def test_no_driver_is_a_clear_error(no_gpu):

@@ -322,6 +322,10 @@ def test_a_parent_gone_before_the_death_signal_was_asked_for_still_ends_the_chil
 
     pid = os.fork()
     if pid == 0:  # our "parent" is not the pid the caller read before the fork: it counts as gone
+        # As mpsrun's forked supervisor has it: SIGTERM at its default and not blocked, whatever an earlier test
+        # of this worker left in the process (a handler, a mask) and the fork copied.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         set_parent_death_signal(signal.SIGTERM, parent=os.getppid() + 1)
         os._exit(0)
     _, status = os.waitpid(pid, 0)
@@ -369,6 +373,7 @@ def test_a_deferring_block_remembers_a_signal_that_comes_as_it_ends(monkeypatch)
     block ends, as its handlers are put back, is remembered, not raised. The pattern it replaced ended the deferral
     first, and a SIGTERM in between (the reaper's, as a killed mpsrun's session was reaped) raised a traceback."""
     from mpsrun.runtime import interrupts as module
+    from mpsrun.runtime.constants import STOP_SIGNALS
 
     real_restore = module.restore_signals
 
@@ -380,5 +385,9 @@ def test_a_deferring_block_remembers_a_signal_that_comes_as_it_ends(monkeypatch)
     with module.Interrupts(deferred=True) as interrupts:
         pass
     assert interrupts.received == [signal.SIGTERM]
-    with pytest.raises(module.InterruptionError), module.Interrupts() as old, old.deferred():  # the old pattern
-        pass
+    handlers = {number: signal.getsignal(number) for number in STOP_SIGNALS}
+    try:
+        with pytest.raises(module.InterruptionError), module.Interrupts() as old, old.deferred():  # the old pattern
+            pass
+    finally:  # the old pattern's raise left its handlers in force: not for the next test of this worker
+        real_restore(handlers)

@@ -22,6 +22,7 @@ __all__ = [
     "compute_pids",
     "compute_processes",
     "driver_info",
+    "kept_until_exit",
     "list_gpus",
     "nvml_kept",
     "parse_visible_devices",
@@ -107,6 +108,13 @@ def nvml_kept() -> Iterator[None]:
 
                 with contextlib.suppress(pynvml.NVMLError):
                     pynvml.nvmlShutdown()
+
+
+def kept_until_exit() -> None:
+    """NVML, once initialised, stays so until the process ends: for the ``mpsrun`` command, which ends with
+    ``os._exit`` after its job, where NVML's shutdown (it waits for NVML's own threads) would only delay its end."""
+    global _keeping
+    _keeping += 1
 
 
 def driver_info() -> DriverInfo:

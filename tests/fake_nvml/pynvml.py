@@ -65,6 +65,9 @@ def nvmlInit() -> None:
 def nvmlShutdown() -> None:
     global _references
     _references = max(0, _references - 1)
+    if _references == 0 and os.environ.get("FAKE_NVML_SHUTDOWN_LOG"):  # tests count real shutdowns
+        with open(os.environ["FAKE_NVML_SHUTDOWN_LOG"], "a") as log:
+            log.write(f"{os.getpid()}\n")
 
 
 def _check() -> list[dict]:
