@@ -1,5 +1,6 @@
 """Unit tests: CUDA_VISIBLE_DEVICES handling and GPU selection (pure), and the NVML seam on the fake."""
 
+import json
 import os
 import subprocess
 import sys
@@ -108,3 +109,56 @@ def test_a_short_job_never_initialises_nvml_in_the_launcher(fake_gpu, short_tmp,
     assert job.returncode == 0, err
     inits = log.read_text().split()
     assert len(inits) == 1, inits
+    assert inits != [str(job.pid)]  # read by a child: NVML not loaded in the job's own process before its forks
+
+
+READ_AHEAD = """
+import json, os, sys, threading
+from mpsrun.mps import gpus
+if sys.argv[1] == "thread":
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+gpus.read_ahead()
+ahead = gpus._read_ahead
+if sys.argv[1] == "drop":
+    gpus.drop_read_ahead()
+    print(json.dumps({"forked": ahead is not None, "child_left": os.path.exists(f"/proc/{ahead.pid}")}))
+    sys.exit()
+try:
+    listed = [gpu.uuid for gpu in gpus.list_gpus()]
+except Exception as exc:
+    listed = f"{type(exc).__name__}: {exc}"
+print(json.dumps({"forked": ahead is not None, "listed": listed, "direct": [gpu.uuid for gpu in gpus._query()]
+                  if sys.argv[1] != "nodriver" else None}))
+"""
+
+
+def _read_ahead(mode):
+    out = subprocess.run([sys.executable, "-c", READ_AHEAD, mode], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("fake_gpu", [2], indirect=True)
+def test_the_gpu_list_read_ahead_by_a_child_is_the_drivers(fake_gpu):
+    """read_ahead() forks a child that reads the GPU list; list_gpus() then gives what NVML gives when asked here."""
+    result = _read_ahead("plain")
+    assert result["forked"] and result["listed"] == result["direct"] == fake_gpu.uuids
+
+
+def test_a_failed_reading_ahead_says_what_nvml_says(no_gpu):
+    """A child that could not read the list leaves the question to list_gpus(), which raises NVML's own error."""
+    result = _read_ahead("nodriver")
+    assert result["forked"] and result["listed"].startswith("NoDriverError: no usable NVIDIA driver")
+
+
+def test_no_reading_ahead_in_a_process_with_threads(fake_gpu):
+    """With another thread alive nothing is forked (a fork copies no thread, nor a lock it holds); the list is
+    read when asked for."""
+    result = _read_ahead("thread")
+    assert not result["forked"] and result["listed"] == result["direct"] == fake_gpu.uuids
+
+
+def test_a_reading_nobody_took_is_ended(fake_gpu):
+    """drop_read_ahead() ends and reaps the child of a reading nobody took (a job that failed before planning)."""
+    result = _read_ahead("drop")
+    assert result == {"forked": True, "child_left": False}

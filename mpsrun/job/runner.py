@@ -122,20 +122,18 @@ class Job:
             claim = channel = session = None
             try:
                 if backend.owns_daemons:
-                    if not backend.head_start:
-                        gpus.read_ahead()  # while the directory and the socket are made
+                    gpus.read_ahead()  # by a child, while the directory, the socket and mpiexec's start are made
                     claim = SessionClaim(session_base(None), "job", keep_logs=self.config.keep_logs)
                 channel = ControlChannel(f"unix:{claim.dirs.control_socket}" if claim and claim.dirs else "tcp",
                                          rendezvous(first_host(self.config), free_port(), os.environ))
                 if backend.head_start:
                     self._start_early(backend, program, channel, claim)
-                    if backend.owns_daemons:  # only now: the reading's imports hold the interpreter's lock
-                        gpus.read_ahead()  # while mpiexec starts the ranks
                 session = self._new_session() if claim else None
                 failure = self._set_up(session, claim, channel)
                 controller = self._run(backend, session, program, channel, interrupts, failure)
             finally:
                 with interrupts.deferred():
+                    gpus.drop_read_ahead()
                     if channel is not None:
                         channel.close()
                     teardown_failure = self._close(session, claim)

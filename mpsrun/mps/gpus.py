@@ -7,11 +7,13 @@ This is the one place mpsrun talks to NVML. Everything else sees plain
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import signal
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, NoReturn
 
 from mpsrun.config.values import GpuList
 from mpsrun.errors import ConfigError, GPUError, GPUNotFoundError, NoDriverError
@@ -22,6 +24,7 @@ __all__ = [
     "compute_pids",
     "compute_processes",
     "driver_info",
+    "drop_read_ahead",
     "kept_until_exit",
     "list_gpus",
     "nvml_kept",
@@ -149,44 +152,74 @@ def _query() -> list[GPU]:
         return [_describe(nvml, i) for i in range(int(nvml.nvmlDeviceGetCount()))]
 
 
-class _ReadAhead(threading.Thread):
-    """The GPU list, read in a thread of its own while the caller does other work."""
+class _ReadAhead:
+    """The GPU list, read by a forked child while the caller does other work. A child, not a thread: a thread's
+    import of pynvml would hold the interpreter's lock meanwhile, and NVML loaded here would make each fork of a
+    local rank's supervisor slower (docs/benchmarks.md). Forked only while this process has no other thread."""
 
     def __init__(self) -> None:
-        super().__init__(name="mpsrun-gpus", daemon=True)
-        self.gpus: list[GPU] = []
-        self.error: BaseException | None = None
+        read, write = os.pipe2(os.O_CLOEXEC)
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.close(read)
+            _answer_in_child(write)
+        os.close(write)
+        self.pipe = read
 
-    def run(self) -> None:
+    def take(self) -> list[GPU] | None:
+        """The child's list; None when it failed (the caller then asks NVML itself, and says what that says)."""
+        with open(self.pipe, "rb") as reply:
+            data = reply.read()
+        _, status = os.waitpid(self.pid, 0)
         try:
-            self.gpus = _query()
-        except BaseException as exc:  # given to the caller of list_gpus(), as if it had asked itself
-            self.error = exc
+            return [GPU(**item) for item in json.loads(data)] if status == 0 else None
+        except (ValueError, TypeError):
+            return None
+
+    def drop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)  # our child, not reaped yet: the pid is still its own
+        os.waitpid(self.pid, 0)
+        os.close(self.pipe)
+
+
+def _answer_in_child(pipe: int) -> NoReturn:
+    code = 1
+    try:
+        kept_until_exit()  # the child ends with os._exit: no shutdown
+        data = json.dumps([asdict(gpu) for gpu in _query()]).encode()
+        with open(pipe, "wb") as out:
+            out.write(data)
+        code = 0
+    finally:  # whatever happened (an NVML error, a signal): the parent asks again itself
+        os._exit(code)
 
 
 _read_ahead: _ReadAhead | None = None
 
 
 def read_ahead() -> None:
-    """Start reading the GPU list now, for the next :func:`list_gpus` to take: NVML's initialisation then overlaps
-    what a job does before it plans its ranks (docs/benchmarks.md). Its import does not: a thread's Python code
-    holds the interpreter's lock, so the caller starts it once nothing of its own is more urgent."""
+    """Start reading the GPU list now, for the next :func:`list_gpus` to take (:func:`drop_read_ahead` ends one never
+    taken): NVML's import and initialisation then overlap what a job does before it plans its ranks."""
     global _read_ahead
-    if _read_ahead is None:
+    if _read_ahead is None and threading.active_count() == 1:  # a fork copies no other thread, nor the locks it holds
         _read_ahead = _ReadAhead()
-        _read_ahead.start()
+
+
+def drop_read_ahead() -> None:
+    """End a reading nobody took (the job ended before it planned its ranks)."""
+    global _read_ahead
+    ahead, _read_ahead = _read_ahead, None
+    if ahead is not None:
+        ahead.drop()
 
 
 def list_gpus() -> list[GPU]:
     """Every GPU the driver knows, in NVML order, ignoring ``CUDA_VISIBLE_DEVICES``."""
     global _read_ahead
     ahead, _read_ahead = _read_ahead, None
-    if ahead is None:
-        return _query()
-    ahead.join()
-    if ahead.error is not None:
-        raise ahead.error
-    return ahead.gpus
+    gpus = ahead.take() if ahead is not None else None
+    return _query() if gpus is None else gpus
 
 
 def parse_visible_devices(value: str | None, gpus: Sequence[GPU]) -> list[GPU]:
