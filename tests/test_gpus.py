@@ -113,12 +113,32 @@ def test_a_short_job_never_initialises_nvml_in_the_launcher(fake_gpu, short_tmp,
 
 
 READ_AHEAD = """
-import json, os, sys, threading
+import json, os, signal, sys, threading, time
 from mpsrun.mps import gpus
 if sys.argv[1] == "thread":
     threading.Thread(target=threading.Event().wait, daemon=True).start()
+if sys.argv[1] == "nofork":
+    def refused():
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+    real_fork, os.fork = os.fork, refused
+if sys.argv[1] == "interrupt":
+    real_query = gpus._query
+    gpus._query = lambda: (time.sleep(30), real_query())[1]  # the child's reading hangs
 gpus.read_ahead()
 ahead = gpus._read_ahead
+if sys.argv[1] == "nofork":
+    os.fork = real_fork
+if sys.argv[1] == "interrupt":
+    def interrupt(number, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    try:
+        gpus.list_gpus()
+    except KeyboardInterrupt:
+        pass
+    print(json.dumps({"forked": ahead is not None, "child_left": os.path.exists(f"/proc/{ahead.pid}")}))
+    sys.exit()
 if sys.argv[1] == "drop":
     gpus.drop_read_ahead()
     print(json.dumps({"forked": ahead is not None, "child_left": os.path.exists(f"/proc/{ahead.pid}")}))
@@ -156,6 +176,18 @@ def test_no_reading_ahead_in_a_process_with_threads(fake_gpu):
     read when asked for."""
     result = _read_ahead("thread")
     assert not result["forked"] and result["listed"] == result["direct"] == fake_gpu.uuids
+
+
+def test_a_machine_that_cannot_fork_now_reads_the_list_when_asked(fake_gpu):
+    """A fork refused (no process to spare, ``ulimit -u``) starts no reading, and list_gpus() asks NVML itself."""
+    result = _read_ahead("nofork")
+    assert not result["forked"] and result["listed"] == result["direct"] == fake_gpu.uuids
+
+
+def test_a_wait_for_the_reading_cut_short_ends_the_child(fake_gpu):
+    """A signal that ends the wait for the child's answer (Ctrl-C as the job plans) ends and reaps the child too."""
+    result = _read_ahead("interrupt")
+    assert result == {"forked": True, "child_left": False}
 
 
 def test_a_reading_nobody_took_is_ended(fake_gpu):

@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 from mpsrun.config.values import GpuList
 from mpsrun.errors import ConfigError, GPUError, GPUNotFoundError, NoDriverError
+from mpsrun.runtime.interrupts import uninterrupted
 
 __all__ = [
     "GPU",
@@ -159,7 +160,12 @@ class _ReadAhead:
 
     def __init__(self) -> None:
         read, write = os.pipe2(os.O_CLOEXEC)
-        self.pid = os.fork()
+        try:
+            self.pid = os.fork()
+        except OSError:  # no process to spare now (ulimit -u): the list is read when asked for
+            os.close(read)
+            os.close(write)
+            raise
         if self.pid == 0:
             os.close(read)
             _answer_in_child(write)
@@ -168,9 +174,14 @@ class _ReadAhead:
 
     def take(self) -> list[GPU] | None:
         """The child's list; None when it failed (the caller then asks NVML itself, and says what that says)."""
-        with open(self.pipe, "rb") as reply:
-            data = reply.read()
-        _, status = os.waitpid(self.pid, 0)
+        try:
+            with open(self.pipe, "rb", closefd=False) as reply:
+                data = reply.read()
+            _, status = os.waitpid(self.pid, 0)
+        except BaseException:  # interrupted while it waited: the child ends with the job
+            self.drop()
+            raise
+        os.close(self.pipe)
         try:
             return [GPU(**item) for item in json.loads(data)] if status == 0 else None
         except (ValueError, TypeError):
@@ -179,7 +190,8 @@ class _ReadAhead:
     def drop(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)  # our child, not reaped yet: the pid is still its own
-        os.waitpid(self.pid, 0)
+        with contextlib.suppress(ChildProcessError):  # reaped already
+            os.waitpid(self.pid, 0)
         os.close(self.pipe)
 
 
@@ -203,7 +215,8 @@ def read_ahead() -> None:
     taken): NVML's import and initialisation then overlap what a job does before it plans its ranks."""
     global _read_ahead
     if _read_ahead is None and threading.active_count() == 1:  # a fork copies no other thread, nor the locks it holds
-        _read_ahead = _ReadAhead()
+        with uninterrupted(), contextlib.suppress(OSError):  # on record before a signal is acted on
+            _read_ahead = _ReadAhead()
 
 
 def drop_read_ahead() -> None:
