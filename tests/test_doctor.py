@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -62,24 +63,32 @@ def test_our_own_daemon_is_recognised(fake_gpu):
         assert entry["mpsrun"] and entry["mine"] and entry["pipe_dir"] == str(session.daemons[0].pipe_dir)
 
 
-@pytest.mark.parametrize("writable", [True, False])
-def test_nvml_without_bytecode_is_warned_of(fake_gpu, monkeypatch, tmp_path, writable):
-    """A pynvml whose bytecode cannot be written (PYTHONDONTWRITEBYTECODE) gets a warning naming the file and the
-    compileall command; one whose bytecode the import writes gets none."""
+@pytest.mark.parametrize(("case", "warned"), [("writable", False), ("not written", True), ("stale", True),
+                                              ("compiled, doctor run with -O", False)])
+def test_nvml_without_bytecode_is_warned_of(fake_gpu, monkeypatch, tmp_path, case, warned):
+    """A pynvml whose bytecode is missing or older than its source, and cannot be written (PYTHONDONTWRITEBYTECODE),
+    gets a warning naming the file and the compileall command; one whose bytecode the import writes, or that has it
+    (also when doctor itself runs with -O, which reads other files), gets none."""
     import os
+    import py_compile
 
     fake = Path(__file__).parent / "fake_nvml" / "pynvml.py"
     copy = tmp_path / "nvml" / "pynvml.py"
     copy.parent.mkdir()
     copy.write_text(fake.read_text())
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(copy.parent), os.environ.get("PYTHONPATH", "")]))
-    if writable:
-        monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
-    else:
-        monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
-    out = doctor("--json")
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    if case == "writable":
+        monkeypatch.delenv("PYTHONDONTWRITEBYTECODE")
+    if case in ("stale", "compiled, doctor run with -O"):
+        py_compile.compile(str(copy), doraise=True)
+    if case == "stale":  # the source changed after it was compiled
+        os.utime(copy, (time.time() + 60, time.time() + 60))
+    flags = ["-O"] if case.endswith("-O") else []
+    out = subprocess.run([sys.executable, *flags, "-m", "mpsrun", "doctor", "--json"], capture_output=True, text=True,
+                         timeout=180)
     warnings = [w for w in json.loads(out.stdout)["warnings"] if "compiled bytecode" in w]
-    if writable:
-        assert warnings == []
-    else:
+    if warned:
         assert len(warnings) == 1 and str(copy) in warnings[0] and "-m compileall" in warnings[0]
+    else:
+        assert warnings == []

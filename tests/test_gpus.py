@@ -1,5 +1,6 @@
 """Unit tests: CUDA_VISIBLE_DEVICES handling and GPU selection (pure), and the NVML seam on the fake."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -194,3 +195,31 @@ def test_a_reading_nobody_took_is_ended(fake_gpu):
     """drop_read_ahead() ends and reaps the child of a reading nobody took (a job that failed before planning)."""
     result = _read_ahead("drop")
     assert result == {"forked": True, "child_left": False}
+
+
+def test_a_job_killed_outright_takes_its_gpu_reading_along(fake_gpu, monkeypatch):
+    """mpsrun SIGKILLed while its child still reads the GPU list (a slow driver): the child ends with it, and
+    whoever reads the job's output (``mpsrun ... | cat``) sees its end at once, not when NVML answers."""
+    import select
+    import time
+
+    import psutil
+
+    monkeypatch.setenv("FAKE_NVML_INIT_WAIT", "20")
+    job = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "local", "true"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    reader = None
+    while reader is None and time.monotonic() < deadline:  # the child: a fork, with the job's command line
+        with contextlib.suppress(psutil.Error):
+            me = psutil.Process(job.pid)
+            reader = next((c for c in me.children() if c.cmdline() == me.cmdline()), None)
+        time.sleep(0.01)
+    assert reader is not None, "no GPU-list child appeared"
+    job.kill()
+    job.wait()
+    ready, _, _ = select.select([job.stdout, job.stderr], [], [], 5)
+    assert len(ready) == 2 and job.stdout.read() == b"", "the job's output stayed open"
+    assert psutil.wait_procs([reader], timeout=5)[1] == [], "the GPU-list child outlived the job"
+    job.stdout.close()
+    job.stderr.close()

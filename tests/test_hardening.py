@@ -27,6 +27,7 @@ import pytest
 from helpers import (
     MPSRUN,
     PATHS,
+    Output,
     descendants,
     fake,
     job_argv,
@@ -547,4 +548,31 @@ def test_a_stopped_daemon_cannot_turn_a_timeout_into_a_rank_failure(fake_gpu, sh
     assert "timed out after 6 s" in err and "first" not in err and "supervisors did" not in err, err
     assert err.count("ran longer than") == 1 and err.count("stopped answering") <= 1, err
     assert len(lines) <= 3 and "did not quit" not in err, err  # its silence is said once, not again at its quit
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("path", ["local", "mpiexec"])
+def test_a_ctrl_c_to_the_group_does_not_cut_the_daemons_quit(fake_gpu, path):
+    """A Ctrl-C reaches a terminal's whole foreground group. One that came while mpsrun's ``quit`` command ran killed
+    that command before the daemon had it: the teardown then waited out its 10 s and terminated the daemon. The
+    control commands now run in a session of their own: the job ends with 130 and one line, at once."""
+    fake_gpu.daemon_env(FAKE_MPS_QUIT_CLIENT_WAIT="1.5")
+    start = time.monotonic()
+    job = subprocess.Popen(job_argv(path, ["-v"], ["true"], ranks=2), stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)  # its own group, as a terminal's foreground job
+    output = Output(job.stderr)
+    output.wait_for("mpsrun: ranks done", 60, proc=job)  # the teardown's commands from here on: quit
+
+    def quit_client() -> bool:
+        with contextlib.suppress(psutil.Error):
+            return any(not {"-f", "--server"} & set(p.cmdline()) for p in descendants(job, "nvidia-cuda-mps-control"))
+        return False
+
+    wait_for(quit_client, 60, "no quit command ran", proc=job)
+    os.killpg(job.pid, signal.SIGINT)
+    job.wait(timeout=60)
+    err = output.text()
+    assert job.returncode == 130, err
+    assert "did not quit" not in err and "interrupted by SIGINT while ending the job" in err, err
+    assert time.monotonic() - start < 9, err
     settle(fake_gpu)

@@ -275,8 +275,9 @@ class ControlDaemon:
 
     def _run_client(self, text: str, timeout: float) -> subprocess.CompletedProcess[str]:
         try:
+            # Its own session, as the daemon's: a Ctrl-C to the job's group killed a quit the daemon never had.
             return subprocess.run([self.executable], input=text + "\n", capture_output=True, text=True,
-                                  env=self.env, timeout=timeout, check=False)
+                                  env=self.env, timeout=timeout, check=False, start_new_session=True)
         except subprocess.TimeoutExpired as exc:
             # Answered before, not in a second now: stopped or stuck, and later commands would wait too. (quit
             # blocks while clients live, as documented; a deadline cut short by the caller's says nothing.)

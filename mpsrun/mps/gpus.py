@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 from mpsrun.config.values import GpuList
 from mpsrun.errors import ConfigError, GPUError, GPUNotFoundError, NoDriverError
 from mpsrun.runtime.interrupts import uninterrupted
+from mpsrun.runtime.processes import set_parent_death_signal
 
 __all__ = [
     "GPU",
@@ -160,6 +161,7 @@ class _ReadAhead:
 
     def __init__(self) -> None:
         read, write = os.pipe2(os.O_CLOEXEC)
+        parent = os.getpid()
         try:
             self.pid = os.fork()
         except OSError:  # no process to spare now (ulimit -u): the list is read when asked for
@@ -168,7 +170,7 @@ class _ReadAhead:
             raise
         if self.pid == 0:
             os.close(read)
-            _answer_in_child(write)
+            _answer_in_child(write, parent)
         os.close(write)
         self.pipe = read
 
@@ -195,9 +197,13 @@ class _ReadAhead:
         os.close(self.pipe)
 
 
-def _answer_in_child(pipe: int) -> NoReturn:
+def _answer_in_child(pipe: int, parent: int) -> NoReturn:
     code = 1
     try:
+        set_parent_death_signal(signal.SIGKILL, parent)  # a job killed outright does not wait for its NVML
+        quiet = os.open(os.devnull, os.O_WRONLY)
+        for fd in (1, 2):  # nor does whoever reads the job's output until its end
+            os.dup2(quiet, fd)
         kept_until_exit()  # the child ends with os._exit: no shutdown
         data = json.dumps([asdict(gpu) for gpu in _query()]).encode()
         with open(pipe, "wb") as out:

@@ -154,10 +154,14 @@ def _nvml_bytecode(warnings: list[str]) -> None:
     spec = importlib.util.find_spec("pynvml")
     if spec is None or not spec.origin or not spec.origin.endswith(".py"):
         return
-    cached = importlib.util.cache_from_source(spec.origin)
-    if not os.path.exists(cached):
-        warnings.append(f"{spec.origin} has no compiled bytecode, so every mpsrun job compiles it as it starts; "
-                        f"'{sys.executable} -m compileall {spec.origin}' writes it once")
+    cached = importlib.util.cache_from_source(spec.origin, optimization="")  # what the command, run without -O, reads
+    try:
+        current = os.stat(cached).st_mtime >= os.stat(spec.origin).st_mtime
+    except OSError:
+        current = False
+    if not current:
+        warnings.append(f"{spec.origin} has no current compiled bytecode, so every mpsrun job compiles it as it "
+                        f"starts; '{sys.executable} -m compileall {spec.origin}' writes it once")
 
 
 def gather() -> dict[str, Any]:

@@ -43,6 +43,10 @@ def run_client() -> int:
     for line in sys.stdin:
         if not line.strip():
             continue
+        if line.strip() == "quit" and os.environ.get("FAKE_MPS_QUIT_CLIENT_WAIT"):  # a client slow to start
+            import time  # only here: the module is built in, and most commands do not wait
+
+            time.sleep(float(os.environ["FAKE_MPS_QUIT_CLIENT_WAIT"]))
         reply = send(line.strip())
         if reply is None:
             print(NO_DAEMON, file=sys.stderr)

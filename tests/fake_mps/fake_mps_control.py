@@ -19,6 +19,7 @@ the daemon. Fault injection for tests, through the daemon's environment:
 * ``FAKE_MPS_NO_ANSWER=1``: the daemon runs but never opens its socket;
 * ``FAKE_MPS_ANSWER_AFTER=S``: it opens its socket only after S seconds;
 * ``FAKE_MPS_QUIT_HANG=1``: ``quit`` never returns (the daemon ignores SIGTERM too);
+* ``FAKE_MPS_QUIT_CLIENT_WAIT=S``: the client that sends ``quit`` waits S seconds first (a slow start);
 * ``FAKE_MPS_INIT_POLLS=N``: a new server answers INITIALIZING N times first;
 * ``FAKE_MPS_MAX_CLIENTS=N``: the server's client limit (48, as recorded on the H100).
 """

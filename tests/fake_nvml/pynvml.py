@@ -52,6 +52,10 @@ _references = 0  # NVML counts init/shutdown: only the first init of a process (
 
 def nvmlInit() -> None:
     global _gpus, _references
+    if os.environ.get("FAKE_NVML_INIT_WAIT"):  # a driver slow to answer
+        import time
+
+        time.sleep(float(os.environ["FAKE_NVML_INIT_WAIT"]))
     try:
         _gpus = json.loads((_root() / "gpus.json").read_text())
     except (OSError, ValueError):
