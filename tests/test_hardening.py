@@ -557,7 +557,6 @@ def test_a_ctrl_c_to_the_group_does_not_cut_the_daemons_quit(fake_gpu, path):
     that command before the daemon had it: the teardown then waited out its 10 s and terminated the daemon. The
     control commands now run in a session of their own: the job ends with 130 and one line, at once."""
     fake_gpu.daemon_env(FAKE_MPS_QUIT_CLIENT_WAIT="1.5")
-    start = time.monotonic()
     job = subprocess.Popen(job_argv(path, ["-v"], ["true"], ranks=2), stderr=subprocess.PIPE, text=True,
                            start_new_session=True)  # its own group, as a terminal's foreground job
     output = Output(job.stderr)
@@ -574,5 +573,4 @@ def test_a_ctrl_c_to_the_group_does_not_cut_the_daemons_quit(fake_gpu, path):
     err = output.text()
     assert job.returncode == 130, err
     assert "did not quit" not in err and "interrupted by SIGINT while ending the job" in err, err
-    assert time.monotonic() - start < 9, err
     settle(fake_gpu)
