@@ -555,7 +555,8 @@ def test_a_stopped_daemon_cannot_turn_a_timeout_into_a_rank_failure(fake_gpu, sh
 def test_a_ctrl_c_to_the_group_does_not_cut_the_daemons_quit(fake_gpu, path):
     """A Ctrl-C reaches a terminal's whole foreground group. One that came while mpsrun's ``quit`` command ran killed
     that command before the daemon had it: the teardown then waited out its 10 s and terminated the daemon. The
-    control commands now run in a session of their own: the job ends with 130 and one line, at once."""
+    control commands now run in a session of their own: the job ends with 130 and one line, at once. (Under
+    --per-node and --hosts the commands come from the node keepers, which had sessions of their own already.)"""
     fake_gpu.daemon_env(FAKE_MPS_QUIT_CLIENT_WAIT="1.5")
     job = subprocess.Popen(job_argv(path, ["-v"], ["true"], ranks=2), stderr=subprocess.PIPE, text=True,
                            start_new_session=True)  # its own group, as a terminal's foreground job
