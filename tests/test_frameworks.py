@@ -14,7 +14,6 @@ import sys
 import pytest
 from helpers import PATHS, gpu_job_argv, run_job, settle
 
-from mpsrun.rank.frameworks import NCCL_ON_A_SHARED_GPU
 
 #: Rank 0 listens at MASTER_ADDR:MASTER_PORT; every other rank connects and says who it is.
 MEET = """
@@ -163,57 +162,6 @@ def test_four_jax_ranks_share_one_gpu_without_flags(path, monkeypatch):
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["sum", "1.0", "gpu"] * 4, out.stdout
     assert "4 of 4 ranks connected to MPS" in out.stderr, out.stderr
-
-
-#: NCCL as it fails when two ranks share a GPU: it writes its warning where NCCL_DEBUG_FILE says (%h: the host,
-#: %p: the pid) when NCCL_DEBUG is set, and the rank raises "invalid usage".
-FAKE_NCCL = """
-import os, socket, sys
-if os.environ.get("NCCL_DEBUG") == "WARN" and os.environ.get("NCCL_DEBUG_FILE"):
-    path = os.environ["NCCL_DEBUG_FILE"].replace("%h", socket.gethostname()).replace("%p", str(os.getpid()))
-    with open(path, "w") as log:
-        log.write(f"{socket.gethostname()}:{os.getpid()} [0] init.cc:1 NCCL WARN Duplicate GPU detected : rank 1 "
-                  "and rank 0 both on CUDA device 1a000\\n")
-sys.exit("torch.distributed.DistBackendError: NCCL error: invalid usage")
-"""
-
-
-@pytest.mark.parametrize("path", PATHS)
-def test_nccls_duplicate_gpu_is_explained_in_one_line(path, fake_gpu, monkeypatch):
-    """Ranks that share a GPU fail in NCCL: the summary says in one line that NCCL cannot put several ranks on one
-    GPU and what works (it said only 'rank 0 exited with code 1 first', with NCCL's 'invalid usage' in the ranks'
-    own output)."""
-    monkeypatch.delenv("NCCL_DEBUG", raising=False)
-    monkeypatch.delenv("NCCL_DEBUG_FILE", raising=False)
-    out = run_job(path, [], [sys.executable, "-c", FAKE_NCCL], ranks=2)
-    assert out.returncode == 1, out.stderr
-    said = [line for line in out.stderr.splitlines() if line.startswith("mpsrun")]
-    assert len(said) == 1 and NCCL_ON_A_SHARED_GPU in said[0], out.stderr
-    assert not fake_gpu.session_dirs() or settle(fake_gpu)
-
-
-def test_the_callers_nccl_debugging_is_left_alone(fake_gpu, monkeypatch):
-    """A caller who set NCCL_DEBUG keeps NCCL's output where NCCL puts it: mpsrun sets no NCCL_DEBUG_FILE."""
-    monkeypatch.setenv("NCCL_DEBUG", "INFO")
-    monkeypatch.delenv("NCCL_DEBUG_FILE", raising=False)
-    show = "import os; os.write(1, f\"{os.environ.get('NCCL_DEBUG')} {os.environ.get('NCCL_DEBUG_FILE')}\\n\".encode())"
-    out = run_job("local", [], [sys.executable, "-c", show], ranks=2)
-    assert out.returncode == 0 and out.stdout.splitlines() == ["INFO None"] * 2, out.stderr
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("path", PATHS)
-def test_nccl_on_one_gpu_ends_with_the_explanation(path, monkeypatch):
-    """Two ranks on GPU 0 all-reduce with torch.distributed's NCCL backend: NCCL refuses (invalid usage) and the
-    summary says in one line why and what works."""
-    pytest.importorskip("torch")
-    for name in ("MASTER_ADDR", "MASTER_PORT", "NCCL_DEBUG", "NCCL_DEBUG_FILE"):
-        monkeypatch.delenv(name, raising=False)
-    program = TORCH.replace('"gloo"', '"nccl"').replace("tensor = torch.ones", "torch.cuda.set_device(0)\ntensor = torch.ones")
-    out = subprocess.run(gpu_job_argv(path, [], [sys.executable, "-c", program], ranks=2), capture_output=True,
-                         text=True, timeout=300)
-    said = [line for line in out.stderr.splitlines() if line.startswith("mpsrun")]
-    assert out.returncode != 0 and len(said) == 1 and NCCL_ON_A_SHARED_GPU in said[0], out.stderr
 
 
 #: Rank 2 fails at once (as a rank out of device memory does); the others wait for the job to stop them.

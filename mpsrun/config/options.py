@@ -104,6 +104,10 @@ class JobConfig:
     gpu_bind: str = option("--gpu-bind", default="single", choices=values.GPU_BINDS, forward=True,
                            help="single: each rank sees one GPU (default); none: every rank sees all the job's GPUs, "
                            "served by one MPS daemon (for codes that pick their own device)")
+    local_rank: str = option("--local-rank", default="node", choices=values.LOCAL_RANKS, forward=True,
+                             help="what LOCAL_RANK says: node: the rank's place among its node's ranks, as torchrun "
+                             "(default); device: a device number the rank can use (0 where each rank sees its one "
+                             "GPU), for scripts that use LOCAL_RANK as their device when ranks share a GPU")
     thread_percentage: values.ThreadSpec = option(
         "--thread-percentage", default=None, parse=_validated(values.parse_thread_spec), metavar="P|auto|P0,P1,...",
         render=_spec_text, forward=True,

@@ -19,6 +19,7 @@ from mpsrun.errors import ConfigError
 __all__ = [
     "GPU_BINDS",
     "LAUNCHERS",
+    "LOCAL_RANKS",
     "MAP_POLICIES",
     "MAX_RANKS",
     "MPS_MODES",
@@ -48,6 +49,7 @@ MPS_MODES = ("auto", "on", "off")
 GPU_BINDS = ("single", "none")
 LAUNCHERS = ("auto", "local", "mpiexec")
 MAP_POLICIES = ("block", "round-robin")
+LOCAL_RANKS = ("node", "device")
 MAX_RANKS = 1 << 20
 #: ``None`` (no cap), one percentage for every rank, ``"auto"``, or one per rank.
 ThreadSpec = None | int | str | tuple[int, ...]

@@ -15,7 +15,7 @@ from mpsrun.config.options import JobConfig
 from mpsrun.errors import ConfigError
 from mpsrun.mps.environment import MANAGED_VARIABLES, GpuTarget, worker_variables
 from mpsrun.mps.limits import DaemonDefaults, auto_mem_limits
-from mpsrun.rank.frameworks import shared_gpu_defaults
+from mpsrun.rank.frameworks import rank_defaults, shared_gpu_defaults, torchrun_variables
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import (
     CONTROL_VARIABLES,
@@ -38,7 +38,7 @@ class RankPlan:
     thread_percentage: int | None = None
     mem_limit: str | None = None
     priority: int | None = None
-    sharers: int | None = None  # the node's ranks that use its GPU (under --gpu-bind none: every GPU), when known
+    sharers: int | None = None  # the node's ranks on its GPU (under --gpu-bind none: spread evenly), when known
 
 
 def gpu_of_rank(local_rank: int, local_size: int | None, ngpus: int, policy: str) -> int:
@@ -100,8 +100,7 @@ def plan_rank(identity: RankIdentity, ngpus: int, config: JobConfig, free: Seque
                         config.priority)
     local_size = identity.local_world_size
     gpu = 0 if config.gpu_bind == "none" else gpu_of_rank(identity.local_rank, local_size, ngpus, config.map_by)
-    sharers = None if local_size is None else local_size if config.gpu_bind == "none" else \
-        _sharing(config, local_size, ngpus, "")[gpu]
+    sharers = None if local_size is None else _sharing(config, local_size, ngpus, "")[gpu]
     return RankPlan(identity.rank, gpu, _percentage(config, identity, gpu, ngpus),
                     _mem_limits(config, local_size, ngpus, free)[gpu], config.priority, sharers)
 
@@ -125,11 +124,11 @@ def daemon_defaults(config: JobConfig, ngpus: int, local_size: int | None, free:
     return DaemonDefaults(cap, tuple(_mem_limits(config, local_size, ngpus, free if known else ())))
 
 
-def rank_environment(target: GpuTarget | None, plan: RankPlan | None, identity: RankIdentity | None = None
-                     ) -> dict[str, str]:
+def rank_environment(target: GpuTarget | None, plan: RankPlan | None, identity: RankIdentity | None = None,
+                     local_rank: int | None = None) -> dict[str, str]:
     """The variables mpsrun gives one rank: its GPUs and MPS variables (``target``, None: no GPU known) with the
     limits of its ``plan``, and its place in the job (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-    ``LOCAL_WORLD_SIZE`` where known)."""
+    ``LOCAL_WORLD_SIZE`` where known). ``local_rank``: what LOCAL_RANK says, if not the rank's place on its node."""
     env: dict[str, str] = {}
     if target is not None:
         limits = (plan.thread_percentage, plan.mem_limit, plan.priority) if plan is not None else ()
@@ -137,7 +136,8 @@ def rank_environment(target: GpuTarget | None, plan: RankPlan | None, identity: 
     if identity is not None:
         if plan is not None and target is not None:
             env["MPSRUN_GPU"] = str(plan.gpu)
-        env.update(RANK=str(identity.rank), LOCAL_RANK=str(identity.local_rank), MPSRUN_RANK=str(identity.rank))
+        local = identity.local_rank if local_rank is None else local_rank
+        env.update(RANK=str(identity.rank), LOCAL_RANK=str(local), MPSRUN_RANK=str(identity.rank))
         if identity.world_size is not None:
             env["WORLD_SIZE"] = str(identity.world_size)
         if identity.local_world_size is not None:
@@ -189,7 +189,8 @@ def welcome(identity: RankIdentity, config: JobConfig, ngpus: int, target_of: Ca
     ``mpsrun`` command, not a node keeper): what an MPI launcher rewrote of it is put back.
     """
     plan = plan_rank(identity, ngpus, config, free)
-    env = rank_environment(target_of(plan.gpu) if ngpus else None, plan, identity)
+    target = target_of(plan.gpu) if ngpus else None
+    env = rank_environment(target, plan, identity, _device_number(identity, config, ngpus))
     if session_dir is not None:
         env.setdefault(SESSION_DIR_VARIABLE, session_dir)
     restore: dict[str, str | None] = {}
@@ -198,10 +199,22 @@ def welcome(identity: RankIdentity, config: JobConfig, ngpus: int, target_of: Ca
     for item in config.exports:  # -x: resolved where the command line was read
         name, given, value = item.partition("=")
         restore[name] = value if given else None
-    return {"env": env, "defaults": shared_gpu_defaults(env, plan.sharers), "managed": list(MANAGED_VARIABLES),
+    defaults = [{name: value} for name, value in  # each alone: the caller's value of one leaves the others given
+                torchrun_variables(identity.rank, identity.world_size, identity.local_world_size).items()]
+    defaults += shared_gpu_defaults(env, plan.sharers, target.multiprocessors if target else None)
+    defaults += rank_defaults(env, identity.rank)
+    return {"env": env, "defaults": defaults, "managed": list(MANAGED_VARIABLES),
             "restore": restore, "tag": config.tag_output,
             "grace": config.grace, "timeout": config.timeout, "mpi4py_abort": mpi4py_abort, "output_lock": output_lock,
             "output_dir": config.output_filename, "unlimited_gpu": _unlimited_gpu(plan, ngpus)}
+
+
+def _device_number(identity: RankIdentity, config: JobConfig, ngpus: int) -> int | None:
+    """LOCAL_RANK under ``--local-rank device``: a device the rank can use (its one GPU is device 0; seeing every
+    GPU, the rank's place on the node modulo the GPUs); None: LOCAL_RANK is the rank's place on its node."""
+    if config.local_rank != "device":
+        return None
+    return 0 if config.gpu_bind == "single" or ngpus < 1 else identity.local_rank % ngpus
 
 
 def _unlimited_gpu(plan: RankPlan, ngpus: int) -> list[int] | None:

@@ -26,13 +26,15 @@ MANAGED_VARIABLES = (
 @dataclass(frozen=True, slots=True)
 class GpuTarget:
     """The GPUs a worker reaches: ``visible`` (its GPU's UUID, or under ``gpu_bind="none"`` every session GPU's,
-    comma-separated) and, under MPS, the directories of the daemon that serves them."""
+    comma-separated), how many (``devices``) and the SMs of the smallest (``multiprocessors``, where known) and,
+    under MPS, the directories of the daemon that serves them."""
 
     visible: str
     pipe_dir: str | None = None
     log_dir: str | None = None
     session_dir: str | None = None
     devices: int = 1
+    multiprocessors: int | None = None
 
 
 def client_variables(thread_percentage: int | None, mem_limit: str | None, priority: int | None,

@@ -37,6 +37,10 @@ __all__ = [
 ]
 
 _COMPUTE_MODES = {0: "Default", 1: "Exclusive_Thread", 2: "Prohibited", 3: "Exclusive_Process"}
+#: CUDA cores per SM by compute capability: NVML gives a GPU's cores, not its SMs (its attributes call answers for MIG
+#: instances only). From NVIDIA's CUDA Programming Guide, "Compute Capabilities" (arithmetic instruction throughput).
+_CORES_PER_SM = {(7, 0): 64, (7, 2): 64, (7, 5): 64, (8, 0): 64, (8, 6): 128, (8, 7): 128, (8, 9): 128, (9, 0): 128,
+                 (10, 0): 128, (12, 0): 128}
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +54,7 @@ class GPU:
     compute_mode: str
     mig_enabled: bool
     memory_free: int = 0  # when it was looked at (for --mem-limit auto)
+    multiprocessors: int | None = None  # SMs, where NVML says (for NCCL's block cap on a shared GPU)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +151,18 @@ def _describe(nvml: Any, index: int) -> GPU:
         compute_mode=_COMPUTE_MODES.get(int(nvml.nvmlDeviceGetComputeMode(handle)), "Unknown"),
         mig_enabled=mig,
         memory_free=int(memory.free),
+        multiprocessors=_multiprocessors(nvml, handle),
     )
+
+
+def _multiprocessors(nvml: Any, handle: Any) -> int | None:
+    """The GPU's SMs: its CUDA cores over the cores per SM of its compute capability; None where NVML cannot say."""
+    try:
+        cores = int(nvml.nvmlDeviceGetNumGpuCores(handle))
+        per_sm = _CORES_PER_SM.get(tuple(nvml.nvmlDeviceGetCudaComputeCapability(handle)))
+    except (AttributeError, nvml.NVMLError):  # an older driver or nvidia-ml-py
+        return None
+    return cores // per_sm if per_sm and cores > 0 else None
 
 
 def _query() -> list[GPU]:

@@ -105,10 +105,12 @@ class DaemonSet:
         (a ``session_dir``), its daemon."""
         group = self.gpus if self.shared else [self.gpus[position]]
         visible = ",".join(g.uuid for g in group)
+        counts = [g.multiprocessors for g in group if g.multiprocessors]
+        multiprocessors = min(counts) if len(counts) == len(group) else None
         if session_dir is None:
-            return GpuTarget(visible, devices=len(group))
+            return GpuTarget(visible, devices=len(group), multiprocessors=multiprocessors)
         daemon = self.of(position)
-        return GpuTarget(visible, str(daemon.pipe_dir), str(daemon.log_dir), session_dir, len(group))
+        return GpuTarget(visible, str(daemon.pipe_dir), str(daemon.log_dir), session_dir, len(group), multiprocessors)
 
     def wait_active(self, timeout: float) -> None:
         for daemon in self.daemons:

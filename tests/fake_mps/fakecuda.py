@@ -55,18 +55,30 @@ class Context:
         # (a fake's kernel asks its daemon; a real one's runs on the server, a daemon's SIGSTOP notwithstanding)
         state = send(f"__client_poll {self.pid}", self.pipe, timeout=float(os.environ.get("FAKE_KERNEL_WAIT", "5")))
         if state == "terminated":
-            raise SystemExit(_fail("cudaErrorMpsClientTerminated"))
+            raise SystemExit(_fail("cudaErrorMpsClientTerminated",
+                                   "Returning 810 (CUDA_ERROR_MPS_CLIENT_TERMINATED) from cuCtxSynchronize_v2"))
         if state == "fault":
-            raise SystemExit(_fail("cudaErrorIllegalAddress"))
+            raise SystemExit(_fail("cudaErrorIllegalAddress",
+                                   "Returning 700 (CUDA_ERROR_ILLEGAL_ADDRESS) from cuCtxSynchronize_v2"))
         if state is None:
-            raise SystemExit(_fail("cudaErrorMpsRpcFailure"))
+            raise SystemExit(_fail("cudaErrorMpsRpcFailure",
+                                   "Returning 806 (CUDA_ERROR_MPS_RPC_FAILURE) from cuCtxSynchronize_v2"))
 
     def fault(self) -> None:
         send(f"__client_fault {self.pid}", self.pipe, timeout=5)
-        raise SystemExit(_fail("cudaErrorIllegalAddress"))
+        raise SystemExit(_fail("cudaErrorIllegalAddress",
+                               "Returning 700 (CUDA_ERROR_ILLEGAL_ADDRESS) from cuCtxSynchronize_v2"))
 
 
-def _fail(error: str) -> int:
+def _fail(error: str, logged: str = "") -> int:
+    """Say a CUDA error as a program does, and write CUDA's own line for it where CUDA_LOG_FILE says, as CUDA 12.9
+    and later do (lines recorded on an H100, driver 580)."""
+    if logged and os.environ.get("CUDA_LOG_FILE"):
+        stamp = time.strftime("%H:%M:%S.000")
+        with open(os.environ["CUDA_LOG_FILE"], "a") as log:
+            log.write(f"[{stamp}][{os.getpid()}][CUDA][E] No CUDA context is current to the calling thread\n"
+                      f"[{stamp}][{os.getpid()}][CUDA][E] Returning 201 (CUDA_ERROR_INVALID_CONTEXT) from "
+                      f"cuCtxGetDevice_v2\n[{stamp}][{os.getpid()}][CUDA][E] {logged}\n")
     print(f"CUDA error: {error}", file=sys.stderr, flush=True)
     return 1
 
@@ -78,7 +90,9 @@ def _visible_uuid(device: int = 0) -> str:
     value = os.environ.get("CUDA_VISIBLE_DEVICES")
     visible = [v.strip() for v in value.split(",")] if value else [str(i) for i in range(max(1, len(gpus)))]
     if device >= len(visible):
-        raise SystemExit(_fail("cudaErrorInvalidDevice: invalid device ordinal"))
+        raise SystemExit(_fail("cudaErrorInvalidDevice: invalid device ordinal",
+                               f"Invalid device number {device} provided, must be in the range of 0 to "
+                               f"{len(visible) - 1}"))
     if visible[device].startswith("GPU-"):
         return visible[device]
     index = int(visible[device]) if visible[device].isdigit() else 0

@@ -169,3 +169,15 @@ def nvmlDeviceGetComputeRunningProcesses(handle: dict) -> list[SimpleNamespace]:
 def nvmlDeviceGetMPSComputeRunningProcesses(handle: dict) -> list[SimpleNamespace]:
     # Recorded on the H100: only the MPS clients, not the server.
     return _procs(handle, ("M+C",))
+
+
+def nvmlDeviceGetNumGpuCores(handle: dict) -> int:
+    # An H100 SXM's by default (132 SMs of 128 cores); "cores": null in gpus.json: a driver that cannot say.
+    if handle.get("cores", 0) is None:
+        raise NVMLError_NotSupported()
+    return int(handle.get("cores", 16896))
+
+
+def nvmlDeviceGetCudaComputeCapability(handle: dict) -> tuple[int, int]:
+    major, minor = handle.get("compute_capability", (9, 0))
+    return int(major), int(minor)
