@@ -14,6 +14,7 @@ import argparse
 import ctypes
 import json
 import os
+import sys
 import time
 
 import torch
@@ -21,15 +22,21 @@ import torch.distributed as dist
 
 
 def loaded_nccl() -> str | None:
-    """The version of the libnccl mapped into this process, as NCCL itself reports it (None: none loaded)."""
-    with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1] for line in maps if "libnccl" in line and line.split()[-1].startswith("/")}
-    for path in sorted(paths):
-        version = ctypes.c_int()
-        if ctypes.CDLL(path).ncclGetVersion(ctypes.byref(version)) == 0:
-            code = version.value  # 2.31.2 is 23102 (since 2.9: major * 10000 + minor * 100 + patch)
-            return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
-    return None
+    """The version of the NCCL this process's calls go to, as NCCL itself reports it (None: none loaded). A preloaded
+    library is first in the global scope, where torch's calls are bound, though torch's own is mapped too."""
+    try:
+        get_version = ctypes.CDLL(None).ncclGetVersion
+    except AttributeError:  # torch's own only, loaded where a global lookup does not see it
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "libnccl" in line and line.split()[-1][:1] == "/"})
+        if not paths:
+            return None
+        get_version = ctypes.CDLL(paths[0]).ncclGetVersion
+    version = ctypes.c_int()
+    if get_version(ctypes.byref(version)) != 0:
+        return None
+    code = version.value  # 2.31.2 is 23102 (since 2.9: major * 10000 + minor * 100 + patch)
+    return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
 
 
 def main() -> None:
@@ -53,8 +60,9 @@ def main() -> None:
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     dist.barrier()
-    print("RESULT", json.dumps({"rank": rank, "world": world, "right": right, "seconds": round(seconds, 4),
-                                "backend": args.backend, "nccl": loaded_nccl(), "device": str(device)}), flush=True)
+    sys.stdout.write("RESULT " + json.dumps({"rank": rank, "world": world, "right": right, "seconds": round(seconds, 4),
+                                "backend": args.backend, "nccl": loaded_nccl(), "device": str(device)}) + "\n")
+    sys.stdout.flush()  # one write a line: ranks share the job's output
     dist.destroy_process_group()
 
 

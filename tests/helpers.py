@@ -368,3 +368,30 @@ def in_use(paths: set[Path]) -> set[Path]:
             named = {Path(v) for k, v in proc.environ().items() if k == "HWLOC_XMLFILE"}
             used |= paths & (held | named)
     return used
+
+
+def nccl_version(library: str) -> tuple[int, int, int]:
+    """The version of the NCCL in ``library``, as it reports it (2.31.2 is 23102)."""
+    import ctypes
+
+    code = ctypes.c_int()
+    if ctypes.CDLL(library).ncclGetVersion(ctypes.byref(code)) != 0:
+        pytest.fail(f"ncclGetVersion failed in {library}")
+    return code.value // 10000, code.value // 100 % 100, code.value % 100
+
+
+def shared_gpu_nccl() -> list[str]:
+    """mpsrun options that give the ranks an NCCL of 2.30 or later, which can put several ranks on one GPU: torch's
+    own when it is one, else the library MPSRUN_TEST_NCCL_LIB names (preloaded; tools/nccl_wheel.sh carries one to
+    the GPU machine). Skips the test, naming the versions, where there is none."""
+    torch = pytest.importorskip("torch")
+    own = torch.cuda.nccl.version()
+    if tuple(own[:2]) >= (2, 30):
+        return []
+    library = os.environ.get("MPSRUN_TEST_NCCL_LIB")
+    if not library:
+        pytest.skip(f"torch's NCCL is {'.'.join(map(str, own))}, and MPSRUN_TEST_NCCL_LIB names no newer one")
+    found = nccl_version(library)
+    if found[:2] < (2, 30):
+        pytest.skip(f"MPSRUN_TEST_NCCL_LIB is NCCL {'.'.join(map(str, found))}: older than 2.30")
+    return ["-x", f"LD_PRELOAD={library}"]

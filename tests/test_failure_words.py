@@ -101,7 +101,8 @@ if os.environ.get("NCCL_DEBUG") == "WARN" and os.environ.get("NCCL_DEBUG_FILE"):
 sys.exit("torch.distributed.DistBackendError: NCCL error: invalid usage")
 """
 DUPLICATE = "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 60"
-MULTI_RANK = "Multiple ranks are using the same GPU; set NCCL_MULTI_RANK_GPU_ENABLE=1"
+MULTI_RANK = ("Multiple Ranks are using the same GPU/Partition. Set NCCL_MULTI_RANK_GPU_ENABLE=1 to enable this "
+              "configuration.")  # NCCL 2.31.2's words, on the H100
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -14,7 +14,6 @@ import sys
 import pytest
 from helpers import PATHS, gpu_job_argv, run_job, settle
 
-
 #: Rank 0 listens at MASTER_ADDR:MASTER_PORT; every other rank connects and says who it is.
 MEET = """
 import os, socket, time

@@ -9,10 +9,13 @@ NCCL itself.
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from helpers import PATHS, run_job
+from helpers import PATHS, gpu_job_argv, run_job, shared_gpu_nccl
 
 from mpsrun.rank.frameworks import nccl_block_cap, torchrun_variables
 
@@ -130,3 +133,68 @@ def test_local_rank_device_spreads_ranks_that_see_every_gpu(fake_gpu, clean):
     assert [ranks[r]["LOCAL_RANK"] for r in range(4)] == ["0", "1", "0", "1"]
     ranks = shown(run_job("local", ["--gpu-bind", "none"], program, ranks=4), 4)
     assert [ranks[r]["LOCAL_RANK"] for r in range(4)] == ["0", "1", "2", "3"]
+
+
+# -- the GPU tier -------------------------------------------------------------------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def results(out) -> list[dict]:
+    """The ranks' RESULT lines, as JSON."""
+    return [json.loads(line.split(" ", 1)[1]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
+def test_four_ranks_all_reduce_with_nccl_on_one_gpu_under_mps(path, monkeypatch):
+    """Four ranks on GPU 0 under MPS all-reduce a CUDA tensor with NCCL (2.30 or later), with no NCCL variable set by
+    hand: the sums are right in every rank and every rank is an MPS client (with NCCL's own blocks, 3 or more ranks
+    hung until stopped; skipped, with its reason, where no such NCCL is at hand)."""
+    nccl = shared_gpu_nccl()
+    for name in ("NCCL_MULTI_RANK_GPU_ENABLE", "NCCL_MAX_CTAS", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    program = [sys.executable, str(EXAMPLES / "torch_allreduce.py"), "--iterations", "5"]
+    out = subprocess.run(gpu_job_argv(path, ["-v", "--timeout", "240", *nccl], program, ranks=4), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = results(out)
+    assert len(found) == 4 and all(r["right"] for r in found), out.stdout
+    assert {tuple(map(int, r["nccl"].split(".")))[:2] >= (2, 30) for r in found} == {True}, found
+    assert "4 of 4 ranks connected to MPS" in out.stderr, out.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["local", "per-node"])
+def test_a_torchrun_script_runs_with_four_ranks_on_one_gpu(path, monkeypatch):
+    """DDP written as torchrun scripts are (LOCAL_RANK is the device), four ranks on GPU 0 under MPS with NCCL 2.30 or
+    later: it trains under --local-rank device, and the replicas stay equal."""
+    nccl = shared_gpu_nccl()
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    program = [sys.executable, str(EXAMPLES / "ddp_train.py"), "--steps", "50"]
+    out = subprocess.run(gpu_job_argv(path, ["--local-rank", "device", "--timeout", "240", *nccl], program, ranks=4),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = results(out)
+    assert len(found) == 4 and all(r["replicas_equal"] for r in found), out.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
+def test_a_torchrun_script_runs_with_one_rank_per_gpu(path, monkeypatch):
+    """The same DDP script, one rank on each of two GPUs with --gpu-bind none and torch's own NCCL: it trains, as
+    under torchrun (under the default binding rank 1 had no device 1)."""
+    pytest.importorskip("torch")
+    if subprocess.run([sys.executable, "-c", "import torch; assert torch.cuda.device_count() >= 2"],
+                      capture_output=True, timeout=120).returncode:
+        pytest.skip("needs two GPUs")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    program = [sys.executable, str(EXAMPLES / "ddp_train.py"), "--steps", "50"]
+    argv = gpu_job_argv(path, ["--gpu-bind", "none", "--timeout", "240"], program, ranks=2)
+    argv[argv.index("--gpus") + 1] = "0,1"
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = results(out)
+    assert len(found) == 2 and all(r["replicas_equal"] for r in found), out.stdout

@@ -8,7 +8,7 @@
 # There, one call per part, back to back (the machine goes back 30 s after a call), carry=[".nccl/pK"]:
 #   bash tools/nccl_wheel.sh take K                      move part K out of the tree into /tmp/nccl-parts
 # There, after the last part:
-#   bash tools/nccl_wheel.sh join                        join, check the sha256, unpack into /tmp/nccl
+#   bash tools/nccl_wheel.sh join                        join, check the sha256, unpack into /tmp/nccl (the wheel too)
 #   bash tools/nccl_wheel.sh lib                         print the unpacked libnccl.so.2 (for LD_PRELOAD)
 set -euo pipefail
 parts=/tmp/nccl-parts
@@ -47,7 +47,8 @@ case "${1:-}" in
     echo "$sum  /tmp/$name" | sha256sum -c -
     rm -rf "$unpacked" && mkdir -p "$unpacked"
     python3 -m zipfile -e "/tmp/$name" "$unpacked"
-    rm -rf "$parts" "/tmp/$name"
+    mv "/tmp/$name" "$unpacked/"  # for pip install, where the library should replace torch's own
+    rm -rf "$parts"
     ls "$unpacked"/nvidia/nccl/lib/libnccl.so.2
     ;;
   lib)
