@@ -82,6 +82,17 @@ def test_a_client_the_mps_server_ended_is_said_as_such(path, fake_gpu, clean, sh
     assert settle(fake_gpu)
 
 
+def test_mpsruns_own_detaching_is_said_with_v(fake_gpu, clean):
+    """A job stopped by its --timeout detaches its ranks from MPS before signalling them; with -v mpsrun says so, and
+    that their CUDA calls then fail as ended by the server (on the H100 each rank's 'the MPS client has been
+    terminated by the server' looked like the server's own doing)."""
+    out = run_job("local", ["-v", "--timeout", "3"], fake("--hold", "60"), ranks=2)
+    assert out.returncode == 124, out.stderr
+    assert "mpsrun: detached 2 rank process(es) from MPS before stopping them: their CUDA calls now fail with " \
+           "CUDA_ERROR_MPS_CLIENT_TERMINATED" in out.stderr, out.stderr
+    assert settle(fake_gpu)
+
+
 #: NCCL as it fails when two ranks share a GPU: the communicator's rank 0 says its version as it starts, before the
 #: ranks meet; each then warns where NCCL_DEBUG_FILE says (%h: the host, %p: the pid) when NCCL_DEBUG is set, and
 #: every rank raises "invalid usage".

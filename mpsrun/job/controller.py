@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import signal
 import socket
 import time
@@ -34,6 +35,8 @@ from mpsrun.runtime.protocol import Link, Listener
 from mpsrun.session.session import Session
 
 __all__ = ["Controller", "JudgingController", "Policy", "Welcome"]
+
+log = logging.getLogger("mpsrun")
 
 #: What a controller gives each rank it admits (its environment and settings), from its identity and hello.
 Welcome = Callable[[RankIdentity, Mapping[str, Any]], dict[str, Any]]
@@ -261,7 +264,10 @@ class Controller:
             return
         self._detached = True
         try:
-            self.session.detach_clients(list(with_descendants(self.table.local_pids())))
+            detached = self.session.detach_clients(list(with_descendants(self.table.local_pids())))
+            if detached:  # the ranks' 'terminated by the server' errors are this, not the server's own doing
+                log.info(f"mpsrun: detached {len(detached)} rank process(es) from MPS before stopping them: their CUDA "
+                         "calls now fail with CUDA_ERROR_MPS_CLIENT_TERMINATED")
         except MPSError as exc:  # stopping must go on
             self.note(f"could not detach ranks from MPS before stopping them: {exc}")
 
