@@ -86,11 +86,11 @@ BAD_COMMAND_LINES = [
     (["--thread-percentage", "101", "python"], "--thread-percentage: value must be a whole number from 1 to 100"),
     (["--thread-percentage", "abc", "python"], "--thread-percentage: value must be a whole number from 1 to 100"),
     (["--mem-limit", "12Q", "python"], "--mem-limit: value must be a size"),
-    (["--timeout", "-5", "python"], "positive number of seconds"),
-    (["--timeout", "nan", "python"], "positive number of seconds"),
+    (["--timeout", "-5", "python"], "must be more than 0 seconds"),
+    (["--timeout", "nan", "python"], "must be more than 0 seconds"),
     (["--timeout", "1e9", "python"], "below 1,000,000,000"),  # it said only 'must be a positive number'
-    (["--timeout", "\uff15", "python"], "positive number of seconds"),  # a fullwidth 5 was taken as 5
-    (["--grace", "-1", "python"], "must be a number of seconds"),
+    (["--timeout", "\uff15", "python"], "must be more than 0 seconds"),  # a fullwidth 5 was taken as 5
+    (["--grace", "-1", "python"], "must be 0 or more seconds"),  # it said "a number of seconds below ..." of -1
     (["--priority", "2", "python"], "--priority: value must be 0"),
     (["--gpus", "zero", "python"], "GPU indices or GPU- UUIDs"),
     (["--gpus", "0,,1", "python"], "comma-separated"),

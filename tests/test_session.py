@@ -221,7 +221,7 @@ def test_unknown_gpu_is_refused_before_anything_starts(fake_gpu):
         ({"gpu": 0, "gpus": [0]}, "not both"),
         ({"gpus": []}, "at least one GPU"),
         ({"tmpdir": "/" + "x" * 100}, "too long"),
-        ({"stop_timeout": -1}, "stop_timeout must be a positive number"),
+        ({"stop_timeout": -1}, "stop_timeout must be more than 0 seconds"),
     ],
 )
 def test_bad_arguments_raise_value_errors_before_start(fake_gpu, kwargs, message):
@@ -363,7 +363,7 @@ def test_two_threads_cannot_both_export(fake_gpu):
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"gpus": ""}, "at least one GPU"), ({"gpus": ","}, "at least one GPU"), ({"gpus": b"0"}, "GPU indices or GPU- UUIDs"),
     ({"keep_logs": "no"}, "keep_logs must be True or False"), ({"tmpdir": ""}, "tmpdir must name a directory"),
-    ({"start_timeout": float("inf")}, "positive number of seconds"), ({"export": 1}, "export must be True or False"),
+    ({"start_timeout": float("inf")}, "more than 0 seconds"), ({"export": 1}, "export must be True or False"),
 ])
 def test_more_bad_arguments_are_refused(fake_gpu, kwargs, message):
     """Arguments that used to be guessed at (or crashed later) are refused when the session is made."""

@@ -12,13 +12,13 @@ import re
 import shlex
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from mpsrun.config import values
 from mpsrun.config.options import JobConfig, Option, options
 from mpsrun.errors import ConfigError
 
-__all__ = ["EXCLUSIVE", "build_parser", "parse_args", "parse_options", "split_argv", "to_argv"]
+__all__ = ["EXCLUSIVE", "OneLineParser", "build_parser", "parse_args", "parse_options", "split_argv", "to_argv"]
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 #: Options that exclude each other: one given on the command line silences the others' variables.
@@ -31,13 +31,37 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message + _suggestion(message, self._option_string_actions), setting="command line")
 
 
+#: Other launchers' options, and what mpsrun takes instead (a close spelling of an unrelated option would mislead).
+_FOREIGN = {
+    "--nproc-per-node": "torchrun's --nproc-per-node is mpsrun's -np N, the ranks on this node",
+    "--nproc_per_node": "torchrun's --nproc_per_node is mpsrun's -np N, the ranks on this node",
+    "--nnodes": "for several nodes, use --hosts A,B, or start mpsrun --per-node under srun or mpiexec",
+    "--standalone": "mpsrun needs no rendezvous options: every rank gets MASTER_ADDR and MASTER_PORT",
+    "--npernode": "mpsrun places the ranks on this node's GPUs: -np N",
+    "-ppn": "mpsrun places the ranks on this node's GPUs: -np N",
+}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A subcommand's parser (``mpsrun bench``, ``doctor``, ``status``, ``cleanup``): a usage error is one line, as the
+    main command's is, and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}{_suggestion(message, self._option_string_actions)} "
+                     f"(see {self.prog} --help)\n")
+
+
 def _suggestion(message: str, flags: Iterable[str]) -> str:
-    """`` (did you mean --tag-output?)`` for a mistyped option (Python 3.14's argparse does this itself)."""
+    """`` (did you mean --tag-output?)`` for a mistyped option (Python 3.14's argparse does this itself), or what
+    mpsrun takes for another launcher's option."""
     unknown = message.partition("unrecognized arguments: ")[2].split()
     for word in unknown[:1]:
+        name = word.split("=", 1)[0]
+        if name in _FOREIGN:
+            return f" ({_FOREIGN[name]})"
         import difflib  # for a mistyped option only
 
-        close = difflib.get_close_matches(word.split("=", 1)[0], [f for f in flags if f.startswith("--")], n=1)
+        close = difflib.get_close_matches(name, [f for f in flags if f.startswith("--")], n=1)
         if close:
             return f" (did you mean {close[0]}?)"
     return ""

@@ -93,7 +93,7 @@ class JobConfig:
     """Everything that defines one ``mpsrun`` job."""
 
     command: tuple[str, ...] = ()
-    nranks: int | None = option("-n", "-np", default=None, parse=_validated(values.parse_ranks), metavar="N",
+    nranks: int | None = option("-n", "--np", "-np", default=None, parse=_validated(values.parse_ranks), metavar="N",
                                 forward=True,
                                 help="number of ranks (default 1; under --per-node: as the launcher started them)")
     gpus: values.GpuList = option(

@@ -117,8 +117,9 @@ def parse_seconds(value: object, setting: str, allow_zero: bool = False) -> floa
         with contextlib.suppress(ValueError):
             number = float(value)
     if not (0 <= number < MAX_SECONDS if allow_zero else 0 < number < MAX_SECONDS):
-        raise ConfigError(f"{setting} must be a {'' if allow_zero else 'positive '}number of seconds below "
-                          f"{MAX_SECONDS:,.0f}, not {value!r}", setting=setting, value=value)
+        least = "0 or more" if allow_zero else "more than 0"
+        raise ConfigError(f"{setting} must be {least} seconds (and below {MAX_SECONDS:,.0f}), not {value!r}",
+                          setting=setting, value=value)
     return number
 
 
@@ -225,7 +226,24 @@ def parse_hosts(value: object, setting: str = "--hosts") -> tuple[str, ...]:
         if not _HOST.fullmatch(host):
             raise ConfigError(f"{setting} must name hosts (letters, digits, '.', '-' and '_', optionally :N; never "
                               f"an option), not {host!r}", setting=setting, value=value)
+        _check_host(host, setting, value)
     return hosts
+
+
+#: A host name's length (DNS: 253 characters in all, 63 between dots) and the slots one host may have.
+_HOST_NAME_MOST, _LABEL_MOST = 253, 63
+
+
+def _check_host(entry: str, setting: str, value: object, where: str = "") -> None:
+    """A host entry's name fits DNS's lengths, and each slot count in it (``:N``, ``slots=N``) is 1 to MAX_RANKS."""
+    name = entry.split()[0].split(":")[0]
+    if len(name) > _HOST_NAME_MOST or any(len(label) > _LABEL_MOST for label in name.split(".")):
+        raise ConfigError(f"{setting}{where}: host name {name[:40]!r}... is longer than a host name can be "
+                          f"({_HOST_NAME_MOST} characters, {_LABEL_MOST} between dots)", setting=setting, value=value)
+    for count in re.findall(r"(?::|=)(\d+)", entry):
+        if not 1 <= int(count) <= MAX_RANKS:
+            raise ConfigError(f"{setting}{where}: {entry!r} gives a host {count} slots; a host has 1 to "
+                              f"{MAX_RANKS:,}", setting=setting, value=value)
 
 
 def hostfile_lines(path: str, setting: str = "--hostfile") -> list[str]:
@@ -249,6 +267,7 @@ def parse_hostfile(value: object, setting: str = "--hostfile") -> str:
         if not _HOST_LINE.fullmatch(line):
             raise ConfigError(f"host file {path!r}: {line!r} is not a host line (host, host:N or host slots=N)",
                               setting=setting, value=path)
+        _check_host(line, setting, path, f" {path!r}")
     return path
 
 

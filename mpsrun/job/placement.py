@@ -154,13 +154,14 @@ def ranks_on_gpus(plans: Sequence[RankPlan]) -> dict[int, int]:
 
 
 def without_mps(config: JobConfig, reason: str, gpus_seen: bool = True) -> list[str]:
-    """What to say once when the ranks run without MPS: why, and which options then have no effect
-    (``gpus_seen``: whether the GPUs could be listed; without a driver, ``--gpus`` has none either)."""
+    """What to say once when the ranks run without MPS: why (unless ``--mps off`` asked for it), and which options
+    then have no effect (``gpus_seen``: whether the GPUs could be listed; without a driver, ``--gpus`` has none
+    either)."""
     unused = [flag for flag, value in (("--gpus", None if gpus_seen else config.gpus),
                                        ("--thread-percentage", config.thread_percentage),
                                        ("--mem-limit", config.mem_limit), ("--priority", config.priority))
               if value is not None]
-    lines = [f"running without MPS: {reason}"]
+    lines = [] if config.mps == "off" else [f"running without MPS: {reason}"]  # asked for: nothing to say
     if unused:
         lines.append(f"warning: {', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect without MPS"
                      + ("" if gpus_seen else " and a GPU"))

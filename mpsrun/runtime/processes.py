@@ -216,6 +216,8 @@ def find_program(name: str, path: str | None) -> tuple[str | None, int, str]:
         return found, 0, ""
     if os.sep in name and os.path.lexists(name):
         return None, 126, "Is a directory" if os.path.isdir(name) else "Permission denied"
+    if os.sep not in name and (name.endswith(".py") or os.path.isfile(name)):  # a file here, named as a command
+        return None, 127, f"command not found (did you mean {'python ' if name.endswith('.py') else './'}{name}?)"
     return None, 127, "command not found"
 
 

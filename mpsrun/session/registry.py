@@ -9,7 +9,6 @@ directory; never by name, never another user's.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -21,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from mpsrun.config.commandline import OneLineParser
 from mpsrun.errors import DaemonError, MPSError, MPSUnavailableError, RecordError
 from mpsrun.mps.daemon import CONTROL_EXECUTABLE, find_control_executable
 from mpsrun.runtime.constants import SESSION_DIR_VARIABLE
@@ -238,7 +238,7 @@ def _print_status(states: Sequence[SessionState]) -> None:
 
 
 def main(argv: Sequence[str], command: str) -> int:
-    parser = argparse.ArgumentParser(prog=f"mpsrun {command}")
+    parser = OneLineParser(prog=f"mpsrun {command}")
     parser.add_argument("--tmpdir", type=Path, default=None, help="where sessions live (default as for new ones)")
     if command == "status":
         parser.description = "List this user's mpsrun sessions on this node."

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from mpsrun.config.commandline import OneLineParser
 from mpsrun.errors import MPSError, NoDriverError
 from mpsrun.mps import gpus as gpu_info
 from mpsrun.mps.daemon import unavailable_reason
@@ -243,7 +244,7 @@ def _check_prerequisites() -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="mpsrun bench", description=__doc__.split("\n\n")[0].replace("``", ""),
+    parser = OneLineParser(prog="mpsrun bench", description=__doc__.split("\n\n")[0].replace("``", ""),
                                      epilog="It needs an NVIDIA GPU, MPS and CuPy.")
     parser.add_argument("--ranks", type=_rank_list, default=[1, 2, 4, 8, 16], help="rank counts (1,2,4,8,16)")
     parser.add_argument("--repeats", type=_positive(int), default=3, help="repeats per figure; the median is shown (3)")

@@ -6,7 +6,6 @@ and nothing is changed. Exit status 0 when MPS is usable, 3 when it is not.
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import importlib.util
 import json
@@ -19,6 +18,7 @@ from typing import Any
 
 import psutil
 
+from mpsrun.config.commandline import OneLineParser
 from mpsrun.errors import GPUError, MPSUnavailableError, NoDriverError
 from mpsrun.job import mpiexec as mpi
 from mpsrun.mps import gpus as gpu_info
@@ -224,7 +224,7 @@ def render(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="mpsrun doctor", description="Tell whether MPS can work here, and why not.")
+    parser = OneLineParser(prog="mpsrun doctor", description="Tell whether MPS can work here, and why not.")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     report = gather()
