@@ -395,3 +395,12 @@ def shared_gpu_nccl() -> list[str]:
     if found[:2] < (2, 30):
         pytest.skip(f"MPSRUN_TEST_NCCL_LIB is NCCL {'.'.join(map(str, found))}: older than 2.30")
     return ["-x", f"LD_PRELOAD={library}"]
+
+
+def daemon_session(fake_gpu: Any) -> Path:
+    """The one session directory whose record names MPS daemons (a --hosts job also has its controller's, which holds
+    the record of its mpiexec alone)."""
+    found = [root for root in fake_gpu.session_dirs()
+             if json.loads((root / "session.json").read_text()).get("daemons")]
+    assert len(found) == 1, fake_gpu.session_dirs()
+    return found[0]

@@ -28,6 +28,7 @@ from helpers import (
     MPSRUN,
     PATHS,
     Output,
+    daemon_session,
     descendants,
     fake,
     job_argv,
@@ -338,7 +339,7 @@ def test_a_daemon_that_dies_under_the_job_is_said_once(fake_gpu, short_tmp, path
     job = subprocess.Popen(job_argv(path, ["--grace", "1"], fake("--report-dir", str(short_tmp), "--hold", "60"),
                                     ranks=2), stderr=subprocess.PIPE, text=True)
     wait_for(lambda: len(list(short_tmp.glob("*.json"))) == 2, 60, "the ranks did not start", proc=job)
-    [root] = fake_gpu.session_dirs()
+    root = daemon_session(fake_gpu)
     daemon = json.loads((root / "session.json").read_text())["daemons"][0]["process"]["pid"]
     os.killpg(daemon, signal.SIGKILL)
     _, err = job.communicate(timeout=60)

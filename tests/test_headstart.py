@@ -219,6 +219,25 @@ def test_mpsrun_killed_ends_an_mpiexec_that_ignores_sigterm(fake_gpu, short_tmp)
     settle(fake_gpu)
 
 
+def test_a_hosts_job_killed_outright_ends_an_mpiexec_that_does_not_answer(fake_gpu, short_tmp):
+    """Under --hosts too mpiexec is on the job's record: mpsrun SIGKILLed (a scheduler's kill) while mpiexec hangs and
+    ignores SIGTERM, its reaper SIGKILLs mpiexec's process group (mpiexec and its child ran on for as long as they
+    liked: the --hosts controller had no record and no reaper)."""
+    marker = short_tmp / "launcher-started"
+    stubborn = wrapper(short_tmp, "stubborn", f"if [ \"$1\" != --version ]; then trap '' TERM; touch {marker}; "
+                                              "sleep 60 & wait; fi")
+    proc = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--hosts", "localhost", "--mpiexec",
+                             str(stubborn), "true"], stderr=subprocess.PIPE, text=True)
+    wait_for(marker.exists, what="the launcher did not start", proc=proc)
+    wait_for(lambda: _launcher_recorded(fake_gpu), what="mpiexec was not put on the job's record", proc=proc)
+    children = descendants(proc)
+    proc.kill()
+    proc.communicate(timeout=30)
+    wait_for(lambda: not [p for p in children if p.is_running() and p.status() != "zombie"], timeout=30,
+             what="mpiexec or its child outlived the killed job")
+    settle(fake_gpu)
+
+
 @pytest.mark.parametrize("local_rank", [0, 1])
 def test_a_controller_gone_before_the_welcome_is_said_once_per_node(short_tmp, local_rank):
     """A rank supervisor whose controller goes away before its welcome (mpsrun SIGKILLed while its daemons start,

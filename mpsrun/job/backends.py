@@ -106,7 +106,7 @@ class HostsBackend(MpiexecBackend):
     """Every rank runs as ``mpsrun --per-node`` on its host, handed the job's configuration as data (the
     variable ``CONFIG_VARIABLE``, which Open MPI passes with ``-x``): nothing is parsed or validated again there."""
 
-    name, control, owns_daemons, head_start = "hosts", "tcp", False, False
+    name, control, owns_daemons, head_start = "hosts", "tcp", False, True
     server_after: float | None = None
     EXPORT = (*CONTROL_VARIABLES, JOB_ID_VARIABLE, *RENDEZVOUS_VARIABLES)  # Open MPI passes no other to a host
 

@@ -38,6 +38,7 @@ from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.interrupts import Interrupts
 from mpsrun.runtime.output import say
 from mpsrun.runtime.processes import ensure_descriptors, find_program
+from mpsrun.session import leftovers
 from mpsrun.session.claim import SessionClaim
 from mpsrun.session.paths import session_base
 
@@ -100,6 +101,7 @@ class Job:
         self.config = config
         self.note = note
         self.started = time.monotonic()
+        self.began = time.time()  # what MPI leaves on the node since then is the job's (mpsrun.session.leftovers)
         self.deadline = Deadline(config.timeout)  # --timeout bounds the whole job, start-up included
 
     def _elapsed(self, what: str) -> None:
@@ -123,12 +125,15 @@ class Job:
             try:
                 if backend.owns_daemons:
                     gpus.read_ahead()  # by a child, while the directory, the socket and mpiexec's start are made
-                    claim = SessionClaim(session_base(None), "job", keep_logs=self.config.keep_logs)
-                channel = ControlChannel(f"unix:{claim.dirs.control_socket}" if claim and claim.dirs else "tcp",
+                # Every job has a record and a reaper (under --hosts for its mpiexec alone: each host's node keeper
+                # owns that host's session), so a job killed outright takes what it started along.
+                claim = SessionClaim(session_base(None), "job", keep_logs=self.config.keep_logs)
+                unix = backend.control == "unix" and claim.dirs is not None
+                channel = ControlChannel(f"unix:{claim.dirs.control_socket}" if unix else "tcp",
                                          rendezvous(first_host(self.config), free_port(), os.environ))
                 if backend.head_start:
                     self._start_early(backend, program, channel, claim)
-                session = self._new_session() if claim else None
+                session = self._new_session() if backend.owns_daemons else None
                 failure = self._set_up(session, claim, channel)
                 controller = self._run(backend, session, program, channel, interrupts, failure)
             finally:
@@ -302,9 +307,18 @@ class Job:
         except TeardownError as exc:
             self.note(str(exc))
             return str(exc)
+        finally:
+            _sweep_mpi_leftovers(self.began)
         if claim is not None:
             self._elapsed("torn down")
         return ""
+
+
+def _sweep_mpi_leftovers(since: float) -> None:
+    """What an aborted MPI job left on this node (its launcher has exited by now), said with -v."""
+    removed, _ = leftovers.sweep(since)
+    if removed:
+        log.info(f"mpsrun: removed what MPI left behind: {', '.join(removed)}")
 
 
 def _stderr_note(text: str) -> None:

@@ -25,6 +25,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -41,11 +42,12 @@ from mpsrun.node.controller import NodeController, NodeSide, Starter
 from mpsrun.node.pernode import KeeperRequest
 from mpsrun.node.relay import RelayController
 from mpsrun.rank.identity import RankIdentity
-from mpsrun.runtime.constants import DAEMON_START_TIMEOUT, UPSTREAM_TIMEOUT
+from mpsrun.runtime.constants import DAEMON_START_TIMEOUT, LINGER_TIMEOUT, UPSTREAM_TIMEOUT
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.interrupts import Interrupts
 from mpsrun.runtime.processes import ProcessRef, ensure_descriptors, exit_now
 from mpsrun.runtime.protocol import Link, Listener, connect
+from mpsrun.session import leftovers
 from mpsrun.session.claim import SessionClaim
 from mpsrun.session.paths import user_root_lock
 from mpsrun.session.session import Session
@@ -107,6 +109,7 @@ class NodeKeeper:
                  upstream: Link | None, policy: Policy, starter: Starter | None) -> None:
         self.config, self.request, self.session = config, request, session
         self.closed = False
+        self.began = time.time()  # what MPI leaves on the node since then is the job's (mpsrun.session.leftovers)
         reason = session.disabled_reason
         self._notices = [] if reason is None or config.quiet else without_mps(config, reason, bool(session.gpus))
         self._abort = config.mpi4py_abort == "on" and mpi4py_available()
@@ -197,6 +200,24 @@ class NodeKeeper:
             self.controller.run()
         finally:
             self.close()
+            self._after_the_launcher()
+
+    def _after_the_launcher(self) -> None:
+        """What MPI left on this node, removed; after an abort (a rank lost with its supervisor: MPI_Abort ends every
+        process of the job) also what only the node's launcher held (Hydra's proxy holds its topology file until it
+        exits, and does not remove it when killed), once the launcher is gone (within LINGER_TIMEOUT)."""
+        _, held = leftovers.sweep(self.began)
+        launcher = ProcessRef(*self.request.launcher) if self.request.launcher else None
+        lost = any(s.end is not None and s.end.lost for s in self.controller.ranks.values())
+        if launcher is None or not lost or not any(pids == {launcher.pid} for pids in held.values()):
+            return
+        for state in self.controller.ranks.values():  # a rank that lingers for our end need not wait for this
+            if state.link is not None:
+                state.link.close()
+        deadline = Deadline(LINGER_TIMEOUT)
+        while launcher.alive() and not deadline.expired():
+            time.sleep(0.05)  # a bounded poll: the launcher is not our child
+        leftovers.sweep(self.began)
 
 
 class _Collector(logging.Handler):
