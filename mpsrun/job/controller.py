@@ -20,14 +20,13 @@ from dataclasses import replace
 from typing import Any
 
 from mpsrun.errors import MPSError
-from mpsrun.exitcodes import ExitCode, Outcome, exit_code, signal_name
+from mpsrun.exitcodes import ExitCode, signal_name
 from mpsrun.job.outcome import JobResult, Judge, Policy, RankEnd
+from mpsrun.job.report import shared_memory_hint
 from mpsrun.job.table import RankState, RankTable
-from mpsrun.mps import gpus
-from mpsrun.mps.limits import memory_hint
 from mpsrun.mps.watch import Finding, RankWatch, with_descendants
 from mpsrun.rank.identity import RankIdentity
-from mpsrun.runtime.constants import FORWARDED_SIGNALS, KILL_WAIT, PASS_SIGNALS, SAME_INTERRUPT
+from mpsrun.runtime.constants import ABORT_WAIT, FORWARDED_SIGNALS, KILL_WAIT, PASS_SIGNALS, SAME_INTERRUPT
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.loop import EventLoop, Timer
 from mpsrun.runtime.processes import ProcessRef
@@ -107,7 +106,7 @@ class Controller:
 
     def _verdict_code(self, state: RankState) -> int:
         """The exit code a rank's supervisor is told, when no one else decided it."""
-        return _own_code(state)
+        return state.own_code()
 
     def _arm(self) -> None:
         """Set what the loop waits for besides the ranks (timers, an upstream link)."""
@@ -196,18 +195,9 @@ class Controller:
             for finding in self.watch.dead_daemons() if self.watch is not None else ():  # its server went away
                 self._finding(finding)
             if end.returncode is not None and not end.reason and state.unlimited_gpu is not None:
-                end = replace(end, reason=self._memory_hint(*state.unlimited_gpu))
+                end = replace(end, reason=shared_memory_hint(self.session, *state.unlimited_gpu))
         state.ended(end)
         self._ended(state, end)
-
-    def _memory_hint(self, position: int, sharers: int) -> str:
-        """Whether a failed rank's GPU, shared with no memory limit, was short of memory as it ended (NVML)."""
-        if self.session is None or not self.session.enabled:
-            return ""  # without MPS no limit could have helped
-        gpu = self.session.gpus[position]
-        with contextlib.suppress(MPSError):
-            return memory_hint(gpu.index, gpus.memory_free(gpu.uuid), gpu.memory_total, sharers)
-        return ""
 
     def interrupted(self, sig: int, source: int) -> None:
         """A rank's supervisor (or a node keeper) got a stopping signal from outside. srun and mpiexec send one to every
@@ -220,6 +210,9 @@ class Controller:
 
     def relayed(self, message: Mapping[str, Any]) -> None:
         """A node keeper's finding or note (only a multi-host job's controller has node keepers)."""
+
+    def link_closed(self, link: Link) -> None:
+        """A rank supervisor's or node keeper's link has ended (its live ranks were given up as lost)."""
 
     def node_closed(self) -> None:
         """A node keeper's link ended (only a multi-host job's controller has node keepers)."""
@@ -264,10 +257,9 @@ class Controller:
             return
         self._detached = True
         try:
-            detached = self.session.detach_clients(list(with_descendants(self.table.local_pids())))
-            if detached:  # the ranks' 'terminated by the server' errors are this, not the server's own doing
-                log.info(f"mpsrun: detached {len(detached)} rank process(es) from MPS before stopping them: their CUDA "
-                         "calls now fail with CUDA_ERROR_MPS_CLIENT_TERMINATED")
+            if detached := self.session.detach_clients(list(with_descendants(self.table.local_pids()))):
+                log.info(f"mpsrun: detached {len(detached)} rank process(es) from MPS before stopping them: their "
+                         "CUDA calls now fail with CUDA_ERROR_MPS_CLIENT_TERMINATED")
         except MPSError as exc:  # stopping must go on
             self.note(f"could not detach ranks from MPS before stopping them: {exc}")
 
@@ -332,12 +324,6 @@ class Controller:
             self._warn(finding)
 
 
-def _own_code(state: RankState) -> int:
-    """A rank's own exit code, as its end gives it."""
-    returncode = state.end.returncode if state.end is not None else 0
-    return exit_code(Outcome("ok" if returncode == 0 else "rank-failed", returncode))
-
-
 class JudgingController(Controller):
     """A controller that decides the job's outcome itself: the first failure (a rank's end, a signal, the
     timeout, a check) sets the exit code of every rank after it and of the job."""
@@ -347,6 +333,7 @@ class JudgingController(Controller):
         super().__init__(listener, token, welcome, policy, session)
         self.judge = Judge()
         self._deadline = Deadline(None)  # --timeout's, once armed
+        self._aborting: Link | None = None  # the link of a rank whose MPI_Abort ends the job's ranks
 
     def result(self, teardown_failure: str = "", late_signal: int | None = None) -> JobResult:
         return self.judge.result([s.end for s in self.ranks.values() if s.end is not None], teardown_failure,
@@ -365,11 +352,19 @@ class JudgingController(Controller):
         if self._deadline.expired() and not self.judge.failed:  # the timer is late (the loop was held up): it
             self._timed_out()  # comes first all the same
         if self.judge.rank_ended(end):
-            self.stop(signal.SIGTERM)
+            if end.aborting and state.link is not None:  # its launcher ends the other ranks; those left are stopped
+                self._aborting = state.link
+                self.loop.after(ABORT_WAIT, lambda: self.stop(signal.SIGTERM))
+            else:
+                self.stop(signal.SIGTERM)
         self._verdict(state)
 
+    def link_closed(self, link: Link) -> None:
+        if link is self._aborting:
+            self.stop(signal.SIGTERM)
+
     def _verdict_code(self, state: RankState) -> int:
-        return self.judge.exit_code() if self.judge.failed else _own_code(state)
+        return self.judge.exit_code() if self.judge.failed else state.own_code()
 
     def _refusal_code(self) -> int:
         return self.judge.exit_code()

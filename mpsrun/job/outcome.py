@@ -44,6 +44,7 @@ class RankEnd:
     pid: int | None
     returncode: int | None
     reason: str = ""
+    aborting: bool = False  # reported as its MPI_Abort began: the MPI launcher ends the job's other ranks
 
     @property
     def lost(self) -> bool:

@@ -5,14 +5,19 @@ Used by the launcher and by node keepers alike.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping, Sequence
 
+from mpsrun.errors import MPSError
 from mpsrun.job.outcome import ranges
+from mpsrun.mps import gpus
 from mpsrun.mps.daemon import ControlDaemon
+from mpsrun.mps.limits import memory_hint
 from mpsrun.mps.replies import diagnose_log, torn_down_clients
 from mpsrun.mps.watch import RankWatch
+from mpsrun.session.session import Session
 
-__all__ = ["MPS_CLIENT_LIMIT", "crowding_warnings", "mps_report", "verified_line"]
+__all__ = ["MPS_CLIENT_LIMIT", "crowding_warnings", "mps_report", "shared_memory_hint", "verified_line"]
 
 #: Clients an MPS server accepts on Volta and later (documented; the H100 with driver 580
 #: logged "Maximum number of clients (48) reached" for the 49th).
@@ -61,3 +66,14 @@ def crowding_warnings(per_gpu: Mapping[int, int]) -> list[str]:
         for gpu, n in sorted(per_gpu.items())
         if n > MPS_CLIENT_LIMIT
     ]
+
+
+def shared_memory_hint(session: Session | None, position: int, sharers: int) -> str:
+    """Whether a failed rank's GPU (``position`` in the session), shared with ``sharers - 1`` others and no memory
+    limit, was short of memory as it ended (NVML); "" without MPS, where no limit could have helped."""
+    if session is None or not session.enabled:
+        return ""
+    gpu = session.gpus[position]
+    with contextlib.suppress(MPSError):
+        return memory_hint(gpu.index, gpus.memory_free(gpu.uuid), gpu.memory_total, sharers)
+    return ""

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from mpsrun.exitcodes import ExitCode
+from mpsrun.exitcodes import ExitCode, Outcome, exit_code
 from mpsrun.job.outcome import RankEnd
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import HELLO_WAIT, STOP_SIGNALS
@@ -56,6 +56,11 @@ class RankState:
     def ended(self, end: RankEnd) -> None:
         self.end = end
 
+    def own_code(self) -> int:
+        """The rank's own exit code, as its end gives it."""
+        returncode = self.end.returncode if self.end is not None else 0
+        return exit_code(Outcome("ok" if returncode == 0 else "rank-failed", returncode))
+
     def judged(self) -> None:
         self.verdict_sent = True
 
@@ -76,6 +81,8 @@ class RankEvents(Protocol):
     def node_closed(self) -> None: ...
 
     def judged_before_report(self, link: Link, state: RankState) -> None: ...
+
+    def link_closed(self, link: Link) -> None: ...
 
 
 class RankTable:
@@ -191,7 +198,8 @@ class RankTable:
             return
         returncode = message["returncode"]  # None: a node keeper lost the rank without a report
         pid = state.process.pid if state.process is not None else message.get("pid")
-        self.events.rank_ended(state, RankEnd(state.rank, pid, returncode, message.get("reason", "")))
+        self.events.rank_ended(state, RankEnd(state.rank, pid, returncode, message.get("reason", ""),
+                                              bool(message.get("aborting"))))
 
     def _lost(self, link: Link) -> None:
         gone = "its node keeper is gone" if link.peer.get("role") == "node" else "its supervisor is gone"
@@ -201,3 +209,4 @@ class RankTable:
             pid = state.process.pid if state.process is not None else None
             self.events.rank_ended(state, RankEnd(state.rank, pid, None, gone))
         self._forget_node(link)
+        self.events.link_closed(link)

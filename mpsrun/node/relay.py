@@ -65,7 +65,8 @@ class RelayController(NodeSide):
         if self._orphaned:
             self._verdict(state)
             return
-        self.upstream.send("exited", rank=end.rank, pid=end.pid, returncode=end.returncode, reason=end.reason)
+        self.upstream.send("exited", rank=end.rank, pid=end.pid, returncode=end.returncode, reason=end.reason,
+                           aborting=end.aborting)
         if not self.table.live():  # the job's controller answers at once; should it not, the node must close
             self.loop.after(VERDICT_WAIT, self._verdicts_overdue)
 

@@ -9,12 +9,19 @@ line (exit code 2) for a script that cannot be opened.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
+import socket
 import sys
 from types import TracebackType
 
 from mpi4py.run import run_command_line, set_abort_status
+
+from mpsrun.runtime.constants import ABORT_FD_VARIABLE
+
+#: How long the runner waits for its supervisor to report the rank's end before it calls MPI_Abort.
+ABORT_REPORT_WAIT = 10.0
 
 __all__ = ["main"]
 
@@ -41,12 +48,48 @@ def _unopenable(args: list[str], exc: BaseException) -> bool:
             and exc.filename is not None and os.path.abspath(exc.filename) == os.path.abspath(args[0]))
 
 
+def _abort_channel() -> socket.socket | None:
+    """The rank supervisor's socket for word of an abort (:data:`ABORT_FD_VARIABLE`), kept from the program's own
+    children; None when the supervisor gave none."""
+    number = os.environ.pop(ABORT_FD_VARIABLE, "")
+    if not number.isdecimal():
+        return None
+    try:
+        channel = socket.socket(fileno=int(number))
+        channel.set_inheritable(False)
+    except OSError:
+        return None
+    return channel
+
+
+def _before_abort(channel: socket.socket | None, code: int, reason: str) -> None:
+    """MPI_Abort is about to end every process of the job, the supervisor too: tell it how this rank ends, and wait
+    (briefly) until the job has heard it."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if channel is None or code == 0 or mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return
+    with contextlib.suppress(OSError):
+        channel.sendall(f"{code} {reason}, then MPI_Abort\n".encode())
+        channel.settimeout(ABORT_REPORT_WAIT)
+        channel.recv(16)
+
+
+def _said(exc: BaseException) -> str:
+    """An uncaught exception in a few words: its type and the first line of its message."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"uncaught {type(exc).__name__}" + (f": {text[:200]}" if text else "")
+
+
 def main(args: list[str]) -> int:
     """Runs the program of ``args``; reports its uncaught exception as Python does; returns the exit code."""
+    channel = _abort_channel()
     try:
         run_command_line(args)
     except (SystemExit, KeyboardInterrupt) as exc:
         set_abort_status(exc)
+        if isinstance(exc, SystemExit) and exc.code not in (None, 0):
+            code = exc.code if isinstance(exc.code, int) else 1
+            _before_abort(channel, code & 0xFF or 1, f"sys.exit({exc.code!r})")
         # Python ends on an uncaught KeyboardInterrupt as by SIGINT (130), after its hook prints the traceback.
         sys.excepthook = _program_only
         raise
@@ -61,6 +104,7 @@ def main(args: list[str]) -> int:
             sys.excepthook(type(exc), exc.with_traceback(tb), tb)  # the default hook reads the exception's own
             code = 1
         set_abort_status(code)
+        _before_abort(channel, code, _said(exc))
         return code
     return 0
 

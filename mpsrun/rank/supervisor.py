@@ -16,7 +16,7 @@ Standard library only (it starts with ``python -S`` once per rank under an MPI l
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import functools
 import os
 import signal
@@ -28,11 +28,13 @@ from typing import Any
 
 from mpsrun.errors import InterruptionError, MPSError
 from mpsrun.exitcodes import ExitCode, Outcome, exit_code, signal_name
+from mpsrun.rank.command import exec_failure_code, through_mpi4py
 from mpsrun.rank.environ import rank_env
 from mpsrun.rank.frameworks import failure_reason
 from mpsrun.rank.identity import RankIdentity, identity_from_env
 from mpsrun.rank.join import Join, direct, report_failure, report_interrupt
 from mpsrun.runtime.constants import (
+    ABORT_FD_VARIABLE,
     CONTROL_VARIABLE,
     DRAIN_TIMEOUT,
     FORWARDED_SIGNALS,
@@ -56,7 +58,7 @@ from mpsrun.runtime.processes import (
 )
 from mpsrun.runtime.protocol import Link
 
-__all__ = ["RankSupervisor", "main", "run_rank", "through_mpi4py"]
+__all__ = ["RankSupervisor", "main", "run_rank"]
 
 
 def _say(text: str) -> None:
@@ -94,6 +96,8 @@ class RankSupervisor:
         # has signalled the ranks, waited --grace, and judged them.
         self.timeout: float | None = welcome.get("timeout")
         self.backstop = Deadline(None if self.timeout is None else self.timeout + self.grace + KILL_WAIT)
+        self.aborting: socket.socket | None = None  # where the rank's runner says it is about to call MPI_Abort
+        self.reported: int | None = None  # this process's exit code, when the rank's end was reported ahead of it
 
     def run(self) -> int:
         program, code, reason = find_program(self.command[0], self.env.get("PATH"))
@@ -110,13 +114,15 @@ class RankSupervisor:
             try:
                 self._spawn(program, files)
             except OSError as exc:
-                return self._finish(Outcome("setup", _exec_failure_code(exc)), f"{self.command[0]}: {exc.strerror}")
+                return self._finish(Outcome("setup", exec_failure_code(exc)), f"{self.command[0]}: {exc.strerror}")
             finally:
                 close_all(files)
             if self.timeout is not None:
                 self.loop.after(self.backstop.remaining(), self._overdue)
             self.loop.run_until(lambda: self.returncode is not None and not self.streams)
         assert self.returncode is not None
+        if self.reported is not None:  # said before MPI_Abort: the job knows this rank's end already
+            return self.reported
         if self.returncode == 0:
             return self._finish(Outcome("ok", 0))
         return self._finish(Outcome("rank-failed", self.returncode), failure_reason(self.env))
@@ -140,6 +146,7 @@ class RankSupervisor:
         """Start the rank: its output to ``files`` (stdout, stderr) when given, else tagged through pipes or ours."""
         pipes = (os.pipe(), os.pipe()) if self.tag and not files else None
         outputs: list[int | None] = list(files) or ([pipes[0][1], pipes[1][1]] if pipes else [None, None])
+        runner_end = self._abort_channel()
         try:
             self.process = subprocess.Popen(
                 self.command, executable=program, env=self.env, close_fds=False, start_new_session=True,
@@ -148,6 +155,9 @@ class RankSupervisor:
         except OSError:
             close_all([fd for pipe in pipes or () for fd in pipe])
             raise
+        finally:
+            if runner_end is not None:
+                runner_end.close()
         # The launcher's descriptors (MPICH's PMI_FD) reach the rank (close_fds=False: Python's own are not
         # inheritable) and stay open here too until this process ends, as a plain rank holds them: Hydra's proxy
         # spins a core from the moment a rank's PMI connection closes until its process is gone.
@@ -162,6 +172,33 @@ class RankSupervisor:
         for (read_end, write_end), sink in zip(pipes or (), (1, 2), strict=False):
             os.close(write_end)
             self._tag(read_end, sink)
+
+    def _abort_channel(self) -> socket.socket | None:
+        """For a Python rank under mpi4py's runner: a socket on which the runner says how the rank ends before it calls
+        MPI_Abort (which ends every process of the job, this one too); the rank's end is returned, to close here."""
+        if not self.mpi4py_abort:
+            return None
+        ours, runner_end = socket.socketpair()
+        runner_end.set_inheritable(True)
+        self.env[ABORT_FD_VARIABLE] = str(runner_end.fileno())
+        self.aborting = ours
+        self.loop.watch(ours.fileno(), self._on_abort_notice)
+        return runner_end
+
+    def _on_abort_notice(self) -> None:
+        """The rank's runner is about to call MPI_Abort: report the rank's end now, say the job's verdict, and let the
+        runner go on (it waits for the word); when the rank then ends, this process exits as the verdict says."""
+        assert self.aborting is not None
+        self.loop.unwatch(self.aborting.fileno())
+        notice = ""
+        with contextlib.suppress(OSError):
+            notice = self.aborting.recv(4096).decode(errors="replace")
+        code, _, reason = notice.strip().partition(" ")
+        if code.isdecimal() and self.returncode is None and self.reported is None:
+            self.loop.unwatch(self.link.fd)
+            self.reported = self._finish(Outcome("rank-failed", int(code)), reason, aborting=True)
+        with contextlib.suppress(OSError), self.aborting:
+            self.aborting.sendall(b"go\n")
 
     def _tag(self, fd: int, sink: int) -> None:
         os.set_blocking(fd, False)
@@ -200,6 +237,9 @@ class RankSupervisor:
         kill_group(self.process.pid, signal.SIGKILL)
         self.returncode = self.process.wait()
         self.loop.unwatch(self.link.fd)
+        if self.aborting is not None:
+            self.loop.unwatch(self.aborting.fileno())
+            self.aborting.close()
         self.loop.after(DRAIN_TIMEOUT, self._close_streams)
 
     def _close_streams(self) -> None:
@@ -216,7 +256,7 @@ class RankSupervisor:
     def _on_signal(self, sig: int) -> None:
         """A signal from outside (srun, mpiexec, a user): pass it on, and tell the controller it stops the job."""
         self._signal(sig)
-        if sig in STOP_SIGNALS and self.returncode is None:
+        if sig in STOP_SIGNALS and self.returncode is None and self.reported is None:
             self.link.send("interrupted", rank=self.rank, signal=sig)
 
     def _overdue(self) -> None:
@@ -243,9 +283,9 @@ class RankSupervisor:
             else:
                 self._said(message)
 
-    def _finish(self, own: Outcome, reason: str = "") -> int:
+    def _finish(self, own: Outcome, reason: str = "", aborting: bool = False) -> int:
         returncode = own.detail if own.cause != "ok" else 0
-        self.link.send("exited", rank=self.rank, returncode=returncode, reason=reason)
+        self.link.send("exited", rank=self.rank, returncode=returncode, reason=reason, aborting=aborting)
         # The job's end is not cut short: a signal is noted only, also one that comes as the block ends (a deferral
         # that ended inside the block let the reaper's SIGTERM raise there: a traceback, once under load).
         with Interrupts(deferred=True) as interrupts:
@@ -279,37 +319,6 @@ class RankSupervisor:
         for line in verdict.get("lines") or ():
             _say(str(line))
         return Outcome("decided", verdict["exit_code"]) if 0 <= verdict["exit_code"] <= 255 else own
-
-
-def _exec_failure_code(exc: OSError) -> int:
-    """The program could not be found (127) or executed (126), as a shell says it; or the machine refused to start
-    it (too many open files or processes, no memory): a set-up failure (3)."""
-    if isinstance(exc, FileNotFoundError):
-        return ExitCode.NOT_FOUND
-    if isinstance(exc, PermissionError) or exc.errno in (errno.ENOEXEC, errno.EISDIR, errno.ENOTDIR, errno.ELOOP):
-        return ExitCode.NOT_EXECUTABLE
-    return ExitCode.SETUP
-
-
-#: The runner of Python ranks (a module: the rank's interpreter finds mpsrun where it finds mpi4py).
-PYRUN = "mpsrun.rank.pyrun"
-
-
-def through_mpi4py(command: list[str], program: str) -> list[str]:
-    """``python x.py``, ``python -m mod``, ``python -c code`` as ``python -m mpsrun.rank.pyrun ...``.
-
-    That runner (:mod:`mpsrun.rank.pyrun`) keeps mpi4py's rule, MPI_Abort for an uncaught exception or
-    ``sys.exit(N)`` (only if the program imported MPI) instead of MPI_Finalize, which waits forever for
-    ranks that never come, and reports errors as ``python x.py`` does. Only this interpreter is known to
-    have mpi4py and mpsrun (the controller checked); other commands run as given.
-    """
-    if os.path.realpath(program) != os.path.realpath(sys.executable) or len(command) < 2:
-        return command
-    first = command[1]
-    interpreter_option = first.startswith("-") and first not in ("-m", "-c")  # -u, -X, -: left alone
-    if interpreter_option or command[1:3] in (["-m", "mpi4py"], ["-m", PYRUN]):
-        return command
-    return [command[0], "-m", PYRUN, *command[1:]]
 
 
 def run_rank(command: Sequence[str], identity: RankIdentity, join: Join, token: str,

@@ -29,6 +29,9 @@ CONFIG_VARIABLE = "MPSRUN_CONTROL_CONFIG"
 JOB_ID_VARIABLE = "MPSRUN_JOB_ID"
 #: Variables that link a supervisor to its controller: never passed on to the rank's command.
 CONTROL_VARIABLES = (CONTROL_VARIABLE, TOKEN_VARIABLE, CONFIG_VARIABLE)
+#: A Python rank's descriptor on which mpsrun's runner tells the rank's supervisor that it is about to call MPI_Abort
+#: (:mod:`mpsrun.rank.pyrun`): the MPI launcher then ends every process of the job at once.
+ABORT_FD_VARIABLE = "MPSRUN_ABORT_FD"
 #: The job's (or node's) private session directory, in every rank (mpsrun.shared keeps its handles there).
 SESSION_DIR_VARIABLE = "MPSRUN_SESSION_DIR"
 #: Overrides the host name in node sessions' names (tests simulate several nodes on one machine).
@@ -59,6 +62,9 @@ DRAIN_TIMEOUT = 2.0
 #: An MPI launcher that ended while ranks ran: how long their own reports (relayed by node keepers under --hosts)
 #: may still come before the launcher's status is the job's.
 LAUNCHER_REPORT_WAIT = 2.0
+#: A rank that reported its MPI_Abort: how long its launcher gets to end the job's other ranks (at once, measured with
+#: MPICH's Hydra and Open MPI) before mpsrun stops those left, unless the rank's supervisor is gone sooner.
+ABORT_WAIT = 2.0
 #: After SIGKILL, how long a rank's supervisor gets to report before the rank is given up as lost.
 KILL_WAIT = 10.0
 #: Detaching the ranks from MPS before they are signalled: each control command's deadline, and the time after
