@@ -1,13 +1,14 @@
-"""The README tells the truth: its commands are the ones CI and the tests run, its options exist."""
+"""The README tells the truth: its commands are the ones CI and the tests run, its options exist.
+
+Every code block of the README and of docs/ runs in tests/test_docs.py (the Python blocks too); here are the
+README's own promises: the two set-up commands, the option tables, the tox environments and subcommands it names.
+"""
 
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
-from helpers import FAKE_CUDA
 
 from mpsrun.cli import build_parser
 
@@ -41,36 +42,39 @@ def test_the_main_job_runs(fake_gpu):
     assert re.search(r"pi ~ 3\.1\d+ from \d+ points on 4 ranks|rank 3/4: pi ~ 3\.1", out.stdout)
 
 
-def test_every_option_in_the_table_exists():
-    """Each option the README's table names is an option of the parser."""
-    known = {option for action in build_parser()._actions for option in action.option_strings}
-    section = README.split("## The command")[1].split("### Exit status")[0]
+
+def table_options(text, start, end):
+    """The options named in the first column of the table between ``start`` and ``end`` in ``text``."""
+    section = text.split(start, 1)[1].split(end, 1)[0]
     rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
-    named = set(re.findall(r"`(-{1,2}[a-z][a-z0-9-]*)", "".join(rows)))
-    assert named and named <= known, named - known
+    return set(re.findall(r"`(-{1,2}[a-z][a-z0-9-]*)", "".join(rows)))
 
 
-PY_BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
+KNOWN = {option for action in build_parser()._actions for option in action.option_strings}
+COMMAND_LINE = (ROOT / "docs" / "command-line.md").read_text()
+SHORT_TABLE = ("## The options most jobs use", "\n## ")
+FULL_TABLE = ("\n## Options\n", "\n### Options in detail")
 
 
-@pytest.mark.parametrize("block", PY_BLOCKS, ids=[f"block{i}" for i in range(len(PY_BLOCKS))])
-def test_every_python_block_runs_as_written(block, fake_gpu, tmp_path):
-    """Each Python block of the README runs as written, by the command its first line names
-    (``# python NAME`` or ``# mpsrun ... python NAME``), with the fake GPU and the CuPy double."""
-    command = block.splitlines()[0].removeprefix("# ").split()
-    assert command[-2] == "python" and command[-1].endswith(".py"), "the first line names how the block runs"
-    (tmp_path / command[-1]).write_text(block)
-    runner = [sys.executable] if command[0] == "python" else [sys.executable, "-m", "mpsrun", *command[1:-2],
-                                                                sys.executable]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKE_CUDA), os.environ["PYTHONPATH"]])}
-    out = subprocess.run([*runner, command[-1]], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert "Traceback" not in out.stderr
-def test_tox_environments_named_in_the_readme_exist():
-    """Every tox environment the README tells people to run is defined in tox.ini."""
+def test_every_option_in_the_tables_exists():
+    """Each option that the README's short table or docs/command-line.md's full table names is an option of the
+    parser."""
+    for named in (table_options(README, *SHORT_TABLE), table_options(COMMAND_LINE, *FULL_TABLE)):
+        assert named and named <= KNOWN, named - KNOWN
+
+
+def test_the_full_table_names_every_option():
+    """docs/command-line.md's table names every option the parser knows, so the full list stays complete."""
+    named = table_options(COMMAND_LINE, *FULL_TABLE)
+    assert named >= KNOWN, KNOWN - named
+
+
+def test_tox_environments_named_in_the_docs_exist():
+    """Every tox environment the README or docs/ tell people to run is defined in tox.ini."""
     named = set()
-    for match in re.findall(r"tox -e ([a-z0-9,]+)", README):
-        named.update(match.split(","))
+    for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        for match in re.findall(r"tox -e ([a-z0-9,]+)", page.read_text()):
+            named.update(match.split(","))
     assert {"py", "mpi", "lint", "type", "gpu"} <= named
     tox_ini = (ROOT / "tox.ini").read_text()
     env_list = re.search(r"^env_list = (.*)$", tox_ini, re.M).group(1)
