@@ -83,7 +83,7 @@ def test_a_failing_setting_is_reported_and_the_rest_go_on(fake_gpu):
     (["--ranks", "0,x"], "--ranks"), (["--mps", "on,maybe"], "--mps"), (["--thread-percentage", "none,150"], "--thread"),
     (["--repeats", "0"], "--repeats"), (["--budget", "-1"], "--budget"), (["--scaling", "sideways"], "--scaling"),
     (["--metric", "("], "--metric"), (["-np", "4"], "give --ranks"), (["--mps=on,off", "--bogus"], "--bogus"),
-    (["--ranks", "1,"], "--ranks"), (["-n4"], "give --ranks"), (["--np=4"], "--np"),
+    (["--ranks", "1,"], "--ranks"), (["-n4"], "give --ranks"), (["--np=4"], "give --ranks"),
     (["--per-node"], "--per-node"), (["--version"], "--version"), (["--repeats", "100000"], "--repeats"),
     (["--plot", "/nonexistent/x.png"], "--plot"), (["--plot", ""], "--plot"),
 ])
@@ -145,15 +145,44 @@ def test_the_python_api_returns_the_trials_and_the_best(fake_gpu):
 
 
 @pytest.mark.parametrize("printed", ["v=", "v=inf"])
-def test_a_metric_that_is_no_finite_number_is_no_throughput(fake_gpu, printed):
-    """A --metric group that matched nothing, or a value that is not a finite number: the trial is reported as
-    missing the metric (it was a traceback, or NaN in the table and invalid JSON)."""
+def test_a_metric_that_is_no_finite_number_ends_tune_at_the_warm_up(fake_gpu, printed):
+    """A --metric group that matched nothing, or a value that is not a finite number: the warm-up gives no
+    throughput, so tune says why in one line and exits 3 before any trial (it was a traceback, or NaN in the table
+    and invalid JSON; then every trial ran to the same 'no number')."""
     out = _tune("--ranks", "1", "--mps", "off", "--repeats", "1", "--metric", r"v=(\S+)?", "--json", "--",
                 sys.executable, "-c", f"print({printed!r})")
-    assert out.returncode == 3, out.stderr
-    [trial] = json.loads(out.stdout)["trials"]
-    assert trial["throughput"] is None and "no number matching --metric" in trial["error"]
+    assert out.returncode == 3 and out.stdout == "", out.stderr
+    assert "warm-up (-np 1 --mps off) gave no throughput: no number matching --metric" in out.stderr, out.stderr
+    assert "trial 1 of" not in out.stderr
     settle(fake_gpu)
+
+
+def test_a_failing_warm_up_ends_tune_before_its_trials(fake_gpu):
+    """A job that fails in the warm-up would fail in every trial: tune says so with the job's own summary and exits 3
+    (it said 'warm-up ...: 0.24 s, not counted' and ran every trial)."""
+    out = _tune("--ranks", "1,2", "--", sys.executable, "-c", "raise SystemExit(4)")
+    assert out.returncode == 3, out.stderr
+    assert "the warm-up (-np 1 --mps on) failed (exit 4): rank 0" in out.stderr, out.stderr
+    assert "not counted" not in out.stderr and "trial 1 of" not in out.stderr
+    settle(fake_gpu)
+
+
+def test_an_empty_metric_is_a_usage_error(fake_gpu):
+    """``--metric ''`` matches anything and finds no number: one line, exit 2, nothing run (it ran the warm-up and
+    all 24 trials, then exited 3)."""
+    out = _tune("--metric", "", "--", "true")
+    assert out.returncode == 2 and "--metric needs a regular expression" in out.stderr, out.stderr
+    assert not fake_gpu.session_dirs()
+
+
+def test_settings_with_mps_on_are_left_out_where_mps_cannot_run(no_gpu):
+    """Where MPS cannot run (no driver, no control program), the --mps on settings are left out and said once; with
+    only those asked for, tune exits 3 at once (each trial failed as the first did)."""
+    out = _tune("--ranks", "1", "--repeats", "1", "--", sys.executable, "-c", "pass")
+    assert out.returncode == 0 and "the settings with --mps on are left out: MPS cannot run here" in out.stderr
+    assert "-np 1 --mps on" not in out.stdout, out.stdout
+    out = _tune("--ranks", "1", "--mps", "on", "--", sys.executable, "-c", "pass")
+    assert out.returncode == 3 and "every setting asks for MPS, which cannot run here" in out.stderr, out.stderr
 
 
 def test_a_command_the_warm_up_cannot_run_ends_tune_with_its_code(fake_gpu):

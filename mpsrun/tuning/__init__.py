@@ -5,8 +5,9 @@ Owns: the settings tried (:mod:`~mpsrun.tuning.grid`), running and timing the tr
 (:mod:`~mpsrun.tuning.report`) and its command line (:mod:`~mpsrun.tuning.cli`). :func:`tune` is the
 Python API (``mpsrun.tune``).
 
-Imports: the configuration (to check every setting before anything runs) and the runtime; each trial is a
-separate ``mpsrun`` process, so nothing of a job's machinery is imported here.
+Imports: the configuration (to check every setting before anything runs), :mod:`mpsrun.mps` (whether MPS can run
+here at all, and the GPUs for the default rank counts) and the runtime; each trial is a separate ``mpsrun`` process,
+so nothing of a job's machinery is imported here.
 """
 
 from __future__ import annotations
@@ -14,8 +15,18 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from mpsrun.config import values
-from mpsrun.errors import ConfigError
-from mpsrun.tuning.grid import TuneJob, default_ranks, grid, parse_mps_list, parse_ranks_list, parse_thread_list
+from mpsrun.errors import ConfigError, MPSError, MPSUnavailableError
+from mpsrun.mps import gpus
+from mpsrun.mps.daemon import unavailable_reason
+from mpsrun.tuning.grid import (
+    Setting,
+    TuneJob,
+    default_ranks,
+    grid,
+    parse_mps_list,
+    parse_ranks_list,
+    parse_thread_list,
+)
 from mpsrun.tuning.results import Run, Trial, TuneResult
 from mpsrun.tuning.trials import Schedule
 
@@ -44,6 +55,27 @@ def _strings(words: Sequence[str], setting: str) -> tuple[str, ...]:
     return tuple(words)
 
 
+def _runnable(settings: list[Setting], progress: Callable[[str], object] | None) -> list[Setting]:
+    """The settings that can run here: without a driver or the MPS control program, those with MPS on are left out,
+    and said (each would only fail as the first did)."""
+    if not any(setting.mps == "on" for setting in settings):
+        return settings
+    reason = unavailable_reason("on")
+    if reason is None:
+        try:
+            gpus.driver_info()
+        except MPSError as exc:
+            reason = exc.message
+    if reason is None:
+        return settings
+    kept = [setting for setting in settings if setting.mps != "on"]
+    if not kept:
+        raise MPSUnavailableError(f"every setting asks for MPS, which cannot run here: {reason}", reason=reason)
+    if progress is not None:
+        progress(f"the settings with --mps on are left out: MPS cannot run here: {reason}")
+    return kept
+
+
 def tune(command: Sequence[str], *, ranks: Values | int | None = None, thread_percentage: Values | int = "none",
          mps: Values = "on,off", repeats: int | str = 3, budget: float | str | None = None, scaling: str = "weak",
          metric: str | None = None, options: Sequence[str] = (),
@@ -66,8 +98,8 @@ def tune(command: Sequence[str], *, ranks: Values | int | None = None, thread_pe
     job = TuneJob(_strings(command, "command"), _strings(options, "options"),
                   scaling=values.parse_choice(scaling, ("weak", "strong"), "--scaling"), metric=metric)
     counts = parse_ranks_list(_text(ranks, "--ranks")) if ranks is not None else default_ranks(job.options)
-    settings = grid(counts, parse_mps_list(_text(mps, "--mps")),
-                    parse_thread_list(_text(thread_percentage, "--thread-percentage")))
+    settings = _runnable(grid(counts, parse_mps_list(_text(mps, "--mps")),
+                              parse_thread_list(_text(thread_percentage, "--thread-percentage"))), progress)
     count = values.parse_count(repeats, "--repeats")
     if count > MAX_REPEATS:
         raise ConfigError(f"--repeats must be at most {MAX_REPEATS}, not {repeats!r}", setting="--repeats")

@@ -67,6 +67,9 @@ class TuneJob:
             raise ConfigError("no command given: mpsrun tune [options] -- command [args...]", setting="command")
         values.parse_choice(self.scaling, SCALINGS, "--scaling")
         if self.metric is not None:
+            if not self.metric.strip():  # it matches anything, and so finds no number
+                raise ConfigError("--metric needs a regular expression for a number each rank prints, such as "
+                                  r"'items/s: (\S+)'", setting="--metric", value=self.metric)
             try:
                 re.compile(self.metric)
             except (re.error, TypeError) as exc:

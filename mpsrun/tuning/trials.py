@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
-from mpsrun.errors import CommandNotExecutableError, CommandNotFoundError, ConfigError, InterruptionError
+from mpsrun.errors import CommandNotExecutableError, CommandNotFoundError, ConfigError, InterruptionError, MPSError
 from mpsrun.exitcodes import ExitCode
 from mpsrun.runtime.interrupts import Interrupts
 from mpsrun.runtime.processes import own_module
@@ -133,9 +133,8 @@ class Schedule:
         try:
             with Interrupts():
                 self._warm = run_trial(self.job, self.settings[0], self._env)
-                if self._warm.exit_code in _CANNOT_RUN:  # every trial would only say it again
-                    why = f"the warm-up could not run the job: {self._warm.error}"
-                    raise _CANNOT_RUN[self._warm.exit_code](why)
+                if self._warm.throughput is None:  # every trial would only fail as it did
+                    raise self._warm_up_failed()
                 self._say(f"warm-up ({self.settings[0].label()}): {self._warm.seconds:.2f} s, not counted")
                 self._rounds()
         except InterruptionError as exc:  # what was measured so far still counts
@@ -143,6 +142,15 @@ class Schedule:
         trials = tuple(Trial(setting, tuple(done)) for setting, done in self._runs.items() if done)
         left_out = tuple(setting for setting, done in self._runs.items() if not done)
         return TuneResult(self.job, trials, left_out, interrupted, time.monotonic() - self._start)
+
+    def _warm_up_failed(self) -> MPSError:
+        """Why tune stops before its trials: the warm-up's job could not run, failed, or printed no --metric."""
+        warm, label = self._warm, self.settings[0].label()
+        if warm.exit_code in _CANNOT_RUN:
+            error: MPSError = _CANNOT_RUN[warm.exit_code](f"the warm-up could not run the job: {warm.error}")
+            return error
+        what = f"failed (exit {warm.exit_code})" if warm.exit_code else "gave no throughput"
+        return MPSError(f"the warm-up ({label}) {what}: {warm.error or 'nothing said'}; no trial was run")
 
     def _rounds(self) -> None:
         kept: list[Setting] = []

@@ -1,0 +1,89 @@
+"""Usage errors say what the user meant, in one line, exit 2 (issue 36, B6-B9 and A4).
+
+Measured before: `--np 4` was "did you mean --mps?", torchrun's `--nproc-per-node` was "did you mean --per-node?",
+`--grace -1` "must be a number of seconds below 1,000,000,000", `env.py` alone "command not found", `--hosts
+localhost:0` reached Hydra (SIGFPE, exit 136) and a huge slot count made it spin a core, the subcommands printed
+argparse's usage block, and `--mps off` said "running without MPS: MPS is off".
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from helpers import mpsrun
+
+
+def one_line(out) -> str:
+    """The command's single line on stderr, for an exit 2."""
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(("hosts", "said"), [
+    ("localhost:0", "'localhost:0' gives a host 0 slots; a host has 1 to 1,048,576"),
+    ("localhost:99999999999999999999", "a host has 1 to 1,048,576"),
+    ("a" * 300, "is longer than a host name can be (253 characters, 63 between dots)"),
+])
+def test_hosts_with_impossible_slots_or_names_are_usage_errors(fake_gpu, hosts, said):
+    """--hosts with 0 or absurd slots, or a name no host can have, is refused before mpiexec starts: one line, exit 2
+    (it was exit 136 from Hydra's SIGFPE, a spinning Hydra, or ssh's 6 lines)."""
+    assert said in one_line(mpsrun("-np", "1", "--hosts", hosts, "true"))
+
+
+@pytest.mark.parametrize("line", ["localhost:0", "localhost slots=99999999999999999999"])
+def test_host_file_slot_counts_are_checked(fake_gpu, short_tmp, line):
+    """A host file's slot counts are checked as --hosts' are: one line, exit 2."""
+    hostfile = short_tmp / "hosts"
+    hostfile.write_text(f"# the nodes\n{line}\n")
+    assert "slots; a host has 1 to 1,048,576" in one_line(mpsrun("--hostfile", hostfile, "true"))
+
+
+def test_open_mpis_np_spelling_is_taken(fake_gpu):
+    """--np N runs N ranks, as Open MPI's mpirun takes it (it said 'did you mean --mps?')."""
+    out = mpsrun("--np", "2", "--launcher", "local", sys.executable, "-c",
+                 "import os; os.write(1, os.environ['WORLD_SIZE'].encode() + b'\\n')")
+    assert out.returncode == 0 and out.stdout.split() == ["2", "2"], out.stderr
+
+
+@pytest.mark.parametrize(("words", "said"), [
+    (["--nproc-per-node", "4"], "torchrun's --nproc-per-node is mpsrun's -np N, the ranks on this node"),
+    (["--nproc_per_node=4"], "torchrun's --nproc_per_node is mpsrun's -np N, the ranks on this node"),
+    (["--nnodes", "2"], "for several nodes, use --hosts A,B, or start mpsrun --per-node under srun or mpiexec"),
+    (["--grace", "-1"], "must be 0 or more seconds"),
+])
+def test_other_launchers_habits_get_mpsruns_words(fake_gpu, words, said):
+    """An option of torchrun's (or a negative --grace) is answered with what mpsrun takes instead, not with the
+    closest spelling of an unrelated option."""
+    line = one_line(mpsrun(*words, "true"))
+    assert said in line and "did you mean --per-node" not in line, line
+
+
+@pytest.mark.parametrize("exists", [True, False])
+def test_a_script_named_as_a_command_is_told_how_to_run(fake_gpu, short_tmp, exists):
+    """`mpsrun -np 2 env.py` says `did you mean python env.py?` (it said only 'command not found'), exit 127."""
+    if exists:
+        (short_tmp / "env.py").write_text("print(1)\n")
+    out = mpsrun("-np", "2", "env.py", cwd=short_tmp)
+    assert out.returncode == 127
+    assert out.stderr.strip().endswith("env.py: command not found (did you mean python env.py?)"), out.stderr
+
+
+@pytest.mark.parametrize("words", [["bench", "--ranks", "x"], ["bench", "--repeats", "0"], ["bench", "--bogus"],
+                                   ["status", "--bogus"], ["doctor", "--bogus"], ["cleanup", "--bogus"]])
+def test_subcommands_usage_errors_are_one_line(fake_gpu, words):
+    """Every subcommand answers a bad option in one line and exit 2, as the main command does (bench printed 4 lines
+    of usage, status and doctor 2)."""
+    line = one_line(mpsrun(*words))
+    assert line.startswith(f"mpsrun {words[0]}: error: ") and line.endswith(f"(see mpsrun {words[0]} --help)"), line
+
+
+def test_mps_off_asked_for_is_not_announced(fake_gpu):
+    """--mps off runs without MPS as asked, saying nothing of it; an option that has no effect then is still
+    named."""
+    out = mpsrun("-np", "2", "--mps", "off", "--launcher", "local", "true")
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    out = mpsrun("-np", "2", "--mps", "off", "--thread-percentage", "50", "--launcher", "local", "true")
+    assert out.stderr.splitlines() == ["mpsrun: warning: --thread-percentage has no effect without MPS"], out.stderr
