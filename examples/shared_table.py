@@ -36,6 +36,9 @@ def main() -> None:
     args = parser.parse_args()
     rank, size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     n = args.mib * (1 << 20) // 4
+    if rank == 0:  # the table and the draws take a while on a CPU (seconds per GiB): say what happens meanwhile
+        print(f"rank 0/{size}: {args.mib} MiB table, made once per GPU (or host) and shared; {args.samples:,} draws "
+              "a rank", flush=True)
     started = time.perf_counter()
     table = shared.array("xs-table", (n,), "float32", init=build_table)
     had = time.perf_counter() - started

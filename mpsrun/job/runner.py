@@ -128,8 +128,8 @@ class Job:
                 # Every job has a record and a reaper (under --hosts for its mpiexec alone: each host's node keeper
                 # owns that host's session), so a job killed outright takes what it started along.
                 claim = SessionClaim(session_base(None), "job", keep_logs=self.config.keep_logs)
-                unix = backend.control == "unix" and claim.dirs is not None
-                channel = ControlChannel(f"unix:{claim.dirs.control_socket}" if unix else "tcp",
+                dirs = claim.dirs if backend.control == "unix" else None
+                channel = ControlChannel(f"unix:{dirs.control_socket}" if dirs is not None else "tcp",
                                          rendezvous(first_host(self.config), free_port(), os.environ))
                 if backend.head_start:
                     self._start_early(backend, program, channel, claim)

@@ -62,8 +62,13 @@ class ClientWatcher:
         return Look(frozenset(clients), tuple(strays), tuple(dead))
 
     def verify(self, pids: Iterable[int]) -> list[int]:
-        """The pids that are clients; raise :class:`NotMPSClientError` for any that missed MPS."""
-        look = self.look(pids)
+        """The pids that are clients; raise :class:`NotMPSClientError` for any that missed MPS, or when none of
+        them holds a CUDA context on these GPUs (nothing verified would read as a pass)."""
+        asked = sorted(set(pids))
+        look = self.look(asked)
+        if asked and not look.clients and not look.strays:
+            raise NotMPSClientError(f"none of process(es) {asked} holds a CUDA context on this session's GPUs: there "
+                                    "is nothing to verify (verify while they use the GPU)", pids=asked)
         if look.strays:
             position = look.strays[0][1]
             strays = [pid for pid, where in look.strays if where == position]

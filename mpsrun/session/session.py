@@ -291,8 +291,8 @@ class Session:
 
         ``pids`` defaults to every descendant of this process. A process holding a CUDA context on one of the
         session's GPUs without being a client of our server ran into CUDA's silent fallback:
-        :class:`NotMPSClientError` names it. Processes with no context yet are not judged. Returns the PIDs
-        verified as clients.
+        :class:`NotMPSClientError` names it. Processes with no context yet are not judged; when none has one,
+        nothing can be verified: :class:`NotMPSClientError` too. Returns the PIDs verified as clients.
         """
         if not self.enabled:
             return []

@@ -1,0 +1,67 @@
+"""The examples say what happened, truthfully (issue 36, B10).
+
+examples/pool.py printed "workers verified as MPS clients: 0" on the fake GPU and called that a check: verify()
+passed when no worker held a CUDA context. examples/shared_table.py was silent for 14-15 s on a CPU. The batch
+scripts use paths relative to the repository's root without saying so.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import FAKE_CUDA, ROOT
+
+from mpsrun import mps_session
+from mpsrun.errors import NotMPSClientError
+
+
+@pytest.mark.parametrize("cupy", [True, False])
+def test_the_pool_example_counts_only_workers_that_used_the_gpu(fake_gpu, monkeypatch, cupy):
+    """With CuPy (the double) the four workers are GPU clients and verified as MPS clients; without it they run on
+    NumPy, and the example says none used the GPU instead of calling zero verified a pass."""
+    pytest.importorskip("numpy")
+    if cupy:
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE_CUDA), os.environ["PYTHONPATH"]]))
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "pool.py")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    expected = "workers on the GPU: 4, verified as MPS clients: 4" if cupy else \
+        "workers on the GPU: 0, verified as MPS clients: 0"
+    assert f"MPS on; {expected}" in out.stdout, out.stdout
+
+
+def test_verify_refuses_to_call_no_client_verified(fake_gpu):
+    """verify() of processes none of which holds a CUDA context raises NotMPSClientError naming them: there was
+    nothing to verify (it returned an empty list, which reads as a pass)."""
+    with mps_session(gpu=0) as session:
+        idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            with pytest.raises(NotMPSClientError, match="holds a CUDA context") as caught:
+                session.verify([idle.pid])
+            assert caught.value.pids == [idle.pid]
+        finally:
+            idle.kill()
+            idle.wait()
+
+
+def test_shared_table_says_what_it_does_before_the_long_part(no_gpu):
+    """Rank 0 of examples/shared_table.py says at once what it makes and draws (it was silent for 14-15 s on a
+    CPU)."""
+    pytest.importorskip("numpy")
+    job = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "local", sys.executable,
+                            str(ROOT / "examples" / "shared_table.py"), "--mib", "1", "--samples", "1000"],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    first = job.stdout.readline()
+    job.communicate(timeout=120)
+    assert first.startswith("rank 0/2: 1 MiB table, made once per GPU (or host) and shared"), first
+
+
+@pytest.mark.parametrize("script", ["slurm/one_gpu.sbatch", "slurm/all_gpus.sbatch", "slurm/multi_node.sbatch",
+                                    "pbs/multi_node.pbs"])
+def test_batch_scripts_say_where_they_are_submitted_from(script):
+    """Each batch script says it is submitted from the repository's root, where its relative paths lead."""
+    text = (ROOT / "examples" / script).read_text()
+    assert "Submit it from the repository's root" in text and "examples/" in text
