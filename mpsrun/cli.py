@@ -152,6 +152,10 @@ def _main(args: list[str]) -> int:
         return int(exc.code or 0)
     _log_to_stderr(logging.DEBUG if config.verbose else logging.ERROR if config.quiet else logging.WARNING)
     try:
+        if config.dry_run:
+            from mpsrun.job.dryrun import show
+
+            return show(config)
         if config.per_node:
             from mpsrun.node.pernode import run_per_node
 

@@ -150,6 +150,9 @@ class JobConfig:
         "mpi4py is installed, so an uncaught exception or sys.exit(N) aborts the MPI job instead of hanging in "
         "MPI_Finalize, and its traceback is what python FILE prints; "
         "off: run the command as given")
+    dry_run: bool = option("--dry-run", default=False,
+                           help="print the plan (each rank's GPU, limits and the variables mpsrun sets) and exit 0, "
+                           "starting nothing; works without a GPU (a batch script checked on a login node)")
     keep_logs: bool = option("--keep-logs", default=False, forward=True,
                              help="keep the session directory with the MPS logs")
     hosts: tuple[str, ...] = option("--hosts", default=(), parse=_validated(values.parse_hosts), metavar="A,B",

@@ -1,0 +1,126 @@
+"""``mpsrun --dry-run``: the job's plan, printed, with nothing started (no daemon, no rank, no directory).
+
+Each rank's variables come from the same :func:`mpsrun.job.placement.welcome` a running job uses, so what is printed
+is what the ranks would get, with the session's paths and the rendezvous port written as placeholders. Without a
+driver (a login node checking a batch script) the GPUs are the positions ``--gpus`` names, and what depends on them
+(their UUIDs, free memory for ``--mem-limit auto``, their SMs for NCCL's cap) is said to be read when the job starts.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Sequence
+
+from mpsrun.config.options import JobConfig
+from mpsrun.errors import ConfigError, MPSError, NoDriverError
+from mpsrun.job.channel import rendezvous
+from mpsrun.job.mpiexec import find_mpiexec, mpi4py_available
+from mpsrun.job.placement import plan_job, welcome
+from mpsrun.mps import gpus as gpu_info
+from mpsrun.mps.daemon import unavailable_reason
+from mpsrun.mps.environment import GpuTarget
+from mpsrun.rank.identity import RankIdentity
+
+__all__ = ["plan_lines", "show"]
+
+#: What a job makes as it starts, in the plan's variables (single words: one variable a word).
+SESSION, PORT, CAP = "<session>", "<free-port>", "<from-SMs>"
+PLACEHOLDERS = (f"{SESSION}: the job's private directory; {PORT}: a port free as it starts; {CAP}: half a rank's share "
+                "of its GPU's SMs, read as it starts")
+
+
+def _gpus(config: JobConfig) -> tuple[list[gpu_info.GPU], str]:
+    """The job's GPUs as the driver lists them, or none with why (no driver here)."""
+    try:
+        return gpu_info.select_gpus(config.gpus, gpu_info.visible_gpus()), ""
+    except NoDriverError as exc:
+        return [], exc.message
+
+
+def _targets(config: JobConfig, found: Sequence[gpu_info.GPU], count: int) -> list[GpuTarget]:
+    """How each GPU position would be reached: its UUID (or its position, without a driver) and daemon paths."""
+    named = [gpu.uuid for gpu in found] or [f"<uuid-of-GPU-{g}>" for g in (config.gpus or range(count))]
+    sms = [gpu.multiprocessors for gpu in found] or [None] * count
+    groups = [list(range(count))] if config.gpu_bind == "none" else [[position] for position in range(count)]
+    targets = []
+    for group in groups:
+        visible = ",".join(str(named[p]) for p in group)
+        counts = [sms[p] for p in group]
+        least = None if None in counts else min(c for c in counts if c is not None)
+        pipe = None if config.mps == "off" else f"{SESSION}/gpu{group[0]}"
+        targets.append(GpuTarget(visible, pipe and f"{pipe}/pipe", pipe and f"{pipe}/log",
+                                 None if pipe is None else SESSION, len(group), least))
+    return targets
+
+
+def plan_lines(config: JobConfig) -> list[str]:
+    """What the job would do, for the terminal: its GPUs and MPS, then each rank's place, limits and variables."""
+    if config.per_node or config.hosts or config.hostfile:
+        raise ConfigError("--dry-run plans a job of this host: give it without --per-node, --hosts or --hostfile "
+                          "(each node's ranks get the plan of their place on that node)", setting="--dry-run")
+    found, why = _gpus(config)
+    count = len(found) or len(config.gpus or (0,))
+    plans = plan_job(config.ranks, count, config, [g.memory_free for g in found])
+    targets = _targets(config, found, count)
+    lines = _header(config, found, why, count)
+    envs = [_variables(config, plan.rank, count, targets, [g.memory_free for g in found]) for plan in plans]
+    common = {k: v for k, v in envs[0].items() if all(env.get(k) == v for env in envs[1:])}
+    for plan, env in zip(plans, envs, strict=True):
+        limits = [f"{plan.thread_percentage}% of SMs" if plan.thread_percentage else "",
+                  f"{plan.mem_limit} pinned memory" if plan.mem_limit else
+                  "its share of the GPU's free memory, read when the job starts" if config.mem_limit == "auto" else ""]
+        where = "every job GPU" if config.gpu_bind == "none" else f"GPU {plan.gpu}"
+        lines.append(f"rank {plan.rank}: {where}" + "".join(f", {part}" for part in limits if part))
+        lines.append("  " + " ".join(f"{k}={v}" for k, v in sorted(env.items()) if k not in common))
+    lines.append("every rank: " + " ".join(f"{k}={v}" for k, v in sorted(common.items())))
+    lines.append(f"nothing was started (dry run); {PLACEHOLDERS}")
+    return lines
+
+
+def _header(config: JobConfig, found: Sequence[gpu_info.GPU], why: str, count: int) -> list[str]:
+    launcher = config.launcher if config.launcher != "auto" else \
+        "mpiexec" if find_mpiexec(config.mpiexec) and mpi4py_available() else "local"
+    cannot = unavailable_reason(config.mps) or why
+    mps = "off" if config.mps == "off" else config.mps + (
+        f"; this host cannot run it ({cannot}), so below is the plan where it can" if cannot else "")
+    lines = [f"mpsrun --dry-run: {config.ranks} rank(s) of {' '.join(config.command)} on {socket.gethostname()}, "
+             f"launcher {launcher}, MPS {mps}"]
+    if found:
+        lines += [f"GPU {p}: {g.uuid}, {g.name}, {g.multiprocessors or '?'} SMs, {g.memory_free / 2**30:.1f} GiB free"
+                  for p, g in enumerate(found)]
+    else:
+        lines.append(f"GPUs: {count} ({why or 'none listed'}); their UUIDs, free memory and SMs are read when the "
+                     "job starts")
+    return lines
+
+
+def _variables(config: JobConfig, rank: int, count: int, targets: Sequence[GpuTarget], free: Sequence[int]
+               ) -> dict[str, str]:
+    """What mpsrun gives ``rank``: its welcome's variables and the defaults the caller's environment leaves."""
+    identity = RankIdentity(rank, rank, config.ranks, config.ranks)
+    abort = config.mpi4py_abort == "on" and mpi4py_available()
+    answer = welcome(identity, config, count, lambda p: targets[0 if config.gpu_bind == "none" else p], abort,
+                     free, session_dir=SESSION)
+    env = dict(answer["env"])
+    for group in answer["defaults"]:
+        if not any(name in os.environ for name in group):  # the caller's values win, as in a running job
+            env.update(group)
+    env.update(rendezvous("127.0.0.1", 0, os.environ))
+    if "MASTER_PORT" in env:
+        env["MASTER_PORT"] = PORT
+    if "NCCL_MAX_CTAS" in env and targets[0].multiprocessors is None and "NCCL_MAX_CTAS" not in os.environ:
+        env["NCCL_MAX_CTAS"] = CAP
+    return env
+
+
+def show(config: JobConfig) -> int:
+    """Print the plan; 0, or what refused it."""
+    try:
+        lines = plan_lines(config)
+    except MPSError as exc:
+        print(f"mpsrun: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    print("\n".join(lines))
+    return 0
