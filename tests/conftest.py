@@ -25,8 +25,6 @@ from helpers import (
     GPU_BUSY,
     ROOT,
     TESTS,
-    hydra_files,
-    in_use,
     other_user_venv,
     real_gpu_available,
     tagged_processes,
@@ -71,21 +69,30 @@ def _slow_first(items: list[pytest.Item]) -> None:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    session.config._mpsrun_hydra_before = hydra_files()  # type: ignore[attr-defined]
+    session.config._mpsrun_began = time.time()  # type: ignore[attr-defined]
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Remove the second user's Python (tests/test_faults.py), and the topology files MPICH's Hydra left in /tmp (it puts them there whatever $TMPDIR says, and leaves
-    them when a test kills mpiexec): what this run added and no live process uses. Under xdist the controller
-    does it, once every worker is done."""
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The run leaves nothing in /tmp or /dev/shm: the second user's Python (tests/test_faults.py); what MPICH left of
+    the tests that run mpiexec or mpi4py bare, as mpsrun removes it after its own jobs (made since the run began, and
+    held by no process: a concurrent run's are in use); and, when every test passed, pytest's own base directory
+    (it keeps the last three; a failed run's stays, to look at). Under xdist the controller does it, once every
+    worker is done."""
     if hasattr(session.config, "workerinput"):
         return
     shutil.rmtree(other_user_venv(), ignore_errors=True)  # made by the first test that needed a second user
-    before = getattr(session.config, "_mpsrun_hydra_before", set())
-    added = hydra_files() - before
-    for path in added - in_use(added):
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+    from mpsrun.session import leftovers
+
+    leftovers.sweep(getattr(session.config, "_mpsrun_began", time.time()))
+    factory = getattr(session.config, "_tmp_path_factory", None)  # pytest's, made once a test asked for tmp_path
+    base = factory.getbasetemp() if factory is not None and exitstatus == 0 else None
+    if base is not None and base.parent.name.startswith("pytest-of-"):
+        shutil.rmtree(base, ignore_errors=True)
+        current = base.parent / "pytest-current"
+        if current.is_symlink() and not current.exists():  # it named this run's directory
+            current.unlink()
+        with contextlib.suppress(OSError):  # only if nothing else is left in it
+            base.parent.rmdir()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

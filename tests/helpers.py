@@ -349,26 +349,6 @@ def other_user_venv() -> Path:
 
 # -- what MPICH's mpiexec leaves in /tmp ----------------------------------------------------------------------------
 
-HYDRA_LEFTOVERS = "hydra_hwloc_xmlfile_*"  # Hydra's topology file: always in /tmp, left there when mpiexec is killed
-
-
-def hydra_files() -> set[Path]:
-    """Hydra's topology files now in /tmp."""
-    return set(Path("/tmp").glob(HYDRA_LEFTOVERS))
-
-
-def in_use(paths: set[Path]) -> set[Path]:
-    """Those of ``paths`` that a live process has open or names in its environment (another suite's mpiexec)."""
-    import psutil
-
-    used = set()
-    for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            held = {Path(f.path) for f in proc.open_files()}
-            named = {Path(v) for k, v in proc.environ().items() if k == "HWLOC_XMLFILE"}
-            used |= paths & (held | named)
-    return used
-
 
 def nccl_version(library: str) -> tuple[int, int, int]:
     """The version of the NCCL in ``library``, as it reports it (2.31.2 is 23102)."""
