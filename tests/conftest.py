@@ -84,8 +84,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     from mpsrun.session import leftovers
 
     leftovers.sweep(getattr(session.config, "_mpsrun_began", time.time()))
-    factory = getattr(session.config, "_tmp_path_factory", None)  # pytest's, made once a test asked for tmp_path
-    base = factory.getbasetemp() if factory is not None and exitstatus == 0 else None
+    factory = getattr(session.config, "_tmp_path_factory", None)  # pytest's; its directory, if a test made it
+    base = getattr(factory, "_basetemp", None) if exitstatus == 0 else None
     if base is not None and base.parent.name.startswith("pytest-of-"):
         shutil.rmtree(base, ignore_errors=True)
         current = base.parent / "pytest-current"

@@ -25,7 +25,7 @@ def test_pytest_mpi_suite_inside_mpsrun_ranks(fake_gpu):
     out = subprocess.run(
         [sys.executable, "-m", "mpsrun", "-np", str(ranks), "--gpus", "all", "--launcher", "mpiexec",
          "--mpiexec", mpiexec, "--mps", "on", sys.executable, "-m", "pytest", "--with-mpi", "-q",
-         "-p", "no:cacheprovider", "-o", "addopts=", "--timeout", "120", str(TESTS / "mpi")],
+         "-p", "no:cacheprovider", "-p", "no:tmpdir", "-o", "addopts=", "--timeout", "120", str(TESTS / "mpi")],
         capture_output=True, text=True, timeout=300, cwd=TESTS.parent,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -18,7 +18,7 @@ from types import TracebackType
 
 from mpi4py.run import run_command_line, set_abort_status
 
-from mpsrun.runtime.constants import ABORT_FD_VARIABLE
+from mpsrun.runtime.constants import ABORT_SOCKET_VARIABLE
 
 #: How long the runner waits for its supervisor to report the rank's end before it calls MPI_Abort.
 ABORT_REPORT_WAIT = 10.0
@@ -48,29 +48,16 @@ def _unopenable(args: list[str], exc: BaseException) -> bool:
             and exc.filename is not None and os.path.abspath(exc.filename) == os.path.abspath(args[0]))
 
 
-def _abort_channel() -> socket.socket | None:
-    """The rank supervisor's socket for word of an abort (:data:`ABORT_FD_VARIABLE`), kept from the program's own
-    children; None when the supervisor gave none."""
-    number = os.environ.pop(ABORT_FD_VARIABLE, "")
-    if not number.isdecimal():
-        return None
-    try:
-        channel = socket.socket(fileno=int(number))
-        channel.set_inheritable(False)
-    except OSError:
-        return None
-    return channel
-
-
-def _before_abort(channel: socket.socket | None, code: int, reason: str) -> None:
-    """MPI_Abort is about to end every process of the job, the supervisor too: tell it how this rank ends, and wait
-    (briefly) until the job has heard it."""
+def _before_abort(path: str, code: int, reason: str) -> None:
+    """MPI_Abort is about to end every process of the job, the supervisor too: tell it how this rank ends (on its
+    socket, :data:`ABORT_SOCKET_VARIABLE`), and wait (briefly) until the job has heard it."""
     mpi = sys.modules.get("mpi4py.MPI")
-    if channel is None or code == 0 or mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+    if not path or code == 0 or mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
         return
-    with contextlib.suppress(OSError):
-        channel.sendall(f"{code} {reason}, then MPI_Abort\n".encode())
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as channel:
         channel.settimeout(ABORT_REPORT_WAIT)
+        channel.connect(path)
+        channel.sendall(f"{code} {reason}, then MPI_Abort\n".encode())
         channel.recv(16)
 
 
@@ -82,7 +69,7 @@ def _said(exc: BaseException) -> str:
 
 def main(args: list[str]) -> int:
     """Runs the program of ``args``; reports its uncaught exception as Python does; returns the exit code."""
-    channel = _abort_channel()
+    channel = os.environ.pop(ABORT_SOCKET_VARIABLE, "")  # not the program's, nor its children's
     try:
         run_command_line(args)
     except (SystemExit, KeyboardInterrupt) as exc:

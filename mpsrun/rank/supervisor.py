@@ -16,7 +16,6 @@ Standard library only (it starts with ``python -S`` once per rank under an MPI l
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import signal
@@ -28,18 +27,19 @@ from typing import Any
 
 from mpsrun.errors import InterruptionError, MPSError
 from mpsrun.exitcodes import ExitCode, Outcome, exit_code, signal_name
+from mpsrun.rank.abort import AbortChannel
 from mpsrun.rank.command import exec_failure_code, through_mpi4py
 from mpsrun.rank.environ import rank_env
 from mpsrun.rank.frameworks import failure_reason
 from mpsrun.rank.identity import RankIdentity, identity_from_env
 from mpsrun.rank.join import Join, direct, report_failure, report_interrupt
 from mpsrun.runtime.constants import (
-    ABORT_FD_VARIABLE,
     CONTROL_VARIABLE,
     DRAIN_TIMEOUT,
     FORWARDED_SIGNALS,
     KILL_WAIT,
     LINGER_TIMEOUT,
+    SESSION_DIR_VARIABLE,
     STOP_SIGNALS,
     TOKEN_VARIABLE,
     VERDICT_TIMEOUT,
@@ -96,7 +96,7 @@ class RankSupervisor:
         # has signalled the ranks, waited --grace, and judged them.
         self.timeout: float | None = welcome.get("timeout")
         self.backstop = Deadline(None if self.timeout is None else self.timeout + self.grace + KILL_WAIT)
-        self.aborting: socket.socket | None = None  # where the rank's runner says it is about to call MPI_Abort
+        self.aborting: AbortChannel | None = None  # where the rank's runner says it is about to call MPI_Abort
         self.reported: int | None = None  # this process's exit code, when the rank's end was reported ahead of it
 
     def run(self) -> int:
@@ -146,7 +146,7 @@ class RankSupervisor:
         """Start the rank: its output to ``files`` (stdout, stderr) when given, else tagged through pipes or ours."""
         pipes = (os.pipe(), os.pipe()) if self.tag and not files else None
         outputs: list[int | None] = list(files) or ([pipes[0][1], pipes[1][1]] if pipes else [None, None])
-        runner_end = self._abort_channel()
+        self._abort_channel()
         try:
             self.process = subprocess.Popen(
                 self.command, executable=program, env=self.env, close_fds=False, start_new_session=True,
@@ -155,9 +155,6 @@ class RankSupervisor:
         except OSError:
             close_all([fd for pipe in pipes or () for fd in pipe])
             raise
-        finally:
-            if runner_end is not None:
-                runner_end.close()
         # The launcher's descriptors (MPICH's PMI_FD) reach the rank (close_fds=False: Python's own are not
         # inheritable) and stay open here too until this process ends, as a plain rank holds them: Hydra's proxy
         # spins a core from the moment a rank's PMI connection closes until its process is gone.
@@ -173,32 +170,24 @@ class RankSupervisor:
             os.close(write_end)
             self._tag(read_end, sink)
 
-    def _abort_channel(self) -> socket.socket | None:
-        """For a Python rank under mpi4py's runner: a socket on which the runner says how the rank ends before it calls
-        MPI_Abort (which ends every process of the job, this one too); the rank's end is returned, to close here."""
-        if not self.mpi4py_abort:
-            return None
-        ours, runner_end = socket.socketpair()
-        runner_end.set_inheritable(True)
-        self.env[ABORT_FD_VARIABLE] = str(runner_end.fileno())
-        self.aborting = ours
-        self.loop.watch(ours.fileno(), self._on_abort_notice)
-        return runner_end
+    def _abort_channel(self) -> None:
+        """For a Python rank under mpi4py's runner: where the runner says how the rank ends before MPI_Abort."""
+        channel = AbortChannel.open(self.env.get(SESSION_DIR_VARIABLE, ""), self.rank) if self.mpi4py_abort else None
+        if channel is not None:
+            self.aborting = channel
+            self.env.update(channel.variables)
+            self.loop.watch(channel.listener.fileno(), self._on_abort_notice)
 
     def _on_abort_notice(self) -> None:
         """The rank's runner is about to call MPI_Abort: report the rank's end now, say the job's verdict, and let the
         runner go on (it waits for the word); when the rank then ends, this process exits as the verdict says."""
         assert self.aborting is not None
-        self.loop.unwatch(self.aborting.fileno())
-        notice = ""
-        with contextlib.suppress(OSError):
-            notice = self.aborting.recv(4096).decode(errors="replace")
-        code, _, reason = notice.strip().partition(" ")
-        if code.isdecimal() and self.returncode is None and self.reported is None:
+        self.loop.unwatch(self.aborting.listener.fileno())
+        code, reason, conn = self.aborting.notice()
+        if code is not None and self.returncode is None and self.reported is None:
             self.loop.unwatch(self.link.fd)
-            self.reported = self._finish(Outcome("rank-failed", int(code)), reason, aborting=True)
-        with contextlib.suppress(OSError), self.aborting:
-            self.aborting.sendall(b"go\n")
+            self.reported = self._finish(Outcome("rank-failed", code), reason, aborting=True)
+        AbortChannel.answer(conn)
 
     def _tag(self, fd: int, sink: int) -> None:
         os.set_blocking(fd, False)
@@ -238,7 +227,7 @@ class RankSupervisor:
         self.returncode = self.process.wait()
         self.loop.unwatch(self.link.fd)
         if self.aborting is not None:
-            self.loop.unwatch(self.aborting.fileno())
+            self.loop.unwatch(self.aborting.listener.fileno())
             self.aborting.close()
         self.loop.after(DRAIN_TIMEOUT, self._close_streams)
 

@@ -29,9 +29,11 @@ CONFIG_VARIABLE = "MPSRUN_CONTROL_CONFIG"
 JOB_ID_VARIABLE = "MPSRUN_JOB_ID"
 #: Variables that link a supervisor to its controller: never passed on to the rank's command.
 CONTROL_VARIABLES = (CONTROL_VARIABLE, TOKEN_VARIABLE, CONFIG_VARIABLE)
-#: A Python rank's descriptor on which mpsrun's runner tells the rank's supervisor that it is about to call MPI_Abort
-#: (:mod:`mpsrun.rank.pyrun`): the MPI launcher then ends every process of the job at once.
-ABORT_FD_VARIABLE = "MPSRUN_ABORT_FD"
+#: A Python rank's socket (a path in the session directory) on which mpsrun's runner tells the rank's supervisor that it
+#: is about to call MPI_Abort (:mod:`mpsrun.rank.pyrun`): the MPI launcher then ends every process of the job at once.
+ABORT_SOCKET_VARIABLE = "MPSRUN_ABORT_SOCKET"
+#: A UNIX socket's path must fit the kernel's sun_path, 108 bytes with its terminating NUL (Linux).
+SOCKET_PATH_MOST = 108
 #: The job's (or node's) private session directory, in every rank (mpsrun.shared keeps its handles there).
 SESSION_DIR_VARIABLE = "MPSRUN_SESSION_DIR"
 #: Overrides the host name in node sessions' names (tests simulate several nodes on one machine).
