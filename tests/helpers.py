@@ -384,3 +384,14 @@ def daemon_session(fake_gpu: Any) -> Path:
              if json.loads((root / "session.json").read_text()).get("daemons")]
     assert len(found) == 1, fake_gpu.session_dirs()
     return found[0]
+
+
+def cluster_answers() -> bool:
+    """Whether a Slurm cluster answers here (one with an idle node)."""
+    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
+        return False
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "idle" in out.stdout

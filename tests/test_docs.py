@@ -39,7 +39,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -47,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import FAKE_CUDA, MPSRUN, ROOT, mpiexec
+from helpers import FAKE_CUDA, MPSRUN, ROOT, cluster_answers, mpiexec
 
 from mpsrun.config.commandline import parse_args
 
@@ -242,17 +241,6 @@ def needs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> It
     yield
     root = base / f"mpsrun-{os.getuid()}"
     assert not root.exists() or not list(root.iterdir()), list(root.iterdir())
-
-
-def cluster_answers() -> bool:
-    """Whether a Slurm cluster answers here (as tests/test_slurm.py asks)."""
-    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
-        return False
-    try:
-        out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return out.returncode == 0 and "idle" in out.stdout
 
 
 def test_every_block_follows_the_convention():

@@ -203,31 +203,19 @@ def test_an_abandoned_launch_lets_a_slow_mpiexec_start_its_ranks(fake_gpu, short
     settle(fake_gpu)
 
 
-def test_mpsrun_killed_ends_an_mpiexec_that_ignores_sigterm(fake_gpu, short_tmp):
-    """mpiexec is on the session's record: when mpsrun is SIGKILLed, its reaper SIGKILLs mpiexec's process group,
-    which the parent-death SIGTERM alone would not end (a launcher that ignores it)."""
+@pytest.mark.parametrize("path", ["mpiexec", "hosts"])
+def test_mpsrun_killed_ends_an_mpiexec_that_ignores_sigterm(fake_gpu, short_tmp, path):
+    """mpiexec is on the job's record: when mpsrun is SIGKILLed (a scheduler's kill, the OOM killer) while mpiexec hangs
+    and ignores SIGTERM, its reaper SIGKILLs mpiexec's process group, which the parent-death SIGTERM alone would not
+    end. Under --hosts too (mpiexec and its child ran on as long as they liked: that controller had no record and no
+    reaper)."""
     fake_gpu.daemon_env(FAKE_MPS_NO_ANSWER="1")
     marker = short_tmp / "launcher-started"
     stubborn = wrapper(short_tmp, "stubborn", f"if [ \"$1\" != --version ]; then trap '' TERM; touch {marker}; "
-                                              "exec sleep 60; fi")
-    proc = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "mpiexec", "--mpiexec",
-                             str(stubborn), "true"], stderr=subprocess.PIPE, text=True)
-    wait_for(marker.exists, what="the launcher did not start", proc=proc)
-    wait_for(lambda: _launcher_recorded(fake_gpu), what="mpiexec was not put on the session's record", proc=proc)
-    proc.kill()
-    proc.communicate(timeout=30)
-    settle(fake_gpu)
-
-
-def test_a_hosts_job_killed_outright_ends_an_mpiexec_that_does_not_answer(fake_gpu, short_tmp):
-    """Under --hosts too mpiexec is on the job's record: mpsrun SIGKILLed (a scheduler's kill) while mpiexec hangs and
-    ignores SIGTERM, its reaper SIGKILLs mpiexec's process group (mpiexec and its child ran on for as long as they
-    liked: the --hosts controller had no record and no reaper)."""
-    marker = short_tmp / "launcher-started"
-    stubborn = wrapper(short_tmp, "stubborn", f"if [ \"$1\" != --version ]; then trap '' TERM; touch {marker}; "
                                               "sleep 60 & wait; fi")
-    proc = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--hosts", "localhost", "--mpiexec",
-                             str(stubborn), "true"], stderr=subprocess.PIPE, text=True)
+    where = ["--launcher", "mpiexec"] if path == "mpiexec" else ["--hosts", "localhost"]
+    proc = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", *where, "--mpiexec", str(stubborn), "true"],
+                            stderr=subprocess.PIPE, text=True)
     wait_for(marker.exists, what="the launcher did not start", proc=proc)
     wait_for(lambda: _launcher_recorded(fake_gpu), what="mpiexec was not put on the job's record", proc=proc)
     children = descendants(proc)

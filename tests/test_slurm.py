@@ -6,25 +6,14 @@ SLURM_CONF and MPSRUN_REQUIRE_SLURM=1; elsewhere this test is skipped when no cl
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 
 import pytest
-from helpers import FAKECUDA
+from helpers import FAKECUDA, cluster_answers
 
 pytestmark = pytest.mark.slurm
-
-
-def cluster_answers():
-    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
-        return False
-    try:
-        out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return out.returncode == 0 and "idle" in out.stdout
 
 
 @pytest.fixture
