@@ -7,7 +7,9 @@ is only noted, and :func:`mpsrun.cli.main` then ends with one line and 128+N.
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 from typing import NoReturn
 
 from mpsrun.runtime.constants import PASS_SIGNALS, STOP_SIGNALS
@@ -44,7 +46,11 @@ def main() -> NoReturn:
     from mpsrun.cli import main as command
 
     before = len(_pending)
-    code = command(pending=_pending)
+    try:
+        code = command(pending=_pending)
+    except BrokenPipeError:  # our output's reader left (mpsrun doctor --json | head): end as a shell's command does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit has nowhere else to go
+        code = 128 + signal.SIGPIPE
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # from here on a signal comes as if after our exit
     if code == 0 and len(_pending) > before:  # after the job's own handling gave the signals back to _note
         from mpsrun.exitcodes import Outcome, exit_code, signal_name

@@ -87,3 +87,18 @@ def test_mps_off_asked_for_is_not_announced(fake_gpu):
     assert out.returncode == 0 and out.stderr == "", out.stderr
     out = mpsrun("-np", "2", "--mps", "off", "--thread-percentage", "50", "--launcher", "local", "true")
     assert out.stderr.splitlines() == ["mpsrun: warning: --thread-percentage has no effect without MPS"], out.stderr
+
+
+@pytest.mark.parametrize("words", [["doctor", "--json"], ["status", "--json"]])
+def test_output_into_a_closed_pipe_ends_quietly(no_gpu, words):
+    """A reader that has gone (``mpsrun doctor --json | head``) ends the command as a shell's command ends, 141, with
+    no traceback (doctor printed one)."""
+    import os
+    import subprocess
+
+    read, write = os.pipe()
+    os.close(read)
+    out = subprocess.run([sys.executable, "-m", "mpsrun", *words], stdout=write, stderr=subprocess.PIPE, text=True,
+                         timeout=60)
+    os.close(write)
+    assert "Traceback" not in out.stderr and out.returncode == 141, (out.returncode, out.stderr)
