@@ -50,7 +50,9 @@ def main() -> NoReturn:
         code = command(pending=_pending)
     except BrokenPipeError:  # our output's reader left (mpsrun doctor --json | head): end as a shell's command does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit has nowhere else to go
-        code = 128 + signal.SIGPIPE
+        from mpsrun.exitcodes import Outcome, exit_code
+
+        code = exit_code(Outcome("signal", signal.SIGPIPE))
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # from here on a signal comes as if after our exit
     if code == 0 and len(_pending) > before:  # after the job's own handling gave the signals back to _note
         from mpsrun.exitcodes import Outcome, exit_code, signal_name
