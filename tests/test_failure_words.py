@@ -159,6 +159,28 @@ def test_each_rank_has_its_own_cuda_log_in_the_session(path, fake_gpu, clean):
         assert log == os.path.join(session, f"cuda.{rank}.log")
 
 
+#: Rank 1 replaces a log mpsrun reads with something that never ends (a FIFO blocks an open; /dev/zero has no end).
+PLANT = """
+import os, sys, time
+log = os.environ['CUDA_LOG_FILE'] if sys.argv[1] == 'cuda' else os.environ['MPSRUN_SESSION_DIR'] + '/nccl.x.log'
+if os.environ['RANK'] == '1':
+    os.mkfifo(log) if sys.argv[2] == 'fifo' else os.symlink('/dev/zero', log)
+    sys.exit(3)
+time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("log", ["cuda", "nccl"])
+@pytest.mark.parametrize("plant", ["fifo", "zero"])
+def test_a_log_a_rank_replaced_is_not_read(path, log, plant, fake_gpu, clean):
+    """A rank that makes its CUDA or NCCL log a FIFO, or a symlink to /dev/zero, before it fails gets its plain
+    summary: mpsrun's read neither blocks (the job hung for ever) nor runs out of memory (the kernel killed it)."""
+    out = run_job(path, [], [sys.executable, "-c", PLANT, log, plant], ranks=2, timeout=60)
+    assert out.returncode == 3, out.stderr
+    assert "rank 1 (pid" in summary(out) and "exited with code 3 first" in summary(out)
+
+
 # -- the GPU tier -------------------------------------------------------------------------------------------------
 
 #: torch as the DDP tutorial starts: LOCAL_RANK is the device.

@@ -15,6 +15,7 @@ from mpsrun.mps.daemon import ControlDaemon
 from mpsrun.mps.limits import memory_hint
 from mpsrun.mps.replies import diagnose_log, torn_down_clients
 from mpsrun.mps.watch import RankWatch
+from mpsrun.runtime.files import read_log
 from mpsrun.session.session import Session
 
 __all__ = ["MPS_CLIENT_LIMIT", "crowding_warnings", "mps_report", "shared_memory_hint", "verified_line"]
@@ -29,7 +30,7 @@ def mps_report(daemons: Sequence[ControlDaemon], rank_of: Mapping[int, int]) -> 
     lines: list[str] = []
     for daemon in daemons:
         try:
-            text = daemon.log_file.read_text(errors="replace")
+            text = read_log(daemon.log_file, start=0).decode(errors="replace")
         except OSError:
             continue
         lines += diagnose_log(text)

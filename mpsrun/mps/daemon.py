@@ -41,6 +41,7 @@ from mpsrun.mps.replies import (
     started_servers,
 )
 from mpsrun.runtime.deadline import Deadline, poll_until
+from mpsrun.runtime.files import read_log
 from mpsrun.runtime.processes import ProcessRef, parent_pid, set_parent_death_signal
 
 __all__ = ["CONTROL_EXECUTABLE", "ControlDaemon", "find_control_executable"]
@@ -124,7 +125,7 @@ class ControlDaemon:
 
     def log_tail(self, lines: int = 20) -> str:
         try:
-            text = self.log_file.read_text(errors="replace")
+            text = read_log(self.log_file, start=0).decode(errors="replace")
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
@@ -224,7 +225,7 @@ class ControlDaemon:
         """Every server the daemon started, to check they are gone afterwards: its log names each one (no
         command to send); a daemon whose log cannot be read is asked."""
         try:
-            text = self.log_file.read_text(errors="replace")
+            text = read_log(self.log_file, start=0).decode(errors="replace")
         except OSError:
             with contextlib.suppress(DaemonError):
                 self.server_list()

@@ -23,6 +23,7 @@ from mpsrun.mps.daemon import ControlDaemon
 from mpsrun.mps.gpus import GPU
 from mpsrun.mps.replies import ServerStatus, connected_clients, started_servers
 from mpsrun.runtime.constants import WATCH_COMMAND_TIMEOUT
+from mpsrun.runtime.files import read_log
 
 __all__ = ["ClientWatcher", "ConnectionLog", "Finding", "LogNews", "Look", "RankWatch", "with_descendants"]
 
@@ -99,9 +100,7 @@ class ConnectionLog:
 
     def news(self) -> LogNews:
         try:
-            with self.path.open("rb") as log_file:
-                log_file.seek(self._offset)
-                text = log_file.read()
+            text = read_log(self.path, start=self._offset)
         except OSError:  # not written yet, or the session is gone
             return LogNews()
         whole = text[: text.rfind(b"\n") + 1]

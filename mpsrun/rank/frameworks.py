@@ -24,6 +24,7 @@ import re
 from collections.abc import Mapping
 
 from mpsrun.runtime.constants import SESSION_DIR_VARIABLE
+from mpsrun.runtime.files import read_log
 
 __all__ = [
     "JAX_PREALLOCATION",
@@ -114,9 +115,7 @@ def _our_log(env: Mapping[str, str], name: str) -> str | None:
 def _tail(path: str, size: int = 1 << 16) -> str:
     """The last ``size`` bytes of a file as text ("" when it cannot be read)."""
     try:
-        with open(path, "rb") as log:
-            log.seek(max(0, os.fstat(log.fileno()).st_size - size))
-            return log.read().decode(errors="replace")
+        return read_log(path, last=size).decode(errors="replace")
     except OSError:
         return ""
 
