@@ -27,6 +27,7 @@ from helpers import (
     reports,
     settle,
     supervisors,
+    wait_for,
     wait_ready,
 )
 
@@ -67,28 +68,61 @@ def test_mpi4py_allreduce_without_a_gpu(no_gpu, monkeypatch, path):
         assert out.returncode == 0, out.stderr
 
 
-@pytest.mark.parametrize("failure", ["raise", "exit"])
+#: How rank 1 fails: its code, the exit code the job then has, and the summary's words for it.
+FAILURES = {
+    "raise": ("raise RuntimeError('rank 1 fails')", 1, "uncaught RuntimeError: rank 1 fails"),
+    "exit": ("sys.exit(7)", 7, "sys.exit(7)"),
+    # An exit status is a byte: 256 would read as success (per-node exited 0), and 10**30 broke mpi4py.
+    "exit-256": ("sys.exit(256)", 1, "sys.exit(256)"),
+    "exit-huge": ("sys.exit(10**30)", 1, f"sys.exit({10**30})"),
+    # Reported as what it is (the summary named another rank's lost supervisor, or said nothing under --per-node).
+    "interrupt": ("raise KeyboardInterrupt", 130, "uncaught KeyboardInterrupt"),
+    # A message UTF-8 cannot hold, and one whose __str__ fails, crashed the runner.
+    "unencodable": ("raise ValueError(b'bad \\xff'.decode('utf-8', 'surrogateescape'))", 1,
+                    "uncaught ValueError: bad \\udcff"),
+    "unprintable": ("class Odd(Exception):\n        __str__ = None\n    raise Odd()", 1, "uncaught Odd"),
+}
+
+
+@pytest.mark.parametrize("failure", list(FAILURES))
 @pytest.mark.parametrize("path", PATHS)
-def test_an_mpi4py_rank_that_fails_stops_the_others(fake_gpu, path, failure):
-    """An mpi4py program whose rank 1 raises or calls sys.exit(7) while the others wait in a collective used to hang
+def test_an_mpi4py_rank_that_fails_stops_the_others(fake_gpu, path, failure, short_tmp):
+    """An mpi4py program whose rank 1 fails (as FAILURES lists) while the others wait in a collective used to hang
     in MPI_Finalize under mpiexec. Run through mpi4py's runner, it aborts: the job exits with rank 1's code on every
     path, and the one summary names rank 1, its code and why, before MPI_Abort ends every process (it named another
     rank's lost supervisor on the mpiexec and --hosts paths, 8 of 15 times a rank that did not fail, and said nothing
-    at all under --per-node)."""
+    at all under --per-node). What rank 1 started in the background ends with it (it outlived the job on every MPI
+    path)."""
     pytest.importorskip("mpi4py")
-    end = "raise RuntimeError('rank 1 fails')" if failure == "raise" else "sys.exit(7)"
-    code = f"import os, sys, time\nfrom mpi4py import MPI\nif os.environ['RANK'] == '1':\n    time.sleep(0.5); {end}\n" \
-           "MPI.COMM_WORLD.Barrier()\ntime.sleep(30)"
+    end, code, why = FAILURES[failure]
+    child = short_tmp / "child.pid"
+    source = f"import os, subprocess, sys, time\nfrom mpi4py import MPI\nif os.environ['RANK'] == '1':\n" \
+             f"    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n" \
+             f"    open({str(child)!r}, 'w').write(str(child.pid))\n    time.sleep(0.5)\n    {end}\n" \
+             "MPI.COMM_WORLD.Barrier()\ntime.sleep(30)"
     started = time.monotonic()
-    out = subprocess.run(job_argv(path, ["--grace", "1"], [sys.executable, "-c", code]), capture_output=True,
+    out = subprocess.run(job_argv(path, ["--grace", "1"], [sys.executable, "-c", source]), capture_output=True,
                          text=True, timeout=120)
-    assert out.returncode == (1 if failure == "raise" else 7), out.stderr
+    assert out.returncode == code, out.stderr
     said = [line for line in out.stderr.splitlines() if line.startswith("mpsrun")]
-    why = "uncaught RuntimeError: rank 1 fails" if failure == "raise" else "sys.exit(7)"
-    assert len(said) == 1 and re.fullmatch(rf"mpsrun: rank 1 \(pid \d+\) exited with code {out.returncode} first: "
+    assert len(said) == 1 and re.fullmatch(rf"mpsrun: rank 1 \(pid \d+\) exited with code {code} first: "
                                            rf"{re.escape(why)}, then MPI_Abort", said[0]), out.stderr
     assert time.monotonic() - started < 30
+    pid = int(child.read_text())
+    try:
+        wait_for(lambda: ended(pid), timeout=10, what="rank 1's child outlived the job")
+    finally:
+        if not ended(pid):
+            os.kill(pid, signal.SIGKILL)
     settle(fake_gpu)
+
+
+def ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie has)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def test_mpi4py_abort_off_runs_the_command_as_given(fake_gpu, short_tmp):

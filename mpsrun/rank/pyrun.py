@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import os
 import runpy
+import signal
 import socket
 import sys
+from collections.abc import Callable
 from types import TracebackType
 
 from mpi4py.run import run_command_line, set_abort_status
@@ -57,14 +59,34 @@ def _before_abort(path: str, code: int, reason: str) -> None:
     with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as channel:
         channel.settimeout(ABORT_REPORT_WAIT)
         channel.connect(path)
-        channel.sendall(f"{code} {reason}, then MPI_Abort\n".encode())
+        channel.sendall(f"{code} {reason}, then MPI_Abort\n".encode(errors="backslashreplace"))
         channel.recv(16)
 
 
 def _said(exc: BaseException) -> str:
     """An uncaught exception in a few words: its type and the first line of its message."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"uncaught {type(exc).__name__}" + (f": {text[:200]}" if text else "")
+    lines = _text(exc, str).strip().splitlines()
+    return f"uncaught {type(exc).__name__}" + (f": {lines[0][:200]}" if lines else "")
+
+
+def _text(value: object, how: Callable[[object], str]) -> str:
+    """``how(value)``, or "" where the program's own ``__str__`` or ``__repr__`` fails."""
+    try:
+        return how(value)
+    except Exception:
+        return ""
+
+
+def _ending(exc: SystemExit | KeyboardInterrupt) -> tuple[int, str]:
+    """The code MPI_Abort is to give (0: none) and the words for it. A code is a byte, as an exit status is, but never
+    0 for a failure: ``sys.exit(256)`` would read as success (and a code past C's int failed in mpi4py)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return 128 + signal.SIGINT, "uncaught KeyboardInterrupt"
+    if exc.code is None or exc.code == 0:
+        return 0, ""
+    if isinstance(exc.code, int):
+        return (exc.code & 0xFF) or 1, f"sys.exit({exc.code})"
+    return 1, f"sys.exit({_text(exc.code, repr)[:200]})"
 
 
 def main(args: list[str]) -> int:
@@ -73,10 +95,9 @@ def main(args: list[str]) -> int:
     try:
         run_command_line(args)
     except (SystemExit, KeyboardInterrupt) as exc:
-        set_abort_status(exc)
-        if isinstance(exc, SystemExit) and exc.code not in (None, 0):
-            code = exc.code if isinstance(exc.code, int) else 1
-            _before_abort(channel, code & 0xFF or 1, f"sys.exit({exc.code!r})")
+        code, reason = _ending(exc)
+        set_abort_status(code)
+        _before_abort(channel, code, reason)
         # Python ends on an uncaught KeyboardInterrupt as by SIGINT (130), after its hook prints the traceback.
         sys.excepthook = _program_only
         raise

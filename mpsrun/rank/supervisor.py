@@ -52,6 +52,7 @@ from mpsrun.runtime.processes import (
     close_all,
     find_program,
     kill_group,
+    kill_group_but_leader,
     pidfd,
     set_parent_death_signal,
     start_ticks,
@@ -187,6 +188,9 @@ class RankSupervisor:
         if code is not None and self.returncode is None and self.reported is None:
             self.loop.unwatch(self.link.fd)
             self.reported = self._finish(Outcome("rank-failed", code), reason, aborting=True)
+            # MPI_Abort ends this process too, before the rank's end could be seen here: end what it started now.
+            assert self.process is not None
+            kill_group_but_leader(self.process.pid, signal.SIGKILL)
         AbortChannel.answer(conn)
 
     def _tag(self, fd: int, sink: int) -> None:

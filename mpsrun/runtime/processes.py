@@ -28,6 +28,7 @@ __all__ = [
     "find_program",
     "flush_output",
     "kill_group",
+    "kill_group_but_leader",
     "open_standard_descriptors",
     "own_module",
     "parent_pid",
@@ -179,6 +180,26 @@ def kill_group(pgid: int, sig: int) -> bool:
     except (ProcessLookupError, PermissionError):
         return False
     return True
+
+
+def kill_group_but_leader(pgid: int, sig: int) -> None:
+    """Signal every process of the group that ``pgid`` leads but its leader (which is to go on a moment yet). Each
+    member found in /proc is held by a pidfd and checked again before the signal, so a reused pid is never hit."""
+    for name in os.listdir("/proc"):
+        if not name.isdecimal() or int(name) == pgid or _group_of(int(name)) != pgid:
+            continue
+        with contextlib.suppress(OSError):
+            member = os.pidfd_open(int(name))
+            try:
+                if _group_of(int(name)) == pgid:  # still the process found: the pidfd pins it
+                    signal.pidfd_send_signal(member, sig)
+            finally:
+                os.close(member)
+
+
+def _group_of(pid: int) -> int | None:
+    fields = _stat_fields(pid)
+    return int(fields[2]) if fields else None  # pgrp: field 5 of /proc/<pid>/stat
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
