@@ -8,10 +8,12 @@ argparse's usage block, and `--mps off` said "running without MPS: MPS is off".
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import pytest
-from helpers import mpsrun
+from helpers import mpiexec, mpsrun
 
 
 def one_line(out) -> str:
@@ -39,6 +41,44 @@ def test_host_file_slot_counts_are_checked(fake_gpu, short_tmp, line):
     hostfile = short_tmp / "hosts"
     hostfile.write_text(f"# the nodes\n{line}\n")
     assert "slots; a host has 1 to 1,048,576" in one_line(mpsrun("--hostfile", hostfile, "true"))
+
+
+@pytest.mark.parametrize("where", ["--hosts", "--hostfile"])
+def test_slot_counts_in_other_scripts_digits_are_refused(fake_gpu, short_tmp, where):
+    """A slot count written in digits other than 0-9 (Arabic-Indic three) is refused, exit 2: a regular expression's
+    \\d let it through, and Hydra then died of SIGFPE (exit 136)."""
+    hostfile = short_tmp / "hosts"
+    hostfile.write_text("localhost:\u0663\n")
+    value = "localhost:\u0663" if where == "--hosts" else str(hostfile)
+    assert "localhost:\u0663" in one_line(mpsrun("-np", "1", where, value, "true"))
+
+
+def test_a_host_file_that_is_not_a_file_is_refused(fake_gpu, short_tmp):
+    """A FIFO as host file is refused, exit 2 (mpsrun waited for a writer for ever, and reads the file more than
+    once, which a pipe cannot give)."""
+    os.mkfifo(short_tmp / "hosts")
+    assert "is not a regular file" in one_line(mpsrun("-np", "1", "--hostfile", short_tmp / "hosts", "true"))
+
+
+def test_open_mpis_host_file_form_is_refused_for_mpich(fake_gpu, short_tmp, monkeypatch):
+    """`host slots=N`, Open MPI's host file form, given to MPICH's mpiexec is refused before it starts, exit 2 (Hydra
+    printed nine lines of 'token slots not supported' and exited 255)."""
+    monkeypatch.setenv("PATH", f"{Path(mpiexec()).parent}{os.pathsep}{os.environ['PATH']}")
+    (short_tmp / "hosts").write_text("localhost slots=2\n")
+    line = one_line(mpsrun("-np", "1", "--hostfile", short_tmp / "hosts", "--mpiexec", mpiexec(), "true"))
+    assert "'localhost slots=2' is Open MPI's form; the mpiexec of MPICH and Intel MPI takes host or host:N" in line
+
+
+def test_an_empty_module_name_is_refused(fake_gpu):
+    """`-m ''` is a usage error, exit 2 (it ran, and every rank failed with an ImportError)."""
+    assert "-m: value needs a Python module name" in one_line(mpsrun("-np", "1", "-m", ""))
+
+
+def test_a_script_that_is_not_executable_is_told_how_to_run(fake_gpu, short_tmp):
+    """`mpsrun -np 2 ./x.py` on a script without the execute bit says `did you mean python ./x.py?`, exit 126."""
+    (short_tmp / "x.py").write_text("print(1)\n")
+    out = mpsrun("-np", "2", "--launcher", "local", "./x.py", cwd=short_tmp)
+    assert out.returncode == 126 and "./x.py: Permission denied (did you mean python ./x.py?)" in out.stderr, out.stderr
 
 
 def test_open_mpis_np_spelling_is_taken(fake_gpu):

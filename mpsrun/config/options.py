@@ -129,7 +129,7 @@ class JobConfig:
     mpiexec_args: tuple[str, ...] = option(
         "--mpiexec-arg", default=(), parse=str, metavar="ARG", append=True,
         help="pass ARG to mpiexec (repeatable; --mpiexec-arg=--bind-to=none for values starting with -)")
-    module: str | None = option("-m", default=None, parse=str, metavar="MODULE", env=False,
+    module: str | None = option("-m", default=None, parse=_validated(values.parse_module), metavar="MODULE", env=False,
                                 help="run a Python module as the command (like python -m)")
     exports: tuple[str, ...] = option(
         "-x", default=(), parse=_validated(values.parse_export), metavar="NAME[=VALUE]", append=True, env=False,

@@ -12,6 +12,7 @@ import contextlib
 import math
 import os
 import re
+import stat
 from collections.abc import Mapping, Sequence
 
 from mpsrun.errors import ConfigError
@@ -59,11 +60,11 @@ _MEM = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNOR
 _SCALE_MIB = {"": 1 / (1 << 20), "K": 1 / 1024, "M": 1, "G": 1024, "T": 1 << 20}
 _MAX_MIB = 1 << 30  # 1024 TiB: anything larger is a typo, not a limit
 #: A host as MPI launchers take it: a name or address, optionally ``:N`` slots (never an option, never a space).
-_HOST = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*(:\d+)?")
+_HOST = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*(:[0-9]+)?")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: What mpsrun sets in every rank itself (README, "The command"): not the caller's to pass with -x.
 _SET_BY_MPSRUN = re.compile(r"(MPSRUN_|CUDA_MPS_).*|CUDA_VISIBLE_DEVICES|RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE")
-_HOST_LINE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*(:\d+)?(\s+(slots|max_slots|max-slots)=\d+)*")
+_HOST_LINE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*(:[0-9]+)?([ \t]+(slots|max_slots|max-slots)=[0-9]+)*")
 
 
 def _whole(value: object) -> int | None:
@@ -240,7 +241,7 @@ def _check_host(entry: str, setting: str, value: object, where: str = "") -> Non
     if len(name) > _HOST_NAME_MOST or any(len(label) > _LABEL_MOST for label in name.split(".")):
         raise ConfigError(f"{setting}{where}: host name {name[:40]!r}... is longer than a host name can be "
                           f"({_HOST_NAME_MOST} characters, {_LABEL_MOST} between dots)", setting=setting, value=value)
-    for count in re.findall(r"(?::|=)(\d+)", entry):
+    for count in re.findall(r"(?::|=)([0-9]+)", entry):
         if not 1 <= int(count) <= MAX_RANKS:
             raise ConfigError(f"{setting}{where}: {entry!r} gives a host {count} slots; a host has 1 to "
                               f"{MAX_RANKS:,}", setting=setting, value=value)
@@ -249,6 +250,8 @@ def _check_host(entry: str, setting: str, value: object, where: str = "") -> Non
 def hostfile_lines(path: str, setting: str = "--hostfile") -> list[str]:
     """The host lines of a host file (comments and blank lines left out)."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a pipe is read once, and mpsrun reads the file more than once
+            raise ConfigError(f"host file {path!r} is not a regular file", setting=setting, value=path)
         with open(path) as hostfile:
             lines = [line.split("#", 1)[0].strip() for line in hostfile]
     except (OSError, UnicodeDecodeError) as exc:
@@ -295,3 +298,12 @@ def parse_output_dir(value: object, setting: str = "--output-filename") -> str:
     if not text.strip() or "\0" in text:
         raise ConfigError(f"{setting} needs a directory, not {value!r}", setting=setting, value=value)
     return os.path.abspath(text)
+
+
+def parse_module(value: object, setting: str = "-m") -> str:
+    """A module name as ``python -m`` takes it: names joined by dots."""
+    text = value if isinstance(value, str) else ""
+    if not all(part.isidentifier() for part in text.split(".")):
+        raise ConfigError(f"{setting} needs a Python module name (as python -m takes it), not {value!r}",
+                          setting=setting, value=value)
+    return text

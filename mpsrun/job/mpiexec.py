@@ -10,6 +10,7 @@ import signal
 import subprocess
 from collections.abc import Sequence
 
+from mpsrun.config import values
 from mpsrun.errors import ConfigError
 from mpsrun.runtime.interrupts import uninterrupted
 from mpsrun.runtime.processes import kill_group
@@ -116,6 +117,10 @@ def host_arguments(flavour: str, hosts: Sequence[str] = (), hostfile: str | None
     if flavour == "openmpi":
         return ["--hostfile", hostfile] if hostfile else ["--host", ",".join(hosts)]
     if flavour in ("mpich", "intel"):
+        for line in values.hostfile_lines(hostfile) if hostfile else ():
+            if "=" in line:  # Hydra answers with nine lines of its own errors
+                raise ConfigError(f"host file {hostfile!r}: {line!r} is Open MPI's form; the mpiexec of MPICH and "
+                                  "Intel MPI takes host or host:N lines", setting="--hostfile", value=hostfile)
         return ["-f", hostfile] if hostfile else ["-hosts", ",".join(hosts)]
     raise ConfigError(
         "--hosts/--hostfile: cannot tell how this mpiexec takes hosts (not Open MPI, MPICH or Intel MPI); "

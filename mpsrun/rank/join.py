@@ -46,7 +46,7 @@ def report_failure(exc: MPSError, local_rank: int | None) -> None:
     the job's one summary line; otherwise the node's first local rank prints it (a :class:`JoinError` says itself
     whether this rank does)."""
     address = os.environ.get(CONTROL_VARIABLE)
-    if address and _tell_controller(address, str(exc), exc.exit_code):
+    if address and _tell_controller(address, f"error: {exc}", exc.exit_code):
         return
     if exc.speaks if isinstance(exc, JoinError) else local_rank in (0, None):
         say(f"mpsrun: error: {exc}")

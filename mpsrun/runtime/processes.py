@@ -236,7 +236,9 @@ def find_program(name: str, path: str | None) -> tuple[str | None, int, str]:
     if found is not None:
         return found, 0, ""
     if os.sep in name and os.path.lexists(name):
-        return None, 126, "Is a directory" if os.path.isdir(name) else "Permission denied"
+        if os.path.isdir(name):
+            return None, 126, "Is a directory"
+        return None, 126, f"Permission denied{' (did you mean python ' + name + '?)' if name.endswith('.py') else ''}"
     if os.sep not in name and (name.endswith(".py") or os.path.isfile(name)):  # a file here, named as a command
         return None, 127, f"command not found (did you mean {'python ' if name.endswith('.py') else './'}{name}?)"
     return None, 127, "command not found"
