@@ -26,7 +26,7 @@ from mpsrun.runtime.constants import (
 )
 
 __all__ = ["RankPlan", "daemon_defaults", "gpu_of_rank", "plan_job", "plan_rank", "rank_environment",
-           "ranks_on_gpus", "welcome", "without_mps"]
+           "ranks_on_gpus", "ranks_per_gpu", "welcome", "without_mps"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,10 +60,17 @@ def _sharing(config: JobConfig, local_size: int | None, ngpus: int, option: str)
                           "give a value", setting=option)
     if config.gpu_bind == "none":
         return [-(-local_size // ngpus)] * ngpus
-    counts = [0] * ngpus
-    for local_rank in range(local_size):
-        counts[gpu_of_rank(local_rank, local_size, ngpus, config.map_by)] += 1
-    return counts
+    return ranks_per_gpu(local_size, ngpus, config.map_by)
+
+
+def ranks_per_gpu(local_size: int, ngpus: int, policy: str) -> list[int]:
+    """How many of ``local_size`` ranks :func:`gpu_of_rank` puts on each GPU, counted without going through them
+    (every rank's plan asks, and a loop made a job's planning quadratic in its ranks)."""
+    if policy == "round-robin" or ngpus == 1:
+        return [local_size // ngpus + (gpu < local_size % ngpus) for gpu in range(ngpus)]
+    # block: GPU g has the ranks r with g <= r * ngpus / local_size < g + 1
+    first = [-(-gpu * local_size // ngpus) for gpu in range(ngpus + 1)]
+    return [first[gpu + 1] - first[gpu] for gpu in range(ngpus)]
 
 
 def _mem_limits(config: JobConfig, local_size: int | None, ngpus: int, free: Sequence[int]) -> list[str | None]:
