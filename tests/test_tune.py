@@ -85,10 +85,11 @@ def test_a_failing_setting_is_reported_and_the_rest_go_on(fake_gpu):
     (["--metric", "("], "--metric"), (["-np", "4"], "give --ranks"), (["--mps=on,off", "--bogus"], "--bogus"),
     (["--ranks", "1,"], "--ranks"), (["-n4"], "give --ranks"), (["--np=4"], "give --ranks"),
     (["--per-node"], "--per-node"), (["--version"], "--version"), (["--repeats", "100000"], "--repeats"),
-    (["--plot", "/nonexistent/x.png"], "--plot"), (["--plot", ""], "--plot"),
+    (["--plot", "/nonexistent/x.png"], "--plot"), (["--plot", ""], "--plot"), (["--dry-run"], "--dry-run starts nothing"),
 ])
 def test_bad_settings_are_one_line_and_exit_2_before_anything_runs(fake_gpu, short_tmp, args, why):
-    """A bad list value, an option tune sets itself, an unknown job option: one line, exit 2, and no trial ran."""
+    """A bad list value, an option tune sets itself, an unknown job option, --dry-run (whose trials measured nothing and
+    exited 0): one line, exit 2, and no trial ran."""
     marker = short_tmp / "ran"
     out = _tune(*args, "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')")
     assert out.returncode == 2 and len(out.stderr.splitlines()) == 1 and why in out.stderr, out.stderr
@@ -176,11 +177,15 @@ def test_an_empty_metric_is_a_usage_error(fake_gpu):
 
 
 def test_settings_with_mps_on_are_left_out_where_mps_cannot_run(no_gpu):
-    """Where MPS cannot run (no driver, no control program), the --mps on settings are left out and said once; with
-    only those asked for, tune exits 3 at once (each trial failed as the first did)."""
+    """Where MPS cannot run (no driver, no control program), the --mps on settings are left out and said once, as
+    tune's (a usage error comes alone: it came second, after that note); with only those asked for, tune exits 3 at
+    once (each trial failed as the first did)."""
     out = _tune("--ranks", "1", "--repeats", "1", "--", sys.executable, "-c", "pass")
-    assert out.returncode == 0 and "the settings with --mps on are left out: MPS cannot run here" in out.stderr
+    assert out.returncode == 0 and "mpsrun tune: the settings with --mps on are left out: MPS cannot run here" \
+        in out.stderr, out.stderr
     assert "-np 1 --mps on" not in out.stdout, out.stdout
+    out = _tune("--repeats", "0", "--", sys.executable, "-c", "pass")  # a usage error is one line, said first
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1 and "--repeats" in out.stderr, out.stderr
     out = _tune("--ranks", "1", "--mps", "on", "--", sys.executable, "-c", "pass")
     assert out.returncode == 3 and "every setting asks for MPS, which cannot run here" in out.stderr, out.stderr
 

@@ -72,7 +72,7 @@ def _runnable(settings: list[Setting], progress: Callable[[str], object] | None)
     if not kept:
         raise MPSUnavailableError(f"every setting asks for MPS, which cannot run here: {reason}", reason=reason)
     if progress is not None:
-        progress(f"the settings with --mps on are left out: MPS cannot run here: {reason}")
+        progress(f"mpsrun tune: the settings with --mps on are left out: MPS cannot run here: {reason}")
     return kept
 
 
@@ -98,11 +98,10 @@ def tune(command: Sequence[str], *, ranks: Values | int | None = None, thread_pe
     job = TuneJob(_strings(command, "command"), _strings(options, "options"),
                   scaling=values.parse_choice(scaling, ("weak", "strong"), "--scaling"), metric=metric)
     counts = parse_ranks_list(_text(ranks, "--ranks")) if ranks is not None else default_ranks(job.options)
-    settings = _runnable(grid(counts, parse_mps_list(_text(mps, "--mps")),
-                              parse_thread_list(_text(thread_percentage, "--thread-percentage"))), progress)
+    settings = grid(counts, parse_mps_list(_text(mps, "--mps")),
+                    parse_thread_list(_text(thread_percentage, "--thread-percentage")))
     count = values.parse_count(repeats, "--repeats")
     if count > MAX_REPEATS:
         raise ConfigError(f"--repeats must be at most {MAX_REPEATS}, not {repeats!r}", setting="--repeats")
-    schedule = Schedule(job, settings, count, None if budget is None else values.parse_seconds(budget, "--budget"),
-                        progress)
-    return schedule.run()
+    seconds = None if budget is None else values.parse_seconds(budget, "--budget")
+    return Schedule(job, _runnable(settings, progress), count, seconds, progress).run()

@@ -90,6 +90,9 @@ class TuneJob:
             if name in given:
                 raise ConfigError(f"mpsrun tune sets {flag} in each trial: give {instead} to tune "
                                   "instead", setting=flag)
+        if "dry_run" in given:
+            raise ConfigError("--dry-run starts nothing, so there is nothing to measure: run mpsrun --dry-run alone",
+                              setting="--dry-run")
         if per_node:
             raise ConfigError("--per-node runs under a launcher of your own: tune runs whole jobs (use --hosts or "
                               "--launcher)", setting="--per-node")
