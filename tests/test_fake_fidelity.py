@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import FAKECUDA, run_job
 from replay import recorded_records, run_script, send
 
 from mpsrun.mps.daemon import ControlDaemon, find_control_executable
@@ -77,3 +78,11 @@ def test_real_daemon_and_fake_answer_the_same_script(tmp_path):
             dirs.remove()
     for real, fake in zip(results["real"], results["fake"]):
         assert real == fake
+
+
+def test_the_fake_takes_as_many_clients_at_once_as_the_real_server(fake_gpu):
+    """48 ranks connecting at once all become clients, as on the real server (48 per server on Volta and later):
+    the fake's socket had socketserver's backlog of 5, and every job of 41 or more fake CUDA ranks failed with
+    CUDA_ERROR_MPS_RPC_FAILURE."""
+    out = run_job("local", [], [sys.executable, str(FAKECUDA), "--hold", "1"], ranks=48, timeout=300)
+    assert out.returncode == 0, out.stderr

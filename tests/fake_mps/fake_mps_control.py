@@ -46,6 +46,12 @@ RECORDING = os.path.join(os.path.dirname(HERE), "data", "h100", "transcript.json
 CLIENT = os.path.join(HERE, "fake_mps_client.py")  # its server starts on built-in modules
 
 
+class _Listener(socketserver.ThreadingUnixStreamServer):
+    # socketserver listens with a backlog of 5: 40 or more ranks connecting at once got refused, a failure the real
+    # daemon (which takes up to 48 clients per server) never gives.
+    request_queue_size = 128
+
+
 def recorded_reply(command: str) -> str:
     """The real daemon's recorded output for ``command`` (tests/data/h100/transcript.json)."""
     import json
@@ -338,7 +344,7 @@ def run_daemon() -> int:
     for name in ("control", "control_privileged"):
         if os.path.lexists(os.path.join(directory, name)):
             os.unlink(os.path.join(directory, name))
-    server = socketserver.ThreadingUnixStreamServer(os.path.join(directory, "control"), Handler)
+    server = _Listener(os.path.join(directory, "control"), Handler)
     server.daemon_threads = True
     privileged = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     privileged.bind(os.path.join(directory, "control_privileged"))
