@@ -74,17 +74,19 @@ def test_what_cannot_be_honoured_is_refused(identity, fields, message):
 
 
 def test_rank_environment_carries_gpu_limits_and_rank_variables():
-    """A rank gets its GPU's daemon variables, its limits (only under MPS) and its rank variables."""
+    """A rank gets its GPU's daemon variables, its limits (only under MPS) and its rank variables (torchrun's
+    layout among them)."""
     plan = RankPlan(rank=1, gpu=1, thread_percentage=70, mem_limit="2G", priority=1)
     env = rank_environment(MPS_GPUS[1], plan, RankIdentity(1, 1, 2, 2))
     assert env == {"CUDA_VISIBLE_DEVICES": "GPU-b", "CUDA_MPS_PIPE_DIRECTORY": "/p/b", "CUDA_MPS_LOG_DIRECTORY": "/l/b",
                    "MPSRUN_SESSION_DIR": "/s", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "70",
                    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=2G", "CUDA_MPS_CLIENT_PRIORITY": "1", "MPSRUN_GPU": "1",
-                   "RANK": "1", "LOCAL_RANK": "1", "MPSRUN_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+                   "RANK": "1", "LOCAL_RANK": "1", "MPSRUN_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                   "ROLE_RANK": "1", "ROLE_WORLD_SIZE": "2", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1"}
     no_mps = rank_environment(GpuTarget("GPU-a"), plan, RankIdentity(1, 1, 2, 2))
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in no_mps and no_mps["CUDA_VISIBLE_DEVICES"] == "GPU-a"
     assert rank_environment(None, None, RankIdentity(0, 0, None, None)) == {
-        "RANK": "0", "LOCAL_RANK": "0", "MPSRUN_RANK": "0"}
+        "RANK": "0", "LOCAL_RANK": "0", "MPSRUN_RANK": "0", "ROLE_RANK": "0"}
 
 
 def test_welcome_tells_the_supervisor_everything():

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import PATHS, gpu_job_argv, run_job, shared_gpu_nccl
 
-from mpsrun.rank.frameworks import nccl_block_cap, torchrun_variables
+from mpsrun.rank.frameworks import nccl_block_cap, torchrun_layout
 
 #: A rank that prints the variables named on its command line, NAME=value (None: unset), on one line.
 SHOW = ("import os, sys; os.write(1, ' '.join([os.environ['RANK'], *(f'{n}={os.environ.get(n)}' for n in "
@@ -102,18 +102,25 @@ def test_torchruns_whole_environment_on_every_path(path, fake_gpu, clean):
 
 @pytest.mark.parametrize("path", ["mpiexec", "hosts"])
 def test_the_callers_torchrun_values_win(path, fake_gpu, clean, monkeypatch):
-    """A torchrun variable the caller set reaches the ranks as it is; the others are still given."""
+    """A torchrun variable of the job as a whole that the caller set reaches the ranks as it is; the others are still
+    given. Where a rank is (ROLE_RANK, GROUP_RANK and their sizes) is mpsrun's, as RANK is: a caller's ROLE_RANK=5
+    gave every rank 5 beside its own RANK."""
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "nightly-7")
-    ranks = shown(run_job(path, [], [sys.executable, "-c", SHOW, "TORCHELASTIC_RUN_ID", "ROLE_NAME"], ranks=2), 2)
-    assert all(seen == {"TORCHELASTIC_RUN_ID": "nightly-7", "ROLE_NAME": "default"} for seen in ranks.values())
+    for name, value in (("ROLE_RANK", "5"), ("GROUP_RANK", "9"), ("ROLE_WORLD_SIZE", "7"), ("GROUP_WORLD_SIZE", "3")):
+        monkeypatch.setenv(name, value)
+    ranks = shown(run_job(path, [], [sys.executable, "-c", SHOW, "TORCHELASTIC_RUN_ID", "ROLE_NAME", "ROLE_RANK",
+                                     "GROUP_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE"], ranks=2), 2)
+    for rank, seen in ranks.items():
+        assert seen == {"TORCHELASTIC_RUN_ID": "nightly-7", "ROLE_NAME": "default", "ROLE_RANK": str(rank),
+                        "GROUP_RANK": "0", "ROLE_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "1"}, (rank, seen)
 
 
 def test_torchruns_node_index_follows_its_layout():
     """GROUP_RANK and GROUP_WORLD_SIZE are torchrun's for consecutive ranks on nodes of equal size; without the number
     of ranks on the node they are not given."""
-    assert torchrun_variables(5, 8, 4)["GROUP_RANK"] == "1"
-    assert torchrun_variables(5, 8, 4)["GROUP_WORLD_SIZE"] == "2"
-    assert "GROUP_RANK" not in torchrun_variables(5, 8, None)
+    assert torchrun_layout(5, 8, 4)["GROUP_RANK"] == "1"
+    assert torchrun_layout(5, 8, 4)["GROUP_WORLD_SIZE"] == "2"
+    assert "GROUP_RANK" not in torchrun_layout(5, 8, None)
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -63,7 +63,7 @@ _MAX_MIB = 1 << 30  # 1024 TiB: anything larger is a typo, not a limit
 _HOST = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*(:[0-9]+)?")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: What mpsrun sets in every rank itself (README, "The command"): not the caller's to pass with -x.
-_SET_BY_MPSRUN = re.compile(r"(MPSRUN_|CUDA_MPS_).*|CUDA_VISIBLE_DEVICES|RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE")
+_SET_BY_MPSRUN = re.compile(r"(MPSRUN_|CUDA_MPS_).*|CUDA_VISIBLE_DEVICES|(LOCAL_|GROUP_|ROLE_)?(RANK|WORLD_SIZE)")
 _HOST_LINE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*(:[0-9]+)?([ \t]+(slots|max_slots|max-slots)=[0-9]+)*")
 
 

@@ -15,7 +15,7 @@ from mpsrun.config.options import JobConfig
 from mpsrun.errors import ConfigError
 from mpsrun.mps.environment import MANAGED_VARIABLES, GpuTarget, worker_variables
 from mpsrun.mps.limits import DaemonDefaults, auto_mem_limits
-from mpsrun.rank.frameworks import rank_defaults, shared_gpu_defaults, torchrun_variables
+from mpsrun.rank.frameworks import TORCHRUN_DEFAULTS, rank_defaults, shared_gpu_defaults, torchrun_layout
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import (
     CONTROL_VARIABLES,
@@ -135,7 +135,8 @@ def rank_environment(target: GpuTarget | None, plan: RankPlan | None, identity: 
                      local_rank: int | None = None) -> dict[str, str]:
     """The variables mpsrun gives one rank: its GPUs and MPS variables (``target``, None: no GPU known) with the
     limits of its ``plan``, and its place in the job (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-    ``LOCAL_WORLD_SIZE`` where known). ``local_rank``: what LOCAL_RANK says, if not the rank's place on its node."""
+    ``LOCAL_WORLD_SIZE`` where known, and torchrun's layout variables). ``local_rank``: what LOCAL_RANK says, if not
+    the rank's place on its node."""
     env: dict[str, str] = {}
     if target is not None:
         limits = (plan.thread_percentage, plan.mem_limit, plan.priority) if plan is not None else ()
@@ -149,6 +150,7 @@ def rank_environment(target: GpuTarget | None, plan: RankPlan | None, identity: 
             env["WORLD_SIZE"] = str(identity.world_size)
         if identity.local_world_size is not None:
             env["LOCAL_WORLD_SIZE"] = str(identity.local_world_size)
+        env.update(torchrun_layout(identity.rank, identity.world_size, identity.local_world_size))
     return env
 
 
@@ -207,8 +209,7 @@ def welcome(identity: RankIdentity, config: JobConfig, ngpus: int, target_of: Ca
     for item in config.exports:  # -x: resolved where the command line was read
         name, given, value = item.partition("=")
         restore[name] = value if given else None
-    defaults = [{name: value} for name, value in  # each alone: the caller's value of one leaves the others given
-                torchrun_variables(identity.rank, identity.world_size, identity.local_world_size).items()]
+    defaults = [{name: value} for name, value in TORCHRUN_DEFAULTS.items()]  # each alone: one the caller set wins
     defaults += shared_gpu_defaults(env, plan.sharers, target.multiprocessors if target else None)
     defaults += rank_defaults(env, identity.rank)
     return {"env": env, "defaults": defaults, "managed": list(MANAGED_VARIABLES),

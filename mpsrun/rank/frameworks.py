@@ -32,7 +32,7 @@ __all__ = [
     "nccl_block_cap",
     "rank_defaults",
     "shared_gpu_defaults",
-    "torchrun_variables",
+    "torchrun_layout",
 ]
 
 #: The share of a GPU's memory JAX (XLA) preallocates in a process unless told otherwise.
@@ -49,18 +49,23 @@ ASSUMED_SMS = 16
 NCCL_MULTI_RANK = (2, 30)
 
 
-def torchrun_variables(rank: int, world_size: int | None, local_world_size: int | None) -> dict[str, str]:
-    """What torchrun gives a worker besides ``RANK``, ``LOCAL_RANK``, the sizes and the rendezvous: one role
-    (``default``), no restarts, torchrun's run id when none is given, and the node's index and count as torchrun's
-    layout has them (the same number of consecutive ranks on every node)."""
-    env = {"ROLE_RANK": str(rank), "ROLE_NAME": "default", "TORCHELASTIC_RUN_ID": "none",
-           "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"}
+def torchrun_layout(rank: int, world_size: int | None, local_world_size: int | None) -> dict[str, str]:
+    """Where torchrun's variables put a worker, mpsrun's own as ``RANK`` is (a caller's value, one for every rank,
+    would be wrong in all but one): its role's rank and size, and the node's index and count as torchrun's layout
+    has them (the same number of consecutive ranks on every node)."""
+    env = {"ROLE_RANK": str(rank)}
     if world_size is not None:
         env["ROLE_WORLD_SIZE"] = str(world_size)
         if local_world_size:
             env["GROUP_RANK"] = str(rank // local_world_size)
             env["GROUP_WORLD_SIZE"] = str(math.ceil(world_size / local_world_size))
     return env
+
+
+#: What else torchrun gives a worker, each unless the caller set it: one role, torchrun's run id when none is given,
+#: and no restarts.
+TORCHRUN_DEFAULTS = {"ROLE_NAME": "default", "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "0",
+                     "TORCHELASTIC_MAX_RESTARTS": "0"}
 
 
 def nccl_block_cap(multiprocessors: int | None, sharers: int, thread_percentage: int | None = None) -> int:
