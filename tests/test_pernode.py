@@ -168,12 +168,14 @@ def test_hosts_run_through_mpiexec_with_a_session_per_host(fake_gpu, short_tmp):
     assert leftovers(Path(os.environ["MPSRUN_TMPDIR"])) == []
 
 
-def test_host_arguments_per_flavour():
+def test_host_arguments_per_flavour(tmp_path):
     """Hosts are passed the way each MPI flavour takes them; an unknown flavour is a usage error."""
     from mpsrun.errors import ConfigError
     from mpsrun.job.mpiexec import host_arguments
 
+    hostfile = tmp_path / "hf"
+    hostfile.write_text("a:2\nb\n")
     assert host_arguments("openmpi", ["a", "b"]) == ["--host", "a,b"]
-    assert host_arguments("mpich", hostfile="hf") == ["-f", "hf"]
+    assert host_arguments("mpich", hostfile=str(hostfile)) == ["-f", str(hostfile)]
     with pytest.raises(ConfigError, match="cannot tell how this mpiexec takes hosts"):
         host_arguments("unknown", ["a"])

@@ -57,7 +57,8 @@ def test_a_host_file_that_is_not_a_file_is_refused(fake_gpu, short_tmp):
     """A FIFO as host file is refused, exit 2 (mpsrun waited for a writer for ever, and reads the file more than
     once, which a pipe cannot give)."""
     os.mkfifo(short_tmp / "hosts")
-    assert "is not a regular file" in one_line(mpsrun("-np", "1", "--hostfile", short_tmp / "hosts", "true"))
+    assert "is a pipe, which can be read only once" in one_line(mpsrun("-np", "1", "--hostfile", short_tmp / "hosts",
+                                                                        "true"))
 
 
 def test_open_mpis_host_file_form_is_refused_for_mpich(fake_gpu, short_tmp, monkeypatch):

@@ -250,8 +250,10 @@ def _check_host(entry: str, setting: str, value: object, where: str = "") -> Non
 def hostfile_lines(path: str, setting: str = "--hostfile") -> list[str]:
     """The host lines of a host file (comments and blank lines left out)."""
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):  # a pipe is read once, and mpsrun reads the file more than once
-            raise ConfigError(f"host file {path!r} is not a regular file", setting=setting, value=path)
+        mode = os.stat(path).st_mode
+        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):  # a pipe is read once, and mpsrun reads the file more than once
+            raise ConfigError(f"host file {path!r} is a pipe, which can be read only once; give a file",
+                              setting=setting, value=path)
         with open(path) as hostfile:
             lines = [line.split("#", 1)[0].strip() for line in hostfile]
     except (OSError, UnicodeDecodeError) as exc:

@@ -20,6 +20,7 @@ from types import TracebackType
 
 from mpi4py.run import run_command_line, set_abort_status
 
+from mpsrun.exitcodes import Outcome, exit_code
 from mpsrun.runtime.constants import ABORT_SOCKET_VARIABLE
 
 #: How long the runner waits for its supervisor to report the rank's end before it calls MPI_Abort.
@@ -81,7 +82,7 @@ def _ending(exc: SystemExit | KeyboardInterrupt) -> tuple[int, str]:
     """The code MPI_Abort is to give (0: none) and the words for it. A code is a byte, as an exit status is, but never
     0 for a failure: ``sys.exit(256)`` would read as success (and a code past C's int failed in mpi4py)."""
     if isinstance(exc, KeyboardInterrupt):
-        return 128 + signal.SIGINT, "uncaught KeyboardInterrupt"
+        return exit_code(Outcome("signal", signal.SIGINT)), "uncaught KeyboardInterrupt"
     if exc.code is None or exc.code == 0:
         return 0, ""
     if isinstance(exc.code, int):
