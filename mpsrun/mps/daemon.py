@@ -9,8 +9,7 @@ parsed, never trusted by exit code.
 One life cycle for every owner: :meth:`ControlDaemon.start` spawns a daemon,
 :class:`~mpsrun.session.record.DaemonRecord` describes it for ``session.json``, and
 :meth:`ControlDaemon.stop` ends it, whether this process started it or it was made again
-from a record (a reaper, ``mpsrun cleanup``).
-Processes are identified by pid and start time, never by name.
+from a record (a reaper, ``mpsrun cleanup``). Processes are identified by pid and start time, never by name.
 """
 
 from __future__ import annotations
