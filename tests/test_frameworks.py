@@ -44,11 +44,11 @@ SHOW = "import os; os.write(1, f\"{os.environ.get('MASTER_ADDR')} {os.environ.ge
 
 #: torch.distributed as a torchrun user writes it: gloo over env://, a CUDA tensor all-reduced.
 TORCH = """
-import torch, torch.distributed as dist
+import os, torch, torch.distributed as dist
 dist.init_process_group("gloo", init_method="env://")
 tensor = torch.ones(4, device="cuda") * (dist.get_rank() + 1)
 dist.all_reduce(tensor)
-print("sum", tensor.sum().item() / 4, flush=True)
+os.write(1, f"sum {tensor.sum().item() / 4}\\n".encode())  # one write: ranks share stdout, unbuffered or not
 dist.destroy_process_group()
 """
 
@@ -142,9 +142,9 @@ def test_ranks_that_share_a_gpu_split_jaxs_preallocation(path, fake_gpu, monkeyp
 
 #: JAX as its users write it: an array on the GPU, a reduction, with nothing set for JAX's memory.
 JAX = """
-import jax, jax.numpy as jnp
+import os, jax, jax.numpy as jnp
 x = jnp.ones((1024, 1024))
-print("sum", float((x @ x).sum()) / 1024 ** 3, jax.devices()[0].platform, flush=True)
+os.write(1, f"sum {float((x @ x).sum()) / 1024 ** 3} {jax.devices()[0].platform}\\n".encode())
 """
 
 
