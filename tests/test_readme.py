@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mpsrun.cli import build_parser
+from mpsrun.config.options import options
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -50,7 +50,8 @@ def table_options(text, start, end):
     return set(re.findall(r"`(-{1,2}[a-z][a-z0-9-]*)", "".join(rows)))
 
 
-KNOWN = {option for action in build_parser()._actions for option in action.option_strings}
+#: What the parser takes: every declared option (the parser is built from them), and argparse's own two.
+KNOWN = {flag for spec in options().values() for flag in spec.flags} | {"-h", "--help", "--version"}
 COMMAND_LINE = (ROOT / "docs" / "command-line.md").read_text()
 SHORT_TABLE = ("## The options most jobs use", "\n## ")
 FULL_TABLE = ("\n## Options\n", "\n### Options in detail")

@@ -43,7 +43,7 @@ from mpsrun.node.pernode import KeeperRequest
 from mpsrun.node.relay import RelayController
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import DAEMON_START_TIMEOUT, LINGER_TIMEOUT, UPSTREAM_TIMEOUT
-from mpsrun.runtime.deadline import Deadline
+from mpsrun.runtime.deadline import Deadline, poll_until
 from mpsrun.runtime.interrupts import Interrupts
 from mpsrun.runtime.processes import ProcessRef, ensure_descriptors, exit_now
 from mpsrun.runtime.protocol import Link, Listener, connect
@@ -214,9 +214,7 @@ class NodeKeeper:
         for state in self.controller.ranks.values():  # a rank that lingers for our end need not wait for this
             if state.link is not None:
                 state.link.close()
-        deadline = Deadline(LINGER_TIMEOUT)
-        while launcher.alive() and not deadline.expired():
-            time.sleep(0.05)  # a bounded poll: the launcher is not our child
+        poll_until(lambda: (not launcher.alive()) or None, Deadline(LINGER_TIMEOUT))  # not our child: polled
         leftovers.sweep(self.began)
 
 

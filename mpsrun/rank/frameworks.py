@@ -13,7 +13,7 @@
   word for its last error (a device it cannot see, its MPS client ended).
 
 Each variable or group of variables is given only where the rank's environment has none of its names: the
-caller's settings always win.
+caller's settings win. torchrun's layout (where a rank is) is the rank's own, as ``RANK`` is.
 """
 
 from __future__ import annotations
@@ -183,11 +183,11 @@ def _nccl_reason(env: Mapping[str, str]) -> str:
     refused = [refusal for refusal in _NCCL_REFUSALS if any(refusal in text for text in texts)]
     if not refused:
         return ""
-    found = next((match.groups() for text in texts if (match := _NCCL_VERSION.search(text))), None)
-    version = tuple(map(int, found)) if found else None  # said by the job's rank 0 only
-    if version[:2] >= NCCL_MULTI_RANK if version else refused[-1] == _NCCL_REFUSALS[-1]:
-        named = f"NCCL {'.'.join(map(str, version))}" if version else "This NCCL"
+    found = next((match.groups() for text in texts if (match := _NCCL_VERSION.search(text))), None)  # rank 0's
+    can_share = tuple(map(int, found[:2])) >= NCCL_MULTI_RANK if found else _NCCL_REFUSALS[-1] in refused
+    if can_share:
+        named = f"NCCL {'.'.join(found)}" if found else "This NCCL"
         return f"{named} puts several ranks on one GPU only with NCCL_MULTI_RANK_GPU_ENABLE=1"
-    named = f"NCCL {'.'.join(map(str, version))}" if version else "NCCL older than 2.30"
+    named = f"NCCL {'.'.join(found)}" if found else "NCCL older than 2.30"
     return (f"{named} cannot put several ranks on one GPU; NCCL 2.30 or newer can (pip install "
             "'nvidia-nccl-cu13>=2.30', docs/frameworks.md), or use the gloo backend")
