@@ -51,11 +51,11 @@ def test_shared_table_says_what_it_does_before_the_long_part(no_gpu):
     """Rank 0 of examples/shared_table.py says at once what it makes and draws (it was silent for 14-15 s on a
     CPU)."""
     pytest.importorskip("numpy")
-    out = subprocess.run([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "local", sys.executable,
-                          str(ROOT / "examples" / "shared_table.py"), "--mib", "1", "--samples", "1000"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "local", "--tag-output",
+                          sys.executable, str(ROOT / "examples" / "shared_table.py"), "--mib", "1", "--samples", "1000"],
+                         capture_output=True, text=True, timeout=120)  # whole lines whatever PYTHONUNBUFFERED says
     assert out.returncode == 0, out.stderr
-    said = [line for line in out.stdout.splitlines() if line.startswith("rank 0/2:")]
+    said = [line.removeprefix("[rank 0] ") for line in out.stdout.splitlines() if line.startswith("[rank 0] rank 0/2:")]
     assert said[0].startswith("rank 0/2: 1 MiB table, made once per GPU (or host) and shared"), said
     assert said[1].startswith("rank 0/2: table of 1 MiB"), said
 

@@ -140,8 +140,8 @@ def test_the_callers_logs_are_left_alone(fake_gpu, clean, monkeypatch, short_tmp
     CUDA_LOG_FILE of its own, and reads neither."""
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
     monkeypatch.setenv("CUDA_LOG_FILE", str(short_tmp / "mine.log"))
-    show = "import os; print(os.environ.get('NCCL_DEBUG'), os.environ.get('NCCL_DEBUG_FILE'), " \
-           "os.environ.get('CUDA_LOG_FILE'), flush=True)"
+    show = "import os; os.write(1, f\"{os.environ.get('NCCL_DEBUG')} {os.environ.get('NCCL_DEBUG_FILE')} " \
+           "{os.environ.get('CUDA_LOG_FILE')}\\n\".encode())"  # one write: print()'s newline apart mixes ranks
     out = run_job("local", [], [sys.executable, "-c", show], ranks=2)
     assert out.returncode == 0 and out.stdout.splitlines() == [f"INFO None {short_tmp / 'mine.log'}"] * 2, out.stderr
     out = run_job("local", [], fake("--device", "local"), ranks=2)
@@ -151,7 +151,8 @@ def test_the_callers_logs_are_left_alone(fake_gpu, clean, monkeypatch, short_tmp
 @pytest.mark.parametrize("path", ["local", "per-node"])
 def test_each_rank_has_its_own_cuda_log_in_the_session(path, fake_gpu, clean):
     """Every rank, on a GPU of its own or not, gets CUDA_LOG_FILE: a file of its own in the session directory."""
-    show = f"import os; print(os.environ['RANK'], os.environ['CUDA_LOG_FILE'], os.environ['{SESSION_DIR_VARIABLE}'])"
+    show = ("import os; os.write(1, ' '.join([os.environ['RANK'], os.environ['CUDA_LOG_FILE'], "
+            f"os.environ['{SESSION_DIR_VARIABLE}']]).encode() + b'\\n')")  # one write, as above
     out = run_job(path, [], [sys.executable, "-c", show], ranks=2)
     assert out.returncode == 0, out.stderr
     for line in out.stdout.splitlines():

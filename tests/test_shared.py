@@ -244,7 +244,8 @@ def test_handles_travel_only_through_a_private_directory(fake_gpu, fake_cuda, sh
     program = ("import os, stat, sys, time\nfrom mpsrun import shared\nshared.array('t', 8, 'int64', data=range(8))\n"
                "d = os.path.join(os.environ['MPSRUN_SESSION_DIR'], 'shared')\n"
                "modes = {n: stat.S_IMODE(os.lstat(os.path.join(d, n)).st_mode) for n in os.listdir(d)}\n"
-               "modes['.'] = stat.S_IMODE(os.stat(d).st_mode)\nprint(modes)\ntime.sleep(0.5)\n")
+               "modes['.'] = stat.S_IMODE(os.stat(d).st_mode)\nos.write(1, repr(modes).encode() + b'\\n')\n"
+               "time.sleep(0.5)\n")  # one write: under PYTHONUNBUFFERED print() writes the newline apart
     out = run(program, ranks=2)
     assert out.returncode == 0, out.stderr
     for line in out.stdout.splitlines():

@@ -22,6 +22,7 @@ from mpi4py.run import run_command_line, set_abort_status
 
 from mpsrun.exitcodes import Outcome, exit_code
 from mpsrun.runtime.constants import ABORT_SOCKET_VARIABLE
+from mpsrun.runtime.output import say
 
 #: How long the runner waits for its supervisor to report the rank's end before it calls MPI_Abort.
 ABORT_REPORT_WAIT = 10.0
@@ -106,8 +107,7 @@ def main(args: list[str]) -> int:
         tb = program_frames(exc.__traceback__)
         if tb is None and _unopenable(args, exc):
             assert isinstance(exc, OSError)
-            print(f"{sys.executable}: can't open file {os.path.abspath(args[0])!r}: [Errno {exc.errno}] "
-                  f"{exc.strerror}", file=sys.stderr)
+            say(f"{sys.executable}: can't open file {os.path.abspath(args[0])!r}: [Errno {exc.errno}] {exc.strerror}")
             code = 2
         else:
             sys.excepthook(type(exc), exc.with_traceback(tb), tb)  # the default hook reads the exception's own
