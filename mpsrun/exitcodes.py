@@ -20,6 +20,7 @@ class ExitCode:
     """Codes mpsrun gives for its own reasons (a failing rank gives its own code)."""
 
     OK = 0
+    FAILED = 1  # a program's plain failure (Python's for an uncaught exception)
     USAGE = 2
     SETUP = 3
     TIMEOUT = 124

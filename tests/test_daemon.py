@@ -103,7 +103,6 @@ def test_clients_terminate_and_quit_blocking(daemon, fake_gpu):
     while daemon.clients() != {first.pid, second.pid} and time.monotonic() < deadline:
         time.sleep(0.02)
     assert daemon.clients() == {first.pid, second.pid}
-    assert {(row.pid, row.server_pid) for row in daemon.ps()} == {(first.pid, server), (second.pid, server)}
     daemon.terminate_client(server, first.pid)
     assert first.wait(timeout=10) == 1
     assert "cudaErrorMpsClientTerminated" in first.stderr.read()

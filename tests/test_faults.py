@@ -72,7 +72,7 @@ def _orphan_session(fake_gpu):
     """A session whose owner is gone but whose daemon still runs (no parent-death signal, no reaper)."""
     dirs = SessionDirs.create(fake_gpu.tmpdir, [0])
     env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(dirs.pipe_dir(0)), "CUDA_VISIBLE_DEVICES": fake_gpu.uuids[0]}
-    log = open(dirs.control_log(0), "wb")
+    log = open(dirs.log_dir(0) / "control.log", "wb")
     daemon = subprocess.Popen([str(fake_gpu.bin_dir / "nvidia-cuda-mps-control"), "-f"], env=env, stdout=log,
                               start_new_session=True)
     log.close()

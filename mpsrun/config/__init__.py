@@ -5,5 +5,5 @@ validation of every value a user can give, on the command line or to the Python 
 (:mod:`~mpsrun.config.values`), and reading a command line into a
 :class:`~mpsrun.config.options.JobConfig` (:mod:`~mpsrun.config.commandline`).
 
-Imports: the standard library, :mod:`mpsrun.errors` and :mod:`mpsrun.runtime`.
+Imports: the standard library, :mod:`mpsrun.errors` and :mod:`mpsrun.exitcodes` only.
 """

@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 from mpsrun.config import values
 from mpsrun.config.options import JobConfig, Option, options
 from mpsrun.errors import ConfigError
+from mpsrun.exitcodes import ExitCode
 
 __all__ = ["EXCLUSIVE", "OneLineParser", "build_parser", "parse_args", "parse_options", "split_argv", "to_argv"]
 
@@ -47,7 +48,7 @@ class OneLineParser(argparse.ArgumentParser):
     main command's is, and exit status 2."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}{_suggestion(message, self._option_string_actions)} "
+        self.exit(ExitCode.USAGE, f"{self.prog}: error: {message}{_suggestion(message, self._option_string_actions)} "
                      f"(see {self.prog} --help)\n")
 
 

@@ -43,13 +43,13 @@ class Backend(Protocol):
     #: False when each host's node keeper starts that host's MPS daemons instead of the controller.
     owns_daemons: bool
     #: When each MPS server is asked for, in seconds after the first rank starts, unless every rank has ended by
-    #: then; None: with its first client, as a hand-started daemon does. A server takes 0.17-0.26 s to become ready
-    #: (H100) and its first client waits for it: ranks that use the GPU from Python take longer than 0.25 s to reach
-    #: CUDA (importing CuPy, PyTorch or JAX), so they do not wait, and a job over by then never pays for a server
-    #: it did not use (its quit alone takes 0.1 s).
+    #: then; None: with its first client, as a hand-started daemon does. A server takes a while to become ready
+    #: and its first client waits for it: ranks that use the GPU from Python take longer than that to reach CUDA
+    #: (importing CuPy, PyTorch or JAX), so they do not wait, and a job over by then never pays for a server it
+    #: did not use (the figures are in docs/benchmarks.md).
     server_after: float | None
-    #: The launcher starts before the MPS session (``Job``), its ranks waiting for their welcome: an MPI launcher
-    #: takes 0.3 s to start its ranks, in which the session comes up.
+    #: The launcher starts before the MPS session (``Job``), its ranks waiting for their welcome: the session comes
+    #: up while an MPI launcher starts its ranks.
     head_start: bool
 
     def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]: ...

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from mpsrun.config.options import JobConfig
 from mpsrun.errors import ConfigError, MPSError, NoDriverError
+from mpsrun.exitcodes import ExitCode
 from mpsrun.job.channel import rendezvous
 from mpsrun.job.mpiexec import find_mpiexec, mpi4py_available
 from mpsrun.job.placement import plan_job, welcome
@@ -123,4 +124,4 @@ def show(config: JobConfig) -> int:
         print(f"mpsrun: error: {exc}", file=sys.stderr)
         return exc.exit_code
     print("\n".join(lines))
-    return 0
+    return ExitCode.OK

@@ -60,7 +60,7 @@ def flavour_of_version(text: str) -> str:
 
 
 def detect_flavour(mpiexec: str) -> str:
-    """The flavour from ``mpiexec --version`` (3-6 ms for Open MPI 4.1 on the H100 machine).
+    """The flavour from ``mpiexec --version``.
 
     It runs in a process group of its own: on a timeout or an interrupt the whole group is killed, so a wrapper
     script's children are not left behind.

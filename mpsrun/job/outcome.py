@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from mpsrun.exitcodes import Outcome, describe_returncode, exit_code, signal_name
+from mpsrun.exitcodes import ExitCode, Outcome, describe_returncode, exit_code, signal_name
 from mpsrun.runtime.constants import WATCH_INTERVAL
 
 __all__ = ["JobResult", "Judge", "Policy", "RankEnd", "ranges"]
@@ -67,7 +67,6 @@ class JobResult:
     exit_code: int
     cause: str
     message: str = ""
-    first_failure: RankEnd | None = None
     ends: list[RankEnd] = field(default_factory=list)
 
 
@@ -91,7 +90,7 @@ class Judge:
 
     def rank_ended(self, end: RankEnd) -> bool:
         """Record a rank's end; True when it is the job's first failure."""
-        if end.returncode == 0 or self.failed:
+        if end.returncode == ExitCode.OK or self.failed:
             return False
         self.first = end
         first = self.decide("rank-failed", end.returncode, end.describe(first=True))
@@ -140,7 +139,7 @@ class Judge:
             cause, message = "teardown-failed", teardown_failure
         elif not self.failed and late_signal:
             cause, message = "signal", f"interrupted by {signal_name(late_signal)} while ending the job"
-        return JobResult(code, cause, message, self.first, sorted(ends, key=_by_rank))
+        return JobResult(code, cause, message, sorted(ends, key=_by_rank))
 
 
 def _by_rank(end: RankEnd) -> int:

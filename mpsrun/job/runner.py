@@ -54,7 +54,7 @@ __all__ = ["run_job"]
 log = logging.getLogger("mpsrun")
 
 #: What the job needs only once its launcher has started: under --launcher mpiexec, mpiexec starts its ranks
-#: meanwhile (0.3 s), and on the local path the daemons come up meanwhile; imported first, they held up every
+#: meanwhile, and on the local path the daemons come up meanwhile; imported before, they would hold up every
 #: job's start (docs/benchmarks.md, "The redesign": the trivial job's A/B).
 _AFTER_THE_LAUNCHER = ("mpsrun.session.session", "mpsrun.job.jobcontroller", "mpsrun.job.placement",
                        "mpsrun.job.report", "mpsrun.rank.forked")

@@ -59,7 +59,7 @@ class RankState:
     def own_code(self) -> int:
         """The rank's own exit code, as its end gives it."""
         returncode = self.end.returncode if self.end is not None else 0
-        return exit_code(Outcome("ok" if returncode == 0 else "rank-failed", returncode))
+        return exit_code(Outcome("ok" if returncode == ExitCode.OK else "rank-failed", returncode))
 
     def judged(self) -> None:
         self.verdict_sent = True

@@ -29,11 +29,9 @@ from mpsrun.errors import DaemonError, DaemonStartError, DaemonTimeoutError, MPS
 from mpsrun.mps.limits import stored_mem_limit
 from mpsrun.mps.replies import (
     NO_DAEMON,
-    PsEntry,
     ServerStatus,
     is_error_reply,
     parse_pid_list,
-    parse_ps,
     parse_server_status,
     reply_mib,
     reply_number,
@@ -92,7 +90,6 @@ class ControlDaemon:
     _servers: dict[int, ProcessRef] = field(default_factory=dict, init=False)
     answered: bool = field(default=False, init=False)  # it has answered a command: it can take `quit`
     silent: str = field(default="", init=False)  # then it left one unanswered (said so): no more commands are sent
-    quitting: bool = field(default=False, init=False)  # stop() has begun: its end is no failure
 
     @property
     def env(self) -> dict[str, str]:
@@ -205,7 +202,6 @@ class ControlDaemon:
         """
         if self.process is None:
             return False
-        self.quitting = True
         deadline, forced = Deadline(timeout), False
         if self.alive and (self.silent or not self.answered) and self._popen is not None:
             self._end_group(grace)  # its silence was said where it was met: quit would only wait it out again
@@ -385,15 +381,6 @@ class ControlDaemon:
         for server in self.server_list():
             result.update(self.client_list(server))
         return result
-
-    def ps(self) -> list[PsEntry]:
-        """The daemon's clients (``ps``); none when there is no server."""
-        try:
-            return parse_ps(self.command("ps"))
-        except DaemonError as exc:
-            if exc.reply.strip() == "Server not found":
-                return []
-            raise
 
     def terminate_client(self, server_pid: int, client_pid: int, timeout: float | None = None) -> None:
         """Ask the server to end a client's work (it fails at its next CUDA call)."""

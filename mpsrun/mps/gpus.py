@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 from mpsrun.config.values import GpuList
 from mpsrun.errors import ConfigError, GPUError, GPUNotFoundError, NoDriverError
+from mpsrun.exitcodes import ExitCode
 from mpsrun.runtime.interrupts import uninterrupted
 from mpsrun.runtime.processes import set_parent_death_signal
 
@@ -214,7 +215,7 @@ class _ReadAhead:
 
 
 def _answer_in_child(pipe: int, parent: int) -> NoReturn:
-    code = 1
+    code = ExitCode.FAILED
     try:
         set_parent_death_signal(signal.SIGKILL, parent)  # a job killed outright does not wait for its NVML
         quiet = os.open(os.devnull, os.O_WRONLY)
@@ -224,7 +225,7 @@ def _answer_in_child(pipe: int, parent: int) -> NoReturn:
         data = json.dumps([asdict(gpu) for gpu in _query()]).encode()
         with open(pipe, "wb") as out:
             out.write(data)
-        code = 0
+        code = ExitCode.OK
     finally:  # whatever happened (an NVML error, a signal): the parent asks again itself
         os._exit(code)
 

@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass
 
 __all__ = [
     "NO_DAEMON",
-    "PsEntry",
     "ServerStatus",
     "connected_clients",
     "diagnose_log",
     "is_error_reply",
     "parse_pid_list",
-    "parse_ps",
     "parse_server_status",
     "reply_mib",
     "reply_number",
@@ -49,16 +46,6 @@ class ServerStatus(enum.Enum):
     FAULT = "FAULT"
 
 
-@dataclass(frozen=True, slots=True)
-class PsEntry:
-    """One row of the daemon's ``ps`` command: a client or server process."""
-
-    pid: int
-    device: str
-    server_pid: int
-    name: str
-
-
 def parse_pid_list(reply: str) -> list[int]:
     """PIDs printed one per line (``get_server_list``, ``get_client_list``)."""
     return [int(line) for line in reply.split() if line.isdigit()]
@@ -84,37 +71,6 @@ def reply_mib(reply: str) -> float | None:
 def parse_server_status(reply: str) -> ServerStatus:
     """The state in a ``get_server_status`` reply; raise :class:`ValueError` otherwise."""
     return ServerStatus(reply.strip())
-
-
-def parse_ps(reply: str) -> list[PsEntry]:
-    """Rows of the ``ps`` command (recorded on an H100)::
-
-        PID       ID        SERVER         DEVICE                    NAMESPACE      COMMAND
-        8216      1         8176           GPU-5ecd2ecb-5789-2238    4026531836     /usr/bin/python3
-
-    Columns are found by name in the header, so an added column does not break us.
-    ``Server not found`` (no server) and an empty reply (no clients) give no rows.
-    """
-    lines = [line for line in reply.splitlines() if line.strip()]
-    if not lines or "PID" not in lines[0].split():
-        return []
-    header = lines[0].split()
-    column = {name: i for i, name in enumerate(header)}
-    rows: list[PsEntry] = []
-    for line in lines[1:]:
-        parts = line.split(None, len(header) - 1)
-        if len(parts) < len(header) or not parts[column["PID"]].isdigit():
-            continue
-        server = parts[column["SERVER"]] if "SERVER" in column else ""
-        rows.append(
-            PsEntry(
-                pid=int(parts[column["PID"]]),
-                device=parts[column["DEVICE"]] if "DEVICE" in column else "",
-                server_pid=int(server) if server.isdigit() else 0,
-                name=parts[-1].strip(),
-            )
-        )
-    return rows
 
 
 _LOG_FINDINGS = (

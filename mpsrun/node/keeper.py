@@ -32,6 +32,7 @@ from typing import Any
 
 from mpsrun.config.options import JobConfig, differing_options
 from mpsrun.errors import ConfigError, DaemonTimeoutError, InterruptionError, JobTimeoutError, MPSError
+from mpsrun.exitcodes import ExitCode
 from mpsrun.job.channel import free_port, rendezvous
 from mpsrun.job.mpiexec import mpi4py_available
 from mpsrun.job.outcome import Policy
@@ -78,8 +79,8 @@ def failure_answer(exc: BaseException) -> tuple[int, str]:
     if isinstance(exc, MPSError):
         return exc.exit_code, str(exc)
     if isinstance(exc, KeyboardInterrupt):
-        return 3, "this node's keeper was interrupted while its session started"
-    return 3, f"node keeper failed: {exc!r}"
+        return ExitCode.SETUP, "this node's keeper was interrupted while its session started"
+    return ExitCode.SETUP, f"node keeper failed: {exc!r}"
 
 
 def turn_away(listener: Listener, base: Path, **refusal: Any) -> None:
@@ -288,7 +289,7 @@ def _open(request: KeeperRequest, starter_pipe: int) -> NodeKeeper | int:
 def main(argv: list[str] | None = None) -> int:  # (no arguments: the request comes on stdin)
     request = KeeperRequest.from_json(json.loads(sys.stdin.read()))
     if os.fork() > 0:
-        exit_now(0)  # the starting rank waits for this; the keeper lives on in the background
+        exit_now(ExitCode.OK)  # the starting rank waits for this; the keeper lives on in the background
     # The starting rank holds our stdout's pipe until it has joined: a copy, kept when our output leaves that pipe,
     # tells the controller if it went (interrupted, killed) before it could.
     keeper = _open(request, os.dup(sys.stdout.fileno()))
@@ -298,10 +299,10 @@ def main(argv: list[str] | None = None) -> int:  # (no arguments: the request co
         print("ready", flush=True)
     except OSError:  # the rank that started us is gone (interrupted): nobody will come
         keeper.session.close()
-        return 3
+        return ExitCode.SETUP
     _detach(keeper.session.dirs.root if keeper.session.dirs else None)
     keeper.run()
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

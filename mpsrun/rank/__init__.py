@@ -7,5 +7,7 @@ and the variant the local launcher forks (:mod:`~mpsrun.rank.forked`).
 
 Imports: the standard library, :mod:`mpsrun.runtime`, :mod:`mpsrun.errors` and :mod:`mpsrun.exitcodes`
 only. Under an MPI launcher one supervisor starts per rank with ``python -S`` (no site-packages), so
-nothing else could be imported there; ``tests/test_layout.py`` holds that contract.
+nothing else could be imported there; ``tests/test_layout.py`` holds that contract. The one exception is
+:mod:`~mpsrun.rank.pyrun`, which runs in the rank's own interpreter (with its site-packages) and imports
+mpi4py's runner there.
 """

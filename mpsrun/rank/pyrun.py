@@ -20,7 +20,7 @@ from types import TracebackType
 
 from mpi4py.run import run_command_line, set_abort_status
 
-from mpsrun.exitcodes import Outcome, exit_code
+from mpsrun.exitcodes import ExitCode, Outcome, exit_code
 from mpsrun.runtime.constants import ABORT_SOCKET_VARIABLE
 from mpsrun.runtime.output import say
 
@@ -85,10 +85,10 @@ def _ending(exc: SystemExit | KeyboardInterrupt) -> tuple[int, str]:
     if isinstance(exc, KeyboardInterrupt):
         return exit_code(Outcome("signal", signal.SIGINT)), "uncaught KeyboardInterrupt"
     if exc.code is None or exc.code == 0:
-        return 0, ""
+        return ExitCode.OK, ""
     if isinstance(exc.code, int):
-        return (exc.code & 0xFF) or 1, f"sys.exit({exc.code})"
-    return 1, f"sys.exit({_text(exc.code, repr)[:200]})"
+        return (exc.code & 0xFF) or ExitCode.FAILED, f"sys.exit({exc.code})"
+    return ExitCode.FAILED, f"sys.exit({_text(exc.code, repr)[:200]})"
 
 
 def main(args: list[str]) -> int:
@@ -108,10 +108,10 @@ def main(args: list[str]) -> int:
         if tb is None and _unopenable(args, exc):
             assert isinstance(exc, OSError)
             say(f"{sys.executable}: can't open file {os.path.abspath(args[0])!r}: [Errno {exc.errno}] {exc.strerror}")
-            code = 2
+            code = ExitCode.USAGE  # as Python says it
         else:
             sys.excepthook(type(exc), exc.with_traceback(tb), tb)  # the default hook reads the exception's own
-            code = 1
+            code = ExitCode.FAILED
         set_abort_status(code)
         _before_abort(channel, code, _said(exc))
         return code

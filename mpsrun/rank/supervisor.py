@@ -124,8 +124,8 @@ class RankSupervisor:
         assert self.returncode is not None
         if self.reported is not None:  # said before MPI_Abort: the job knows this rank's end already
             return self.reported
-        if self.returncode == 0:
-            return self._finish(Outcome("ok", 0))
+        if self.returncode == ExitCode.OK:
+            return self._finish(Outcome("ok", ExitCode.OK))
         return self._finish(Outcome("rank-failed", self.returncode), failure_reason(self.env))
 
     def _output_files(self) -> list[int]:

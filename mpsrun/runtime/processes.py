@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from typing import NamedTuple, NoReturn
 
 from mpsrun.errors import MPSError
+from mpsrun.exitcodes import ExitCode
 
 __all__ = [
     "ProcessRef",
@@ -231,17 +232,19 @@ def ensure_descriptors(ranks: int) -> None:
 
 
 def find_program(name: str, path: str | None) -> tuple[str | None, int, str]:
-    """The program to run for ``name``, or why not, as a shell says it: (None, 127, ...) or (None, 126, ...)."""
+    """The program to run for ``name``, or why not, as a shell says it: (None, exit code, words)."""
     found = shutil.which(name, path=path)
     if found is not None:
-        return found, 0, ""
+        return found, ExitCode.OK, ""
+    script = name.endswith(".py")
     if os.sep in name and os.path.lexists(name):
         if os.path.isdir(name):
-            return None, 126, "Is a directory"
-        return None, 126, f"Permission denied{' (did you mean python ' + name + '?)' if name.endswith('.py') else ''}"
-    if os.sep not in name and (name.endswith(".py") or os.path.isfile(name)):  # a file here, named as a command
-        return None, 127, f"command not found (did you mean {'python ' if name.endswith('.py') else './'}{name}?)"
-    return None, 127, "command not found"
+            return None, ExitCode.NOT_EXECUTABLE, "Is a directory"
+        hint = f" (did you mean python {name}?)" if script else ""
+        return None, ExitCode.NOT_EXECUTABLE, f"Permission denied{hint}"
+    if os.sep not in name and (script or os.path.isfile(name)):  # a file here, named as a command
+        return None, ExitCode.NOT_FOUND, f"command not found (did you mean {'python ' if script else './'}{name}?)"
+    return None, ExitCode.NOT_FOUND, "command not found"
 
 
 def pidfd(pid: int) -> int | None:

@@ -63,7 +63,7 @@ class DaemonSet:
               started: Callable[[ControlDaemon], None], meanwhile: Callable[[], object] | None = None) -> None:
         """Start each daemon with its default limits; ``started`` hears of each at once.
 
-        The daemons come up together, and ``meanwhile`` runs while they do (about 25 ms each).
+        The daemons come up together, and ``meanwhile`` runs while they do.
         ``server``: ``active`` starts each server and waits until it is ACTIVE; ``requested`` asks for it
         and returns; ``lazy`` leaves it to the first client (or to a later :meth:`ControlDaemon.start_server`),
         as a hand-started daemon does.

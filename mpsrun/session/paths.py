@@ -143,7 +143,7 @@ _MAX_LINKS = 40  # as the kernel counts them: more is a loop
 
 def _check_links(base: Path) -> None:
     """Every symbolic link on the way to ``base`` is ours or root's: another user's could be pointed elsewhere
-    between our checks and our ranks' use of the path (only the target used to be checked)."""
+    between our checks and our ranks' use of the path (checking the target alone would miss it)."""
     done, todo, links = Path("/"), list(Path(os.path.abspath(base)).parts[1:]), 0
     while todo:
         here = done / todo.pop(0)
@@ -380,9 +380,6 @@ class SessionDirs:
 
     def log_dir(self, index: int) -> Path:
         return self.gpu_dir(index) / "log"
-
-    def control_log(self, index: int) -> Path:
-        return self.log_dir(index) / "control.log"
 
     def remove(self) -> None:
         """Delete the session directory and everything in it (sockets included; a link is only unlinked). It is

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from mpsrun.exitcodes import ExitCode
 from mpsrun.runtime.processes import exit_now, python_without_site
 
 TYPE_CHECKING = False
@@ -30,7 +31,7 @@ __all__ = ["Reaper", "main"]
 _CLOSED = b"closed"
 #: Run first by the reaper's interpreter: a session that ends as it should costs its reaper an interpreter's start
 #: and no more (mpsrun's modules are imported only when the owner died; ``main`` then reads the pipe's end).
-_WAIT_FOR_OWNER = f"import os\nif sys.stdin.buffer.read() == {_CLOSED!r}:\n    os._exit(0)"
+_WAIT_FOR_OWNER = f"import os\nif sys.stdin.buffer.read() == {_CLOSED!r}:\n    os._exit({ExitCode.OK})"
 
 
 class Reaper:
@@ -63,9 +64,9 @@ def main(argv: Sequence[str]) -> NoReturn:
     """Wait for the owner's word; reap the session if the owner died without it. Ends the process."""
     if len(argv) != 2 or not argv[1].isdigit():
         print("usage: python -m mpsrun.session.reaper SESSION_DIR OWNER_PID", file=sys.stderr)
-        os._exit(2)
+        os._exit(ExitCode.USAGE)
     if sys.stdin.buffer.read() == _CLOSED:
-        exit_now(0)  # the owner waits for this exit
+        exit_now(ExitCode.OK)  # the owner waits for this exit
     if sys.flags.no_site:  # started without site: its packages (psutil) are needed now
         import site
 

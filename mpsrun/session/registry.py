@@ -22,6 +22,7 @@ from pathlib import Path
 
 from mpsrun.config.commandline import OneLineParser
 from mpsrun.errors import DaemonError, MPSError, MPSUnavailableError, RecordError
+from mpsrun.exitcodes import ExitCode
 from mpsrun.mps.daemon import CONTROL_EXECUTABLE, find_control_executable
 from mpsrun.runtime.constants import SESSION_DIR_VARIABLE
 from mpsrun.runtime.deadline import Deadline, poll_until
@@ -253,20 +254,20 @@ def main(argv: Sequence[str], command: str) -> int:
         unknown = set(args.force) - {s.session_id for s in list_sessions(args.tmpdir)}
         if unknown:
             print(f"mpsrun cleanup: error: no session {', '.join(sorted(unknown))} of yours here", file=sys.stderr)
-            return 2
+            return ExitCode.USAGE
         try:
             done = cleanup(args.tmpdir, args.force, args.dry_run)
         except MPSError as exc:
-            print(f"mpsrun cleanup: error: {exc}")
+            print(f"mpsrun cleanup: error: {exc}", file=sys.stderr)
             return exc.exit_code
         for session, what in done:
             print(f"{session}: {what}")
         if not done:
             print("mpsrun cleanup: nothing to clean up")
-        return 0
+        return ExitCode.OK
     states = list_sessions(args.tmpdir)
     if args.json:
         print(json.dumps([_as_json(s) for s in states], indent=1))
     else:
         _print_status(states)
-    return 0
+    return ExitCode.OK

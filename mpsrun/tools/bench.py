@@ -29,6 +29,7 @@ from pathlib import Path
 
 from mpsrun.config.commandline import OneLineParser
 from mpsrun.errors import MPSError, NoDriverError
+from mpsrun.exitcodes import ExitCode
 from mpsrun.mps import gpus as gpu_info
 from mpsrun.mps.daemon import unavailable_reason
 from mpsrun.runtime.processes import own_module
@@ -262,7 +263,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"mpsrun bench: error: {exc}", file=sys.stderr)
         if args.json:  # a script reading stdout learns why, too
             print(json.dumps({"error": str(exc)}))
-        return 3
+        return exc.exit_code
     if args.json:
         payload = {
             "meta": meta,
@@ -280,4 +281,4 @@ def main(argv: Sequence[str]) -> int:
         print(json.dumps(payload, indent=1))
     else:
         print(format_table(rows, meta))
-    return 0
+    return ExitCode.OK

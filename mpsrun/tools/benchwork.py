@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mpsrun.exitcodes import ExitCode
+
 KERNEL = r"""
 extern "C" __global__ void fma_loop(float* out, int iters) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -103,10 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.calibrate is not None:
         print(calibrate(args.calibrate))
-        return 0
+        return ExitCode.OK
     ident = os.environ.get("RANK", str(os.getpid()))
     result = run(args.sync, args.iters, args.launches, args.streams, ident)
-    return 0 if result["ok"] else 1
+    return ExitCode.OK if result["ok"] else ExitCode.FAILED
 
 
 if __name__ == "__main__":

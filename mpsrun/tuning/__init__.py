@@ -6,8 +6,9 @@ Owns: the settings tried (:mod:`~mpsrun.tuning.grid`), running and timing the tr
 Python API (``mpsrun.tune``).
 
 Imports: the configuration (to check every setting before anything runs), :mod:`mpsrun.mps` (whether MPS can run
-here at all, and the GPUs for the default rank counts) and the runtime; each trial is a separate ``mpsrun`` process,
-so nothing of a job's machinery is imported here.
+here at all, and the GPUs for the default rank counts), the runtime, and :mod:`mpsrun.tools.plotting` for
+``--plot``. Each trial is a separate ``mpsrun`` process: neither :mod:`mpsrun.job` nor :mod:`mpsrun.session` is
+imported here.
 """
 
 from __future__ import annotations
