@@ -2,7 +2,7 @@
 
 import pytest
 
-from mpsrun.mps.replies import ServerStatus, parse_pid_list, parse_ps, parse_server_status
+from mpsrun.mps.replies import ServerStatus, parse_pid_list, parse_server_status
 
 
 def test_pid_lists():
@@ -17,19 +17,6 @@ def test_server_status():
     assert parse_server_status("INITIALIZING") is ServerStatus.INITIALIZING
     with pytest.raises(ValueError):
         parse_server_status("Server 999999 not found")
-
-
-def test_ps_rows_found_by_header():
-    """ps rows are read by column name, with the command taking the rest of the line."""
-    reply = (
-        "PID       ID        SERVER         DEVICE                    NAMESPACE      COMMAND        \n"
-        "8216      1         8176           GPU-5ecd2ecb-5789-2238    4026531836     /opt/venv/bin/python3\n"
-        "8217      2         8176           GPU-5ecd2ecb-5789-2238    4026531836     ./solver -i in.dat\n"
-    )  # recorded on the H100 (the second command line is made up to have spaces)
-    rows = parse_ps(reply)
-    assert [(r.pid, r.server_pid) for r in rows] == [(8216, 8176), (8217, 8176)]
-    assert rows[0].device == "GPU-5ecd2ecb-5789-2238" and rows[1].name == "./solver -i in.dat"
-    assert parse_ps("") == [] and parse_ps("Server not found") == []
 
 
 def test_log_diagnosis_from_recorded_h100_logs():

@@ -11,7 +11,7 @@ import os
 import socket
 
 from mpsrun.runtime.loop import EventLoop
-from mpsrun.runtime.protocol import Link
+from mpsrun.runtime.protocol import Link, Note
 
 
 def test_a_link_that_ended_stays_open_until_its_owner_closes_it():
@@ -19,7 +19,7 @@ def test_a_link_that_ended_stays_open_until_its_owner_closes_it():
     ours, theirs = socket.socketpair()
     link = Link(ours)
     theirs.close()
-    assert link.receive() is None and not link.usable and not link.send("note", text="hello")
+    assert link.receive() is None and not link.usable and not link.send(Note("hello"))
     assert ours.fileno() == link.fd  # still open
     assert link.receive() is None
     link.close()

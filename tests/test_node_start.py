@@ -24,7 +24,7 @@ from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import LATE_WAIT
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.loop import EventLoop
-from mpsrun.runtime.protocol import Listener, connect
+from mpsrun.runtime.protocol import Hello, Listener, Refusal, Welcome, connect
 from mpsrun.session import registry
 from mpsrun.session.paths import RESERVATION, SessionDirs, drop_reservation, reserve_session_name, user_root
 from mpsrun.session.record import SessionRecord
@@ -253,11 +253,11 @@ def test_a_rank_connected_but_unheard_when_its_keeper_closes_is_asked_to_come_ag
     table = RankTable(loop, listener, token, _NoEvents(), "host")
     link = connect(address)
     loop.run_once(10.0)  # accepted
-    link.send("hello", role="rank", token=token, identity=RankIdentity(1, 1).to_json())
+    link.send(Hello("rank", token, RankIdentity(1, 1).to_json()))
     table.stop_accepting()
     listener.close()
     loop.close()
-    assert link.expect(("welcome", "refuse"), Deadline(10.0)) == {"type": "refuse", "retry": True}
+    assert link.expect((Welcome, Refusal), Deadline(10.0)) == Refusal(retry=True)
 
 
 def _first_keeper(fake_gpu) -> psutil.Process | None:

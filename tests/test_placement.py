@@ -91,7 +91,10 @@ def test_rank_environment_carries_gpu_limits_and_rank_variables():
 
 def test_welcome_tells_the_supervisor_everything():
     """The welcome holds the rank's variables, what mpsrun manages (stale values are dropped), tagging and grace."""
-    answer = welcome(RankIdentity(3, 3, 4, 4), config(tag_output=True, grace=2.0), 2, lambda gpu: MPS_GPUS[gpu], False)
-    assert answer["env"]["CUDA_VISIBLE_DEVICES"] == "GPU-b" and answer["env"]["RANK"] == "3"
-    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in answer["managed"]
-    assert answer["tag"] is True and answer["grace"] == 2.0
+    admission = welcome(RankIdentity(3, 3, 4, 4), config(tag_output=True, grace=2.0), 2, lambda gpu: MPS_GPUS[gpu],
+                        False)
+    answer = admission.welcome
+    assert answer.env["CUDA_VISIBLE_DEVICES"] == "GPU-b" and answer.env["RANK"] == "3"
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in answer.managed
+    assert answer.tag is True and answer.grace == 2.0
+    assert admission.unlimited_gpu == (1, 2)  # GPU 1, shared by ranks 2 and 3 with no memory limit

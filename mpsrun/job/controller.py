@@ -15,9 +15,9 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mpsrun.errors import MPSError
 from mpsrun.exitcodes import ExitCode, signal_name
@@ -30,15 +30,18 @@ from mpsrun.runtime.constants import ABORT_WAIT, FORWARDED_SIGNALS, KILL_WAIT, P
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.loop import EventLoop, Timer
 from mpsrun.runtime.processes import ProcessRef
-from mpsrun.runtime.protocol import Link, Listener
+from mpsrun.runtime.protocol import Found, Hello, Link, Listener, Note, Refusal, SignalRanks, Started, Verdict
 from mpsrun.session.session import Session
 
-__all__ = ["Controller", "JudgingController", "Policy", "Welcome"]
+if TYPE_CHECKING:
+    from mpsrun.job.placement import Admission
+
+__all__ = ["Admit", "Controller", "JudgingController", "Policy"]
 
 log = logging.getLogger("mpsrun")
 
 #: What a controller gives each rank it admits (its environment and settings), from its identity and hello.
-Welcome = Callable[[RankIdentity, Mapping[str, Any]], dict[str, Any]]
+Admit = Callable[[RankIdentity, Hello], "Admission"]
 
 
 class Controller:
@@ -46,7 +49,7 @@ class Controller:
     ranks, if this controller owns one (for the client watch and detaching). Subclasses decide what a failure,
     a rank's end and a signal mean (:meth:`fail`, :meth:`_ended`, :meth:`_stop_signal`) and when it is over."""
 
-    def __init__(self, listener: Listener, token: str, welcome: Welcome, policy: Policy,
+    def __init__(self, listener: Listener, token: str, welcome: Admit, policy: Policy,
                  session: Session | None = None) -> None:
         self.welcome, self.policy, self.session = welcome, policy, session
         self.loop = EventLoop()
@@ -111,7 +114,7 @@ class Controller:
     def _arm(self) -> None:
         """Set what the loop waits for besides the ranks (timers, an upstream link)."""
 
-    def _started(self, state: RankState, message: Mapping[str, Any]) -> None:
+    def _started(self, state: RankState, message: Started) -> None:
         """A rank has started (before it is recorded for the session's reaper)."""
 
     def _warn(self, finding: Finding) -> None:
@@ -126,16 +129,15 @@ class Controller:
 
     # -- what the ranks say (mpsrun.job.table.RankEvents) -----------------------------------------
 
-    def admit(self, link: Link, identity: RankIdentity, hello: Mapping[str, Any]) -> None:
+    def admit(self, link: Link, identity: RankIdentity, hello: Hello) -> None:
         """Welcome a rank with its environment, or refuse it (the refusal is then its end)."""
         known = identity.rank in self.ranks
         refusal = self._refusal(identity)
         if refusal is None:
             try:
-                answer = self.welcome(identity, hello)
-                shared = answer.pop("unlimited_gpu", None)
-                link.send("welcome", **answer)
-                self.table.add(RankState(identity.rank, link, unlimited_gpu=tuple(shared) if shared else None))
+                admission = self.welcome(identity, hello)
+                link.send(admission.welcome)
+                self.table.add(RankState(identity.rank, link, unlimited_gpu=admission.unlimited_gpu))
                 return
             except MPSError as exc:
                 refusal = (exc.exit_code, f"mpsrun: error: {exc}")
@@ -146,7 +148,7 @@ class Controller:
             self.rank_ended(state, RankEnd(identity.rank, None, code, why.removeprefix("mpsrun: error: ")))
         elif self.stopping is None:
             self._came_twice(identity)
-        link.send("refuse", exit_code=code, message=message, linger=self._lingers())
+        link.send(Refusal(code, message, linger=self._lingers()))
         self.table.close(link)
 
     def _came_twice(self, identity: RankIdentity) -> None:
@@ -176,7 +178,7 @@ class Controller:
         self._refusals.add(refusal)
         return refusal
 
-    def rank_started(self, state: RankState, message: Mapping[str, Any]) -> None:
+    def rank_started(self, state: RankState, message: Started) -> None:
         self._started(state, message)
         if state.process is not None and self.session is not None:
             if not self._unrecorded:  # one write of the record for the ranks that start in one turn, not one each
@@ -208,7 +210,7 @@ class Controller:
         if self.interrupted_by is None or (sig == signal.SIGINT and now - first > SAME_INTERRUPT):
             self._on_signal(sig)
 
-    def relayed(self, message: Mapping[str, Any]) -> None:
+    def relayed(self, message: Found | Note) -> None:
         """A node keeper's finding or note (only a multi-host job's controller has node keepers)."""
 
     def link_closed(self, link: Link) -> None:
@@ -275,7 +277,7 @@ class Controller:
             elif state.process is not None:
                 state.process.signal_group(sig)
         for link, ranks in by_link.items():
-            link.send("signal", signal=sig, ranks=ranks)
+            link.send(SignalRanks(sig, ranks))
 
     def _verdict(self, state: RankState, code: int | None = None, lines: Sequence[str] = ()) -> None:
         """Tell a rank's supervisor how the job ended for it (once); ``code``: as decided elsewhere."""
@@ -284,13 +286,12 @@ class Controller:
         state.judged()
         lines, linger = self._verdict_lines(state, list(lines))
         if state.link is not None:
-            state.link.send("verdict", rank=state.rank, exit_code=self._verdict_code(state) if code is None else code,
-                            lines=lines, linger=linger)
+            state.link.send(Verdict(state.rank, self._verdict_code(state) if code is None else code, lines, linger))
 
     def judged_before_report(self, link: Link, state: RankState) -> None:
         """A node keeper reports the end of a rank decided here before its report came (given up as never started
         when its launcher ended): the keeper gets the rank's verdict, or would wait for it until its own deadline."""
-        link.send("verdict", rank=state.rank, exit_code=self._verdict_code(state), lines=[], linger=False)
+        link.send(Verdict(state.rank, self._verdict_code(state)))
 
     def _verdict_lines(self, state: RankState, lines: list[str]) -> tuple[list[str], bool]:
         """What a rank's supervisor says with its verdict, and whether it waits (lingers) for the node's end."""
@@ -328,7 +329,7 @@ class JudgingController(Controller):
     """A controller that decides the job's outcome itself: the first failure (a rank's end, a signal, the
     timeout, a check) sets the exit code of every rank after it and of the job."""
 
-    def __init__(self, listener: Listener, token: str, welcome: Welcome, policy: Policy,
+    def __init__(self, listener: Listener, token: str, welcome: Admit, policy: Policy,
                  session: Session | None = None) -> None:
         super().__init__(listener, token, welcome, policy, session)
         self.judge = Judge()

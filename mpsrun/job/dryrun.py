@@ -102,10 +102,10 @@ def _variables(config: JobConfig, rank: int, count: int, targets: Sequence[GpuTa
     """What mpsrun gives ``rank``: its welcome's variables and the defaults the caller's environment leaves."""
     identity = RankIdentity(rank, rank, config.ranks, config.ranks)
     abort = config.mpi4py_abort == "on" and mpi4py_available()
-    answer = welcome(identity, config, count, lambda p: targets[0 if config.gpu_bind == "none" else p], abort,
-                     free, session_dir=SESSION)
-    env = dict(answer["env"])
-    for group in answer["defaults"]:
+    given = welcome(identity, config, count, lambda p: targets[0 if config.gpu_bind == "none" else p], abort,
+                    free, session_dir=SESSION).welcome
+    env = dict(given.env)
+    for group in given.defaults:
         if not any(name in os.environ for name in group):  # the caller's values win, as in a running job
             env.update(group)
     env.update(rendezvous("127.0.0.1", 0, os.environ))

@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from mpsrun.errors import DaemonError
 from mpsrun.exitcodes import ExitCode, describe_returncode
-from mpsrun.job.controller import JudgingController, Welcome
+from mpsrun.job.controller import Admit, JudgingController
 from mpsrun.job.launch import Launched, Launchers, LaunchSpec
 from mpsrun.job.outcome import Policy, RankEnd, ranges
 from mpsrun.job.table import RankState
 from mpsrun.mps.watch import Finding
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import ABANDON_WAIT, LAUNCHER_REPORT_WAIT, NODE_CLOSE_WAIT, STOP_SIGNALS
-from mpsrun.runtime.protocol import Listener
+from mpsrun.runtime.protocol import Found, Listener, Note, Started
 from mpsrun.session.session import Session
 
 __all__ = ["JobController"]
@@ -35,7 +34,7 @@ class JobController(JudgingController):
     (it is watched from the start). ``server_after``: when to ask for each MPS server, in seconds after the first
     rank starts (None: its first client starts it). ``note``: how to tell the user."""
 
-    def __init__(self, listener: Listener, token: str, welcome: Welcome, policy: Policy, *, ranks: int,
+    def __init__(self, listener: Listener, token: str, welcome: Admit, policy: Policy, *, ranks: int,
                  session: Session | None, note: Callable[[str], None], early: Launched | None = None,
                  server_after: float | None = None) -> None:
         super().__init__(listener, token, welcome, policy, session)
@@ -77,7 +76,7 @@ class JobController(JudgingController):
     def _refusal_code(self) -> int:
         return ExitCode.OK if self.abandoned else super()._refusal_code()
 
-    def _started(self, state: RankState, message: Mapping[str, Any]) -> None:
+    def _started(self, state: RankState, message: Started) -> None:
         if self._server_after is not None:
             self.loop.after(self._server_after, self._ask_servers)
             self._server_after = None
@@ -98,11 +97,11 @@ class JobController(JudgingController):
         if self.table.ended(self.expected):
             self._wind_down()
 
-    def relayed(self, message: Mapping[str, Any]) -> None:
-        if message["type"] == "note":
-            self.notes.append(message["text"])
+    def relayed(self, message: Found | Note) -> None:
+        if isinstance(message, Note):
+            self.notes.append(message.text)
         else:
-            self._finding(Finding(message["message"], message["fatal"], code=message.get("code")))
+            self._finding(Finding(message.message, message.fatal, code=message.code))
 
     def node_closed(self) -> None:
         if self.table.ended(self.expected):

@@ -29,7 +29,7 @@ def ranges(values: Sequence[int]) -> str:
 @dataclass(frozen=True, slots=True)
 class Policy:
     """The rules a controller applies: how long a rank gets to end when stopped, the job's time, what fails it."""
-    grace: float = 5.0
+    grace: float  # --grace
     timeout: float | None = None  # seconds left of the job's --timeout when the ranks start
     timeout_total: float | None = None  # the --timeout itself, for the message
     mps_required: bool = False  # --mps on: a rank found without MPS fails the job

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import NamedTuple
 
 from mpsrun.config.options import JobConfig
 from mpsrun.errors import ConfigError
@@ -24,8 +24,9 @@ from mpsrun.runtime.constants import (
     LAUNCHER_REWRITES,
     SESSION_DIR_VARIABLE,
 )
+from mpsrun.runtime.protocol import Welcome
 
-__all__ = ["RankPlan", "daemon_defaults", "gpu_of_rank", "plan_job", "plan_rank", "rank_environment",
+__all__ = ["Admission", "RankPlan", "daemon_defaults", "gpu_of_rank", "plan_job", "plan_rank", "rank_environment",
            "ranks_on_gpus", "ranks_per_gpu", "welcome", "without_mps"]
 
 
@@ -187,9 +188,17 @@ def callers_values(caller: Mapping[str, str]) -> dict[str, str | None]:
     return values
 
 
+class Admission(NamedTuple):
+    """A rank's welcome, and for its controller (not sent) the rank's GPU position and that GPU's ranks when it
+    shares the GPU with no memory limit (a failure out of memory then names the sharing)."""
+
+    welcome: Welcome
+    unlimited_gpu: tuple[int, int] | None
+
+
 def welcome(identity: RankIdentity, config: JobConfig, ngpus: int, target_of: Callable[[int], GpuTarget | None],
             mpi4py_abort: bool, free: Sequence[int] = (), session_dir: str | None = None,
-            output_lock: str | None = None, callers: Mapping[str, str | None] | None = None) -> dict[str, Any]:
+            output_lock: str | None = None, callers: Mapping[str, str | None] | None = None) -> Admission:
     """What a rank's supervisor is told when it says hello: the rank's variables and how to run it.
 
     ``free``: each GPU's free memory under MPS (for ``--mem-limit auto``). ``session_dir``: the job's (or
@@ -212,10 +221,9 @@ def welcome(identity: RankIdentity, config: JobConfig, ngpus: int, target_of: Ca
     defaults = [{name: value} for name, value in TORCHRUN_DEFAULTS.items()]  # each alone: one the caller set wins
     defaults += shared_gpu_defaults(env, plan.sharers, target.multiprocessors if target else None)
     defaults += rank_defaults(env, identity.rank)
-    return {"env": env, "defaults": defaults, "managed": list(MANAGED_VARIABLES),
-            "restore": restore, "tag": config.tag_output,
-            "grace": config.grace, "timeout": config.timeout, "mpi4py_abort": mpi4py_abort, "output_lock": output_lock,
-            "output_dir": config.output_filename, "unlimited_gpu": _unlimited_gpu(plan, ngpus)}
+    sent = Welcome(env, defaults, list(MANAGED_VARIABLES), restore, config.tag_output, config.grace, config.timeout,
+                   mpi4py_abort, output_lock, config.output_filename, [])
+    return Admission(sent, _unlimited_gpu(plan, ngpus))
 
 
 def _device_number(identity: RankIdentity, config: JobConfig, ngpus: int) -> int | None:
@@ -226,8 +234,7 @@ def _device_number(identity: RankIdentity, config: JobConfig, ngpus: int) -> int
     return 0 if config.gpu_bind == "single" or ngpus < 1 else identity.local_rank % ngpus
 
 
-def _unlimited_gpu(plan: RankPlan, ngpus: int) -> list[int] | None:
-    """For the controller (not sent): the rank's GPU and its number of ranks, when it shares it with no limit."""
+def _unlimited_gpu(plan: RankPlan, ngpus: int) -> tuple[int, int] | None:
     if ngpus and plan.sharers is not None and plan.sharers > 1 and plan.mem_limit is None:
-        return [plan.gpu, plan.sharers]
+        return plan.gpu, plan.sharers
     return None

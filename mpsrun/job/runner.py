@@ -12,8 +12,8 @@ import importlib
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from mpsrun.config import values
 from mpsrun.config.options import JobConfig
@@ -43,10 +43,12 @@ from mpsrun.session.claim import SessionClaim
 from mpsrun.session.paths import session_base
 
 if TYPE_CHECKING:  # imported once the launcher has started (see _AFTER_THE_LAUNCHER)
+    from mpsrun.job.controller import Admit
     from mpsrun.job.jobcontroller import JobController
     from mpsrun.job.outcome import JobResult
-    from mpsrun.job.placement import RankPlan
+    from mpsrun.job.placement import Admission, RankPlan
     from mpsrun.mps.limits import DaemonDefaults
+    from mpsrun.runtime.protocol import Hello
     from mpsrun.session.session import Session
 
 __all__ = ["run_job"]
@@ -220,7 +222,7 @@ class Job:
             raise
         self._elapsed("daemons ready" if session.enabled else "set up without MPS")
 
-    def _welcome(self, session: Session | None, output_lock: str | None) -> Callable[..., dict[str, Any]]:
+    def _welcome(self, session: Session | None, output_lock: str | None) -> Admit:
         from mpsrun.job.placement import callers_values, welcome
 
         config, n = self.config, self.config.ranks
@@ -230,7 +232,7 @@ class Job:
         directory = str(session.dirs.root) if session and session.dirs else None
         callers = callers_values(os.environ)  # once: the whole environment, gone through for each rank otherwise
 
-        def answer(identity: RankIdentity, hello: Mapping[str, Any]) -> dict[str, Any]:
+        def answer(identity: RankIdentity, hello: Hello) -> Admission:
             # One node: what the launcher did not say, the job knows.
             identity = RankIdentity(identity.rank, identity.local_rank, identity.world_size or n,
                                     identity.local_world_size or n)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import contextlib
 import hmac
 import signal
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from mpsrun.exitcodes import ExitCode, Outcome, exit_code
 from mpsrun.job.outcome import RankEnd
@@ -21,7 +21,19 @@ from mpsrun.runtime.constants import HELLO_WAIT, STOP_SIGNALS
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.loop import EventLoop
 from mpsrun.runtime.processes import ProcessRef, kill_group
-from mpsrun.runtime.protocol import Link, Listener
+from mpsrun.runtime.protocol import (
+    Admitted,
+    Exited,
+    Found,
+    Hello,
+    Interrupted,
+    Link,
+    Listener,
+    Note,
+    Peer,
+    Refusal,
+    Started,
+)
 
 __all__ = ["RankEvents", "RankState", "RankTable", "refuse_newcomer"]
 
@@ -31,13 +43,17 @@ def token_matches(offered: object, token: str) -> bool:
     return isinstance(offered, str) and hmac.compare_digest(offered.encode(), token.encode())
 
 
-def refuse_newcomer(link: Link, **refusal: Any) -> None:
+def _from_node(link: Link) -> bool:
+    return link.peer is not None and link.peer.role == "node"
+
+
+def refuse_newcomer(link: Link, refusal: Refusal) -> None:
     """Answer a peer that connected but was not yet heard with ``refusal``, once its hello (sent right after
     connecting) is read, and close the link: a peer that meets a closed link without an answer takes it for a
     crash."""
     with contextlib.suppress(OSError):
-        link.expect(("hello",), Deadline(HELLO_WAIT))
-        link.send("refuse", **refusal)
+        link.expect((Hello,), Deadline(HELLO_WAIT))
+        link.send(refusal)
     link.close()
 
 
@@ -68,15 +84,15 @@ class RankState:
 class RankEvents(Protocol):
     """What the controller is told."""
 
-    def admit(self, link: Link, identity: RankIdentity, hello: Mapping[str, Any]) -> None: ...
+    def admit(self, link: Link, identity: RankIdentity, hello: Hello) -> None: ...
 
-    def rank_started(self, state: RankState, message: Mapping[str, Any]) -> None: ...
+    def rank_started(self, state: RankState, message: Started) -> None: ...
 
     def rank_ended(self, state: RankState, end: RankEnd) -> None: ...
 
     def interrupted(self, sig: int, source: int) -> None: ...
 
-    def relayed(self, message: Mapping[str, Any]) -> None: ...
+    def relayed(self, message: Found | Note) -> None: ...
 
     def node_closed(self) -> None: ...
 
@@ -106,7 +122,7 @@ class RankTable:
         for link in list(self._unheard):
             self.loop.unwatch(link.fd)
             self._unheard.discard(link)
-            refuse_newcomer(link, retry=True)
+            refuse_newcomer(link, Refusal(retry=True))
 
     def live(self) -> list[RankState]:
         return [s for s in self.ranks.values() if s.end is None]
@@ -144,65 +160,64 @@ class RankTable:
             self._lost(link)
             return
         for message in messages:
-            kind = message["type"]
-            if not link.peer and kind != "hello":
+            if link.peer is None and not isinstance(message, Hello):
                 self.close(link)  # a peer must say who it is first
                 return
-            if kind == "hello":
+            if isinstance(message, Hello):
                 self._hello(link, message)
-            elif kind in ("started", "exited"):
-                self._report(link, kind, message)
-            elif kind == "interrupted" and message["signal"] in STOP_SIGNALS:
-                self.events.interrupted(message["signal"], id(link))
-            elif kind in ("finding", "note") and link.peer.get("role") == "node":
+            elif isinstance(message, (Started, Exited)):
+                self._report(link, message)
+            elif isinstance(message, Interrupted) and message.signal in STOP_SIGNALS:
+                self.events.interrupted(message.signal, id(link))
+            elif isinstance(message, (Found, Note)) and _from_node(link):
                 self.events.relayed(message)
 
-    def _hello(self, link: Link, message: Mapping[str, Any]) -> None:
-        if not token_matches(message.get("token"), self.token):
+    def _hello(self, link: Link, hello: Hello) -> None:
+        if not token_matches(hello.token, self.token):
             self.close(link)
         elif not self.accepting:
-            link.send("refuse", retry=True)
+            link.send(Refusal(retry=True))
             self.close(link)
-        elif message["role"] == "node":  # a node keeper relaying for its ranks
-            link.admit(role="node", node=message.get("node"))
+        elif hello.role == "node":  # a node keeper relaying for its ranks
+            link.admit(Peer("node", node=hello.node))
             self.nodes.add(link)
-            link.send("welcome")
+            link.send(Admitted())
         else:
             try:
-                identity = RankIdentity.from_json(message.get("identity") or {})
+                identity = RankIdentity.from_json(hello.identity or {})
             except ValueError as exc:
-                link.send("refuse", exit_code=ExitCode.SETUP, message=f"mpsrun: bad hello: {exc}")
+                link.send(Refusal(ExitCode.SETUP, f"mpsrun: bad hello: {exc}"))
                 self.close(link)
                 return
-            link.admit(role="rank", rank=identity.rank)
-            self.events.admit(link, identity, message)
+            link.admit(Peer("rank", rank=identity.rank))
+            self.events.admit(link, identity, hello)
 
-    def _state_of(self, link: Link, message: Mapping[str, Any]) -> RankState | None:
-        rank = link.peer["rank"] if link.peer["role"] == "rank" else message["rank"]
-        if link.peer.get("role") == "node" and rank not in self.ranks:
+    def _state_of(self, link: Link, message: Started | Exited) -> RankState | None:
+        assert link.peer is not None
+        rank = message.rank if link.peer.rank is None else link.peer.rank
+        if _from_node(link) and rank not in self.ranks:
             self.ranks[rank] = RankState(rank, link)  # a rank a node keeper welcomed
         return self.ranks.get(rank)
 
-    def _report(self, link: Link, kind: str, message: Mapping[str, Any]) -> None:
+    def _report(self, link: Link, message: Started | Exited) -> None:
         state = self._state_of(link, message)
         if state is None:
             return
         if state.end is not None:
-            if kind == "exited" and link.peer.get("role") == "node":  # its node waits for a verdict all the same
+            if isinstance(message, Exited) and _from_node(link):  # its node waits for a verdict all the same
                 self.events.judged_before_report(link, state)
             return
-        if kind == "started":
-            if message.get("host") == self.host and message.get("start") is not None:
-                state.process = ProcessRef(message["pid"], message["start"])
+        if isinstance(message, Started):
+            if message.host == self.host and message.start is not None:
+                state.process = ProcessRef(message.pid, message.start)
             self.events.rank_started(state, message)
             return
-        returncode = message["returncode"]  # None: a node keeper lost the rank without a report
-        pid = state.process.pid if state.process is not None else message.get("pid")
-        self.events.rank_ended(state, RankEnd(state.rank, pid, returncode, message.get("reason", ""),
-                                              bool(message.get("aborting"))))
+        # returncode None: a node keeper lost the rank without a report
+        pid = state.process.pid if state.process is not None else message.pid
+        self.events.rank_ended(state, RankEnd(state.rank, pid, message.returncode, message.reason, message.aborting))
 
     def _lost(self, link: Link) -> None:
-        gone = "its node keeper is gone" if link.peer.get("role") == "node" else "its supervisor is gone"
+        gone = "its node keeper is gone" if _from_node(link) else "its supervisor is gone"
         for state in [s for s in self.live() if s.link is link]:
             if state.process is not None:  # its leader died with its supervisor; end what it left
                 kill_group(state.process.pid, signal.SIGKILL)

@@ -16,14 +16,14 @@ import os
 from collections.abc import Callable
 from typing import NamedTuple
 
-from mpsrun.job.controller import Controller, JudgingController, Welcome
+from mpsrun.job.controller import Admit, Controller, JudgingController
 from mpsrun.job.outcome import Policy
 from mpsrun.job.table import RankState
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import IDLE_TIMEOUT, LATE_WAIT
 from mpsrun.runtime.output import say
 from mpsrun.runtime.processes import ProcessRef, pidfd
-from mpsrun.runtime.protocol import Listener
+from mpsrun.runtime.protocol import Listener, Say
 from mpsrun.session.session import Session
 
 __all__ = ["NodeController", "NodeSide", "Starter"]
@@ -44,7 +44,7 @@ class NodeSide(Controller):
     when it does not say); ``close``: ends the node's session, returning what to say about it; ``starter``: the rank
     that started the keeper (the controller owns its pipe from now on)."""
 
-    def __init__(self, listener: Listener, token: str, welcome: Welcome, policy: Policy, *, session: Session,
+    def __init__(self, listener: Listener, token: str, welcome: Admit, policy: Policy, *, session: Session,
                  expected: int | None, close: Callable[[], list[str]], starter: Starter | None = None) -> None:
         super().__init__(listener, token, welcome, policy, session)
         self.expected = expected
@@ -159,7 +159,7 @@ class NodeController(NodeSide, JudgingController):
     """A bare ``--per-node`` job's node: judges its ranks; the first failure's summary goes with the first verdict
     that can still be delivered, so exactly one rank's supervisor prints it."""
 
-    def __init__(self, listener: Listener, token: str, welcome: Welcome, policy: Policy, *, session: Session,
+    def __init__(self, listener: Listener, token: str, welcome: Admit, policy: Policy, *, session: Session,
                  expected: int | None, close: Callable[[], list[str]], starter: Starter | None = None) -> None:
         super().__init__(listener, token, welcome, policy, session=session, expected=expected, close=close,
                          starter=starter)
@@ -169,7 +169,7 @@ class NodeController(NodeSide, JudgingController):
         """Into keeper.log, and through one of the node's ranks to the user."""
         super().note(text)
         for state in sorted(self.table.live(), key=lambda s: s.rank):
-            if state.link is not None and state.link.send("say", text=text):
+            if state.link is not None and state.link.send(Say(text)):
                 return
 
     def _verdict_lines(self, state: RankState, lines: list[str]) -> tuple[list[str], bool]:

@@ -26,7 +26,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from mpsrun.exitcodes import ExitCode
 from mpsrun.job.channel import free_port, rendezvous
 from mpsrun.job.mpiexec import mpi4py_available
 from mpsrun.job.outcome import Policy
-from mpsrun.job.placement import daemon_defaults, welcome, without_mps
+from mpsrun.job.placement import Admission, daemon_defaults, welcome, without_mps
 from mpsrun.job.report import mps_report, verified_line
 from mpsrun.job.table import refuse_newcomer
 from mpsrun.node.controller import NodeController, NodeSide, Starter
@@ -47,7 +47,7 @@ from mpsrun.runtime.constants import DAEMON_START_TIMEOUT, LINGER_TIMEOUT, UPSTR
 from mpsrun.runtime.deadline import Deadline, poll_until
 from mpsrun.runtime.interrupts import Interrupts
 from mpsrun.runtime.processes import ProcessRef, ensure_descriptors, exit_now
-from mpsrun.runtime.protocol import Link, Listener, connect
+from mpsrun.runtime.protocol import Admitted, Hello, Link, Listener, Refusal, connect
 from mpsrun.session import leftovers
 from mpsrun.session.claim import SessionClaim
 from mpsrun.session.paths import user_root_lock
@@ -83,21 +83,21 @@ def failure_answer(exc: BaseException) -> tuple[int, str]:
     return ExitCode.SETUP, f"node keeper failed: {exc!r}"
 
 
-def turn_away(listener: Listener, base: Path, **refusal: Any) -> None:
+def turn_away(listener: Listener, base: Path, refusal: Refusal) -> None:
     """Answer every rank still waiting in the listener's backlog with ``refusal``, then close it; under the user's
     lock, where ranks connect, so none comes between (a rank that meets a closed connection knows we died)."""
     with user_root_lock(base):
         listener.sock.setblocking(False)
         while (link := listener.accept()) is not None:
-            refuse_newcomer(link, **refusal)
+            refuse_newcomer(link, refusal)
         listener.close()
 
 
 def _upstream(request: KeeperRequest) -> Link:
     """The link to the job's controller (under --hosts), welcomed."""
     link = connect(str(request.upstream))
-    link.send("hello", role="node", token=request.token, node=socket.gethostname())
-    if link.expect(("welcome",), Deadline(UPSTREAM_TIMEOUT)) is None:
+    link.send(Hello("node", request.token, node=socket.gethostname()))
+    if link.expect((Admitted,), Deadline(UPSTREAM_TIMEOUT)) is None:
         link.close()
         raise MPSError(f"the job's controller at {request.upstream} did not answer")
     return link
@@ -144,29 +144,29 @@ class NodeKeeper:
         except BaseException as exc:
             if listener is not None:  # the node's ranks that wait hear why, and start no keeper of their own
                 code, why = failure_answer(exc)  # heard: whether the rank that started us gets it too
-                turn_away(listener, Path(request.base), failed=True, exit_code=code, message=why,
-                          heard=_starter_listens())
+                turn_away(listener, Path(request.base), Refusal(code, why, failed=True, heard=_starter_listens()))
             with contextlib.suppress(MPSError):
                 session.close() if session is not None else claim.release()
             raise
 
-    def _welcome(self, identity: RankIdentity, hello: Mapping[str, Any]) -> dict[str, Any]:
-        if hello.get("settings") != self.config.settings():
-            differ = differing_options(self.config.settings(), hello.get("settings") or {})
+    def _welcome(self, identity: RankIdentity, hello: Hello) -> Admission:
+        if hello.settings != self.config.settings():
+            differ = differing_options(self.config.settings(), hello.settings or {})
             raise ConfigError(f"rank {identity.rank} was started with other mpsrun options than the rank that started "
                               f"this node's session ({', '.join(differ)}); every rank of a per-node job needs the same",
                               setting="options")
-        if hello.get("devices") != self.request.devices:
+        if hello.devices != self.request.devices:
             raise ConfigError("the ranks on this node see different GPUs (CUDA_VISIBLE_DEVICES "
-                              f"{hello.get('devices')!r}, not {self.request.devices!r}); mpsrun --per-node needs "
+                              f"{hello.devices!r}, not {self.request.devices!r}); mpsrun --per-node needs "
                               "every local rank to see the node's GPUs (no per-task GPU binding)", setting="gpus")
         session = self.session
-        answer = welcome(identity, self.config, len(session.gpus), session.target, self._abort,
-                         free=session.free_memory(), session_dir=str(session.dirs.root) if session.dirs else None)
+        admission = welcome(identity, self.config, len(session.gpus), session.target, self._abort,
+                            free=session.free_memory(), session_dir=str(session.dirs.root) if session.dirs else None)
+        env = admission.welcome.env
         if identity.world_size == self.request.local_size:  # one node: rank 0 is here, and so is the port
-            answer["env"].update(self._rendezvous)
-        answer["lines"], self._notices = self._notices, []  # said once, by the first rank to join
-        return answer
+            env = {**env, **self._rendezvous}
+        lines, self._notices = self._notices, []  # said once, by the first rank to join
+        return admission._replace(welcome=admission.welcome._replace(env=env, lines=lines))
 
     def close(self) -> list[str]:
         """The last rank is out: stop the daemons, remove the session; what to tell about the node's end."""
@@ -175,7 +175,7 @@ class NodeKeeper:
         self.closed = True
         self.controller.table.stop_accepting()
         lines = self._closing_lines()
-        turn_away(self.listener, Path(self.request.base), retry=True)  # come again, to a new keeper
+        turn_away(self.listener, Path(self.request.base), Refusal(retry=True))  # come again, to a new keeper
         # A late rank finds no socket and a live owner: it waits for the directory to go, then starts a keeper.
         with _warnings_into(lines):  # (a hanging quit, logs kept): our stderr is a log file; a launcher prints its own
             try:

@@ -36,7 +36,7 @@ from mpsrun.runtime.constants import CONTROL_VARIABLE, KEEPER_START_TIMEOUT, NOD
 from mpsrun.runtime.deadline import Deadline, poll_until
 from mpsrun.runtime.output import say
 from mpsrun.runtime.processes import ProcessRef, own_module
-from mpsrun.runtime.protocol import Link, connect
+from mpsrun.runtime.protocol import Hello, Link, Refusal, Welcome, connect
 from mpsrun.session.paths import (
     base_directory,
     drop_reservation,
@@ -204,21 +204,20 @@ def run_per_node(config: JobConfig, environ: Mapping[str, str] | None = None) ->
     name = node_session_name(env)
     rank, joining = identity.rank, identity  # (mypy keeps no narrowing into the closure)
 
-    def join(hello: Mapping[str, Any]) -> tuple[Link, dict[str, Any] | None]:
+    def join(hello: Hello) -> tuple[Link, Welcome | Refusal | None]:
         for _ in range(JOIN_ATTEMPTS):
             link, pipe = _join_node(base, name, config, joining)
             with pipe or contextlib.nullcontext():  # we started the keeper: held until it has answered us
-                answer = greet(link, {**hello, "settings": config.settings()})
-            if answer is not None and not answer.get("retry") and not answer.get("failed"):
+                answer = greet(link, hello._replace(settings=config.settings()))
+            if isinstance(answer, Welcome) or (answer is not None and not answer.retry and not answer.failed):
                 return link, answer
             link.close()
             if answer is None:  # no answer, no refusal: the keeper died (and a new one would only hide why)
                 raise JoinError(f"this node's keeper ended before rank {rank} could join", speaks=False)  # as
                 # the rank that started it, which saw it die, says
-            if answer.get("failed"):  # the keeper could not start: said once (see _starter_says)
-                code = answer.get("exit_code", ExitCode.SETUP)
-                said = joining.local_rank == 0 and not (_transient(code) and answer.get("heard"))
-                raise JoinError(str(answer.get("message", "")), exit_code=code, speaks=said)
+            if answer.failed:  # the keeper could not start: said once (see _starter_says)
+                said = joining.local_rank == 0 and not (_transient(answer.exit_code) and answer.heard)
+                raise JoinError(answer.message, exit_code=answer.exit_code, speaks=said)
         raise JoinError(f"--per-node: this node's session kept closing before rank {rank} could join", speaks=True)
 
     return run_rank(config.command, identity, join, token=name)

@@ -8,35 +8,36 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 from mpsrun.errors import InterruptionError, JoinError, MPSError
 from mpsrun.runtime.constants import CONTROL_VARIABLE, TOKEN_VARIABLE, WELCOME_TIMEOUT
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.output import say
-from mpsrun.runtime.protocol import Link, connect
+from mpsrun.runtime.protocol import Admitted, Found, Hello, Link, Refusal, Welcome, connect
 
 __all__ = ["Join", "direct", "greet", "report_failure", "report_interrupt"]
 
 #: Joins a controller with a hello: the link, and the controller's answer (welcome or refusal; None if it went).
-Join = Callable[[Mapping[str, Any]], tuple[Link, "dict[str, Any] | None"]]
+Join = Callable[[Hello], "tuple[Link, Welcome | Refusal | None]"]
 _TELL_TIMEOUT = 5.0  # a rank that cannot start, telling the job's controller why
 
 
-def greet(link: Link, hello: Mapping[str, Any]) -> dict[str, Any] | None:
+def greet(link: Link, hello: Hello) -> Welcome | Refusal | None:
     """Say hello; the controller's welcome or refusal (``retry``: come again), or None if it went away."""
-    link.send("hello", **hello)
-    return link.expect(("welcome", "refuse"), Deadline(WELCOME_TIMEOUT))
+    link.send(hello)
+    answer = link.expect((Welcome, Refusal), Deadline(WELCOME_TIMEOUT))
+    assert answer is None or isinstance(answer, (Welcome, Refusal))
+    return answer
 
 
 def direct(address: str) -> Join:
     """Join the controller at ``address`` (the launcher's)."""
 
-    def join(hello: Mapping[str, Any]) -> tuple[Link, dict[str, Any] | None]:
+    def join(hello: Hello) -> tuple[Link, Welcome | Refusal | None]:
         link = connect(address)
         answer = greet(link, hello)
-        return link, None if answer is not None and answer.get("retry") else answer
+        return link, None if isinstance(answer, Refusal) and answer.retry else answer
 
     return join
 
@@ -67,9 +68,9 @@ def report_interrupt(exc: InterruptionError, local_rank: int | None) -> None:
 def _tell_controller(address: str, message: str, code: int) -> bool:
     try:
         link = connect(address)
-        link.send("hello", role="node", token=os.environ.get(TOKEN_VARIABLE, ""), node=socket.gethostname())
-        told = link.expect(("welcome",), Deadline(_TELL_TIMEOUT)) is not None and link.send(
-            "finding", message=message, fatal=True, code=int(code))
+        link.send(Hello("node", os.environ.get(TOKEN_VARIABLE, ""), node=socket.gethostname()))
+        told = link.expect((Admitted,), Deadline(_TELL_TIMEOUT)) is not None and link.send(
+            Found(message, True, int(code)))
         link.close()
     except OSError:
         return False

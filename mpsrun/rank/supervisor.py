@@ -23,7 +23,6 @@ import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from mpsrun.errors import InterruptionError, MPSError
 from mpsrun.exitcodes import ExitCode, Outcome, exit_code, signal_name
@@ -57,7 +56,19 @@ from mpsrun.runtime.processes import (
     set_parent_death_signal,
     start_ticks,
 )
-from mpsrun.runtime.protocol import Link
+from mpsrun.runtime.protocol import (
+    Exited,
+    Hello,
+    Interrupted,
+    Link,
+    Message,
+    Refusal,
+    Say,
+    SignalRanks,
+    Started,
+    Verdict,
+    Welcome,
+)
 
 __all__ = ["RankSupervisor", "main", "run_rank"]
 
@@ -77,16 +88,16 @@ class RankSupervisor:
     """Runs one rank's command to its end under the controller's rules."""
 
     def __init__(self, identity: RankIdentity, command: Sequence[str], env: Mapping[str, str], link: Link,
-                 welcome: Mapping[str, Any]) -> None:
+                 welcome: Welcome) -> None:
         self.rank, self.local_rank = identity.rank, identity.local_rank
         self.command = list(command)
         self.env = dict(env)
         self.link = link
-        self.grace = float(welcome.get("grace", 5.0))
-        self.tag = bool(welcome.get("tag"))
-        self.mpi4py_abort = bool(welcome.get("mpi4py_abort"))
-        self.lock = welcome.get("output_lock")
-        self.output_dir = welcome.get("output_dir")
+        self.grace = welcome.grace
+        self.tag = welcome.tag
+        self.mpi4py_abort = welcome.mpi4py_abort
+        self.lock = welcome.output_lock
+        self.output_dir = welcome.output_dir
         self.loop = EventLoop()
         self.process: subprocess.Popen[bytes] | None = None
         self.returncode: int | None = None
@@ -95,7 +106,7 @@ class RankSupervisor:
         self.controller_lost = False
         # The job's --timeout, should its controller stop answering (a node keeper stopped by SIGSTOP): by then it
         # has signalled the ranks, waited --grace, and judged them.
-        self.timeout: float | None = welcome.get("timeout")
+        self.timeout = welcome.timeout
         self.backstop = Deadline(None if self.timeout is None else self.timeout + self.grace + KILL_WAIT)
         self.aborting: AbortChannel | None = None  # where the rank's runner says it is about to call MPI_Abort
         self.reported: int | None = None  # this process's exit code, when the rank's end was reported ahead of it
@@ -160,7 +171,7 @@ class RankSupervisor:
         # inheritable) and stay open here too until this process ends, as a plain rank holds them: Hydra's proxy
         # spins a core from the moment a rank's PMI connection closes until its process is gone.
         pid = self.process.pid
-        self.link.send("started", rank=self.rank, pid=pid, start=start_ticks(pid), host=socket.gethostname())
+        self.link.send(Started(self.rank, pid, start_ticks(pid), socket.gethostname()))
         exit_fd = pidfd(pid)
         if exit_fd is None:
             self._poll_exit()
@@ -250,7 +261,7 @@ class RankSupervisor:
         """A signal from outside (srun, mpiexec, a user): pass it on, and tell the controller it stops the job."""
         self._signal(sig)
         if sig in STOP_SIGNALS and self.returncode is None and self.reported is None:
-            self.link.send("interrupted", rank=self.rank, signal=sig)
+            self.link.send(Interrupted(sig, self.rank))
 
     def _overdue(self) -> None:
         """The job's controller let its --timeout pass without ending this rank: end it as the controller would."""
@@ -258,9 +269,9 @@ class RankSupervisor:
             self._signal(signal.SIGTERM)
 
     @staticmethod
-    def _said(message: Mapping[str, Any]) -> None:
-        if message["type"] == "say":  # a node keeper's word for the user, sent as the rank ended
-            _say(message["text"])
+    def _said(message: Message) -> None:
+        if isinstance(message, Say):  # a node keeper's word for the user, sent as the rank ended
+            _say(message.text)
 
     def _on_link(self) -> None:
         messages = self.link.receive()
@@ -271,22 +282,23 @@ class RankSupervisor:
             self._signal(signal.SIGTERM)
             return
         for message in messages:
-            if message["type"] == "signal":
-                self._signal(message["signal"])
+            if isinstance(message, SignalRanks):
+                self._signal(message.signal)
             else:
                 self._said(message)
 
     def _finish(self, own: Outcome, reason: str = "", aborting: bool = False) -> int:
-        returncode = own.detail if own.cause != "ok" else 0
-        self.link.send("exited", rank=self.rank, returncode=returncode, reason=reason, aborting=aborting)
+        returncode = own.detail if own.cause != "ok" else ExitCode.OK
+        self.link.send(Exited(self.rank, returncode, reason, aborting=aborting))
         # The job's end is not cut short: a signal is noted only, also one that comes as the block ends (a deferral
         # that ended inside the block let the reaper's SIGTERM raise there: a traceback, once under load).
         with Interrupts(deferred=True) as interrupts:
             # Past the backstop, a controller held up (by a daemon that does not answer) still gets KILL_WAIT.
             wait = VERDICT_TIMEOUT if self.timeout is None else max(KILL_WAIT, self.backstop.remaining())
-            verdict = self.link.expect(("verdict",), Deadline(wait), others=self._said)
-            if verdict is not None and verdict.get("linger"):  # the node keeper's last rank: wait until it is gone
-                self.link.expect(("",), Deadline(LINGER_TIMEOUT), others=self._said)
+            verdict = self.link.expect((Verdict,), Deadline(wait), others=self._said)
+            assert verdict is None or isinstance(verdict, Verdict)
+            if verdict is not None and verdict.linger:  # the node keeper's last rank: wait until it is gone
+                self.link.expect((), Deadline(LINGER_TIMEOUT), others=self._said)
         self.link.close()
         late = interrupts.received[0] if interrupts.received else None
         decided = self._decided(own, reason, verdict)
@@ -294,7 +306,7 @@ class RankSupervisor:
             _say(f"rank {self.rank}: interrupted by {signal_name(late)} while the job ended")
         return exit_code(decided._replace(late_signal=late))
 
-    def _decided(self, own: Outcome, reason: str, verdict: Mapping[str, Any] | None) -> Outcome:
+    def _decided(self, own: Outcome, reason: str, verdict: Verdict | None) -> Outcome:
         """The job's word on this rank (its verdict), else the rank's own end."""
         if verdict is None and self.controller_lost:  # each rank says it: the reaper may have ended any of them
             _say(f"rank {self.rank}: the job's controller (mpsrun, or the node keeper) died under the job; "
@@ -309,23 +321,22 @@ class RankSupervisor:
             if reason:
                 _say(f"rank {self.rank}: {reason}")
             return own
-        for line in verdict.get("lines") or ():
-            _say(str(line))
-        return Outcome("decided", verdict["exit_code"]) if 0 <= verdict["exit_code"] <= 255 else own
+        for line in verdict.lines:
+            _say(line)
+        return Outcome("decided", verdict.exit_code) if 0 <= verdict.exit_code <= 255 else own
 
 
-def run_rank(command: Sequence[str], identity: RankIdentity, join: Join, token: str,
-             hello: Mapping[str, Any] | None = None) -> int:
+def run_rank(command: Sequence[str], identity: RankIdentity, join: Join, token: str) -> int:
     """Join the job's controller, then supervise ``command`` as rank ``identity.rank``."""
     parent = os.getppid()
     set_parent_death_signal(signal.SIGTERM)  # our launcher gone: stop the rank like a SIGTERM
     if os.getppid() != parent:
         return exit_code(Outcome("signal", signal.SIGTERM))
-    fields = {"role": "rank", "token": token, "identity": identity.to_json(), "host": socket.gethostname(),
-              "shim": os.getpid(), "devices": os.environ.get("CUDA_VISIBLE_DEVICES"), **(hello or {})}
+    hello = Hello("rank", token, identity.to_json(), socket.gethostname(), os.getpid(),
+                  os.environ.get("CUDA_VISIBLE_DEVICES"))
     try:
         with Interrupts():
-            link, answer = join(fields)
+            link, answer = join(hello)
     except InterruptionError as exc:  # the launcher signals every rank: said once per node (or job)
         report_interrupt(exc, identity.local_rank)
         return exc.exit_code
@@ -335,23 +346,23 @@ def run_rank(command: Sequence[str], identity: RankIdentity, join: Join, token: 
     except OSError as exc:
         _say(f"rank {identity.rank}: cannot reach the job's controller: {exc}")
         return ExitCode.SETUP
-    if answer is None or answer["type"] == "refuse":
+    if not isinstance(answer, Welcome):
         return _refused(link, answer, identity)
-    for line in answer.get("lines") or ():
-        _say(str(line))
+    for line in answer.lines:
+        _say(line)
     return RankSupervisor(identity, command, rank_env(os.environ, answer), link, answer).run()
 
 
-def _refused(link: Link, answer: Mapping[str, Any] | None, identity: RankIdentity) -> int:
+def _refused(link: Link, answer: Refusal | None, identity: RankIdentity) -> int:
     """A rank refused because the job is already stopping says nothing; a lost controller, once per node."""
-    message = answer.get("message") if answer else \
-        "the job's controller went away before the ranks started" if identity.local_rank == 0 else ""
+    lost = "the job's controller went away before the ranks started" if identity.local_rank == 0 else ""
+    message = lost if answer is None else answer.message
     if message:
-        _say(str(message).removeprefix("mpsrun: "))
-    if answer is not None and answer.get("linger"):  # the node's last rank: wait until its keeper is gone
-        link.expect(("",), Deadline(LINGER_TIMEOUT))
+        _say(message.removeprefix("mpsrun: "))
+    if answer is not None and answer.linger:  # the node's last rank: wait until its keeper is gone
+        link.expect((), Deadline(LINGER_TIMEOUT))
     link.close()
-    return exit_code(Outcome("decided", (answer or {}).get("exit_code")))
+    return exit_code(Outcome("decided", ExitCode.SETUP if answer is None else answer.exit_code))
 
 
 USAGE = "usage: python -m mpsrun.rank [--rank R --local-rank L --size N --local-size M] -- COMMAND"

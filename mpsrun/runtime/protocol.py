@@ -1,97 +1,221 @@
-"""How rank supervisors, node keepers and the job's controller talk: JSON lines over a stream socket.
+"""How rank supervisors, node keepers and the job's controller talk: typed messages as JSON lines over a socket.
 
 A controller listens on a UNIX socket in its private session directory (one node), or on TCP for jobs
-over several hosts. Every message is a JSON object with a ``type``, declared once in :data:`MESSAGES`
-with its fields and their types: both ends use that declaration, :meth:`Link.send` for what it writes and
-:meth:`Link.receive` for what it accepts (a message that does not match is dropped, so no handler sees a
-field of the wrong type). A peer's first message must carry the job's token; until a link is
-:meth:`admitted <Link.admit>`, a line may be at most :data:`HELLO_MAX` bytes, so a stranger who reaches a
-TCP port gets nothing parsed that it could make large.
-"""
+over several hosts. Every message is one of the classes below, declared once with its fields and their
+types; :data:`MESSAGES` names them on the wire (``{"type": "hello", ...}``). Both ends use that
+declaration: :func:`encode` writes a message object, and :func:`decode` builds one only from a line whose
+every field has the declared type (anything else is dropped, so no handler sees a field of the wrong type).
+A peer's first message must carry the job's token; until a link is :meth:`admitted <Link.admit>`, a line
+may be at most :data:`HELLO_MAX` bytes, so a stranger who reaches a TCP port gets nothing parsed that it
+could make large.
 
-from __future__ import annotations
+The annotations here are evaluated (no ``from __future__ import annotations``): :func:`decode` checks values
+against them.
+"""
 
 import contextlib
 import json
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping
+import types
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from mpsrun.exitcodes import ExitCode
 from mpsrun.runtime.constants import CONNECT_TIMEOUT
 from mpsrun.runtime.deadline import Deadline, backoff
 
-__all__ = ["HELLO_MAX", "LINE_MAX", "MESSAGES", "Link", "Listener", "connect", "decode", "encode", "new_token"]
+__all__ = ["HELLO_MAX", "LINE_MAX", "MESSAGES", "Admitted", "Exited", "Found", "Hello", "Interrupted", "Link",
+           "Listener", "Message", "Note", "Peer", "Refusal", "Say", "SignalRanks", "Started", "Verdict", "Welcome",
+           "connect", "decode", "encode", "new_token"]
 
 HELLO_MAX = 1 << 16  # a peer that has not shown the token: its hello, and nothing longer
 LINE_MAX = 1 << 24  # an admitted peer that sends more without a newline is not one of ours (a welcome carries
 # the caller's environment, which Linux lets grow to a quarter of the stack limit: 2 MiB by default)
-_OPTIONAL = type(None)
 
 
-class Message(NamedTuple):
-    """One message type: who sends it (``up``: to the controller; ``down``: from it), the fields it must carry
-    and those it may, each with its type(s)."""
+# -- up: from a rank supervisor, or under --hosts from a node keeper relaying for its ranks --------------------------
 
-    direction: str
-    required: Mapping[str, type | tuple[type, ...]]
-    optional: Mapping[str, type | tuple[type, ...]] = {}
+class Hello(NamedTuple):
+    """A peer's first word: a rank's supervisor (``role`` "rank") or a node keeper ("node")."""
+
+    role: str
+    token: str
+    identity: dict[str, int | None] | None = None  # a rank's RankIdentity
+    host: str = ""
+    shim: int = 0  # the supervisor's pid
+    devices: str | None = None  # the CUDA_VISIBLE_DEVICES it was started with
+    settings: dict[str, object] | None = None  # --per-node: the options the rank was started with
+    node: str = ""  # a node keeper's host
 
 
-_NUMBER = (int, float)
-MESSAGES: dict[str, Message] = {
-    # up: a rank supervisor, or under --hosts a node keeper relaying for its ranks
-    "hello": Message("up", {"role": str, "token": str},
-                     {"identity": dict, "host": str, "shim": int, "devices": (str, _OPTIONAL), "settings": dict,
-                      "node": str}),
-    "started": Message("up", {"rank": int, "pid": int}, {"start": (int, _OPTIONAL), "host": str}),
-    "exited": Message("up", {"rank": int, "returncode": (int, _OPTIONAL)},
-                      {"reason": str, "pid": (int, _OPTIONAL), "aborting": bool}),
-    "interrupted": Message("up", {"signal": int}, {"rank": int}),
-    "finding": Message("up", {"message": str, "fatal": bool}, {"code": int}),
-    "note": Message("up", {"text": str}),
-    # down: the controller's answers and orders
-    "welcome": Message("down", {}, {"env": dict, "managed": list, "restore": dict, "tag": bool, "grace": _NUMBER,
-                                    "mpi4py_abort": bool, "output_lock": (str, _OPTIONAL),
-                                    "output_dir": (str, _OPTIONAL), "lines": list}),
-    "refuse": Message("down", {}, {"exit_code": int, "message": str, "retry": bool, "linger": bool, "failed": bool}),
-    "signal": Message("down", {"signal": int}, {"ranks": list}),
-    "verdict": Message("down", {"rank": int, "exit_code": int}, {"lines": list, "linger": bool}),
-    "say": Message("down", {"text": str}),
+class Started(NamedTuple):
+    """A rank's program started: its pid and start time (``start``: clock ticks after boot, from /proc)."""
+
+    rank: int
+    pid: int
+    start: int | None = None
+    host: str = ""
+
+
+class Exited(NamedTuple):
+    """A rank ended. ``returncode`` None: a node keeper lost it without a report."""
+
+    rank: int
+    returncode: int | None
+    reason: str = ""
+    pid: int | None = None
+    aborting: bool = False  # it called MPI_Abort
+
+
+class Interrupted(NamedTuple):
+    """A stopping signal reached a rank's supervisor (or a node keeper) from outside."""
+
+    signal: int
+    rank: int | None = None
+
+
+class Found(NamedTuple):
+    """A node keeper's finding for the job's controller (``fatal``: it fails the job, with ``code``)."""
+
+    message: str
+    fatal: bool
+    code: int | None = None
+
+
+class Note(NamedTuple):
+    """A line a node keeper has for the job's summary."""
+
+    text: str
+
+
+# -- down: the controller's answers and orders -----------------------------------------------------------------------
+
+class Welcome(NamedTuple):
+    """A rank admitted: its environment and how its supervisor runs it (from :func:`mpsrun.job.placement.welcome`).
+
+    ``env``: mpsrun's own variables; ``defaults``: groups of variables each given only where the caller set none of
+    the group; ``managed``: mpsrun's variables to drop from the caller's; ``restore``: what a launcher rewrote
+    of the caller's environment, put back (None: unset); ``lines``: said once by this rank."""
+
+    env: dict[str, str]
+    defaults: list[dict[str, str]]
+    managed: list[str]
+    restore: dict[str, str | None]
+    tag: bool
+    grace: float
+    timeout: float | None
+    mpi4py_abort: bool
+    output_lock: str | None
+    output_dir: str | None
+    lines: list[str]
+
+
+class Admitted(NamedTuple):
+    """A node keeper's hello was taken: it may relay for its ranks."""
+
+
+class Refusal(NamedTuple):
+    """A peer not admitted. ``retry``: come again (to a new node keeper); ``linger``: the node's last rank waits
+    until its keeper is gone; ``failed``: the keeper could not start, ``heard`` by the rank that started it."""
+
+    exit_code: int = ExitCode.SETUP
+    message: str = ""
+    retry: bool = False
+    linger: bool = False
+    failed: bool = False
+    heard: bool = False
+
+
+class SignalRanks(NamedTuple):
+    """Pass ``signal`` to these ranks (None: all the link's)."""
+
+    signal: int
+    ranks: list[int] | None = None
+
+
+class Verdict(NamedTuple):
+    """How the job ended for ``rank``: its exit code, lines to say, and whether to wait for the node's end."""
+
+    rank: int
+    exit_code: int
+    lines: list[str] = []  # noqa: RUF012 - never changed: a NamedTuple's default is shared
+    linger: bool = False
+
+
+class Say(NamedTuple):
+    """A node keeper's word for the user, said by the rank's supervisor."""
+
+    text: str
+
+
+Message = (Hello | Started | Exited | Interrupted | Found | Note | Welcome | Admitted | Refusal | SignalRanks | Verdict
+           | Say)
+MESSAGES: dict[str, type[Message]] = {
+    "hello": Hello, "started": Started, "exited": Exited, "interrupted": Interrupted, "finding": Found, "note": Note,
+    "welcome": Welcome, "admitted": Admitted, "refuse": Refusal, "signal": SignalRanks, "verdict": Verdict, "say": Say,
 }
+_KIND = {cls: kind for kind, cls in MESSAGES.items()}
 
 
-def _typed(value: object, kind: type | tuple[type, ...]) -> bool:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    return isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
-
-
-def conforms(message: Mapping[str, Any]) -> bool:
-    """Whether ``message`` is one of :data:`MESSAGES`, with every field it needs and each of the declared type."""
-    spec = MESSAGES.get(message.get("type"))  # type: ignore[arg-type]
-    if spec is None:
+def _fits(value: object, hint: object) -> bool:
+    """Whether a decoded JSON ``value`` has the declared type ``hint`` (a bool is not a number; an int is a float)."""
+    if hint is object:
+        return True
+    if hint is type(None):
+        return value is None
+    if isinstance(hint, types.UnionType):
+        return any(_fits(value, arm) for arm in hint.__args__)
+    origin = getattr(hint, "__origin__", None)
+    if origin is dict:
+        key, item = hint.__args__  # type: ignore[attr-defined]
+        return isinstance(value, dict) and all(_fits(k, key) and _fits(v, item) for k, v in value.items())
+    if origin is list:
+        (item,) = hint.__args__  # type: ignore[attr-defined]
+        return isinstance(value, list) and all(_fits(v, item) for v in value)
+    if isinstance(value, bool) and hint is not bool:
         return False
-    fields = {**spec.optional, **spec.required}
-    return all(name in message for name in spec.required) and all(
-        _typed(value, fields[name]) for name, value in message.items() if name in fields)
+    return isinstance(value, (int, float) if hint is float else hint)  # type: ignore[arg-type]
 
 
-def encode(kind: str, **fields: Any) -> bytes:
-    """One message as a line; ValueError for one that :data:`MESSAGES` does not declare (a bug of ours)."""
-    message = {"type": kind, **fields}
-    if not conforms(message):
-        raise ValueError(f"not a {kind!r} message as MESSAGES declares it: {message!r}")
-    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+def _checked(cls: type[Message], fields: dict[str, Any]) -> Message | None:
+    """``cls`` made of ``fields`` (unknown names ignored), or None when one is missing or of another type."""
+    hints = cls.__annotations__
+    known: dict[str, Any] = {name: fields[name] for name in cls._fields if name in fields}
+    if any(name not in known for name in cls._fields if name not in cls._field_defaults):
+        return None
+    if not all(_fits(value, hints[name]) for name, value in known.items()):
+        return None
+    return cls(**known)
 
 
-def decode(line: bytes) -> dict[str, Any] | None:
+def encode(message: Message) -> bytes:
+    """One message as a line; ValueError for one whose fields are not as declared (a bug of ours)."""
+    fields = message._asdict()
+    if _checked(type(message), fields) is None:
+        raise ValueError(f"not a {_KIND[type(message)]!r} message as declared: {message!r}")
+    return json.dumps({"type": _KIND[type(message)], **fields}, separators=(",", ":")).encode() + b"\n"
+
+
+def decode(line: bytes) -> Message | None:
     """The message in ``line``, or None when it is not JSON or not a declared message."""
     try:
-        message = json.loads(line)
+        data = json.loads(line)
     except (ValueError, RecursionError):  # not JSON (or not UTF-8), or nested deeper than Python parses
         return None
-    return message if isinstance(message, dict) and conforms(message) else None
+    if not isinstance(data, dict):
+        return None
+    cls = MESSAGES.get(data.get("type"))  # type: ignore[arg-type]
+    return None if cls is None else _checked(cls, data)
+
+
+class Peer(NamedTuple):
+    """Who an admitted link's peer is: a rank's supervisor (``role`` "rank", its rank) or a node keeper ("node")."""
+
+    role: str
+    rank: int | None = None
+    node: str = ""
 
 
 def new_token() -> str:
@@ -116,7 +240,7 @@ class Link:
         self.closed = False
         self.broken = False
         self.ended = False  # the peer's end was read
-        self.peer: dict[str, Any] = {}  # who the peer is, once admitted
+        self.peer: Peer | None = None  # who the peer is, once admitted
         self._line_max = line_max
         self._buffer = b""
 
@@ -127,13 +251,13 @@ class Link:
     def usable(self) -> bool:
         return not (self.closed or self.broken or self.ended)
 
-    def admit(self, **peer: Any) -> None:
+    def admit(self, peer: Peer) -> None:
         """The peer has shown the job's token: it is ``peer`` from now on, and may send lines of any length."""
-        self.peer = dict(peer)
+        self.peer = peer
         self._line_max = LINE_MAX
 
-    def send(self, kind: str, **fields: Any) -> bool:
-        data = encode(kind, **fields)
+    def send(self, message: Message) -> bool:
+        data = encode(message)
         if not self.usable:
             return False
         try:
@@ -143,7 +267,7 @@ class Link:
             return False
         return True
 
-    def receive(self) -> list[dict[str, Any]] | None:
+    def receive(self) -> list[Message] | None:
         """The messages that have arrived (call when readable); None once the peer is gone (then
         stop waiting on the link, and :meth:`close` it)."""
         if self.closed or self.ended:
@@ -163,10 +287,10 @@ class Link:
             return None
         return [message for line in lines if (message := decode(line)) is not None]
 
-    def expect(self, kinds: tuple[str, ...], deadline: Deadline,
-               others: Callable[[dict[str, Any]], object] | None = None) -> dict[str, Any] | None:
-        """Block until a message of one of these kinds arrives, or None; the others before it go to ``others``
-        (or are dropped)."""
+    def expect(self, kinds: tuple[type[Message], ...], deadline: Deadline,
+               others: Callable[[Message], object] | None = None) -> Message | None:
+        """Block until a message of one of these kinds arrives, or None (``()``: wait for the peer's end); the others
+        before it go to ``others`` (or are dropped)."""
         while not self.closed and not deadline.expired():
             self.sock.settimeout(max(0.001, deadline.remaining()))
             messages = self.receive()
@@ -175,7 +299,7 @@ class Link:
                 return None
             self.sock.settimeout(None)
             for message in messages:
-                if message["type"] in kinds:
+                if isinstance(message, kinds):
                     return message
                 if others is not None:
                     others(message)
