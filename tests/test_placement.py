@@ -6,10 +6,10 @@ from mpsrun.config.options import JobConfig
 from mpsrun.errors import ConfigError
 from mpsrun.job.placement import (
     GpuTarget,
+    NodePlan,
     RankPlan,
     gpu_of_rank,
-    plan_job,
-    plan_rank,
+    ranks_on_gpus,
     rank_environment,
     ranks_per_gpu,
     welcome,
@@ -21,6 +21,16 @@ MPS_GPUS = [GpuTarget("GPU-a", "/p/a", "/l/a", "/s"), GpuTarget("GPU-b", "/p/b",
 
 def config(**fields):
     return JobConfig(command=("x",), **fields)
+
+
+def plan_job(nranks, ngpus, job, free=()):
+    """Every rank of a one-node job of ``nranks`` ranks."""
+    return NodePlan.make(job, ngpus, nranks, free).ranks(nranks)
+
+
+def plan_rank(identity, ngpus, job, free=()):
+    """One rank's plan, on a node of the size its identity says."""
+    return NodePlan.make(job, ngpus, identity.local_world_size, free).rank(identity)
 
 
 @pytest.mark.parametrize(
@@ -73,6 +83,21 @@ def test_what_cannot_be_honoured_is_refused(identity, fields, message):
         plan_rank(identity, 2, config(**fields))
 
 
+@pytest.mark.parametrize(("policy", "expected"), [("block", [1251, 1250, 1251, 1250, 1250, 1251, 1250, 1250]),
+                                                ("round-robin", [1251, 1251, 1251, 1250, 1250, 1250, 1250, 1250])])
+def test_a_node_of_ten_thousand_ranks_is_planned_whole(policy, expected):
+    """10,003 ranks on 8 GPUs with thread percentage and memory limit auto: every rank is planned, each GPU gets the
+    ranks gpu_of_rank puts there, and each rank's limits are its GPU's share (the node's plan is worked out once,
+    so planning is linear in the ranks; the time at 1,000 and 10,000 ranks is in docs/benchmarks.md)."""
+    free = [2 << 40] * 8  # 2 TiB each: room for a 1 GiB share per rank
+    plans = plan_job(10_003, 8, config(map_by=policy, thread_percentage="auto", mem_limit="auto"), free)
+    counts = ranks_on_gpus(plans)
+    assert [counts[gpu] for gpu in range(8)] == expected == ranks_per_gpu(10_003, 8, policy)
+    assert [p.rank for p in plans] == list(range(10_003))
+    assert all(p.thread_percentage == 1 and p.sharers == expected[p.gpu] for p in plans)  # 100 // 1250: at least 1
+    assert all(p.mem_limit == f"{((2 << 20) - 128) // expected[p.gpu]}M" for p in plans)
+
+
 def test_rank_environment_carries_gpu_limits_and_rank_variables():
     """A rank gets its GPU's daemon variables, its limits (only under MPS) and its rank variables (torchrun's
     layout among them)."""
@@ -91,8 +116,8 @@ def test_rank_environment_carries_gpu_limits_and_rank_variables():
 
 def test_welcome_tells_the_supervisor_everything():
     """The welcome holds the rank's variables, what mpsrun manages (stale values are dropped), tagging and grace."""
-    admission = welcome(RankIdentity(3, 3, 4, 4), config(tag_output=True, grace=2.0), 2, lambda gpu: MPS_GPUS[gpu],
-                        False)
+    admission = welcome(RankIdentity(3, 3, 4, 4), NodePlan.make(config(tag_output=True, grace=2.0), 2, 4),
+                        lambda gpu: MPS_GPUS[gpu], False)
     answer = admission.welcome
     assert answer.env["CUDA_VISIBLE_DEVICES"] == "GPU-b" and answer.env["RANK"] == "3"
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in answer.managed

@@ -38,9 +38,8 @@ SHIM = tuple(python_without_site("mpsrun.rank.supervisor"))
 
 class Backend(Protocol):
     name: str
-    #: ``unix``: the ranks reach the controller's socket in the session directory; ``tcp``: over the network.
-    control: str
-    #: False when each host's node keeper starts that host's MPS daemons instead of the controller.
+    #: False when each host's node keeper starts that host's MPS daemons instead of the controller (its ranks then
+    #: reach the job's controller over TCP; else at its socket in the session directory).
     owns_daemons: bool
     #: When each MPS server is asked for, in seconds after the first rank starts, unless every rank has ended by
     #: then; None: with its first client, as a hand-started daemon does. A server takes a while to become ready
@@ -56,7 +55,7 @@ class Backend(Protocol):
 
 
 class LocalBackend:
-    name, control, owns_daemons, head_start = "local", "unix", True, False
+    name, owns_daemons, head_start = "local", True, False
     server_after: float | None = SERVER_AFTER
 
     def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]:
@@ -76,7 +75,7 @@ SIGNAL_STATUS = {"openmpi": 128}
 
 
 class MpiexecBackend:
-    name, control, owns_daemons, head_start = "mpiexec", "unix", True, True
+    name, owns_daemons, head_start = "mpiexec", True, True
     server_after: float | None = SERVER_AFTER
 
     def __init__(self, mpiexec: str) -> None:
@@ -106,7 +105,7 @@ class HostsBackend(MpiexecBackend):
     """Every rank runs as ``mpsrun --per-node`` on its host, handed the job's configuration as data (the
     variable ``CONFIG_VARIABLE``, which Open MPI passes with ``-x``): nothing is parsed or validated again there."""
 
-    name, control, owns_daemons, head_start = "hosts", "tcp", False, True
+    name, owns_daemons, head_start = "hosts", False, True
     server_after: float | None = None
     EXPORT = (*CONTROL_VARIABLES, JOB_ID_VARIABLE, *RENDEZVOUS_VARIABLES)  # Open MPI passes no other to a host
 

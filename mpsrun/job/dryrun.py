@@ -18,7 +18,7 @@ from mpsrun.errors import ConfigError, MPSError, NoDriverError
 from mpsrun.exitcodes import ExitCode
 from mpsrun.job.channel import rendezvous
 from mpsrun.job.mpiexec import find_mpiexec, mpi4py_available
-from mpsrun.job.placement import plan_job, welcome
+from mpsrun.job.placement import NodePlan, welcome
 from mpsrun.mps import gpus as gpu_info
 from mpsrun.mps.daemon import unavailable_reason
 from mpsrun.mps.environment import GpuTarget
@@ -63,10 +63,11 @@ def plan_lines(config: JobConfig) -> list[str]:
                           "(each node's ranks get the plan of their place on that node)", setting="--dry-run")
     found, why = _gpus(config)
     count = len(found) or len(config.gpus or (0,))
-    plans = plan_job(config.ranks, count, config, [g.memory_free for g in found])
+    node = NodePlan.make(config, count, config.ranks, [g.memory_free for g in found])
+    plans = node.ranks(config.ranks)
     targets = _targets(config, found, count)
     lines = _header(config, found, why, count)
-    envs = [_variables(config, plan.rank, count, targets, [g.memory_free for g in found]) for plan in plans]
+    envs = [_variables(node, plan.rank, targets) for plan in plans]
     common = {k: v for k, v in envs[0].items() if all(env.get(k) == v for env in envs[1:])}
     for plan, env in zip(plans, envs, strict=True):
         limits = [f"{plan.thread_percentage}% of SMs" if plan.thread_percentage else "",
@@ -97,13 +98,13 @@ def _header(config: JobConfig, found: Sequence[gpu_info.GPU], why: str, count: i
     return lines
 
 
-def _variables(config: JobConfig, rank: int, count: int, targets: Sequence[GpuTarget], free: Sequence[int]
-               ) -> dict[str, str]:
+def _variables(node: NodePlan, rank: int, targets: Sequence[GpuTarget]) -> dict[str, str]:
     """What mpsrun gives ``rank``: its welcome's variables and the defaults the caller's environment leaves."""
+    config = node.config
     identity = RankIdentity(rank, rank, config.ranks, config.ranks)
     abort = config.mpi4py_abort == "on" and mpi4py_available()
-    given = welcome(identity, config, count, lambda p: targets[0 if config.gpu_bind == "none" else p], abort,
-                    free, session_dir=SESSION).welcome
+    given = welcome(identity, node, lambda p: targets[0 if config.gpu_bind == "none" else p], abort,
+                    session_dir=SESSION).welcome
     env = dict(given.env)
     for group in given.defaults:
         if not any(name in os.environ for name in group):  # the caller's values win, as in a running job

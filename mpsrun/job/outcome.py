@@ -46,10 +46,6 @@ class RankEnd:
     reason: str = ""
     aborting: bool = False  # reported as its MPI_Abort began: the MPI launcher ends the job's other ranks
 
-    @property
-    def lost(self) -> bool:
-        return self.returncode is None
-
     def describe(self, first: bool = False) -> str:
         """``rank 1 (pid N) exited with code 7[ first][: reason]``."""
         who = f"rank {self.rank}" + (f" (pid {self.pid})" if self.pid else "")

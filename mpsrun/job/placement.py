@@ -26,8 +26,8 @@ from mpsrun.runtime.constants import (
 )
 from mpsrun.runtime.protocol import Welcome
 
-__all__ = ["Admission", "RankPlan", "daemon_defaults", "gpu_of_rank", "plan_job", "plan_rank", "rank_environment",
-           "ranks_on_gpus", "ranks_per_gpu", "welcome", "without_mps"]
+__all__ = ["Admission", "NodePlan", "RankPlan", "gpu_of_rank", "rank_environment", "ranks_on_gpus", "ranks_per_gpu",
+           "welcome", "without_mps"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,53 +83,80 @@ def _mem_limits(config: JobConfig, local_size: int | None, ngpus: int, free: Seq
     return auto_mem_limits(free, _sharing(config, local_size, len(free), "--mem-limit"), config.gpu_bind == "none")
 
 
-def _percentage(config: JobConfig, identity: RankIdentity, gpu: int, ngpus: int) -> int | None:
-    spec = config.thread_percentage
-    if spec is None or isinstance(spec, int):
-        return spec
-    if spec == "auto":
-        return max(1, 100 // _sharing(config, identity.local_world_size, ngpus, "--thread-percentage")[gpu])
-    assert isinstance(spec, tuple)
-    world = identity.world_size
-    if (world is not None and len(spec) != world) or identity.rank >= len(spec):
-        raise ConfigError(f"--thread-percentage lists {len(spec)} values but there are {world or 'more'} ranks; "
-                          "give one value per rank, a single value, or auto", setting="--thread-percentage", value=spec)
-    return spec[identity.rank]
+@dataclass(frozen=True, slots=True)
+class NodePlan:
+    """One node's placement, worked out once for all its ranks: how many of them share each GPU position, and each
+    position's memory limit. Every rank's plan and the daemons' defaults read it, so planning a node is linear in
+    its ranks. ``local_size``: the node's ranks, when the launcher says (``auto`` and ``--map-by block`` need it:
+    without it each rank's plan is refused); ``free``: each GPU's free bytes under MPS (for ``--mem-limit auto``).
+    Make one with :meth:`make`."""
 
+    config: JobConfig
+    ngpus: int
+    local_size: int | None
+    free: tuple[int, ...]
+    sharing: tuple[int, ...]  # per GPU position; empty when the node's size is not known
+    mem_limits: tuple[str | None, ...]  # per GPU position
+    refused: ConfigError | None  # why no rank of this node can be planned (auto without the node's size)
 
-def plan_rank(identity: RankIdentity, ngpus: int, config: JobConfig, free: Sequence[int] = ()) -> RankPlan:
-    """One rank's GPU and limits; raises ConfigError for what cannot be honoured.
+    @classmethod
+    def make(cls, config: JobConfig, ngpus: int, local_size: int | None, free: Sequence[int] = ()) -> NodePlan:
+        sharing = () if local_size is None or ngpus < 1 else tuple(_sharing(config, local_size, ngpus, ""))
+        try:
+            limits, refused = _mem_limits(config, local_size, ngpus, free), None
+        except ConfigError as exc:  # --mem-limit auto without the node's size: the daemons get no default limit
+            limits, refused = [None] * max(ngpus, 1), exc
+        return cls(config, ngpus, local_size, tuple(free), sharing, tuple(limits), refused)
 
-    ``free``: each GPU's free memory in bytes (for ``--mem-limit auto``). Under ``--gpu-bind
-    none`` every rank has GPU position 0: the one daemon, which serves all the GPUs.
-    """
-    if ngpus < 1:
-        return RankPlan(identity.rank, 0, None, _mem_limits(config, identity.local_world_size, 0, ())[0],
-                        config.priority)
-    local_size = identity.local_world_size
-    gpu = 0 if config.gpu_bind == "none" else gpu_of_rank(identity.local_rank, local_size, ngpus, config.map_by)
-    sharers = None if local_size is None else _sharing(config, local_size, ngpus, "")[gpu]
-    return RankPlan(identity.rank, gpu, _percentage(config, identity, gpu, ngpus),
-                    _mem_limits(config, local_size, ngpus, free)[gpu], config.priority, sharers)
+    def sized(self, local_size: int | None) -> NodePlan:
+        """This plan for a node of ``local_size`` ranks (a rank's launcher may say what the node's did not)."""
+        return self if local_size == self.local_size else NodePlan.make(self.config, self.ngpus, local_size, self.free)
 
+    def rank(self, identity: RankIdentity) -> RankPlan:
+        """One rank's GPU and limits; raises ConfigError for what cannot be honoured. Under ``--gpu-bind none`` every
+        rank has GPU position 0: the one daemon, which serves all the GPUs."""
+        plan = self.sized(identity.local_world_size)
+        if plan.refused is not None:
+            raise plan.refused
+        config = plan.config
+        if plan.ngpus < 1:
+            return RankPlan(identity.rank, 0, None, plan.mem_limits[0], config.priority)
+        gpu = 0 if config.gpu_bind == "none" else gpu_of_rank(identity.local_rank, plan.local_size, plan.ngpus,
+                                                              config.map_by)
+        return RankPlan(identity.rank, gpu, plan._percentage(identity, gpu), plan.mem_limits[gpu], config.priority,
+                        plan.sharing[gpu] if plan.sharing else None)
 
-def plan_job(nranks: int, ngpus: int, config: JobConfig, free: Sequence[int] = ()) -> list[RankPlan]:
-    """Every rank of a one-node job (all ranks local), checked before anything starts."""
-    return [plan_rank(RankIdentity(r, r, nranks, nranks), ngpus, config, free) for r in range(nranks)]
+    def ranks(self, count: int) -> list[RankPlan]:
+        """Every rank of a one-node job of ``count`` ranks (all local), checked before anything starts."""
+        plan = self.sized(count)
+        return [plan.rank(RankIdentity(r, r, count, count)) for r in range(count)]
 
+    def _percentage(self, identity: RankIdentity, gpu: int) -> int | None:
+        spec = self.config.thread_percentage
+        if spec is None or isinstance(spec, int):
+            return spec
+        if spec == "auto":
+            sharing = self.sharing or _sharing(self.config, None, self.ngpus, "--thread-percentage")  # (raises)
+            return max(1, 100 // sharing[gpu])
+        assert isinstance(spec, tuple)
+        world = identity.world_size
+        if (world is not None and len(spec) != world) or identity.rank >= len(spec):
+            raise ConfigError(f"--thread-percentage lists {len(spec)} values but there are {world or 'more'} ranks; "
+                              "give one value per rank, a single value, or auto", setting="--thread-percentage",
+                              value=spec)
+        return spec[identity.rank]
 
-def daemon_defaults(config: JobConfig, ngpus: int, local_size: int | None, free: Sequence[int]) -> DaemonDefaults:
-    """What the node's daemons apply to a client that sets no limit itself: the highest cap any rank has (none
-    when some rank has none), and each GPU's memory limit. ``local_size``: the ranks on this node, when known."""
-    spec, cap = config.thread_percentage, None
-    if isinstance(spec, int):
-        cap = spec
-    elif isinstance(spec, tuple):
-        cap = max(spec)
-    elif spec == "auto" and local_size is not None and ngpus:
-        cap = max(max(1, 100 // n) for n in _sharing(config, local_size, ngpus, "--thread-percentage") if n)
-    known = config.mem_limit != "auto" or local_size is not None
-    return DaemonDefaults(cap, tuple(_mem_limits(config, local_size, ngpus, free if known else ())))
+    def daemon_defaults(self) -> DaemonDefaults:
+        """What the node's daemons apply to a client that sets no limit itself: the highest cap any rank has (none
+        when some rank has none), and each GPU's memory limit."""
+        spec, cap = self.config.thread_percentage, None
+        if isinstance(spec, int):
+            cap = spec
+        elif isinstance(spec, tuple):
+            cap = max(spec)
+        elif spec == "auto" and self.sharing:
+            cap = max(max(1, 100 // n) for n in self.sharing if n)
+        return DaemonDefaults(cap, self.mem_limits)
 
 
 def rank_environment(target: GpuTarget | None, plan: RankPlan | None, identity: RankIdentity | None = None,
@@ -196,18 +223,19 @@ class Admission(NamedTuple):
     unlimited_gpu: tuple[int, int] | None
 
 
-def welcome(identity: RankIdentity, config: JobConfig, ngpus: int, target_of: Callable[[int], GpuTarget | None],
-            mpi4py_abort: bool, free: Sequence[int] = (), session_dir: str | None = None,
-            output_lock: str | None = None, callers: Mapping[str, str | None] | None = None) -> Admission:
+def welcome(identity: RankIdentity, node: NodePlan, target_of: Callable[[int], GpuTarget | None], mpi4py_abort: bool,
+            session_dir: str | None = None, output_lock: str | None = None,
+            callers: Mapping[str, str | None] | None = None) -> Admission:
     """What a rank's supervisor is told when it says hello: the rank's variables and how to run it.
 
-    ``free``: each GPU's free memory under MPS (for ``--mem-limit auto``). ``session_dir``: the job's (or
+    ``node``: the plan of the rank's node. ``session_dir``: the job's (or
     node's) private directory, also without MPS (:mod:`mpsrun.shared` keeps its handles there).
     ``mpi4py_abort``: whether Python ranks run through mpi4py's runner (mpi4py is installed, and not off).
     ``callers``: :func:`callers_values` of the environment the job was started from, when this process has it (the
     ``mpsrun`` command, not a node keeper): what an MPI launcher rewrote of it is put back.
     """
-    plan = plan_rank(identity, ngpus, config, free)
+    config, ngpus = node.config, node.ngpus
+    plan = node.rank(identity)
     target = target_of(plan.gpu) if ngpus else None
     env = rank_environment(target, plan, identity, _device_number(identity, config, ngpus))
     if session_dir is not None:

@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # imported once the launcher has started (see _AFTER_THE_LAUN
     from mpsrun.job.controller import Admit
     from mpsrun.job.jobcontroller import JobController
     from mpsrun.job.outcome import JobResult
-    from mpsrun.job.placement import Admission, RankPlan
+    from mpsrun.job.placement import Admission, NodePlan, RankPlan
     from mpsrun.mps.limits import DaemonDefaults
     from mpsrun.runtime.protocol import Hello
     from mpsrun.session.session import Session
@@ -105,6 +105,7 @@ class Job:
         self.started = time.monotonic()
         self.began = time.time()  # what MPI leaves on the node since then is the job's (mpsrun.session.leftovers)
         self.deadline = Deadline(config.timeout)  # --timeout bounds the whole job, start-up included
+        self.node: NodePlan | None = None  # the plan of the job's ranks, once the GPUs are read
 
     def _elapsed(self, what: str) -> None:
         log.info(f"mpsrun: {what} after {time.monotonic() - self.started:.3f} s")
@@ -130,7 +131,7 @@ class Job:
                 # Every job has a record and a reaper (under --hosts for its mpiexec alone: each host's node keeper
                 # owns that host's session), so a job killed outright takes what it started along.
                 claim = SessionClaim(session_base(None), "job", keep_logs=self.config.keep_logs)
-                dirs = claim.dirs if backend.control == "unix" else None
+                dirs = claim.dirs if backend.owns_daemons else None  # else the ranks come over TCP
                 channel = ControlChannel(f"unix:{dirs.control_socket}" if dirs is not None else "tcp",
                                          rendezvous(first_host(self.config), free_port(), os.environ))
                 if backend.head_start:
@@ -174,16 +175,17 @@ class Job:
             _import_the_rest()
             return None
         try:
-            self._start(session, claim, self._plan(session))
+            self.node = self._plan(session)
+            self._start(session, claim, self.node.daemon_defaults())
         except MPSError as exc:  # an interrupt too
             if channel.early is None:
                 raise
             return exc
         return None
 
-    def _plan(self, session: Session) -> DaemonDefaults:
-        """Read the GPUs and plan the ranks on them (refusing what cannot be honoured); the daemons' defaults."""
-        from mpsrun.job.placement import daemon_defaults, plan_job, ranks_on_gpus, without_mps
+    def _plan(self, session: Session) -> NodePlan:
+        """Read the GPUs and plan the ranks on them, refusing what cannot be honoured."""
+        from mpsrun.job.placement import NodePlan, ranks_on_gpus, without_mps
         from mpsrun.job.report import crowding_warnings
 
         config = self.config
@@ -191,14 +193,14 @@ class Job:
         if session.disabled_reason is not None:
             for line in without_mps(config, session.disabled_reason, gpus_seen=bool(session.gpus)):
                 log.warning(f"mpsrun: {line}")
-        free = session.free_memory()
-        plans = plan_job(config.ranks, len(session.gpus), config, free)
+        node = NodePlan.make(config, len(session.gpus), config.ranks, session.free_memory())
+        plans = node.ranks(config.ranks)
         if session.disabled_reason is None:
             for line in crowding_warnings(ranks_on_gpus(plans) if config.gpu_bind == "single" else {}):
                 log.warning(f"mpsrun: {line}")
         for plan in plans:
             log.info(f"mpsrun: rank {plan.rank}: {self._placed(session, plan)}")
-        return daemon_defaults(config, len(session.gpus), config.ranks, free)
+        return node
 
     def _placed(self, session: Session, plan: RankPlan) -> str:
         """Where a rank runs and with what limits, for -v."""
@@ -223,12 +225,11 @@ class Job:
         self._elapsed("daemons ready" if session.enabled else "set up without MPS")
 
     def _welcome(self, session: Session | None, output_lock: str | None) -> Admit:
-        from mpsrun.job.placement import callers_values, welcome
+        from mpsrun.job.placement import NodePlan, callers_values, welcome
 
         config, n = self.config, self.config.ranks
         abort = config.mpi4py_abort == "on" and mpi4py_available()
-        ngpus = len(session.gpus) if session else 0
-        free = session.free_memory() if session else []
+        node = self.node or NodePlan.make(config, 0, n)  # no session here: each host's node keeper plans its own
         directory = str(session.dirs.root) if session and session.dirs else None
         callers = callers_values(os.environ)  # once: the whole environment, gone through for each rank otherwise
 
@@ -236,8 +237,8 @@ class Job:
             # One node: what the launcher did not say, the job knows.
             identity = RankIdentity(identity.rank, identity.local_rank, identity.world_size or n,
                                     identity.local_world_size or n)
-            return welcome(identity, config, ngpus, session.target if session else lambda _: None, abort, free,
-                           directory, output_lock, callers=callers)
+            return welcome(identity, node, session.target if session else lambda _: None, abort, directory,
+                           output_lock, callers=callers)
 
         return answer
 

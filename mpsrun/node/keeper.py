@@ -36,7 +36,7 @@ from mpsrun.exitcodes import ExitCode
 from mpsrun.job.channel import free_port, rendezvous
 from mpsrun.job.mpiexec import mpi4py_available
 from mpsrun.job.outcome import Policy
-from mpsrun.job.placement import Admission, daemon_defaults, welcome, without_mps
+from mpsrun.job.placement import Admission, NodePlan, welcome, without_mps
 from mpsrun.job.report import mps_report, verified_line
 from mpsrun.job.table import refuse_newcomer
 from mpsrun.node.controller import NodeController, NodeSide, Starter
@@ -62,7 +62,7 @@ def _start_session(config: JobConfig, request: KeeperRequest, deadline: Deadline
                       start_timeout=max(0.1, deadline.cap(DAEMON_START_TIMEOUT)))
     try:
         session.resolve()
-        defaults = daemon_defaults(config, len(session.gpus), request.local_size, session.free_memory())
+        defaults = NodePlan.make(config, len(session.gpus), request.local_size, session.free_memory()).daemon_defaults()
         session.start(kind="node", name=request.name, defaults=defaults, claim=claim)
     except DaemonTimeoutError as exc:
         if deadline.expired():
@@ -114,6 +114,7 @@ class NodeKeeper:
         reason = session.disabled_reason
         self._notices = [] if reason is None or config.quiet else without_mps(config, reason, bool(session.gpus))
         self._abort = config.mpi4py_abort == "on" and mpi4py_available()
+        self._plan = NodePlan.make(config, len(session.gpus), request.local_size, session.free_memory())
         self._rendezvous = rendezvous("127.0.0.1", free_port(), os.environ)  # for a job of this node only
         self.listener = listener
         common: dict[str, Any] = {"session": session, "expected": request.local_size, "close": self.close,
@@ -160,8 +161,8 @@ class NodeKeeper:
                               f"{hello.devices!r}, not {self.request.devices!r}); mpsrun --per-node needs "
                               "every local rank to see the node's GPUs (no per-task GPU binding)", setting="gpus")
         session = self.session
-        admission = welcome(identity, self.config, len(session.gpus), session.target, self._abort,
-                            free=session.free_memory(), session_dir=str(session.dirs.root) if session.dirs else None)
+        admission = welcome(identity, self._plan, session.target, self._abort,
+                            session_dir=str(session.dirs.root) if session.dirs else None)
         env = admission.welcome.env
         if identity.world_size == self.request.local_size:  # one node: rank 0 is here, and so is the port
             env = {**env, **self._rendezvous}
@@ -209,7 +210,7 @@ class NodeKeeper:
         exits, and does not remove it when killed), once the launcher is gone (within LINGER_TIMEOUT)."""
         _, held = leftovers.sweep(self.began)
         launcher = ProcessRef(*self.request.launcher) if self.request.launcher else None
-        lost = any(s.end is not None and s.end.lost for s in self.controller.ranks.values())
+        lost = any(s.end is not None and s.end.returncode is None for s in self.controller.ranks.values())
         if launcher is None or not lost or not any(pids == {launcher.pid} for pids in held.values()):
             return
         for state in self.controller.ranks.values():  # a rank that lingers for our end need not wait for this
