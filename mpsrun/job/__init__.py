@@ -1,6 +1,7 @@
 """A job: its ranks placed, started, watched and judged, on every path, under one contract.
 
-Owns: running a job from its configuration (:mod:`~mpsrun.job.runner`); placement of ranks on GPUs with
+Owns: running a job from its configuration (:mod:`~mpsrun.job.runner`); a job's part on one node, which the
+``mpsrun`` command and node keepers share (:mod:`~mpsrun.job.nodesession`); placement of ranks on GPUs with
 their limits and the one rank environment (:mod:`~mpsrun.job.placement`); the backends that start rank
 supervisors, locally or through mpiexec, on one host or several (:mod:`~mpsrun.job.backends`,
 :mod:`~mpsrun.job.launch`, :mod:`~mpsrun.job.mpiexec`, :mod:`~mpsrun.job.channel`); the controllers that

@@ -17,7 +17,7 @@ from mpsrun.config.options import JobConfig
 from mpsrun.errors import ConfigError, MPSError, NoDriverError
 from mpsrun.exitcodes import ExitCode
 from mpsrun.job.channel import rendezvous
-from mpsrun.job.mpiexec import find_mpiexec, mpi4py_available
+from mpsrun.job.mpiexec import find_mpiexec, mpi4py_abort, mpi4py_available
 from mpsrun.job.placement import NodePlan, welcome
 from mpsrun.mps import gpus as gpu_info
 from mpsrun.mps.daemon import unavailable_reason
@@ -102,7 +102,7 @@ def _variables(node: NodePlan, rank: int, targets: Sequence[GpuTarget]) -> dict[
     """What mpsrun gives ``rank``: its welcome's variables and the defaults the caller's environment leaves."""
     config = node.config
     identity = RankIdentity(rank, rank, config.ranks, config.ranks)
-    abort = config.mpi4py_abort == "on" and mpi4py_available()
+    abort = mpi4py_abort(config.mpi4py_abort)
     given = welcome(identity, node, lambda p: targets[0 if config.gpu_bind == "none" else p], abort,
                     session_dir=SESSION).welcome
     env = dict(given.env)

@@ -47,6 +47,11 @@ def mpi4py_available() -> bool:
     return importlib.util.find_spec("mpi4py") is not None
 
 
+def mpi4py_abort(setting: str) -> bool:
+    """Whether Python ranks run under mpi4py's runner: ``--mpi4py-abort`` is on, and mpi4py is installed."""
+    return setting == "on" and mpi4py_available()
+
+
 def flavour_of_version(text: str) -> str:
     """Tell the MPI implementation from ``mpiexec --version`` output."""
     lowered = text.lower()

@@ -8,9 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mpsrun.exitcodes import ExitCode, Outcome, describe_returncode, exit_code, signal_name
 from mpsrun.runtime.constants import WATCH_INTERVAL
+
+if TYPE_CHECKING:
+    from mpsrun.config.options import JobConfig
+    from mpsrun.runtime.deadline import Deadline
 
 __all__ = ["JobResult", "Judge", "Policy", "RankEnd", "ranges"]
 
@@ -34,6 +39,12 @@ class Policy:
     timeout_total: float | None = None  # the --timeout itself, for the message
     mps_required: bool = False  # --mps on: a rank found without MPS fails the job
     watch_interval: float = WATCH_INTERVAL
+
+    @classmethod
+    def for_job(cls, config: JobConfig, deadline: Deadline) -> Policy:
+        """The rules of ``config``'s job, with what is left of its --timeout (``deadline``) when the ranks start."""
+        return cls(grace=config.grace, timeout=deadline.remaining() if config.timeout else None,
+                   timeout_total=config.timeout, mps_required=config.mps == "on")
 
 
 @dataclass(slots=True)

@@ -20,20 +20,16 @@ from mpsrun.config.options import JobConfig
 from mpsrun.errors import (
     CommandNotExecutableError,
     CommandNotFoundError,
-    DaemonTimeoutError,
     InterruptionError,
-    JobTimeoutError,
     MPSError,
     TeardownError,
 )
 from mpsrun.exitcodes import ExitCode
 from mpsrun.job.backends import Backend, choose_backend
 from mpsrun.job.channel import ControlChannel, free_port, rendezvous
-from mpsrun.job.mpiexec import mpi4py_available
 from mpsrun.job.outcome import Policy
 from mpsrun.mps import gpus
 from mpsrun.rank.identity import RankIdentity
-from mpsrun.runtime.constants import DAEMON_START_TIMEOUT
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.interrupts import Interrupts
 from mpsrun.runtime.output import say
@@ -45,9 +41,9 @@ from mpsrun.session.paths import session_base
 if TYPE_CHECKING:  # imported once the launcher has started (see _AFTER_THE_LAUNCHER)
     from mpsrun.job.controller import Admit
     from mpsrun.job.jobcontroller import JobController
+    from mpsrun.job.nodesession import NodeSession
     from mpsrun.job.outcome import JobResult
-    from mpsrun.job.placement import Admission, NodePlan, RankPlan
-    from mpsrun.mps.limits import DaemonDefaults
+    from mpsrun.job.placement import Admission, RankPlan
     from mpsrun.runtime.protocol import Hello
     from mpsrun.session.session import Session
 
@@ -105,7 +101,7 @@ class Job:
         self.started = time.monotonic()
         self.began = time.time()  # what MPI leaves on the node since then is the job's (mpsrun.session.leftovers)
         self.deadline = Deadline(config.timeout)  # --timeout bounds the whole job, start-up included
-        self.node: NodePlan | None = None  # the plan of the job's ranks, once the GPUs are read
+        self.local: NodeSession | None = None  # this node's part of the job, when it owns the daemons
 
     def _elapsed(self, what: str) -> None:
         log.info(f"mpsrun: {what} after {time.monotonic() - self.started:.3f} s")
@@ -136,7 +132,9 @@ class Job:
                                          rendezvous(first_host(self.config), free_port(), os.environ))
                 if backend.head_start:
                     self._start_early(backend, program, channel, claim)
-                session = self._new_session() if backend.owns_daemons else None
+                if backend.owns_daemons:
+                    self.local = self._node_session()
+                session = self.local.session if self.local is not None else None
                 failure = self._set_up(session, claim, channel)
                 controller = self._run(backend, session, program, channel, interrupts, failure)
             finally:
@@ -158,49 +156,43 @@ class Job:
         if claim is not None and channel.early is not None:  # for the reaper, should we be killed
             claim.add_launcher(channel.early.popen.pid)
 
-    def _new_session(self) -> Session:
-        """The job's MPS session, not started yet."""
-        from mpsrun.session.session import Session
+    def _node_session(self) -> NodeSession:
+        """This node's MPS session, not started yet."""
+        from mpsrun.job.nodesession import NodeSession
 
-        config = self.config
-        return Session(gpus=list(config.gpus) if config.gpus is not None else "all", mps=config.mps,
-                       keep_logs=config.keep_logs, export=False, gpu_bind=config.gpu_bind,
-                       start_timeout=max(0.1, self.deadline.cap(DAEMON_START_TIMEOUT)))
+        return NodeSession(self.config, self.deadline)
 
     def _set_up(self, session: Session | None, claim: SessionClaim | None,
                 channel: ControlChannel) -> MPSError | None:
         """Plan and start the session. A failure is raised, or, with the launcher started ahead, returned: its
         ranks are refused before the failure is reported (:meth:`JobController.abandon`)."""
-        if session is None:
+        if self.local is None:
             _import_the_rest()
             return None
         try:
-            self.node = self._plan(session)
-            self._start(session, claim, self.node.daemon_defaults())
+            self._plan(self.local)
+            self._start(self.local, claim)
         except MPSError as exc:  # an interrupt too
             if channel.early is None:
                 raise
             return exc
         return None
 
-    def _plan(self, session: Session) -> NodePlan:
+    def _plan(self, local: NodeSession) -> None:
         """Read the GPUs and plan the ranks on them, refusing what cannot be honoured."""
-        from mpsrun.job.placement import NodePlan, ranks_on_gpus, without_mps
+        from mpsrun.job.placement import ranks_on_gpus
         from mpsrun.job.report import crowding_warnings
 
-        config = self.config
-        session.resolve()
-        if session.disabled_reason is not None:
-            for line in without_mps(config, session.disabled_reason, gpus_seen=bool(session.gpus)):
-                log.warning(f"mpsrun: {line}")
-        node = NodePlan.make(config, len(session.gpus), config.ranks, session.free_memory())
+        config, session = self.config, local.session
+        node = local.plan(config.ranks)
+        for line in local.without_mps():
+            log.warning(f"mpsrun: {line}")
         plans = node.ranks(config.ranks)
         if session.disabled_reason is None:
             for line in crowding_warnings(ranks_on_gpus(plans) if config.gpu_bind == "single" else {}):
                 log.warning(f"mpsrun: {line}")
         for plan in plans:
             log.info(f"mpsrun: rank {plan.rank}: {self._placed(session, plan)}")
-        return node
 
     def _placed(self, session: Session, plan: RankPlan) -> str:
         """Where a rank runs and with what limits, for -v."""
@@ -214,31 +206,25 @@ class Job:
             f", {plan.mem_limit} pinned memory" + (" (auto)" if self.config.mem_limit == "auto" else "")
             if plan.mem_limit else "")
 
-    def _start(self, session: Session, claim: SessionClaim | None, defaults: DaemonDefaults) -> None:
-        try:
-            session.start(kind="job", claim=claim, defaults=defaults, meanwhile=_import_the_rest)
-        except DaemonTimeoutError as exc:
-            if self.deadline.expired():
-                raise JobTimeoutError(f"timed out after {self.config.timeout:g} s while the MPS daemons started "
-                                      f"({exc})", timeout=self.config.timeout or 0.0) from None
-            raise
-        self._elapsed("daemons ready" if session.enabled else "set up without MPS")
+    def _start(self, local: NodeSession, claim: SessionClaim | None) -> None:
+        local.start("the", kind="job", claim=claim, meanwhile=_import_the_rest)
+        self._elapsed("daemons ready" if local.session.enabled else "set up without MPS")
 
-    def _welcome(self, session: Session | None, output_lock: str | None) -> Admit:
-        from mpsrun.job.placement import NodePlan, callers_values, welcome
+    def _welcome(self, output_lock: str | None) -> Admit:
+        """Each rank's welcome from this node's session. Without one (under --hosts each host's node keeper welcomes
+        its ranks; a job that failed to start refuses them first) a rank that says hello here is refused."""
+        from mpsrun.job.placement import callers_values
 
-        config, n = self.config, self.config.ranks
-        abort = config.mpi4py_abort == "on" and mpi4py_available()
-        node = self.node or NodePlan.make(config, 0, n)  # no session here: each host's node keeper plans its own
-        directory = str(session.dirs.root) if session and session.dirs else None
+        n, local = self.config.ranks, self.local
         callers = callers_values(os.environ)  # once: the whole environment, gone through for each rank otherwise
 
         def answer(identity: RankIdentity, hello: Hello) -> Admission:
+            if local is None or local.node is None:
+                raise MPSError(f"rank {identity.rank} came to the job's controller, not to its node's keeper")
             # One node: what the launcher did not say, the job knows.
             identity = RankIdentity(identity.rank, identity.local_rank, identity.world_size or n,
                                     identity.local_world_size or n)
-            return welcome(identity, node, session.target if session else lambda _: None, abort, directory,
-                           output_lock, callers=callers)
+            return local.admit(identity, output_lock, callers)
 
         return answer
 
@@ -251,10 +237,9 @@ class Job:
         if config.tag_output and backend.name == "local" and session is not None and session.dirs is not None:
             session.dirs.output_lock.touch(mode=0o600)
             output_lock = str(session.dirs.output_lock)
-        policy = Policy(grace=config.grace, timeout=self.deadline.remaining() if config.timeout else None,
-                        timeout_total=config.timeout, mps_required=config.mps == "on")
         enabled = session is not None and session.enabled
-        return JobController(channel.listener, channel.token, self._welcome(session, output_lock), policy,
+        policy = Policy.for_job(config, self.deadline)
+        return JobController(channel.listener, channel.token, self._welcome(output_lock), policy,
                              ranks=config.ranks, session=session, note=self.note, early=channel.hand_over(),
                              server_after=backend.server_after if enabled else None)
 

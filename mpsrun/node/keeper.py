@@ -31,19 +31,18 @@ from pathlib import Path
 from typing import Any
 
 from mpsrun.config.options import JobConfig, differing_options
-from mpsrun.errors import ConfigError, DaemonTimeoutError, InterruptionError, JobTimeoutError, MPSError
+from mpsrun.errors import ConfigError, InterruptionError, MPSError
 from mpsrun.exitcodes import ExitCode
 from mpsrun.job.channel import free_port, rendezvous
-from mpsrun.job.mpiexec import mpi4py_available
-from mpsrun.job.outcome import Policy
-from mpsrun.job.placement import Admission, NodePlan, welcome, without_mps
+from mpsrun.job.nodesession import NodeSession
+from mpsrun.job.placement import Admission
 from mpsrun.job.report import mps_report, verified_line
 from mpsrun.job.table import refuse_newcomer
 from mpsrun.node.controller import NodeController, NodeSide, Starter
 from mpsrun.node.pernode import KeeperRequest
 from mpsrun.node.relay import RelayController
 from mpsrun.rank.identity import RankIdentity
-from mpsrun.runtime.constants import DAEMON_START_TIMEOUT, LINGER_TIMEOUT, UPSTREAM_TIMEOUT
+from mpsrun.runtime.constants import LINGER_TIMEOUT, UPSTREAM_TIMEOUT
 from mpsrun.runtime.deadline import Deadline, poll_until
 from mpsrun.runtime.interrupts import Interrupts
 from mpsrun.runtime.processes import ProcessRef, ensure_descriptors, exit_now
@@ -51,25 +50,16 @@ from mpsrun.runtime.protocol import Admitted, Hello, Link, Listener, Refusal, co
 from mpsrun.session import leftovers
 from mpsrun.session.claim import SessionClaim
 from mpsrun.session.paths import user_root_lock
-from mpsrun.session.session import Session
 
 __all__ = ["NodeKeeper", "failure_answer", "main", "turn_away"]
 
-def _start_session(config: JobConfig, request: KeeperRequest, deadline: Deadline, claim: SessionClaim) -> Session:
-    """The node's MPS session, started in ``claim`` (its limits as the node's ranks will have them)."""
-    session = Session(gpus=list(config.gpus) if config.gpus is not None else "all", mps=config.mps,
-                      keep_logs=config.keep_logs, export=False, gpu_bind=config.gpu_bind,
-                      start_timeout=max(0.1, deadline.cap(DAEMON_START_TIMEOUT)))
-    try:
-        session.resolve()
-        defaults = NodePlan.make(config, len(session.gpus), request.local_size, session.free_memory()).daemon_defaults()
-        session.start(kind="node", name=request.name, defaults=defaults, claim=claim)
-    except DaemonTimeoutError as exc:
-        if deadline.expired():
-            raise JobTimeoutError(f"timed out after {config.timeout:g} s while this node's MPS daemons started "
-                                  f"({exc})", timeout=config.timeout or 0.0) from None
-        raise
-    return session
+def _start_session(config: JobConfig, request: KeeperRequest, deadline: Deadline,
+                   claim: SessionClaim) -> NodeSession:
+    """The node's MPS session, planned for the node's ranks and started in ``claim``."""
+    local = NodeSession(config, deadline)
+    local.plan(request.local_size)
+    local.start("this node's", kind="node", name=request.name, claim=claim)
+    return local
 
 
 def failure_answer(exc: BaseException) -> tuple[int, str]:
@@ -106,22 +96,21 @@ def _upstream(request: KeeperRequest) -> Link:
 class NodeKeeper:
     """A node's started session and the controller over its ranks. Make one with :meth:`open`."""
 
-    def __init__(self, config: JobConfig, request: KeeperRequest, session: Session, listener: Listener,
-                 upstream: Link | None, policy: Policy, starter: Starter | None) -> None:
-        self.config, self.request, self.session = config, request, session
+    def __init__(self, config: JobConfig, request: KeeperRequest, local: NodeSession, listener: Listener,
+                 upstream: Link | None, starter: Starter | None) -> None:
+        self.config, self.request, self.local = config, request, local
+        self.session = session = local.session
         self.closed = False
         self.began = time.time()  # what MPI leaves on the node since then is the job's (mpsrun.session.leftovers)
-        reason = session.disabled_reason
-        self._notices = [] if reason is None or config.quiet else without_mps(config, reason, bool(session.gpus))
-        self._abort = config.mpi4py_abort == "on" and mpi4py_available()
-        self._plan = NodePlan.make(config, len(session.gpus), request.local_size, session.free_memory())
+        self._notices = [] if config.quiet else local.without_mps()
         self._rendezvous = rendezvous("127.0.0.1", free_port(), os.environ)  # for a job of this node only
         self.listener = listener
         common: dict[str, Any] = {"session": session, "expected": request.local_size, "close": self.close,
                                   "starter": starter}
         self.controller: NodeSide = (
-            RelayController(self.listener, request.name, self._welcome, policy, upstream=upstream, **common)
-            if upstream is not None else NodeController(self.listener, request.name, self._welcome, policy, **common))
+            RelayController(self.listener, request.name, self._welcome, local.policy(), upstream=upstream, **common)
+            if upstream is not None else
+            NodeController(self.listener, request.name, self._welcome, local.policy(), **common))
 
     @classmethod
     def open(cls, config: JobConfig, request: KeeperRequest, starter_pipe: int) -> NodeKeeper:
@@ -135,13 +124,12 @@ class NodeKeeper:
         try:
             assert claim.dirs is not None
             listener = Listener(f"unix:{claim.dirs.control_socket}")
-            session = _start_session(config, request, deadline, claim)
+            local = _start_session(config, request, deadline, claim)
+            session = local.session
             upstream = _upstream(request) if request.upstream else None
-            policy = Policy(grace=config.grace, timeout=deadline.remaining() if config.timeout else None,
-                            timeout_total=config.timeout, mps_required=config.mps == "on")
             launcher = ProcessRef(*request.launcher) if request.launcher else None
             starter = Starter(request.starter, starter_pipe, launcher) if request.starter is not None else None
-            return cls(config, request, session, listener, upstream, policy, starter)
+            return cls(config, request, local, listener, upstream, starter)
         except BaseException as exc:
             if listener is not None:  # the node's ranks that wait hear why, and start no keeper of their own
                 code, why = failure_answer(exc)  # heard: whether the rank that started us gets it too
@@ -160,9 +148,7 @@ class NodeKeeper:
             raise ConfigError("the ranks on this node see different GPUs (CUDA_VISIBLE_DEVICES "
                               f"{hello.devices!r}, not {self.request.devices!r}); mpsrun --per-node needs "
                               "every local rank to see the node's GPUs (no per-task GPU binding)", setting="gpus")
-        session = self.session
-        admission = welcome(identity, self._plan, session.target, self._abort,
-                            session_dir=str(session.dirs.root) if session.dirs else None)
+        admission = self.local.admit(identity)
         env = admission.welcome.env
         if identity.world_size == self.request.local_size:  # one node: rank 0 is here, and so is the port
             env = {**env, **self._rendezvous}
