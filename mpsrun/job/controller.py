@@ -3,12 +3,17 @@
 Rank supervisors (and node keepers relaying for theirs) join through a :class:`~mpsrun.job.table.RankTable`. Every
 controller welcomes each rank with its environment, watches that the ranks are MPS clients, and stops them the same
 way: at the first failure, ``terminate_client`` for connected ranks, SIGTERM, ``--grace``, SIGKILL.
-:class:`JudgingController` decides the job's outcome itself (:class:`~mpsrun.job.outcome.Judge`);
-:mod:`mpsrun.job.jobcontroller` and :mod:`mpsrun.node` build on these.
+
+A :class:`Controller` is one loop over its ranks, composed with a :class:`Decider`, which says what a failure, a
+rank's end and a signal mean: :class:`~mpsrun.job.judging.Judging` decides the job's outcome itself (the ``mpsrun``
+command, a bare ``--per-node`` node), :class:`~mpsrun.node.relay.Relaying` tells the job's controller and carries out
+its word (a node under ``mpsrun --hosts``). :mod:`mpsrun.job.jobcontroller` adds the job's launchers,
+:mod:`mpsrun.node.controller` a node's life.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import functools
 import logging
@@ -17,17 +22,16 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from mpsrun.errors import MPSError
-from mpsrun.exitcodes import ExitCode, signal_name
-from mpsrun.job.outcome import JobResult, Judge, Policy, RankEnd
+from mpsrun.exitcodes import ExitCode
+from mpsrun.job.outcome import Policy, RankEnd
 from mpsrun.job.report import shared_memory_hint
 from mpsrun.job.table import RankState, RankTable
 from mpsrun.mps.watch import Finding, RankWatch, with_descendants
 from mpsrun.rank.identity import RankIdentity
-from mpsrun.runtime.constants import ABORT_WAIT, FORWARDED_SIGNALS, KILL_WAIT, PASS_SIGNALS, SAME_INTERRUPT
-from mpsrun.runtime.deadline import Deadline
+from mpsrun.runtime.constants import FORWARDED_SIGNALS, KILL_WAIT, PASS_SIGNALS, SAME_INTERRUPT
 from mpsrun.runtime.loop import EventLoop, Timer
 from mpsrun.runtime.processes import ProcessRef
 from mpsrun.runtime.protocol import Found, Hello, Link, Listener, Note, Refusal, SignalRanks, Started, Verdict
@@ -36,7 +40,7 @@ from mpsrun.session.session import Session
 if TYPE_CHECKING:
     from mpsrun.job.placement import Admission
 
-__all__ = ["Admit", "Controller", "JudgingController", "Policy"]
+__all__ = ["Admit", "Controller", "Decider", "Policy"]
 
 log = logging.getLogger("mpsrun")
 
@@ -44,13 +48,54 @@ log = logging.getLogger("mpsrun")
 Admit = Callable[[RankIdentity, Hello], "Admission"]
 
 
-class Controller:
-    """What every controller does: admit ranks, watch them, stop them. ``session``: the MPS session of this host's
-    ranks, if this controller owns one (for the client watch and detaching). Subclasses decide what a failure,
-    a rank's end and a signal mean (:meth:`fail`, :meth:`_ended`, :meth:`_stop_signal`) and when it is over."""
+class Decider(Protocol):
+    """What a controller's events mean: who decides the job's outcome, and what a rank is told."""
 
-    def __init__(self, listener: Listener, token: str, welcome: Admit, policy: Policy,
-                 session: Session | None = None) -> None:
+    def arm(self) -> None:
+        """Set what the loop waits for besides the ranks (a timeout, an upstream link)."""
+
+    def fail(self, cause: str, code: int, message: str) -> None:
+        """The job fails for a reason of its own (unless something failed first): stop the ranks."""
+
+    def ended(self, state: RankState, end: RankEnd) -> None:
+        """A rank has ended (its state holds its end)."""
+
+    def stop_signal(self, sig: int, first: bool) -> None:
+        """A stopping signal from outside; ``first``: the job's first."""
+
+    def heeds_interrupt(self) -> bool:
+        """Whether an interrupt a rank's supervisor reports stops the job now."""
+
+    def link_closed(self, link: Link) -> None:
+        """A rank supervisor's or node keeper's link has ended."""
+
+    def started(self, state: RankState, message: Started) -> None:
+        """A rank's program has started."""
+
+    def warn(self, finding: Finding) -> None:
+        """A finding of the client watch that does not fail the job."""
+
+    def verdict_code(self, state: RankState) -> int:
+        """The exit code a rank's supervisor is told, when no one else decided it."""
+
+    def refusal_code(self) -> int:
+        """The exit code of a rank turned away because the job is stopping."""
+
+    def once(self, code: int, refusal: str) -> str:
+        """What a refused rank says of ``refusal``: a refusal is said once."""
+
+    def delivered(self, lines: list[str]) -> list[str]:
+        """What a node's last verdict carries of ``lines`` (a relay sends them up instead)."""
+
+
+class Controller(abc.ABC):
+    """What every controller does: admit ranks, watch them, stop them. ``session``: the MPS session of this host's
+    ranks, if this controller owns one (for the client watch and detaching). ``decider``: makes the
+    :class:`Decider` of what a failure, a rank's end and a signal mean. Each kind of controller says when it is
+    over (:meth:`_done`) and how it tells the user (:meth:`note`)."""
+
+    def __init__(self, listener: Listener, token: str, welcome: Admit, policy: Policy, session: Session | None,
+                 decider: Callable[[Controller], Decider]) -> None:
         self.welcome, self.policy, self.session = welcome, policy, session
         self.loop = EventLoop()
         self.table = RankTable(self.loop, listener, token, self, socket.gethostname())
@@ -61,8 +106,9 @@ class Controller:
         self._kill_timer: Timer | None = None
         self._detached = False
         self._interrupts: dict[int, float] = {}  # source -> when its first interrupt came
-        self._refusals: set[str] = set()  # refusals already said
         self._unrecorded: list[ProcessRef] = []  # ranks started this turn of the loop, for the session's record
+        self.lingering = False  # a rank told its end waits for this controller's process to end (a closed node's)
+        self.decider = decider(self)
 
     @property
     def ranks(self) -> dict[int, RankState]:
@@ -72,7 +118,7 @@ class Controller:
         """Run to the end; ``first`` runs once the loop handles signals (it may raise MPSError). ``pending``:
         stopping signals that arrived before the loop took over (acted on first)."""
         with self.loop.signals(FORWARDED_SIGNALS, self._on_signal):
-            self._arm()
+            self.decider.arm()
             if self.watch is not None:
                 self.loop.after(self.policy.watch_interval, self._check)
             for sig in pending:
@@ -88,44 +134,26 @@ class Controller:
         if self.watch is not None:
             self.watch.settle({s.process.pid: s.rank for s in self.ranks.values() if s.process is not None})
 
+    @abc.abstractmethod
     def note(self, text: str) -> None:
         """Say something to the user (how depends on where the controller runs)."""
-        raise NotImplementedError
 
-    # -- what subclasses decide -------------------------------------------------------------------
+    @abc.abstractmethod
+    def _done(self) -> bool:
+        """Whether the loop is over."""
 
     def fail(self, cause: str, code: int, message: str) -> None:
         """The job fails for a reason of its own (unless something failed first): stop the ranks."""
-        raise NotImplementedError
+        self.decider.fail(cause, code, message)
 
     def _ended(self, state: RankState, end: RankEnd) -> None:
-        raise NotImplementedError
+        self.decider.ended(state, end)
 
     def _stop_signal(self, sig: int) -> None:
-        raise NotImplementedError
-
-    def _done(self) -> bool:
-        raise NotImplementedError
-
-    def _verdict_code(self, state: RankState) -> int:
-        """The exit code a rank's supervisor is told, when no one else decided it."""
-        return state.own_code()
-
-    def _arm(self) -> None:
-        """Set what the loop waits for besides the ranks (timers, an upstream link)."""
-
-    def _started(self, state: RankState, message: Started) -> None:
-        """A rank has started (before it is recorded for the session's reaper)."""
-
-    def _warn(self, finding: Finding) -> None:
-        self.note(f"warning: {finding.message}")
-
-    def _cancel_launches(self) -> list[int]:
-        """Start nothing more; the ranks that will now never start (a controller that launches ranks has some)."""
-        return []
-
-    def _after_kill(self) -> None:
-        """``--grace`` is over and the ranks were SIGKILLed."""
+        first = self.interrupted_by is None
+        if first:
+            self.interrupted_by = sig
+        self.decider.stop_signal(sig, first)
 
     # -- what the ranks say (mpsrun.job.table.RankEvents) -----------------------------------------
 
@@ -142,50 +170,30 @@ class Controller:
             except MPSError as exc:
                 refusal = (exc.exit_code, f"mpsrun: error: {exc}")
         code, why = refusal
-        message = self._once(code, why)
+        message = self.decider.once(code, why)
         if not known:  # the refusal is its verdict; its end may be the node's last, which closes the node first
             state = self.table.add(RankState(identity.rank))
             self.rank_ended(state, RankEnd(identity.rank, None, code, why.removeprefix("mpsrun: error: ")))
-        elif self.stopping is None:
-            self._came_twice(identity)
-        link.send(Refusal(code, message, linger=self._lingers()))
+        link.send(Refusal(code, message, linger=self.lingering))
         self.table.close(link)
-
-    def _came_twice(self, identity: RankIdentity) -> None:
-        """A second process said it was rank ``identity.rank`` and was refused."""
-
-    def _lingers(self) -> bool:
-        """Whether a rank told its end now waits for this controller's process to end (a node keeper's, closed)."""
-        return False
 
     def _refusal(self, identity: RankIdentity) -> tuple[int, str] | None:
         """Why this rank may not join (its exit code and what to say), or None. Once the job is stopping, nothing
         is said: a rank given up as never started may still come then, and is not a second rank of its number."""
         if self.stopping is not None:
-            return self._refusal_code(), ""
+            return self.decider.refusal_code(), ""
         if identity.rank in self.ranks:
             return ExitCode.SETUP, f"rank {identity.rank} is already part of this job"
         return None
 
-    def _refusal_code(self) -> int:
-        """The exit code of a rank turned away because the job is stopping."""
-        return ExitCode.OK
-
-    def _once(self, code: int, refusal: str) -> str:
-        """A refusal is said once: by the first rank refused for it."""
-        if not refusal or refusal in self._refusals:
-            return ""
-        self._refusals.add(refusal)
-        return refusal
-
     def rank_started(self, state: RankState, message: Started) -> None:
-        self._started(state, message)
+        self.decider.started(state, message)
         if state.process is not None and self.session is not None:
             if not self._unrecorded:  # one write of the record for the ranks that start in one turn, not one each
                 self.loop.after(0, self._record_started)
             self._unrecorded.append(state.process)
         if self.stopping is not None:  # started while the job was already stopping
-            self._signal(self.stopping, [state])
+            self.signal_ranks(self.stopping, [state])
 
     def _record_started(self) -> None:
         if self.session is not None:
@@ -205,19 +213,22 @@ class Controller:
         """A rank's supervisor (or a node keeper) got a stopping signal from outside. srun and mpiexec send one to every
         rank, so one from each ``source`` (a connection) is one interrupt; a SIGINT from the same source again, later
         than a terminal and a launcher would deliver one Ctrl-C twice, is the user's second Ctrl-C: kill at once."""
+        if not self.decider.heeds_interrupt():
+            return
         now = time.monotonic()
         first = self._interrupts.setdefault(source, now)
         if self.interrupted_by is None or (sig == signal.SIGINT and now - first > SAME_INTERRUPT):
             self._on_signal(sig)
 
-    def relayed(self, message: Found | Note) -> None:
-        """A node keeper's finding or note (only a multi-host job's controller has node keepers)."""
+    def relayed(self, message: Found | Note) -> None:  # noqa: B027 - an event, not a hook: see RankEvents
+        """A node keeper's finding or note: only a multi-host job's controller has node keepers (it overrides this)."""
 
     def link_closed(self, link: Link) -> None:
         """A rank supervisor's or node keeper's link has ended (its live ranks were given up as lost)."""
+        self.decider.link_closed(link)
 
-    def node_closed(self) -> None:
-        """A node keeper's link ended (only a multi-host job's controller has node keepers)."""
+    def node_closed(self) -> None:  # noqa: B027 - an event, not a hook: see RankEvents
+        """A node keeper's link ended: only a multi-host job's controller has node keepers (it overrides this)."""
 
     # -- stopping ---------------------------------------------------------------------------------
 
@@ -226,18 +237,20 @@ class Controller:
         if self.stopping is not None and not restart:
             return
         self.stopping = sig
-        self._never_started(self._cancel_launches())
-        self._detach_once()
-        self._signal(sig, self.table.live())
+        self.detach_once()
+        self.signal_ranks(sig, self.table.live())
         if self._kill_timer is not None:
             self._kill_timer.cancel()
         self._kill_timer = self.loop.after(self.policy.grace, self._kill)
 
     def _kill(self) -> None:
         """``--grace`` is over: SIGKILL; a rank that still does not report is given up as lost."""
-        self._signal(signal.SIGKILL, self.table.live())
+        self.signal_ranks(signal.SIGKILL, self.table.live())
         self.loop.after(KILL_WAIT, self._lost)
-        self._after_kill()
+
+    def kill_now(self) -> None:
+        """SIGKILL every rank at once (a second Ctrl-C)."""
+        self.signal_ranks(signal.SIGKILL, self.table.live())
 
     def _lost(self) -> None:
         for state in self.table.live():
@@ -254,7 +267,7 @@ class Controller:
         if self.session is not None:
             self.session.begin_close()
 
-    def _detach_once(self) -> None:
+    def detach_once(self) -> None:
         if self.watch is None or self.session is None or self._detached:
             return
         self._detached = True
@@ -265,7 +278,7 @@ class Controller:
         except MPSError as exc:  # stopping must go on
             self.note(f"could not detach ranks from MPS before stopping them: {exc}")
 
-    def _signal(self, sig: int, states: Iterable[RankState]) -> None:
+    def signal_ranks(self, sig: int, states: Iterable[RankState]) -> None:
         by_link: dict[Link, list[int]] = {}
         for state in states:
             if state.end is not None:
@@ -279,19 +292,20 @@ class Controller:
         for link, ranks in by_link.items():
             link.send(SignalRanks(sig, ranks))
 
-    def _verdict(self, state: RankState, code: int | None = None, lines: Sequence[str] = ()) -> None:
+    def verdict(self, state: RankState, code: int | None = None, lines: Sequence[str] = ()) -> None:
         """Tell a rank's supervisor how the job ended for it (once); ``code``: as decided elsewhere."""
         if state.verdict_sent:
             return
         state.judged()
         lines, linger = self._verdict_lines(state, list(lines))
         if state.link is not None:
-            state.link.send(Verdict(state.rank, self._verdict_code(state) if code is None else code, lines, linger))
+            state.link.send(Verdict(state.rank, self.decider.verdict_code(state) if code is None else code, lines,
+                                    linger))
 
     def judged_before_report(self, link: Link, state: RankState) -> None:
         """A node keeper reports the end of a rank decided here before its report came (given up as never started
         when its launcher ended): the keeper gets the rank's verdict, or would wait for it until its own deadline."""
-        link.send(Verdict(state.rank, self._verdict_code(state)))
+        link.send(Verdict(state.rank, self.decider.verdict_code(state)))
 
     def _verdict_lines(self, state: RankState, lines: list[str]) -> tuple[list[str], bool]:
         """What a rank's supervisor says with its verdict, and whether it waits (lingers) for the node's end."""
@@ -307,7 +321,7 @@ class Controller:
 
     def _on_signal(self, sig: int) -> None:
         if sig in PASS_SIGNALS:
-            self._signal(sig, self.table.live())
+            self.signal_ranks(sig, self.table.live())
         else:
             self._stop_signal(sig)
 
@@ -322,75 +336,4 @@ class Controller:
         if finding.fatal:
             self.fail("check-failed", ExitCode.SETUP if finding.code is None else finding.code, finding.message)
         else:
-            self._warn(finding)
-
-
-class JudgingController(Controller):
-    """A controller that decides the job's outcome itself: the first failure (a rank's end, a signal, the
-    timeout, a check) sets the exit code of every rank after it and of the job."""
-
-    def __init__(self, listener: Listener, token: str, welcome: Admit, policy: Policy,
-                 session: Session | None = None) -> None:
-        super().__init__(listener, token, welcome, policy, session)
-        self.judge = Judge()
-        self._deadline = Deadline(None)  # --timeout's, once armed
-        self._aborting: Link | None = None  # the link of a rank whose MPI_Abort ends the job's ranks
-
-    def result(self, teardown_failure: str = "", late_signal: int | None = None) -> JobResult:
-        return self.judge.result([s.end for s in self.ranks.values() if s.end is not None], teardown_failure,
-                                 late_signal)
-
-    def interrupted(self, sig: int, source: int) -> None:
-        if self.judge.failed and self.interrupted_by is None:  # the launcher ending the other ranks of a failed
-            return  # job (Open MPI's mpiexec SIGTERMs them): no interrupt, and nothing to say
-        super().interrupted(sig, source)
-
-    def fail(self, cause: str, code: int, message: str) -> None:
-        self.judge.decide(cause, code, message)
-        self.stop(signal.SIGTERM)
-
-    def _ended(self, state: RankState, end: RankEnd) -> None:
-        if self._deadline.expired() and not self.judge.failed:  # the timer is late (the loop was held up): it
-            self._timed_out()  # comes first all the same
-        if self.judge.rank_ended(end):
-            if end.aborting and state.link is not None:  # its launcher ends the other ranks; those left are stopped
-                self._aborting = state.link
-                self.loop.after(ABORT_WAIT, lambda: self.stop(signal.SIGTERM))
-            else:
-                self.stop(signal.SIGTERM)
-        self._verdict(state)
-
-    def link_closed(self, link: Link) -> None:
-        if link is self._aborting:
-            self.stop(signal.SIGTERM)
-
-    def _verdict_code(self, state: RankState) -> int:
-        return self.judge.exit_code() if self.judge.failed else state.own_code()
-
-    def _refusal_code(self) -> int:
-        return self.judge.exit_code()
-
-    def _arm(self) -> None:
-        self._deadline = Deadline(self.policy.timeout)
-        if self.policy.timeout is not None:
-            self.loop.after(self.policy.timeout, self._timed_out)
-
-    def _stop_signal(self, sig: int) -> None:
-        if self.interrupted_by is not None and sig == signal.SIGINT:
-            self.note("second interrupt: killing the ranks now")
-            self._signal(signal.SIGKILL, self.table.live())
-            self._kill_launchers()
-        elif self.interrupted_by is None:
-            self.interrupted_by = sig
-            self.note(f"received {signal_name(sig)}; stopping the ranks")
-            self.judge.decide("signal", sig, f"stopped by {signal_name(sig)}")
-            self.stop(sig, restart=True)
-
-    def _kill_launchers(self) -> None:
-        """SIGKILL whatever still starts ranks (a second Ctrl-C)."""
-
-    def _timed_out(self) -> None:
-        timeout = self.policy.timeout_total or self.policy.timeout
-        if self.judge.decide("timeout", None, f"timed out after {timeout:g} s"):  # not after a failure, nor twice
-            self.note(f"timeout: the job ran longer than {timeout:g} s; stopping it")  # (its late timer: _ended)
-            self.stop(signal.SIGTERM)
+            self.decider.warn(finding)

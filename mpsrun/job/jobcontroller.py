@@ -3,20 +3,22 @@
 It knows the job's ranks (``-np``), starts them through its backend's launchers
 (:mod:`mpsrun.job.launch`), and judges the job: the first failure decides the exit code and the
 summary. Under ``--hosts`` each host's node keeper relays its ranks here
-(:class:`~mpsrun.node.relay.RelayController`), so fail-fast spans all hosts.
+(:class:`~mpsrun.node.relay.Relaying`), so fail-fast spans all hosts.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 from collections.abc import Callable, Sequence
 
 from mpsrun.errors import DaemonError
 from mpsrun.exitcodes import ExitCode, describe_returncode
-from mpsrun.job.controller import Admit, JudgingController
+from mpsrun.job.controller import Admit, Controller
+from mpsrun.job.judging import Judging
 from mpsrun.job.launch import Launched, Launchers, LaunchSpec
-from mpsrun.job.outcome import Policy, RankEnd, ranges
+from mpsrun.job.outcome import JobResult, Policy, RankEnd, ranges
 from mpsrun.job.table import RankState
 from mpsrun.mps.watch import Finding
 from mpsrun.rank.identity import RankIdentity
@@ -29,7 +31,7 @@ __all__ = ["JobController"]
 log = logging.getLogger("mpsrun")
 
 
-class JobController(JudgingController):
+class JobController(Controller):
     """``ranks``: the job's ranks (0..N-1). ``early``: its MPI launcher, when it was started before the session
     (it is watched from the start). ``server_after``: when to ask for each MPS server, in seconds after the first
     rank starts (None: its first client starts it). ``note``: how to tell the user."""
@@ -37,7 +39,10 @@ class JobController(JudgingController):
     def __init__(self, listener: Listener, token: str, welcome: Admit, policy: Policy, *, ranks: int,
                  session: Session | None, note: Callable[[str], None], early: Launched | None = None,
                  server_after: float | None = None) -> None:
-        super().__init__(listener, token, welcome, policy, session)
+        super().__init__(listener, token, welcome, policy, session,
+                         functools.partial(Judging, timeout_applies=self._timeout_applies))
+        assert isinstance(self.decider, Judging)
+        self.judging = self.decider
         self.expected = range(ranks)
         self.launchers = Launchers(self.loop, self._launcher_exited, self._launch_failed)
         self.notes: list[str] = []  # what each host's node keeper had to say (under --hosts), for the job's end
@@ -51,6 +56,10 @@ class JobController(JudgingController):
 
     def note(self, text: str) -> None:
         self._say(text)
+
+    def result(self, teardown_failure: str = "", late_signal: int | None = None) -> JobResult:
+        """How the job ended, as judged here."""
+        return self.judging.result(teardown_failure, late_signal)
 
     def launch(self, specs: Sequence[LaunchSpec]) -> None:
         """Start the ranks' launchers (unless one was started early)."""
@@ -71,12 +80,12 @@ class JobController(JudgingController):
     def _refusal(self, identity: RankIdentity) -> tuple[int, str] | None:
         if identity.rank not in self.ranks and identity.rank not in self.expected:
             return ExitCode.SETUP, f"rank {identity.rank} is not part of this job (ranks {ranges(self.expected)})"
+        if self.abandoned:  # refused quietly: see abandon()
+            return ExitCode.OK, ""
         return super()._refusal(identity)
 
-    def _refusal_code(self) -> int:
-        return ExitCode.OK if self.abandoned else super()._refusal_code()
-
-    def _started(self, state: RankState, message: Started) -> None:
+    def rank_started(self, state: RankState, message: Started) -> None:
+        super().rank_started(state, message)
         if self._server_after is not None:
             self.loop.after(self._server_after, self._ask_servers)
             self._server_after = None
@@ -146,27 +155,32 @@ class JobController(JudgingController):
         elif sig in STOP_SIGNALS:  # the job never ran: whatever still starts its refused ranks goes at once
             self.launchers.kill()
 
-    def _timed_out(self) -> None:
+    def _timeout_applies(self) -> bool:
         """Not once every rank has ended: --timeout bounds the job's ranks (and its start), and the job's own
         teardown after them has deadlines of its own (a node keeper whose daemon will not quit made --hosts jobs
         exit 124 where every other path exits 0); nor for a job that never ran (its own error is the one)."""
-        if not self.abandoned and not self.table.ended(self.expected):
-            super()._timed_out()
+        return not self.abandoned and not self.table.ended(self.expected)
 
     # -- launchers --------------------------------------------------------------------------------
 
-    def _cancel_launches(self) -> list[int]:
+    def stop(self, sig: int, restart: bool = False) -> None:
         """Start nothing more: the ranks still to be launched, and those no launcher was ever started for (a job
-        that failed before its launch), will never start."""
-        pending = self.launchers.cancel()
-        launched = {rank for started in self.launchers.started for rank in started.spec.ranks}
-        return sorted(set(pending) | {r for r in self.expected if r not in launched and r not in self.ranks})
+        that failed before its launch), will never start; then stop the ranks."""
+        if self.stopping is None or restart:
+            pending = self.launchers.cancel()
+            launched = {rank for started in self.launchers.started for rank in started.spec.ranks}
+            self._never_started(sorted(set(pending) | {r for r in self.expected
+                                                       if r not in launched and r not in self.ranks}))
+        super().stop(sig, restart)
 
-    def _after_kill(self) -> None:
+    def _kill(self) -> None:
         """An MPI launcher still starting ranks (or hung before them) gets --grace more, then SIGTERM, SIGKILL."""
+        super()._kill()
         self.launchers.wind_down(self.policy.grace)
 
-    def _kill_launchers(self) -> None:
+    def kill_now(self) -> None:
+        """The ranks and whatever still starts them (a second Ctrl-C)."""
+        super().kill_now()
         self.launchers.kill()
 
     def _launch_failed(self, spec: LaunchSpec, exc: OSError) -> None:
@@ -175,7 +189,7 @@ class JobController(JudgingController):
         self._never_started([r for r in spec.ranks if r not in self.ranks])
 
     def _launcher_exited(self, started: Launched, returncode: int) -> None:
-        self.judge.launcher_ended(started.spec.name, returncode, started.spec.signal_status)
+        self.judging.judge.launcher_ended(started.spec.name, returncode, started.spec.signal_status)
         if self.table.nodes and any(r not in self.ranks for r in started.spec.ranks):
             # Node keepers relay their ranks' starts: those of ranks that ran may still be on their way.
             self.loop.after(LAUNCHER_REPORT_WAIT, lambda: self._launcher_judged(started, returncode, waited=True))

@@ -145,7 +145,7 @@ class Job:
                     teardown_failure = self._close(session, claim)
         late = interrupts.received[0] if interrupts.received else controller.late_signal
         result = controller.result(teardown_failure, late)
-        if late is not None and result.cause == "signal" and not controller.judge.failed:
+        if late is not None and result.cause == "signal" and not controller.judging.judge.failed:
             self.note(result.message)
         return result
 

@@ -28,7 +28,6 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from mpsrun.config.options import JobConfig, differing_options
 from mpsrun.errors import ConfigError, InterruptionError, MPSError
@@ -38,9 +37,8 @@ from mpsrun.job.nodesession import NodeSession
 from mpsrun.job.placement import Admission
 from mpsrun.job.report import mps_report, verified_line
 from mpsrun.job.table import refuse_newcomer
-from mpsrun.node.controller import NodeController, NodeSide, Starter
+from mpsrun.node.controller import NodeController, Starter
 from mpsrun.node.pernode import KeeperRequest
-from mpsrun.node.relay import RelayController
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import LINGER_TIMEOUT, UPSTREAM_TIMEOUT
 from mpsrun.runtime.deadline import Deadline, poll_until
@@ -105,12 +103,9 @@ class NodeKeeper:
         self._notices = [] if config.quiet else local.without_mps()
         self._rendezvous = rendezvous("127.0.0.1", free_port(), os.environ)  # for a job of this node only
         self.listener = listener
-        common: dict[str, Any] = {"session": session, "expected": request.local_size, "close": self.close,
-                                  "starter": starter}
-        self.controller: NodeSide = (
-            RelayController(self.listener, request.name, self._welcome, local.policy(), upstream=upstream, **common)
-            if upstream is not None else
-            NodeController(self.listener, request.name, self._welcome, local.policy(), **common))
+        self.controller = NodeController(listener, request.name, self._welcome, local.policy(), session=session,
+                                         expected=request.local_size, close=self.close, starter=starter,
+                                         upstream=upstream)
 
     @classmethod
     def open(cls, config: JobConfig, request: KeeperRequest, starter_pipe: int) -> NodeKeeper:

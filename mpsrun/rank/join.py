@@ -11,12 +11,14 @@ import socket
 from collections.abc import Callable
 
 from mpsrun.errors import InterruptionError, JoinError, MPSError
-from mpsrun.runtime.constants import CONTROL_VARIABLE, TOKEN_VARIABLE, WELCOME_TIMEOUT
+from mpsrun.exitcodes import ExitCode, Outcome, exit_code
+from mpsrun.rank.identity import RankIdentity
+from mpsrun.runtime.constants import CONTROL_VARIABLE, LINGER_TIMEOUT, TOKEN_VARIABLE, WELCOME_TIMEOUT
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.output import say
 from mpsrun.runtime.protocol import Admitted, Found, Hello, Link, Refusal, Welcome, connect
 
-__all__ = ["Join", "direct", "greet", "report_failure", "report_interrupt"]
+__all__ = ["Join", "direct", "greet", "refused", "report_failure", "report_interrupt"]
 
 #: Joins a controller with a hello: the link, and the controller's answer (welcome or refusal; None if it went).
 Join = Callable[[Hello], "tuple[Link, Welcome | Refusal | None]"]
@@ -75,3 +77,16 @@ def _tell_controller(address: str, message: str, code: int) -> bool:
     except OSError:
         return False
     return told
+
+
+def refused(link: Link, answer: Refusal | None, identity: RankIdentity) -> int:
+    """A rank refused (or left without an answer) ends with its refusal's code. A rank refused because the job is
+    already stopping says nothing; a lost controller is said once per node."""
+    lost = "the job's controller went away before the ranks started" if identity.local_rank == 0 else ""
+    message = lost if answer is None else answer.message
+    if message:
+        say(f"mpsrun: {message.removeprefix('mpsrun: ')}")
+    if answer is not None and answer.linger:  # the node's last rank: wait until its keeper is gone
+        link.expect((), Deadline(LINGER_TIMEOUT))
+    link.close()
+    return exit_code(Outcome("decided", ExitCode.SETUP if answer is None else answer.exit_code))

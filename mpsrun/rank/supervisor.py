@@ -31,7 +31,7 @@ from mpsrun.rank.command import exec_failure_code, through_mpi4py
 from mpsrun.rank.environ import rank_env
 from mpsrun.rank.frameworks import failure_reason
 from mpsrun.rank.identity import RankIdentity, identity_from_env
-from mpsrun.rank.join import Join, direct, report_failure, report_interrupt
+from mpsrun.rank.join import Join, direct, refused, report_failure, report_interrupt
 from mpsrun.runtime.constants import (
     CONTROL_VARIABLE,
     DRAIN_TIMEOUT,
@@ -62,7 +62,6 @@ from mpsrun.runtime.protocol import (
     Interrupted,
     Link,
     Message,
-    Refusal,
     Say,
     SignalRanks,
     Started,
@@ -347,22 +346,10 @@ def run_rank(command: Sequence[str], identity: RankIdentity, join: Join, token: 
         _say(f"rank {identity.rank}: cannot reach the job's controller: {exc}")
         return ExitCode.SETUP
     if not isinstance(answer, Welcome):
-        return _refused(link, answer, identity)
+        return refused(link, answer, identity)
     for line in answer.lines:
         _say(line)
     return RankSupervisor(identity, command, rank_env(os.environ, answer), link, answer).run()
-
-
-def _refused(link: Link, answer: Refusal | None, identity: RankIdentity) -> int:
-    """A rank refused because the job is already stopping says nothing; a lost controller, once per node."""
-    lost = "the job's controller went away before the ranks started" if identity.local_rank == 0 else ""
-    message = lost if answer is None else answer.message
-    if message:
-        _say(message.removeprefix("mpsrun: "))
-    if answer is not None and answer.linger:  # the node's last rank: wait until its keeper is gone
-        link.expect((), Deadline(LINGER_TIMEOUT))
-    link.close()
-    return exit_code(Outcome("decided", ExitCode.SETUP if answer is None else answer.exit_code))
 
 
 USAGE = "usage: python -m mpsrun.rank [--rank R --local-rank L --size N --local-size M] -- COMMAND"
