@@ -1,9 +1,11 @@
 """Unit tests of mpsrun bench's arithmetic and options; the GPU tier runs it for real."""
 
+import json
 import subprocess
 import sys
 
 import pytest
+from helpers import mpsrun
 
 from mpsrun.tools.bench import BenchRow, _rank_list, format_table, main
 
@@ -54,3 +56,30 @@ def test_plot_writes_a_png(tmp_path):
     target = tmp_path / "bench.png"
     plot(rows, str(target))
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_help_is_plain_text():
+    """``bench --help`` shows no reStructuredText markup (it showed ````mpsrun bench````)."""
+    out = mpsrun("bench", "--help")
+    assert out.returncode == 0 and "``" not in out.stdout and "--repeats" in out.stdout
+
+
+def test_bench_without_cupy_says_so_in_one_line(fake_gpu):
+    """With a GPU and MPS but no CuPy, ``bench`` names the missing package in one line (no traceback of the
+    calibration's child process)."""
+    code = ("import sys; sys.modules['cupy'] = None; from mpsrun.tools.bench import main; "
+            "sys.exit(main(['--json']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3, out.stderr
+    assert out.stderr.count("\n") == 1 and "bench needs CuPy" in out.stderr, out.stderr
+    assert "needs CuPy" in json.loads(out.stdout)["error"]
+
+
+def test_bench_without_a_gpu_says_so_in_one_line(no_gpu):
+    """``mpsrun bench`` without a driver: one line and exit 3; with ``--json`` the reason is on stdout too
+    (it was a traceback, and --json printed nothing)."""
+    for argv in (["bench"], ["bench", "--json"]):
+        out = mpsrun(*argv)
+        assert out.returncode == 3, out.stderr
+        assert out.stderr.count("\n") == 1 and "bench needs an NVIDIA GPU" in out.stderr, out.stderr
+    assert "bench needs an NVIDIA GPU" in json.loads(out.stdout)["error"]

@@ -404,3 +404,16 @@ def test_prose_is_narrow_and_paragraphs_short(page):
             assert len(paragraph.split()) <= 150, f"{page.name}: {len(paragraph.split())} words: {paragraph[:60]}..."
     if page.name == "README.md":
         assert len(page.read_text().splitlines()) <= 210
+
+
+def test_the_docs_have_no_stray_blank_lines_or_second_version():
+    """The README's prose has no run of blank lines; the CHANGELOG names each version once; docs/benchmarks.md
+    quotes the
+    old summary wording only as the wording of its day."""
+    prose = re.sub(r"```.*?```", "(code)", (ROOT / "README.md").read_text(), flags=re.S)
+    assert "\n\n\n" not in prose
+    headings = re.findall(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    assert len(headings) == len(set(headings)) and not {"Unreleased", "unreleased"} & set(headings), headings
+    benchmarks = (ROOT / "docs" / "benchmarks.md").read_text()
+    for quote in re.finditer(r"`[^`]*verified as MPS clients[^`]*`", benchmarks):
+        assert benchmarks[max(0, quote.start() - 40):quote.start()].rstrip().endswith("then read"), quote.group()

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import MPSRUN, PATHS, gpu_job_argv, mpiexec, run_job, settle
+from helpers import MPSRUN, PATHS, gpu_job_argv, mpiexec, mpsrun, run_job, settle
 
 from mpsrun.runtime.constants import LAUNCHER_PREFIXES
 
@@ -124,3 +124,28 @@ def test_whatever_the_launcher_changes_of_the_callers_is_put_back(fake_gpu, shor
         assert differences(caller, env) == {}, rank
         assert env["HYDRA_EXTRA"] == "1"
     settle(fake_gpu)
+
+
+@pytest.mark.parametrize("value", ["RANK", "CUDA_VISIBLE_DEVICES=0", "MPSRUN_GPU", "1A", "A-B=1", ""])
+def test_x_refuses_what_mpsrun_sets_and_what_is_no_name(value):
+    """``-x`` of a variable mpsrun sets in each rank, or of no variable name, is a usage error (exit 2)."""
+    out = mpsrun("-x", value, "-np", "1", "true")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and "-x" in out.stderr
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_x_gives_every_rank_the_callers_variables(path, fake_gpu, monkeypatch):
+    """``-x NAME`` gives each rank the value NAME has where the command line is read, ``-x NAME=VALUE`` that
+    value, and ``-x NAME`` of an unset NAME leaves it unset, on every path; under --hosts the remote
+    environment (here an mpiexec -genv) does not win."""
+    monkeypatch.setenv("FIRST_HOUR_CALLER", "the caller's")
+    monkeypatch.delenv("FIRST_HOUR_UNSET", raising=False)
+    options = ["-x", "FIRST_HOUR_CALLER", "-x", "FIRST_HOUR_GIVEN=a b=c", "-x", "FIRST_HOUR_UNSET"]
+    if path == "hosts":
+        options += ["--mpiexec-arg=-genv", "--mpiexec-arg=FIRST_HOUR_CALLER", "--mpiexec-arg=remote"]
+    code = ("import json, os; os.write(1, json.dumps([os.environ.get(name) for name in "
+            "('FIRST_HOUR_CALLER', 'FIRST_HOUR_GIVEN', 'FIRST_HOUR_UNSET')]).encode() + b'\\n')")  # one write
+    out = run_job(path, options, [sys.executable, "-c", code], ranks=2)
+    assert out.returncode == 0, out.stderr
+    assert [json.loads(line) for line in out.stdout.splitlines()] == [["the caller's", "a b=c", None]] * 2

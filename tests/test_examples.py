@@ -8,14 +8,22 @@ scripts use paths relative to the repository's root without saying so.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
-from helpers import FAKE_CUDA, ROOT
+from helpers import FAKE_CUDA, MPSRUN, ROOT
 
 from mpsrun import mps_session
 from mpsrun.errors import NotMPSClientError
+
+HOST_MEMORY = "sharing host memory as read-only NumPy arrays"
+
+
+def _no_device() -> dict[str, str]:
+    """The environment with no CUDA device in sight (on the GPU machine too, where CuPy finds the real one)."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 
 @pytest.mark.parametrize("cupy", [True, False])
@@ -66,3 +74,23 @@ def test_batch_scripts_say_where_they_are_submitted_from(script):
     """Each batch script says it is submitted from the repository's root, where its relative paths lead."""
     text = (ROOT / "examples" / script).read_text()
     assert "Submit it from the repository's root" in text and "examples/" in text
+
+
+def test_shared_table_says_host_memory_once(no_gpu):
+    """examples/shared_table.py with 3 ranks and no GPU: the host-memory notice comes once (it came per rank)."""
+    pytest.importorskip("numpy")
+    out = subprocess.run([*MPSRUN, "-np", "3", "--launcher", "local", sys.executable,
+                          str(ROOT / "examples" / "shared_table.py"), "--mib", "1", "--samples", "1000"],
+                         capture_output=True, text=True, timeout=120, env=_no_device())
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count(HOST_MEMORY) == 1, out.stderr
+    assert len(re.findall(r"rank \d/3: table of 1 MiB", out.stdout)) == 3
+
+
+def test_per_rank_limits_without_a_gpu_is_one_line(no_gpu):
+    """examples/per_rank_limits.py without a GPU: rank 0 says what it needs, once; no traceback (there were two)."""
+    out = subprocess.run([*MPSRUN, "-np", "2", "--launcher", "local", sys.executable,
+                          str(ROOT / "examples" / "per_rank_limits.py")],
+                         capture_output=True, text=True, timeout=120, env=_no_device())
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr and out.stderr.count("needs CuPy and an NVIDIA GPU") == 1, out.stderr

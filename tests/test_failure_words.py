@@ -9,19 +9,15 @@ real ones.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import FAKECUDA, PATHS, gpu_job_argv, job_argv, reports, run_job, settle, wait_ready
+from helpers import PATHS, fake, gpu_job_argv, job_argv, reports, run_job, settle, wait_ready
 
 from mpsrun.runtime.constants import SESSION_DIR_VARIABLE
-
-
-def fake(*args: str) -> list[str]:
-    """The fake CUDA program with ``args``."""
-    return [sys.executable, str(FAKECUDA), *args]
 
 
 def summary(out: subprocess.CompletedProcess[str]) -> str:
@@ -262,3 +258,29 @@ def test_torchs_own_nccl_on_a_shared_gpu_is_named_with_the_remedy(path, monkeypa
     out = subprocess.run(gpu_job_argv(path, [], program, ranks=2), capture_output=True, text=True, timeout=300)
     version = ".".join(map(str, torch.cuda.nccl.version()))
     assert out.returncode != 0 and f"NCCL {version} cannot put several ranks on one GPU" in summary(out), out.stderr
+
+
+@pytest.mark.parametrize(("path", "error", "code"), [*[(path, "ValueError", 1) for path in PATHS],
+                                                     ("local", "KeyboardInterrupt", 130)])
+def test_a_python_ranks_traceback_holds_only_the_programs_frames(path, fake_gpu, tmp_path, error, code):
+    """An uncaught exception in a Python rank shows the program's frames only (it carried 8 frames of mpi4py's
+    runner and runpy; a KeyboardInterrupt still did), and the job's exit code is Python's (1, or 130: SIGINT)."""
+    pytest.importorskip("mpi4py")
+    script = tmp_path / "boom.py"
+    script.write_text(f"def fail():\n    raise {error}('boom')\n\n\nfail()\n")
+    out = run_job(path, [], [sys.executable, str(script)], ranks=2)
+    assert out.returncode == code, out.stderr
+    frames = re.findall(r'File "([^"]+)"', out.stderr)
+    assert frames and set(frames) == {str(script)}, out.stderr
+    assert f"{error}: boom" in out.stderr
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_missing_python_script_is_pythons_one_line(path, fake_gpu, tmp_path):
+    """``mpsrun -np 2 python nosuchfile.py`` says what ``python nosuchfile.py`` says, once per rank, and exits 2
+    (it printed two 12-line tracebacks of runpy and mpi4py and exited 1)."""
+    pytest.importorskip("mpi4py")
+    out = run_job(path, [], [sys.executable, str(tmp_path / "nosuchfile.py")], ranks=2)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert out.stderr.count("can't open file") == 2, out.stderr

@@ -78,7 +78,7 @@ def job(tmp_path):
     shutil.rmtree(base, ignore_errors=True)
 
 
-def wait_ready(proc, count=3, timeout=120):
+def wait_ready_lines(proc, count=3, timeout=120):
     deadline = time.monotonic() + timeout
     seen = 0
     while seen < count:
@@ -119,7 +119,7 @@ def test_timeout(job):
 def test_signal_to_mpsrun(job, sig, code):
     """SIGINT / SIGTERM (a batch system's time limit) to mpsrun: forwarded, everything stopped, 128+N."""
     proc = job("hang")
-    wait_ready(proc)
+    wait_ready_lines(proc)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == code and f"received {signal.Signals(sig).name}" in err
@@ -129,7 +129,7 @@ def test_mpsrun_sigkilled_leaves_nothing(job):
     """mpsrun SIGKILLed: the daemon dies with it, the rank supervisors stop the ranks, and the session's reaper
     removes the directory: the fixture finds nothing left, and no cleanup is needed."""
     proc = job("hang")
-    wait_ready(proc)
+    wait_ready_lines(proc)
     proc.kill()
     proc.communicate(timeout=60)
     deadline = time.monotonic() + 30
@@ -143,7 +143,7 @@ def test_mpsrun_sigkilled_leaves_nothing(job):
 def test_daemon_killed_under_the_job(job):
     """The MPS daemon killed under running ranks: the job fails and the summary says the daemon stopped."""
     proc = job("hang")
-    wait_ready(proc)
+    wait_ready_lines(proc)
     [info] = (job.base / f"mpsrun-{os.getuid()}").glob("s*/session.json")
     daemon = json.loads(Path(info).read_text())["daemons"][0]["process"]["pid"]
     os.killpg(daemon, signal.SIGKILL)

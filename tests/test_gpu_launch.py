@@ -10,14 +10,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from helpers import mpsrun
 
 pytestmark = pytest.mark.gpu
 PROBE = Path(__file__).resolve().parent / "programs" / "gpu_probe.py"
-
-
-def mpsrun(*args, timeout=300, env=None):
-    return subprocess.run([sys.executable, "-m", "mpsrun", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
 
 
 def probes(directory):

@@ -46,7 +46,7 @@ def used_mib():
         pynvml.nvmlShutdown()
 
 
-def job(tmp_path, ranks, way, elements, kill_rank=None, gpus="0"):
+def shared_job(tmp_path, ranks, way, elements, kill_rank=None, gpus="0"):
     """Run the ranks on GPU 0 until they all hold the table; the reports, the device memory then, the exit code.
     (Ranks on several GPUs get one copy per GPU: tests/test_shared.py checks that with two fake GPUs.)"""
     sync = tmp_path / f"{way}-{ranks}-{kill_rank}"
@@ -81,12 +81,12 @@ def test_ranks_read_identical_data_from_one_copy(tmp_path, ranks):
     and the device holds the table once (against every rank holding its own copy, measured the same way)."""
     elements = 256 * MIB // 4  # a 256 MiB table
     baseline = used_mib()
-    shared_reports, shared_used, code, err = job(tmp_path, ranks, "shared", elements)
+    shared_reports, shared_used, code, err = shared_job(tmp_path, ranks, "shared", elements)
     assert code == 0, err
     assert len({r["checksum"] for r in shared_reports}) == 1 and len(shared_reports) == ranks
     assert sorted(r["role"] for r in shared_reports).count("publisher") == 1
     settled_mib(baseline)
-    own_reports, own_used, code, err = job(tmp_path, ranks, "own", elements)
+    own_reports, own_used, code, err = shared_job(tmp_path, ranks, "own", elements)
     assert code == 0, err
     assert {r["checksum"] for r in own_reports} == {shared_reports[0]["checksum"]}
     # Own copies cost (ranks - 1) tables more than one shared copy; allow 20% for the pools' rounding.
@@ -99,7 +99,7 @@ def test_a_sigkilled_exporter_or_importer_leaves_nothing(tmp_path, killed):
     """The rank that filled the table (0) or one that mapped it (1) is SIGKILLed: the job fails with 137, and the
     device memory, the processes and the session directory are all gone afterwards."""
     baseline = used_mib()
-    _, _, code, err = job(tmp_path, 4, "shared", 256 * MIB // 4, kill_rank=killed)
+    _, _, code, err = shared_job(tmp_path, 4, "shared", 256 * MIB // 4, kill_rank=killed)
     assert code == 137, err
     assert settled_mib(baseline) <= baseline + 64
     leftovers = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
@@ -108,7 +108,7 @@ def test_a_sigkilled_exporter_or_importer_leaves_nothing(tmp_path, killed):
     assert not root.exists() or not any(root.iterdir())
 
 
-def pool_worker(_):
+def fill_on_gpu_and_sum(_):
     import cupy
 
     from mpsrun import shared
@@ -125,7 +125,7 @@ def test_it_works_under_mps_session_with_a_spawn_pool():
     from mpsrun import mps_session
 
     with mps_session(gpu=0), multiprocessing.get_context("spawn").Pool(4) as pool:
-        results = pool.map(pool_worker, range(8))
+        results = pool.map(fill_on_gpu_and_sum, range(8))
     assert {total for _, total, _ in results} == {float(1 << 20)}
     roles = {pid: role for pid, _, role in results}
     assert list(roles.values()).count("publisher") == 1
@@ -170,7 +170,7 @@ def test_each_gpu_gets_one_copy(tmp_path):
             pytest.skip("needs two GPUs")
     finally:
         pynvml.nvmlShutdown()
-    reports, _, code, err = job(tmp_path, 4, "shared", 64 * MIB // 4, gpus="0,1")
+    reports, _, code, err = shared_job(tmp_path, 4, "shared", 64 * MIB // 4, gpus="0,1")
     assert code == 0, err
     assert sorted(r["role"] for r in reports) == ["publisher", "publisher", "subscriber", "subscriber"]
     assert len({r["checksum"] for r in reports}) == 1

@@ -50,7 +50,7 @@ def _supervisors_waiting(proc, ranks=3):
     return len(supervisors) == ranks and all(handles(p, signal.SIGTERM) for p in supervisors)
 
 
-def job(wrapper: Path, options: list[str], short_tmp: Path) -> list[str]:
+def wrapped_job(wrapper: Path, options: list[str], short_tmp: Path) -> list[str]:
     return [sys.executable, "-m", "mpsrun", "-np", "3", "--launcher", "mpiexec", "--mpiexec", str(wrapper), *options,
             sys.executable, "-c", RAN]
 
@@ -68,7 +68,7 @@ def test_a_job_that_cannot_start_after_mpiexec_did_says_one_line(fake_gpu, short
     fake_gpu.daemon_env(FAKE_MPS_START_FAIL="1")
     monkeypatch.setenv("RAN_MARKER", str(short_tmp / "ran"))
     wrapper = recording_mpiexec(short_tmp)
-    out = subprocess.run(job(wrapper, options, short_tmp), capture_output=True, text=True, timeout=60)
+    out = subprocess.run(wrapped_job(wrapper, options, short_tmp), capture_output=True, text=True, timeout=60)
     assert out.returncode == code, out.stderr
     assert (short_tmp / "mpiexec-started").exists(), "mpiexec was not started ahead of the session"
     assert out.stderr.startswith(line) and out.stderr.count("\n") == 1, out.stderr
@@ -83,7 +83,7 @@ def test_a_signal_while_the_daemons_start_ends_mpiexec_quietly(fake_gpu, short_t
     fake_gpu.daemon_env(FAKE_MPS_NO_ANSWER="1")
     monkeypatch.setenv("RAN_MARKER", str(short_tmp / "ran"))
     wrapper = recording_mpiexec(short_tmp)
-    proc = subprocess.Popen(job(wrapper, [], short_tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(wrapped_job(wrapper, [], short_tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: (short_tmp / "mpiexec-started").exists(), what="mpiexec did not start before the daemons",
              proc=proc)
     wait_for(lambda: _supervisors_waiting(proc), what="mpiexec's supervisors did not start", proc=proc)
@@ -102,7 +102,7 @@ def test_mpsrun_killed_while_the_daemons_start_leaves_nothing(fake_gpu, short_tm
     fake_gpu.daemon_env(FAKE_MPS_NO_ANSWER="1")
     monkeypatch.setenv("RAN_MARKER", str(short_tmp / "ran"))
     wrapper = recording_mpiexec(short_tmp)
-    proc = subprocess.Popen(job(wrapper, [], short_tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(wrapped_job(wrapper, [], short_tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: list(fake_gpu.tmpdir.rglob("control.log")) and (short_tmp / "mpiexec-started").exists(),
              what="the daemon or mpiexec did not start", proc=proc)
     wait_for(lambda: _supervisors_waiting(proc), what="mpiexec's supervisors did not start", proc=proc)
@@ -121,7 +121,7 @@ def test_the_ranks_run_only_once_the_daemons_answer(fake_gpu, short_tmp, monkeyp
     wrapper = recording_mpiexec(short_tmp)
     check = ("import os, sys; pipe = os.environ['CUDA_MPS_PIPE_DIRECTORY']; "
              "sys.exit(0 if 'control' in os.listdir(pipe) else 9)")
-    out = subprocess.run([*job(wrapper, ["--mps", "on"], short_tmp)[:-3], sys.executable, "-c", check],
+    out = subprocess.run([*wrapped_job(wrapper, ["--mps", "on"], short_tmp)[:-3], sys.executable, "-c", check],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert (short_tmp / "mpiexec-started").exists()

@@ -4,14 +4,16 @@ Every test runs the real CLI in a subprocess; the fake_gpu fixture then checks t
 process of the job (rank, daemon, server) survived and that no session directory is left.
 """
 
+import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
 
 import pytest
-from helpers import PROGRAMS, fake, mpiexec, mpsrun, reports, wait_ready
+from helpers import PATHS, PROGRAMS, fake, mpiexec, mpsrun, reports, run_job, wait_ready
 
 PROBE = PROGRAMS / "mpi_probe.py"
 
@@ -217,3 +219,29 @@ def test_more_ranks_than_the_client_limit_warns_first(fake_gpu):
     out = mpsrun("-np", 49, "--launcher", "local", "true")
     assert out.returncode == 0
     assert "49 ranks share GPU 0, but an MPS server accepts at most 48 clients" in out.stderr
+
+
+def test_output_filename_that_cannot_be_made_is_one_line(fake_gpu, tmp_path):
+    """A DIR that cannot be made (a file is in the way) is one line and exit 3, before any rank starts."""
+    (tmp_path / "file").write_text("")
+    out = mpsrun("--output-filename", tmp_path / "file" / "out", "-np", "2", "--launcher", "local", "true")
+    assert out.returncode == 3, out.stderr
+    assert out.stderr.count("\n") == 1 and "--output-filename" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_output_filename_gives_each_rank_its_files(path, fake_gpu, tmp_path):
+    """``--output-filename DIR``: rank N's stdout and stderr go to DIR/rank.N/stdout and DIR/rank.N/stderr, in
+    directories made with the user's umask; nothing of the ranks' reaches the terminal."""
+    target = tmp_path / "out"
+    code = "import os, sys; print('out', os.environ['RANK']); print('err', os.environ['RANK'], file=sys.stderr)"
+    out = run_job(path, ["--output-filename", str(target)], [sys.executable, "-c", code], ranks=3)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "" and "err " not in out.stderr
+    umask = os.umask(0)
+    os.umask(umask)
+    for rank in range(3):
+        directory = target / f"rank.{rank}"
+        assert (directory / "stdout").read_text() == f"out {rank}\n"
+        assert (directory / "stderr").read_text() == f"err {rank}\n"
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o777 & ~umask

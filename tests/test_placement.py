@@ -9,8 +9,8 @@ from mpsrun.job.placement import (
     NodePlan,
     RankPlan,
     gpu_of_rank,
-    ranks_on_gpus,
     rank_environment,
+    ranks_on_gpus,
     ranks_per_gpu,
     welcome,
 )

@@ -217,7 +217,7 @@ def test_outside_a_job_it_is_a_clear_error(monkeypatch):
         shared.array("t", 4, "float64")
 
 
-def pool_worker(_):
+def share_and_sum(_):
     import numpy
 
     from mpsrun import shared
@@ -233,7 +233,7 @@ def test_workers_of_mps_session_share_it(fake_gpu, fake_cuda, monkeypatch):
 
     with mps_session(gpu=0) as session:
         with multiprocessing.get_context("spawn").Pool(3) as pool:
-            assert pool.map(pool_worker, range(6)) == [1000.0] * 6
+            assert pool.map(share_and_sum, range(6)) == [1000.0] * 6
         shared_dir = session.dirs.root / "shared"
         assert stat.S_IMODE(shared_dir.stat().st_mode) == 0o700
     assert len(allocations(fake_cuda)) == 1

@@ -9,6 +9,7 @@ argparse's usage block, and `--mps off` said "running without MPS: MPS is off".
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -143,3 +144,51 @@ def test_output_into_a_closed_pipe_ends_quietly(no_gpu, words):
                          timeout=60)
     os.close(write)
     assert "Traceback" not in out.stderr and out.returncode == 141, (out.returncode, out.stderr)
+
+
+def test_a_mistyped_option_gets_a_suggestion():
+    """An unknown option near a known one is answered with the known one, exit 2."""
+    out = mpsrun("--tag-ouput", "-np", "1", "true")
+    assert out.returncode == 2
+    assert "did you mean --tag-output?" in out.stderr
+
+
+def test_np_glued_to_its_number(no_gpu):
+    """``-np4`` is four ranks (it was refused as ``not 'p4'``)."""
+    out = mpsrun("-np4", "--launcher", "local", sys.executable, "-c",
+                 "import os; os.write(1, os.environ['WORLD_SIZE'].encode() + b'\\n')")  # one write: lines never mix
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["4"] * 4
+
+
+def test_help_fits_a_terminal():
+    """``--help`` has no line longer than 110 characters (the variables' line had 377) and names bench's options."""
+    out = mpsrun("--help")
+    assert out.returncode == 0
+    assert max(map(len, out.stdout.splitlines())) <= 110
+    assert "mpsrun bench [--ranks 1,2,4,8,16] [--repeats 3]" in out.stdout
+
+
+def test_verbose_without_a_gpu_says_what_happened(no_gpu):
+    """``-v`` without a GPU says ``no GPU`` and no daemon (it said ``GPU -`` and ``daemons ready``)."""
+    out = mpsrun("-v", "-np", "2", "--launcher", "local", sys.executable, "-c", "pass")
+    assert out.returncode == 0, out.stderr
+    assert "rank 1: no GPU" in out.stderr and "set up without MPS after" in out.stderr, out.stderr
+    assert "GPU -" not in out.stderr and "daemons ready" not in out.stderr
+
+
+def test_mps_session_says_a_named_gpu_is_ignored_without_a_driver(no_gpu):
+    """``mps_session(gpu=5)`` without a driver runs without MPS and says that GPU 5 is ignored."""
+    code = "from mpsrun import mps_session\nwith mps_session(gpu=5) as session:\n    assert not session.enabled\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "running without MPS" in out.stderr and "GPU 5 ignored" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("gpus", ["5", "GPU-abc"])
+def test_gpus_named_without_a_driver_are_said_to_have_no_effect(no_gpu, gpus):
+    """``--gpus 5`` or ``--gpus GPU-abc`` on a machine without a driver: the job runs (as without MPS) and a
+    warning says that --gpus has no effect (there was no word at all)."""
+    out = mpsrun("--gpus", gpus, "-np", "2", "--launcher", "local", sys.executable, "-c", "print(1)")
+    assert out.returncode == 0, out.stderr
+    assert "warning: --gpus has no effect without MPS and a GPU" in out.stderr, out.stderr

@@ -1,4 +1,4 @@
-"""Hardening II (issue 25): each measured failure of the hostile pass, reproduced as a test.
+"""Strangers and machines that fail the job: each once measured, reproduced as a test.
 
 A stranger's bytes on a --hosts job's control port, options smuggled into ssh through --hosts, an
 mpiexec that ends without starting its ranks, a machine that refuses files or descriptors, and bad

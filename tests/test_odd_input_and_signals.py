@@ -1,4 +1,4 @@
-"""Hostile input and interrupts at awkward moments, through the real mpsrun executable against the fake GPU.
+"""Odd input and interrupts at awkward moments, through the real mpsrun executable against the fake GPU.
 
 Every case: one line and the documented exit code, never a traceback, and nothing left behind
 (the fake_gpu fixture checks processes and session directories after each test).

@@ -1,8 +1,7 @@
-"""Findings of a second adversarial pass, on every path: start-up under --timeout, teardown that must finish
-before the launcher returns, a second Ctrl-C, early signals, one line per failure, the command line winning.
+"""Starting and stopping on every path: start-up under --timeout, teardown that must finish before the launcher
+returns, a second Ctrl-C, early signals, one line per failure, the command line winning.
 
-Each test reproduces a measured failure first described in the pass's log (about 95 inputs and 45 faults;
-see the closing note), against the fake GPU with MPICH's mpiexec.
+Each test reproduces a failure once measured on one path or another, against the fake GPU with MPICH's mpiexec.
 """
 
 import contextlib
