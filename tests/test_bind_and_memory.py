@@ -106,8 +106,8 @@ def test_mem_limit_auto_in_the_api(fake_gpu):
         mps_session(mem_limit="auto")
 
 
-@pytest.mark.parametrize(("free_mib", "ranks", "expected"), [(81920, 1, "81792M"), (81920, 8, "10224M"),
-                                                             (80052, 4, "19981M"), (1500, 1, "1372M")])
+@pytest.mark.parametrize(("free_mib", "ranks", "expected"), [(81920, 1, 81792), (81920, 8, 10224),
+                                                             (80052, 4, 19981), (1500, 1, 1372)])
 def test_auto_mem_limit_formula(free_mib, ranks, expected):
     """Free memory less the server's 128 MiB, split among the ranks (each limit counts its rank's context)."""
     assert auto_mem_limit(free_mib << 20, ranks) == expected

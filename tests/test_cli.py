@@ -41,7 +41,7 @@ def test_full_parse_builds_config():
     )
     assert config.command == ("python", "x.py") and config.nranks == 4
     assert config.gpus == (0, "GPU-ab") and config.map_by == "round-robin"
-    assert config.thread_percentage == (10, 20, 30, 40) and config.mem_limit == "1536M"
+    assert config.thread_percentage == (10, 20, 30, 40) and config.mem_limit == 1536
     assert config.priority == 1 and config.mps == "on" and config.launcher == "local"
     assert config.mpiexec_args == ("--bind-to=none", "-x")
     assert config.tag_output and config.timeout == 30.0 and config.grace == 0.0 and config.keep_logs
@@ -180,7 +180,7 @@ def test_forwarded_options_round_trip():
                         environ={})
     again = parse_args([*to_argv(config), "prog"], environ={})
     assert again == JobConfig(command=("prog",), nranks=4, gpus=(0, "GPU-ab"), thread_percentage=(10, 20, 30, 40),
-                              mem_limit="2G", grace=0.0, tag_output=True, mps="on", verbose=True)
+                              mem_limit=2048, grace=0.0, tag_output=True, mps="on", verbose=True)
 
 
 def test_command_line_wins_over_a_bad_variable():

@@ -29,7 +29,7 @@ def test_start_configure_serve_and_stop(daemon, fake_gpu):
     """The daemon answers, takes defaults, starts an ACTIVE server, and stop() leaves no process."""
     daemon.start(timeout=10)
     assert daemon.alive and daemon.server_list() == []
-    daemon.set_defaults(thread_percentage=40, mem_limit="2G")
+    daemon.set_defaults(thread_percentage=40, mem_limit=2048)
     assert daemon.command("get_default_active_thread_percentage") == "40.0"
     assert daemon.command("get_default_device_pinned_mem_limit 0") == "2G"
     server = daemon.start_server(timeout=10)
@@ -43,7 +43,7 @@ def test_start_configure_serve_and_stop(daemon, fake_gpu):
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
 
 
-def test_failed_commands_raise_with_command_and_reply(daemon):
+def test_failed_commands_raise_with_command_and_reply(daemon, monkeypatch):
     """The client exits 0 on failed commands, so replies are parsed: errors carry command and reply."""
     daemon.start(timeout=10)
     with pytest.raises(DaemonError) as info:
@@ -53,8 +53,15 @@ def test_failed_commands_raise_with_command_and_reply(daemon):
         daemon.server_status(999999)
     with pytest.raises(DaemonError, match="did not take 'set_default_active_thread_percentage 0'"):
         daemon.set_defaults(thread_percentage=0)  # the daemon answers with the unchanged value
+    daemon.set_defaults(mem_limit=1536)  # stored as 1G, as the real daemon does: taken
+    asked = ControlDaemon.command
+
+    def stored_otherwise(self, text, timeout=None):  # a daemon that stored something else (the real one keeps an
+        return "12M" if text.startswith("get_default_device") else asked(self, text, timeout)  # "12Q" as 12M)
+
+    monkeypatch.setattr(ControlDaemon, "command", stored_otherwise)
     with pytest.raises(DaemonError, match="it stored '12M'"):
-        daemon.set_defaults(mem_limit="12Q")  # stored silently as 12M by the real daemon
+        daemon.set_defaults(mem_limit=2048)
 
 
 def test_command_without_daemon_raises(daemon):

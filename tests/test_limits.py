@@ -5,7 +5,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mpsrun.config.values import (
+    AUTO,
     MPS_MODES,
+    mib_text,
     parse_choice,
     parse_mem_limit,
     parse_priority,
@@ -32,12 +34,18 @@ def test_thread_percentage_rejects_everything_else(value):
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("4G", "4G"), ("4g", "4G"), ("4GiB", "4G"), ("512M", "512M"), ("1.5G", "1536M"), (2 << 30, "2048M"),
-     ("1T", "1024G"), ("2048K", "2M")],
+    [("4G", 4096), ("4g", 4096), ("4GiB", 4096), ("512M", 512), ("1.5G", 1536), (2 << 30, 2048),
+     ("1T", 1 << 20), ("2048K", 2)],
 )
-def test_mem_limit_normalises_to_the_form_mps_takes(value, expected):
-    """Sizes become whole G or M, the only units MPS accepts."""
+def test_mem_limit_is_a_number_of_mib(value, expected):
+    """Sizes become whole MiB, which MPS takes (as M, or G when whole gigabytes: mib_text)."""
     assert parse_mem_limit(value) == expected
+
+
+@pytest.mark.parametrize(("mib", "text"), [(4096, "4G"), (1536, "1536M"), (1, "1M"), (1 << 20, "1024G")])
+def test_a_limit_is_spelled_as_mps_takes_it(mib, text):
+    """Whole gigabytes as G, else megabytes: the units MPS accepts, read back by parse_mem_limit as given."""
+    assert mib_text(mib) == text and parse_mem_limit(text) == mib
 
 
 @pytest.mark.parametrize("value", ["12Q", "", "G", "-1G", "0M", "100", "1.5", None, True, 3.5, "4 G B",
@@ -50,8 +58,9 @@ def test_mem_limit_rejects_malformed_sizes(value):
 
 @given(st.integers(min_value=1, max_value=1 << 20), st.sampled_from(["M", "G", "m", "g", "MiB", "GB"]))
 def test_mem_limit_round_trips_whole_sizes(number, unit):
-    """Any whole size in M or G parses to the same number with an upper-case unit."""
-    assert parse_mem_limit(f"{number}{unit}") == f"{number}{unit[0].upper()}"
+    """Any whole size in M or G parses to its number of MiB, and its text parses back to the same."""
+    mib = number * (1024 if unit[0] in "Gg" else 1)
+    assert parse_mem_limit(f"{number}{unit}") == mib and parse_mem_limit(mib_text(mib)) == mib
 
 
 @given(st.text())
@@ -63,9 +72,9 @@ def test_mem_limit_never_crashes(text):
     except ConfigError:
         return
     if text.strip().lower() == "auto":
-        assert result == "auto"
+        assert result is AUTO
         return
-    assert result[-1] in "MG" and result[:-1].isdigit() and int(result[:-1]) >= 1
+    assert isinstance(result, int) and 1 <= result <= 1 << 30
 
 
 @given(st.one_of(st.integers(), st.text(), st.floats(allow_nan=True)))

@@ -95,13 +95,13 @@ def test_a_node_of_ten_thousand_ranks_is_planned_whole(policy, expected):
     assert [counts[gpu] for gpu in range(8)] == expected == ranks_per_gpu(10_003, 8, policy)
     assert [p.rank for p in plans] == list(range(10_003))
     assert all(p.thread_percentage == 1 and p.sharers == expected[p.gpu] for p in plans)  # 100 // 1250: at least 1
-    assert all(p.mem_limit == f"{((2 << 20) - 128) // expected[p.gpu]}M" for p in plans)
+    assert all(p.mem_limit == ((2 << 20) - 128) // expected[p.gpu] for p in plans)
 
 
 def test_rank_environment_carries_gpu_limits_and_rank_variables():
     """A rank gets its GPU's daemon variables, its limits (only under MPS) and its rank variables (torchrun's
     layout among them)."""
-    plan = RankPlan(rank=1, gpu=1, thread_percentage=70, mem_limit="2G", priority=1)
+    plan = RankPlan(rank=1, gpu=1, thread_percentage=70, mem_limit=2048, priority=1)
     env = rank_environment(MPS_GPUS[1], plan, RankIdentity(1, 1, 2, 2))
     assert env == {"CUDA_VISIBLE_DEVICES": "GPU-b", "CUDA_MPS_PIPE_DIRECTORY": "/p/b", "CUDA_MPS_LOG_DIRECTORY": "/l/b",
                    "MPSRUN_SESSION_DIR": "/s", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "70",

@@ -112,8 +112,8 @@ class JobConfig:
         "--thread-percentage", default=None, parse=_validated(values.parse_thread_spec), metavar="P|auto|P0,P1,...",
         render=_spec_text, forward=True,
         help="cap each rank's share of SMs: one value, auto (100 / ranks on that GPU) or one per rank")
-    mem_limit: str | None = option("--mem-limit", default=None, parse=_validated(values.parse_mem_limit),
-                                   metavar="SIZE", forward=True,
+    mem_limit: values.MemLimit = option("--mem-limit", default=None, parse=_validated(values.parse_mem_limit),
+                                        metavar="SIZE", render=values.mem_limit_text, forward=True,
                                    help="pinned device memory per rank, e.g. 4G or 512M (the ~0.5 GiB CUDA context "
                                    "counts), or auto: each GPU's free memory split among its ranks")
     priority: int | None = option("--priority", default=None, parse=_validated(values.parse_priority), metavar="0|1",
@@ -189,6 +189,9 @@ class JobConfig:
             raise ConfigError(f"not a job configuration: unknown setting(s) {', '.join(unknown)}", setting="config")
         settings: dict[str, Any] = {name: tuple(value) if isinstance(value, list) else value
                                     for name, value in data.items()}
+        for name in ("thread_percentage", "mem_limit"):  # JSON wrote AUTO as its text
+            if settings.get(name) == values.AUTO:
+                settings[name] = values.AUTO
         return cls(**settings)
 
 

@@ -9,6 +9,7 @@ setting for anything else.
 from __future__ import annotations
 
 import contextlib
+import enum
 import math
 import os
 import re
@@ -18,15 +19,19 @@ from collections.abc import Mapping, Sequence
 from mpsrun.errors import ConfigError
 
 __all__ = [
+    "AUTO",
     "GPU_BINDS",
     "LAUNCHERS",
     "LOCAL_RANKS",
     "MAP_POLICIES",
     "MAX_RANKS",
     "MPS_MODES",
+    "Auto",
     "GpuList",
+    "MemLimit",
     "ThreadSpec",
     "hostfile_lines",
+    "mib_text",
     "parse_choice",
     "parse_count",
     "parse_export",
@@ -52,8 +57,21 @@ LAUNCHERS = ("auto", "local", "mpiexec")
 MAP_POLICIES = ("block", "round-robin")
 LOCAL_RANKS = ("node", "device")
 MAX_RANKS = 1 << 20
-#: ``None`` (no cap), one percentage for every rank, ``"auto"``, or one per rank.
-ThreadSpec = None | int | str | tuple[int, ...]
+class Auto(str, enum.Enum):
+    """``auto``: a value each node works out once its GPUs and ranks are known. Equal to the text ``"auto"`` (a
+    configuration that went through JSON compares the same)."""
+
+    AUTO = "auto"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+AUTO = Auto.AUTO
+#: ``None`` (no cap), one percentage for every rank, ``AUTO``, or one per rank.
+ThreadSpec = None | int | Auto | tuple[int, ...]
+#: ``None`` (no limit), a pinned device-memory limit in MiB, or ``AUTO``.
+MemLimit = None | int | Auto
 #: GPUs by position among the visible ones, or by ``GPU-`` UUID (or a prefix of one); None: every visible GPU.
 GpuList = tuple[int | str, ...] | None
 _MEM = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
@@ -141,7 +159,7 @@ def parse_thread_spec(value: object, setting: str = "--thread-percentage") -> Th
     if value is None:
         return None
     if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
+        return AUTO
     parts = value.split(",") if isinstance(value, str) and "," in value else value
     if isinstance(parts, (list, tuple)):
         if not parts:
@@ -150,15 +168,14 @@ def parse_thread_spec(value: object, setting: str = "--thread-percentage") -> Th
     return parse_thread_percentage(value, setting=setting)
 
 
-def parse_mem_limit(value: object, setting: str = "mem_limit") -> str:
-    """A pinned device-memory limit in the form MPS takes (``"4G"``, ``"1536M"``), or ``"auto"``.
+def parse_mem_limit(value: object, setting: str = "mem_limit") -> int | Auto:
+    """A pinned device-memory limit in whole MiB (MPS takes whole megabytes or gigabytes), or ``AUTO``.
 
-    Accepts ``4G``, ``4GiB``, ``512M``, ``1.5G`` or a number of bytes; MPS wants whole
-    megabytes or gigabytes, so fractions are converted to megabytes. ``auto`` is resolved
+    Accepts ``4G``, ``4GiB``, ``512M``, ``1.5G`` or a number of bytes. ``auto`` is resolved
     per GPU (:mod:`mpsrun.mps.limits`) once the GPU's free memory and ranks are known.
     """
     if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
+        return AUTO
     text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
     match = _MEM.match(text) if isinstance(text, str) else None
     if match is None:
@@ -168,9 +185,17 @@ def parse_mem_limit(value: object, setting: str = "mem_limit") -> str:
     mib = number * _SCALE_MIB[unit]
     if not 1 <= mib <= _MAX_MIB:
         raise ConfigError(f"{setting} must be between 1M and 1024T, not {value!r}", setting=setting, value=value)
-    if unit in ("G", "T") and (number * (1024 if unit == "T" else 1)).is_integer():
-        return f"{int(mib // 1024)}G"
-    return f"{int(mib)}M"
+    return int(mib)
+
+
+def mib_text(mib: int) -> str:
+    """A limit as MPS spells it: whole gigabytes as ``4G``, else megabytes (``1536M``)."""
+    return f"{mib // 1024}G" if mib % 1024 == 0 else f"{mib}M"
+
+
+def mem_limit_text(limit: MemLimit) -> str:
+    """``--mem-limit``'s value as given on a command line."""
+    return "none" if limit is None else str(limit) if limit == AUTO else mib_text(int(limit))
 
 
 def parse_priority(value: object, setting: str = "priority") -> int:

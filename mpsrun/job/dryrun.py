@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from mpsrun.config.options import JobConfig
+from mpsrun.config.values import AUTO, mib_text
 from mpsrun.errors import ConfigError, MPSError, NoDriverError
 from mpsrun.exitcodes import ExitCode
 from mpsrun.job.channel import rendezvous
@@ -71,8 +72,8 @@ def plan_lines(config: JobConfig) -> list[str]:
     common = {k: v for k, v in envs[0].items() if all(env.get(k) == v for env in envs[1:])}
     for plan, env in zip(plans, envs, strict=True):
         limits = [f"{plan.thread_percentage}% of SMs" if plan.thread_percentage else "",
-                  f"{plan.mem_limit} pinned memory" if plan.mem_limit else
-                  "its share of the GPU's free memory, read when the job starts" if config.mem_limit == "auto" else ""]
+                  f"{mib_text(plan.mem_limit)} pinned memory" if plan.mem_limit else
+                  "its share of the GPU's free memory, read when the job starts" if config.mem_limit == AUTO else ""]
         where = "every job GPU" if config.gpu_bind == "none" else f"GPU {plan.gpu}"
         lines.append(f"rank {plan.rank}: {where}" + "".join(f", {part}" for part in limits if part))
         lines.append("  " + " ".join(f"{k}={v}" for k, v in sorted(env.items()) if k not in common))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from mpsrun.config.options import JobConfig
+from mpsrun.config.values import AUTO, Auto
 from mpsrun.errors import ConfigError
 from mpsrun.mps.environment import MANAGED_VARIABLES, GpuTarget, worker_variables
 from mpsrun.mps.limits import DaemonDefaults, auto_mem_limits
@@ -37,7 +38,7 @@ class RankPlan:
     rank: int
     gpu: int
     thread_percentage: int | None = None
-    mem_limit: str | None = None
+    mem_limit: int | None = None  # MiB
     priority: int | None = None
     sharers: int | None = None  # the node's ranks on its GPU (under --gpu-bind none: spread evenly), when known
 
@@ -74,9 +75,10 @@ def ranks_per_gpu(local_size: int, ngpus: int, policy: str) -> list[int]:
     return [first[gpu + 1] - first[gpu] for gpu in range(ngpus)]
 
 
-def _mem_limits(config: JobConfig, local_size: int | None, ngpus: int, free: Sequence[int]) -> list[str | None]:
-    """The pinned memory limit of each GPU position (``free``: each GPU's free bytes; empty without MPS)."""
-    if config.mem_limit != "auto":
+def _mem_limits(config: JobConfig, local_size: int | None, ngpus: int, free: Sequence[int]) -> list[int | None]:
+    """The pinned memory limit of each GPU position in MiB (``free``: each GPU's free bytes; empty without MPS)."""
+    if config.mem_limit != AUTO:
+        assert not isinstance(config.mem_limit, Auto)
         return [config.mem_limit] * max(ngpus, 1)
     if not free:
         return [None] * max(ngpus, 1)
@@ -96,7 +98,7 @@ class NodePlan:
     local_size: int | None
     free: tuple[int, ...]
     sharing: tuple[int, ...]  # per GPU position; empty when the node's size is not known
-    mem_limits: tuple[str | None, ...]  # per GPU position
+    mem_limits: tuple[int | None, ...]  # per GPU position, MiB
     refused: ConfigError | None  # why no rank of this node can be planned (auto without the node's size)
 
     @classmethod
@@ -135,7 +137,7 @@ class NodePlan:
         spec = self.config.thread_percentage
         if spec is None or isinstance(spec, int):
             return spec
-        if spec == "auto":
+        if spec == AUTO:
             sharing = self.sharing or _sharing(self.config, None, self.ngpus, "--thread-percentage")  # (raises)
             return max(1, 100 // sharing[gpu])
         assert isinstance(spec, tuple)
@@ -154,7 +156,7 @@ class NodePlan:
             cap = spec
         elif isinstance(spec, tuple):
             cap = max(spec)
-        elif spec == "auto" and self.sharing:
+        elif spec == AUTO and self.sharing:
             cap = max(max(1, 100 // n) for n in self.sharing if n)
         return DaemonDefaults(cap, self.mem_limits)
 

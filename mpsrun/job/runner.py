@@ -202,9 +202,9 @@ class Job:
             where = "GPUs " + ",".join(str(g.index) for g in session.gpus)
         else:
             where = f"GPU {session.gpus[plan.gpu].index}"
+        auto = " (auto)" if self.config.mem_limit == values.AUTO else ""
         return where + (f", {plan.thread_percentage}% of SMs" if plan.thread_percentage else "") + (
-            f", {plan.mem_limit} pinned memory" + (" (auto)" if self.config.mem_limit == "auto" else "")
-            if plan.mem_limit else "")
+            f", {values.mib_text(plan.mem_limit)} pinned memory{auto}" if plan.mem_limit else "")
 
     def _start(self, local: NodeSession, claim: SessionClaim | None) -> None:
         local.start("the", kind="job", claim=claim, meanwhile=_import_the_rest)

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mpsrun.config.values import mib_text
 from mpsrun.errors import DaemonError, DaemonStartError, DaemonTimeoutError, MPSUnavailableError
 from mpsrun.mps.limits import stored_mem_limit
 from mpsrun.mps.replies import (
@@ -298,8 +299,8 @@ class ControlDaemon:
             raise DaemonError(f"MPS control command {text!r} failed: {first}", command=text, reply=reply)
         return reply
 
-    def set_defaults(self, thread_percentage: int | None = None, mem_limit: str | None = None) -> None:
-        """Set limits for servers started later (call before :meth:`start_server`)."""
+    def set_defaults(self, thread_percentage: int | None = None, mem_limit: int | None = None) -> None:
+        """Set limits for servers started later (call before :meth:`start_server`); ``mem_limit`` in MiB."""
         # The daemon prints no error for a bad value (recorded: it answers an invalid
         # percentage with the old one and stores "12Q" as 12M), so each setting is read back.
         if thread_percentage is not None:
@@ -310,10 +311,11 @@ class ControlDaemon:
                                   reply=reply)
         for device in range(len(self.devices.split(",")) if mem_limit is not None else 0):
             # Devices are numbered as the daemon sees them: the order of CUDA_VISIBLE_DEVICES.
-            command = f"set_default_device_pinned_mem_limit {device} {mem_limit}"
+            assert mem_limit is not None
+            command = f"set_default_device_pinned_mem_limit {device} {mib_text(mem_limit)}"
             self.command(command)
             stored = self.command(f"get_default_device_pinned_mem_limit {device}")
-            if reply_mib(stored) != reply_mib(stored_mem_limit(str(mem_limit))):  # 1536M is stored as 1G
+            if reply_mib(stored) != stored_mem_limit(mem_limit):  # 1536M is stored as 1G
                 raise DaemonError(f"the daemon did not take {command!r} (it stored {stored!r})", command=command,
                                   reply=stored)
 

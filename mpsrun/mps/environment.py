@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mpsrun.config.values import mib_text
 from mpsrun.runtime.constants import SESSION_DIR_VARIABLE
 
 __all__ = ["MANAGED_VARIABLES", "GpuTarget", "client_variables", "worker_variables"]
@@ -37,7 +38,7 @@ class GpuTarget:
     multiprocessors: int | None = None
 
 
-def client_variables(thread_percentage: int | None, mem_limit: str | None, priority: int | None,
+def client_variables(thread_percentage: int | None, mem_limit: int | None, priority: int | None,
                      devices: int = 1) -> dict[str, str]:
     """The MPS client variables for these (validated) limits; unset limits are left out.
 
@@ -47,13 +48,13 @@ def client_variables(thread_percentage: int | None, mem_limit: str | None, prior
     if thread_percentage is not None:
         env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(thread_percentage)
     if mem_limit is not None:
-        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(f"{d}={mem_limit}" for d in range(devices))
+        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(f"{d}={mib_text(mem_limit)}" for d in range(devices))
     if priority is not None:
         env["CUDA_MPS_CLIENT_PRIORITY"] = str(priority)
     return env
 
 
-def worker_variables(target: GpuTarget, thread_percentage: int | None = None, mem_limit: str | None = None,
+def worker_variables(target: GpuTarget, thread_percentage: int | None = None, mem_limit: int | None = None,
                      priority: int | None = None) -> dict[str, str]:
     """A worker's GPUs and, when its GPU has a daemon, the daemon's directories and the worker's limits."""
     env = {"CUDA_VISIBLE_DEVICES": target.visible}

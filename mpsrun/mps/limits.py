@@ -24,11 +24,11 @@ class DaemonDefaults(NamedTuple):
     memory limit per GPU position (one per daemon; under ``gpu_bind="none"`` the one daemon's is the first)."""
 
     thread_percentage: int | None = None
-    mem_limits: tuple[str | None, ...] = ()
+    mem_limits: tuple[int | None, ...] = ()  # MiB
 
 
-def auto_mem_limit(free_bytes: int, ranks: int, where: str = "GPU 0", setting: str = "--mem-limit") -> str:
-    """A GPU's free memory, less the server's share, split among its ``ranks``.
+def auto_mem_limit(free_bytes: int, ranks: int, where: str = "GPU 0", setting: str = "--mem-limit") -> int:
+    """A GPU's free memory, less the server's share, split among its ``ranks``, in MiB.
 
     A rank's limit counts its own CUDA context (measured on an H100: a CuPy rank that filled a
     4G limit used 4036 MiB in all by NVML), so the limits add up to the free memory.
@@ -39,11 +39,11 @@ def auto_mem_limit(free_bytes: int, ranks: int, where: str = "GPU 0", setting: s
             f"{setting} auto: {ranks} rank(s) on {where} would get {max(mib, 0)} MiB each of "
             f"{free_bytes >> 20} MiB free, too little for a CUDA context; use fewer ranks per GPU or more GPUs",
             setting=setting, value="auto")
-    return f"{mib}M"
+    return mib
 
 
 def auto_mem_limits(free: Sequence[int], sharing: Sequence[int], shared: bool,
-                    setting: str = "--mem-limit") -> list[str | None]:
+                    setting: str = "--mem-limit") -> list[int | None]:
     """``auto`` for each GPU: its ``free`` bytes split among the ranks ``sharing`` it (None for a GPU without
     ranks). ``shared``: one daemon serves every GPU with one limit for each device, so the tightest GPU and the
     most crowded decide."""
@@ -66,10 +66,8 @@ def memory_hint(gpu_index: int, free: int, total: int, sharers: int) -> str:
             "its share")
 
 
-def stored_mem_limit(limit: str) -> str:
-    """A limit as the MPS daemon stores it as a default: whole gigabytes from 1G up (measured on an
+def stored_mem_limit(mib: int) -> int:
+    """A limit as the MPS daemon stores it as a default, in MiB: whole gigabytes from 1G up (measured on an
     H100: ``set_default_device_pinned_mem_limit 0 19981M`` read back as ``19G``), megabytes below.
     A client's own ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` keeps megabytes (``0=1536M``: 1476 MiB used)."""
-    if limit.endswith("M") and int(limit[:-1]) >= 1024:
-        return f"{int(limit[:-1]) // 1024}G"
-    return limit
+    return mib // 1024 * 1024 if mib >= 1024 else mib

@@ -95,7 +95,7 @@ class Session:
         self.priority = None if priority is None else values.parse_priority(priority)
         self.gpu_bind = values.parse_choice(gpu_bind, values.GPU_BINDS, "gpu_bind")
         self.workers = None if workers is None else values.parse_count(workers, "workers")
-        if self.mem_limit == "auto" and self.workers is None:
+        if self.mem_limit == values.AUTO and self.workers is None:
             raise ConfigError("mem_limit='auto' needs workers=N: how many workers will share the session's GPUs",
                               setting="workers")
         self.base = session_base(tmpdir)
@@ -148,11 +148,11 @@ class Session:
         """Each GPU's free memory in bytes when the session looked (empty without MPS: no limit applies)."""
         return [g.memory_free for g in self.gpus] if self.disabled_reason is None else []
 
-    def _mem_limits(self) -> list[str | None]:
+    def _mem_limits(self) -> list[int | None]:
         """The memory limit of each GPU position: ``auto`` splits each GPU's free memory among the workers, spread
         evenly over the GPUs (a session without MPS, or a GPU list that failed, applies none)."""
         free = self.free_memory()
-        if self.mem_limit != "auto":
+        if not isinstance(self.mem_limit, values.Auto):
             return [self.mem_limit] * len(self.gpus)
         if not free:
             return [None] * len(self.gpus)
