@@ -126,7 +126,7 @@ class Job:
                     gpus.read_ahead()  # by a child, while the directory, the socket and mpiexec's start are made
                 # Every job has a record and a reaper (under --hosts for its mpiexec alone: each host's node keeper
                 # owns that host's session), so a job killed outright takes what it started along.
-                claim = SessionClaim(session_base(None), "job", keep_logs=self.config.keep_logs)
+                claim = SessionClaim.make(session_base(None), "job", keep_logs=self.config.keep_logs)
                 dirs = claim.dirs if backend.owns_daemons else None  # else the ranks come over TCP
                 channel = ControlChannel(f"unix:{dirs.control_socket}" if dirs is not None else "tcp",
                                          rendezvous(first_host(self.config), free_port(), os.environ))

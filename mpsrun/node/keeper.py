@@ -114,7 +114,7 @@ class NodeKeeper:
         the starting rank's pipe, which the keeper's controller owns once it is built."""
         deadline = Deadline(config.timeout)
         ensure_descriptors(request.local_size or 1)
-        claim = SessionClaim(Path(request.base), "node", request.name, config.keep_logs, reserved=True)
+        claim = SessionClaim.make(Path(request.base), "node", request.name, config.keep_logs, reserved=True)
         session = listener = None
         try:
             assert claim.dirs is not None

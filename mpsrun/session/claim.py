@@ -38,32 +38,50 @@ def _remove_stale(base: Path) -> None:
                 log.info("mpsrun: stale session %s %s", session_id, what)
 
 
+def _undo(dirs: SessionDirs | None, reaper: Reaper | None) -> None:
+    """What a claim that could not be made had made of itself, removed."""
+    if dirs is not None:
+        with contextlib.suppress(OSError):
+            dirs.remove()
+    if reaper is not None:
+        reaper.release()
+
+
 class SessionClaim:
-    """A session's directory (``dirs``), its record (``record``, rewritten by :meth:`update`) and its reaper.
+    """A session's directory (``dirs``), its record (``record``, rewritten by :meth:`update`) and its reaper. Make
+    one with :meth:`make`."""
 
-    ``kind``: ``api``, ``job`` or ``node`` (see :mod:`mpsrun.session.record`); ``name``: a fixed name (a node
-    session's, which every local rank computes), else a fresh random one; ``reserved``: its directory is made
-    (by the node's starting rank).
-    """
-
-    def __init__(self, base: Path, kind: str, name: str | None = None, keep_logs: bool = False,
-                 reserved: bool = False) -> None:
-        _remove_stale(base)
+    def __init__(self, dirs: SessionDirs, record: SessionRecord, reaper: Reaper, keep_logs: bool) -> None:
+        self.dirs: SessionDirs | None = dirs  # kept after release(): what it was, for a last word about it
+        self.record = record
         self.keep_logs = keep_logs
-        self.dirs: SessionDirs | None = None  # kept after release(): what it was, for a last word about it
+        self._reaper: Reaper | None = reaper
         self._released = False
-        self._reaper: Reaper | None = None
+
+    @classmethod
+    def make(cls, base: Path, kind: str, name: str | None = None, keep_logs: bool = False,
+             reserved: bool = False) -> SessionClaim:
+        """Claim a session under ``base``, after removing what a killed earlier run of this user left there.
+
+        ``kind``: ``api``, ``job`` or ``node`` (see :mod:`mpsrun.session.record`); ``name``: a fixed name (a node
+        session's, which every local rank computes), else a fresh random one; ``reserved``: its directory is made
+        (by the node's starting rank).
+        """
+        _remove_stale(base)
+        reaper: Reaper | None = None
+        dirs: SessionDirs | None = None
         try:
             name = name or new_session_name(base)
             with uninterrupted():  # first, for the path to come: a SIGKILL from here on leaves nothing behind
-                self._reaper = Reaper(user_root(base) / name)
-            self.dirs = SessionDirs.create(base, [], name=name, reserved=reserved)
-            self.record = SessionRecord.new(kind, argv=tuple(sys.argv), keep_logs=keep_logs)
-            self.record.write(self.dirs.record_file)
+                reaper = Reaper(user_root(base) / name)
+            dirs = SessionDirs.create(base, [], name=name, reserved=reserved)
+            record = SessionRecord.new(kind, argv=tuple(sys.argv), keep_logs=keep_logs)
+            record.write(dirs.record_file)
             if reserved:  # after the record, which names us: the directory is never without an owner's mark
-                self.dirs.end_reservation()
+                dirs.end_reservation()
+            return cls(dirs, record, reaper, keep_logs)
         except BaseException as exc:
-            self.release()
+            _undo(dirs, reaper)
             if isinstance(exc, OSError) and not isinstance(exc, MPSError):  # the machine's refusal (no space left)
                 raise MPSError(f"cannot make a session directory under {base}: {exc.strerror or exc}") from None
             raise

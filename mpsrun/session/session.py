@@ -207,7 +207,7 @@ class Session:
         return self
 
     def _make_directory(self, kind: str, name: str | None, claim: SessionClaim | None) -> None:
-        self._claim = claim or SessionClaim(self.base, kind, name, self.keep_logs)
+        self._claim = claim or SessionClaim.make(self.base, kind, name, self.keep_logs)
         self._claim.add_gpus([g.uuid for g in self.gpus], [group[0].index for group in self._daemons.groups()])
 
     def _start_daemons(self, server: str, meanwhile: Callable[[], object] | None) -> None:
