@@ -7,8 +7,7 @@ controller applies. :class:`NodeSession` is the one owner of those.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
 
 from mpsrun.config.options import JobConfig
 from mpsrun.errors import DaemonTimeoutError, JobTimeoutError
@@ -18,6 +17,7 @@ from mpsrun.job.placement import Admission, NodePlan, welcome, without_mps
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import DAEMON_START_TIMEOUT
 from mpsrun.runtime.deadline import Deadline
+from mpsrun.session.claim import SessionClaim
 from mpsrun.session.session import Session
 
 __all__ = ["NodeSession"]
@@ -46,12 +46,13 @@ class NodeSession:
         reason = self.session.disabled_reason
         return [] if reason is None else without_mps(self.config, reason, gpus_seen=bool(self.session.gpus))
 
-    def start(self, whose: str, **options: Any) -> None:
-        """Start the daemons with the plan's defaults (``options``: :meth:`Session.start`'s). Daemons still starting
-        when the job's deadline passed are the job's timeout, said as ``while {whose} MPS daemons started``."""
+    def start(self, whose: str, claim: SessionClaim, meanwhile: Callable[[], object] | None = None) -> None:
+        """Start the daemons in ``claim`` with the plan's defaults (see :meth:`Session.start_in`). Daemons still
+        starting when the job's deadline passed are the job's timeout, said as ``while {whose} MPS daemons
+        started``."""
         assert self.node is not None, "plan() first"
         try:
-            self.session.start(defaults=self.node.daemon_defaults(), **options)
+            self.session.start_in(claim, self.node.daemon_defaults(), meanwhile)
         except DaemonTimeoutError as exc:
             if self.deadline.expired():
                 raise JobTimeoutError(f"timed out after {self.config.timeout:g} s while {whose} MPS daemons started "

@@ -207,7 +207,8 @@ class Job:
             f", {values.mib_text(plan.mem_limit)} pinned memory{auto}" if plan.mem_limit else "")
 
     def _start(self, local: NodeSession, claim: SessionClaim | None) -> None:
-        local.start("the", kind="job", claim=claim, meanwhile=_import_the_rest)
+        assert claim is not None
+        local.start("the", claim, _import_the_rest)
         self._elapsed("daemons ready" if local.session.enabled else "set up without MPS")
 
     def _welcome(self, output_lock: str | None) -> Admit:

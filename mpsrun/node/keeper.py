@@ -56,7 +56,7 @@ def _start_session(config: JobConfig, request: KeeperRequest, deadline: Deadline
     """The node's MPS session, planned for the node's ranks and started in ``claim``."""
     local = NodeSession(config, deadline)
     local.plan(request.local_size)
-    local.start("this node's", kind="node", name=request.name, claim=claim)
+    local.start("this node's", claim)
     return local
 
 

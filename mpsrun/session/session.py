@@ -118,12 +118,9 @@ class Session:
     # -- starting -------------------------------------------------------------------------
 
     def resolve(self) -> Session:
-        """Find the session's GPUs and decide whether MPS will run; starts nothing.
-
-        :meth:`start` does this first; call it earlier to learn ``gpus`` (e.g. to plan
-        ranks) before anything is started. Raises for an unknown GPU, or when
-        ``mps="on"`` and MPS cannot run here.
-        """
+        """Find the session's GPUs and decide whether MPS will run; starts nothing (:meth:`start` does this first:
+        call it earlier to plan ranks on ``gpus``). Raises for an unknown GPU, or when ``mps="on"`` and MPS cannot
+        run here."""
         if self._state != "new":
             return self
         try:
@@ -164,51 +161,53 @@ class Session:
         """The session's directories, once it has them."""
         return self._claim.dirs if self._claim is not None else None
 
-    def start(self, wait_active: bool = True, *, kind: str = "api", name: str | None = None,
-              meanwhile: Callable[[], object] | None = None, claim: SessionClaim | None = None,
-              defaults: DaemonDefaults | None = None) -> Session:
+    def start(self, wait_active: bool = True) -> Session:
         """Start the daemons and wait until each GPU's server is ACTIVE.
 
         ``wait_active=False`` returns once every daemon answers and has its settings, with the servers still
         starting (clients that connect meanwhile are queued by the daemon); call :meth:`wait_active` before
-        relying on them. The launcher (``kind`` ``"job"``) and node keepers (``"node"``, with a fixed ``name``)
-        always get a directory, for their control socket, even without MPS; their servers start with the first
-        client, as a hand-started daemon's do (a job that never uses the GPU pays for none), and their watch
-        checks each server once its first client is in. ``meanwhile`` runs while the daemons come up (never
-        without MPS). ``claim``: the directory, made already (the launcher makes it before mpiexec starts); the
-        session releases it on :meth:`close`, also after a failed start (not before: mpiexec's ranks may still
-        reach the control socket in it). ``defaults``: the daemons' limits when the ranks' own plans decide
-        them (the launcher's, a node keeper's), instead of the session's arguments.
+        relying on them.
         """
+        return self._start(None, "active" if wait_active else "requested", None, None)
+
+    def start_in(self, claim: SessionClaim, defaults: DaemonDefaults,
+                 meanwhile: Callable[[], object] | None = None) -> Session:
+        """Start the ``mpsrun`` command's or a node keeper's session in ``claim`` (their directory, made already: it
+        holds their control socket, also without MPS), with ``defaults`` as the ranks' plans decide them. Servers
+        start with their first client, as a hand-started daemon's do; ``meanwhile`` runs while the daemons come up.
+        The claim is released on :meth:`close`, also after a failed start (mpiexec's ranks may still reach it)."""
+        return self._start(claim, "lazy", defaults, meanwhile)
+
+    def _start(self, claim: SessionClaim | None, server: str, defaults: DaemonDefaults | None,
+               meanwhile: Callable[[], object] | None) -> Session:
+        own = claim is None  # an API session: its own directory (only with MPS), its own words, its export
         self.resolve()
         if self._state != "resolved":
             raise MPSError(f"this session is {self._state}; make a new one with mps_session()")
         self._state = "starting"
         self._owner_pid = os.getpid()
-        self._defaults = defaults or self._defaults
+        if defaults is not None:
+            self._defaults = defaults
         try:
-            if self.disabled_reason is None or kind != "api":
-                self._make_directory(kind, name, claim)
+            if self.disabled_reason is None or not own:
+                self._claim = claim or SessionClaim.make(self.base, "api", keep_logs=self.keep_logs)
+                self._claim.add_gpus([g.uuid for g in self.gpus], [group[0].index for group in self._daemons.groups()])
             if self.disabled_reason is None:
-                self._start_daemons("lazy" if kind != "api" else "active" if wait_active else "requested", meanwhile)
+                self._start_daemons(server, meanwhile)
                 self.enabled = True
-            elif kind == "api":  # the launcher and node keepers say themselves why MPS is off
+            elif own:
                 ignored = self._named and not self.gpus  # no driver: the GPUs named could not even be looked for
                 log.warning("mpsrun: running without MPS: %s%s", self.disabled_reason,
                             f"; GPU {', '.join(map(str, self._requested or ()))} ignored" if ignored else "")
-            if self.export is not False and self._daemons.one_view and kind == "api":
+            if own and self.export is not False and self._daemons.one_view:
                 self._export(self.env())
         except BaseException:
             self._state = "failed"
             with contextlib.suppress(Exception):
-                self._teardown(release=claim is None)
+                self._teardown(release=own)
             raise
         self._state = "running"
         return self
-
-    def _make_directory(self, kind: str, name: str | None, claim: SessionClaim | None) -> None:
-        self._claim = claim or SessionClaim.make(self.base, kind, name, self.keep_logs)
-        self._claim.add_gpus([g.uuid for g in self.gpus], [group[0].index for group in self._daemons.groups()])
 
     def _start_daemons(self, server: str, meanwhile: Callable[[], object] | None) -> None:
         assert self.dirs is not None
