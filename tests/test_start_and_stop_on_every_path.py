@@ -19,12 +19,14 @@ import pytest
 from helpers import (
     PATHS,
     Output,
+    control_logs,
     descendants,
     fake,
     handles,
     job_argv,
     mpiexec,
     per_node_ranks,
+    remove_kept,
     running,
     settle,
     wait_for,
@@ -292,6 +294,22 @@ def test_a_refused_rank_is_said_once(fake_gpu, path):
     assert len(ours(out.stderr)) == 1 and "too little for a CUDA context" in out.stderr, out.stderr
     settle(fake_gpu)
 
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_mem_limit_that_cannot_be_honoured_starts_no_daemon(fake_gpu, path):
+    """--mem-limit auto with too little free memory for 3 ranks is refused as an error before any MPS daemon starts,
+    on every path (under --per-node and --hosts the node's daemon once started first, and --hosts lost "error:")."""
+    fake_gpu.set_free_memory(300 << 20)
+    out = subprocess.run(job_argv(path, ["--mem-limit", "auto", "--keep-logs"], ["true"], ranks=3),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    said = [line for line in ours(out.stderr) if "too little for a CUDA context" in line]
+    assert said and said[0].startswith("mpsrun: error: --mem-limit auto"), out.stderr
+    assert control_logs(fake_gpu) == [], "a daemon was started"
+    if fake_gpu.session_dirs():
+        remove_kept(fake_gpu)
+    settle(fake_gpu)
 
 # -- a fourth pass --------------------------------------------------------------------------------------------------
 

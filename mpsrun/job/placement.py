@@ -106,7 +106,9 @@ class NodePlan:
         sharing = () if local_size is None or ngpus < 1 else tuple(_sharing(config, local_size, ngpus, ""))
         try:
             limits, refused = _mem_limits(config, local_size, ngpus, free), None
-        except ConfigError as exc:  # --mem-limit auto without the node's size: the daemons get no default limit
+        except ConfigError as exc:  # what cannot be honoured at all is refused before anything starts; auto without
+            if local_size is not None:  # the node's size: the daemons get no default limit, each rank a refusal
+                raise
             limits, refused = [None] * max(ngpus, 1), exc
         return cls(config, ngpus, local_size, tuple(free), sharing, tuple(limits), refused)
 
