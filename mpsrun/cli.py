@@ -112,27 +112,43 @@ def main(argv: Sequence[str] | None = None, pending: Sequence[int] = ()) -> int:
     :mod:`mpsrun._entry` during the imports; later, while options are read and modules
     imported) gives one line and 128+N, never a traceback.
     """
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
         with Interrupts():
             if pending:
                 raise InterruptionError(signal=pending[0])
-            return _main(list(sys.argv[1:] if argv is None else argv))
+            return _main(args)
     except InterruptionError as exc:
-        _print_error(f"{exc} before the job started")
+        if _per_node(args):  # every rank got the signal: said once, as a rank stopped before its start says it
+            from mpsrun.rank.join import report_interrupt
+
+            report_interrupt(exc, _local_rank())
+        else:
+            _print_error(f"{exc} before the job started")
         return exc.exit_code
+
+
+def _per_node(args: list[str]) -> bool:
+    """Whether this command line is a --per-node rank's (every rank of the job reads the same one)."""
+    return "--per-node" in (args[: args.index("--")] if "--" in args else args)
+
+
+def _local_rank() -> int | None:
+    from mpsrun.rank.identity import identity_from_env
+
+    identity = identity_from_env(os.environ)
+    return identity.local_rank if identity is not None else None
 
 
 def _usage_error(args: list[str], exc: ConfigError) -> None:
     """Say what is wrong with the command line; under --per-node, where every rank reads the same one, through
     the route every rank that cannot start takes (said once: by the node's first rank, or the job's controller)."""
-    if "--per-node" not in (args[: args.index("--")] if "--" in args else args):
+    if not _per_node(args):
         _print_error(f"{exc} (see mpsrun --help)")
         return
-    from mpsrun.rank.identity import identity_from_env
     from mpsrun.rank.join import report_failure
 
-    identity = identity_from_env(os.environ)
-    report_failure(exc, identity.local_rank if identity is not None else None)
+    report_failure(exc, _local_rank())
 
 
 def _main(args: list[str]) -> int:

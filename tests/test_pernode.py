@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 from helpers import FAKECUDA, wait_ready
 
+from mpsrun.config.commandline import parse_args
+from mpsrun.errors import ConfigError
+from mpsrun.node.pernode import run_per_node
 from mpsrun.rank.identity import RankIdentity, identity_from_env, job_key, slurm_tasks_on_node
 
 
@@ -179,3 +182,11 @@ def test_host_arguments_per_flavour(tmp_path):
     assert host_arguments("mpich", hostfile=str(hostfile)) == ["-f", str(hostfile)]
     with pytest.raises(ConfigError, match="cannot tell how this mpiexec takes hosts"):
         host_arguments("unknown", ["a"])
+
+
+def test_a_rank_beyond_the_jobs_size_is_refused():
+    """A launcher that gives a rank's number but not the job's size, under -np 3: rank 5 is refused as impossible
+    before anything starts (its size came from -np after the check, and rank 5 of 3 was welcomed and ran)."""
+    config = parse_args(["--per-node", "-np", "3", "true"], environ={})
+    with pytest.raises(ConfigError, match="rank 5 of 3"):
+        run_per_node(config, {"PMI_RANK": "5", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1"})

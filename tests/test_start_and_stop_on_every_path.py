@@ -111,6 +111,27 @@ def test_a_second_ctrl_c_under_per_node_kills_at_once(fake_gpu, short_tmp):
     settle(fake_gpu)
 
 
+def test_a_second_ctrl_c_to_every_rank_is_said_once(fake_gpu, short_tmp):
+    """Two SIGINTs a second apart to each of three per-node ranks' mpsruns (a terminal's Ctrl-C reaches them all),
+    whose ranks ignore them: killed at once, and the second interrupt said once (it was said 2-3 times)."""
+    job = subprocess.Popen([mpiexec(), "-n", "3", sys.executable, "-m", "mpsrun", "--per-node", "--grace", "60",
+                            sys.executable, "-c", IGNORE_TERM, str(short_tmp)], stderr=subprocess.PIPE, text=True)
+    err = Output(job.stderr)
+    wait_for(lambda: len(list(short_tmp.iterdir())) == 3, what="the ranks did not start", proc=job)
+    ranks = per_node_ranks(job)
+    for rank in ranks:
+        rank.send_signal(signal.SIGINT)
+    err.wait_for("received SIGINT", proc=job)
+    time.sleep(2 * SAME_INTERRUPT)  # the rule is one of time: a SIGINT again within this is the same Ctrl-C
+    for rank in ranks:
+        with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):  # the first one's may end the others
+            rank.send_signal(signal.SIGINT)
+    job.wait(timeout=30)
+    text = err.text()
+    assert text.count("second interrupt") == 1, text
+    settle(fake_gpu)
+
+
 def test_a_signal_during_the_imports_is_one_line(fake_gpu):
     """A SIGINT that arrives while the command's modules are still being imported: one line and 130, no
     KeyboardInterrupt traceback (it used to be one within about 0.2 s of the start)."""
@@ -297,15 +318,18 @@ def test_a_refused_rank_is_said_once(fake_gpu, path):
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_a_mem_limit_that_cannot_be_honoured_starts_no_daemon(fake_gpu, path):
-    """--mem-limit auto with too little free memory for 3 ranks is refused as an error before any MPS daemon starts,
-    on every path (under --per-node and --hosts the node's daemon once started first, and --hosts lost "error:")."""
+@pytest.mark.parametrize(("option", "words"), [(["--mem-limit", "auto"], "--mem-limit auto: 3 rank(s)"),
+                                               (["--thread-percentage", "10,20"], "--thread-percentage lists 2 values")])
+def test_a_limit_that_cannot_be_honoured_starts_no_daemon(fake_gpu, path, option, words):
+    """--mem-limit auto with too little free memory for 3 ranks, or a --thread-percentage list of 2 for 3 ranks, is
+    refused as one error before any MPS daemon starts, on every path (under --per-node and --hosts the node's daemon
+    started first, and --hosts said it without "error:")."""
     fake_gpu.set_free_memory(300 << 20)
-    out = subprocess.run(job_argv(path, ["--mem-limit", "auto", "--keep-logs"], ["true"], ranks=3),
+    out = subprocess.run(job_argv(path, [*option, "--keep-logs"], ["true"], ranks=3),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
-    said = [line for line in ours(out.stderr) if "too little for a CUDA context" in line]
-    assert said and said[0].startswith("mpsrun: error: --mem-limit auto"), out.stderr
+    said = [line for line in ours(out.stderr) if words in line]
+    assert len(said) == 1 and said[0].startswith(f"mpsrun: error: {words}"), out.stderr
     assert control_logs(fake_gpu) == [], "a daemon was started"
     if fake_gpu.session_dirs():
         remove_kept(fake_gpu)
@@ -361,3 +385,15 @@ def test_a_session_not_running_hands_out_nothing(fake_gpu):
     for call in (session.env, session.clients):
         with pytest.raises(MPSError, match="closed"):
             call()
+
+
+@pytest.mark.parametrize(("local_rank", "lines"), [("0", 1), ("1", 0)])
+def test_an_interrupt_before_a_per_node_start_is_said_once_per_node(local_rank, lines):
+    """A stopping signal that reached every per-node rank's mpsrun while it was still importing (noted by the entry
+    point, then raised): said by the node's first rank only, exit 130 for each (each of 12 ranks said it)."""
+    code = "import sys, signal\nfrom mpsrun.cli import main\nsys.exit(main(['--per-node', 'true'], [signal.SIGINT]))"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MPSRUN_CONTROL")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**env, "MPI_LOCALRANKID": local_rank, "MPI_LOCALNRANKS": "2"})
+    assert out.returncode == 130, out.stderr
+    assert len(ours(out.stderr)) == lines and out.stderr.count("interrupted by SIGINT") == lines, out.stderr

@@ -30,6 +30,7 @@ __all__ = [
     "GpuList",
     "MemLimit",
     "ThreadSpec",
+    "check_shares",
     "hostfile_lines",
     "mib_text",
     "parse_choice",
@@ -166,6 +167,13 @@ def parse_thread_spec(value: object, setting: str = "--thread-percentage") -> Th
             raise ConfigError(f"{setting} lists no value", setting=setting, value=value)
         return tuple(parse_thread_percentage(part, setting=setting) for part in parts)
     return parse_thread_percentage(value, setting=setting)
+
+
+def check_shares(spec: ThreadSpec, ranks: int | None) -> None:
+    """A --thread-percentage list gives one value per rank of the job (``ranks``, when known)."""
+    if isinstance(spec, tuple) and ranks is not None and len(spec) != ranks:
+        raise ConfigError(f"--thread-percentage lists {len(spec)} values but there are {ranks} ranks; give one value "
+                          "per rank, a single value, or auto", setting="--thread-percentage", value=spec)
 
 
 def parse_mem_limit(value: object, setting: str = "mem_limit") -> int | Auto:

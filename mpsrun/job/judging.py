@@ -33,6 +33,7 @@ class Judging:
         self._deadline = Deadline(None)  # --timeout's, once armed
         self._aborting: Link | None = None  # the link of a rank whose MPI_Abort ends the job's ranks
         self._refusals: set[str] = set()  # refusals already said
+        self._killing = False  # a second interrupt came: the ranks are being killed
 
     def result(self, teardown_failure: str = "", late_signal: int | None = None) -> JobResult:
         ranks = self.controller.ranks.values()
@@ -72,7 +73,9 @@ class Judging:
     def stop_signal(self, sig: int, first: bool) -> None:
         controller = self.controller
         if not first and sig == signal.SIGINT:
-            controller.note("second interrupt: killing the ranks now")
+            if not self._killing:  # each rank's supervisor may pass the user's second Ctrl-C on: said once
+                controller.note("second interrupt: killing the ranks now")
+            self._killing = True
             controller.kill_now()
         elif first:
             controller.note(f"received {signal_name(sig)}; stopping the ranks")

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from mpsrun.config.options import JobConfig, differing_options
+from mpsrun.config.values import check_shares
 from mpsrun.errors import ConfigError, InterruptionError, MPSError
 from mpsrun.exitcodes import ExitCode
 from mpsrun.job.channel import free_port, rendezvous
@@ -54,6 +55,7 @@ __all__ = ["NodeKeeper", "failure_answer", "main", "turn_away"]
 def _start_session(config: JobConfig, request: KeeperRequest, deadline: Deadline,
                    claim: SessionClaim) -> NodeSession:
     """The node's MPS session, planned for the node's ranks and started in ``claim``."""
+    check_shares(config.thread_percentage, request.world_size)  # before anything starts: said once, by the node
     local = NodeSession(config, deadline)
     local.plan(request.local_size)
     local.start("this node's", claim)

@@ -66,6 +66,7 @@ class KeeperRequest(NamedTuple):
     token: str = ""
     starter: int | None = None
     launcher: tuple[int, int] | None = None  # the starting rank's parent (pid, start time): the node's launcher
+    world_size: int | None = None  # the job's ranks, as the starting rank's launcher says
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> KeeperRequest:
@@ -84,7 +85,8 @@ def _start_keeper(base: Path, name: str, config: JobConfig, identity: RankIdenti
     so it is closed only once this rank has joined (or when this process ends)."""
     request = KeeperRequest(name, str(base), config.to_json(), identity.local_world_size,
                             os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get(CONTROL_VARIABLE),
-                            os.environ.get(TOKEN_VARIABLE, ""), identity.rank, ProcessRef.of(os.getppid()))
+                            os.environ.get(TOKEN_VARIABLE, ""), identity.rank, ProcessRef.of(os.getppid()),
+                            identity.world_size)
     keeper = subprocess.Popen(own_module("mpsrun.node.keeper"), stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
     assert keeper.stdin is not None and keeper.stdout is not None
@@ -183,11 +185,11 @@ def run_per_node(config: JobConfig, environ: Mapping[str, str] | None = None) ->
     if identity is None:
         raise MPSError("--per-node: no local-rank variable from the launcher (OMPI_COMM_WORLD_LOCAL_RANK, "
                        "MPI_LOCALRANKID, SLURM_LOCALID, ...): start mpsrun --per-node with srun or mpiexec")
+    if identity.world_size is None and config.nranks is not None:
+        identity = RankIdentity(identity.rank, identity.local_rank, config.nranks, identity.local_world_size)
     if (impossible := identity.impossible()) is not None:  # said by every such rank: its own variables
         raise ConfigError(f"--per-node: the launcher's variables do not fit together: {impossible}",
                           setting="launcher", value=identity.to_json())
-    if identity.world_size is None and config.nranks is not None:
-        identity = RankIdentity(identity.rank, identity.local_rank, config.nranks, identity.local_world_size)
     if (config.mpiexec or config.mpiexec_args) and CONTROL_VARIABLE not in env and identity.local_rank == 0:
         say("mpsrun: warning: --mpiexec and --mpiexec-arg have no effect with --per-node (the launcher that started "
             "this rank is the job's)")

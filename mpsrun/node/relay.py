@@ -44,7 +44,7 @@ class Relaying:
         """A refusal is said once, by the job's controller: it is the job's summary line."""
         if refusal and refusal not in self._refusals:
             self._refusals.add(refusal)
-            self.upstream.send(Found(refusal.removeprefix("mpsrun: error: "), True, code))
+            self.upstream.send(Found(refusal.removeprefix("mpsrun: "), True, code))  # "error: ...", as the job says
         return ""
 
     def refusal_code(self) -> int:
