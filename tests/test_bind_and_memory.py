@@ -8,6 +8,7 @@ rank 1 (each rank saw one GPU). And JAX ranks preallocate 75% of what they see a
 import json
 import re
 import subprocess
+import sys
 
 import pytest
 from helpers import PATHS, fake, reports, run_job, settle
@@ -111,3 +112,19 @@ def test_mem_limit_auto_in_the_api(fake_gpu):
 def test_auto_mem_limit_formula(free_mib, ranks, expected):
     """Free memory less the server's 128 MiB, split among the ranks (each limit counts its rank's context)."""
     assert auto_mem_limit(free_mib << 20, ranks) == expected
+
+
+SHOW_QUEUES = "import os; os.write(1, (str(os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')) + '\\n').encode())"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_each_mps_rank_gets_its_queues_unless_the_caller_set_them(path, fake_gpu, monkeypatch):
+    """Four ranks under MPS get CUDA_DEVICE_MAX_CONNECTIONS=8 (their server's budget allows a plain process's), and a
+    caller's own value reaches them unchanged, on every path."""
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    out = run_job(path, ["--mps", "on"], [sys.executable, "-c", SHOW_QUEUES], ranks=4)
+    assert out.returncode == 0 and out.stdout.splitlines() == ["8"] * 4, out.stderr
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "3")
+    out = run_job(path, ["--mps", "on"], [sys.executable, "-c", SHOW_QUEUES], ranks=4)
+    assert out.returncode == 0 and out.stdout.splitlines() == ["3"] * 4, out.stderr
+    settle(fake_gpu)

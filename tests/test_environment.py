@@ -24,7 +24,7 @@ from mpsrun.runtime.constants import LAUNCHER_PREFIXES
 DOCUMENTED = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MPSRUN_RANK", "MPSRUN_GPU", "MPSRUN_SESSION_DIR",
               "CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "MASTER_ADDR", "MASTER_PORT",
               "XLA_PYTHON_CLIENT_MEM_FRACTION", "NCCL_DEBUG", "NCCL_DEBUG_FILE", "NCCL_MULTI_RANK_GPU_ENABLE",
-              "NCCL_MAX_CTAS", "CUDA_LOG_FILE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
+              "NCCL_MAX_CTAS", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_LOG_FILE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
               "ROLE_NAME", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"}
 #: Open MPI narrows OCL_ICD_FILENAMES for its processes; where no mpsrun process knows the caller's value (a bare
 #: --per-node, --hosts) the rank has the launcher's, as under mpirun (README, "The command").

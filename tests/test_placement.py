@@ -98,6 +98,26 @@ def test_a_node_of_ten_thousand_ranks_is_planned_whole(policy, expected):
     assert all(p.mem_limit == ((2 << 20) - 128) // expected[p.gpu] for p in plans)
 
 
+@pytest.mark.parametrize(("ranks", "expected"), [(1, "8"), (8, "8"), (16, "7"), (48, "2")])
+def test_mps_clients_get_their_share_of_the_servers_queues(ranks, expected):
+    """A rank under MPS gets CUDA_DEVICE_MAX_CONNECTIONS as a plain process has them (8) while its server's 112 last,
+    else its share: 1, 8, 16 and 48 ranks on one GPU get 8, 8, 7 and 2 (an MPS client gets 2 unless told)."""
+    node = NodePlan.make(config(), 1, ranks)
+    given = welcome(RankIdentity(0, 0, ranks, ranks), node, lambda gpu: MPS_GPUS[gpu], False).welcome
+    assert [group for group in given.defaults if "CUDA_DEVICE_MAX_CONNECTIONS" in group] == [
+        {"CUDA_DEVICE_MAX_CONNECTIONS": expected}]
+
+
+def test_the_queues_are_planned_per_server_and_only_under_mps():
+    """Under --gpu-bind none one server serves every rank of the node (16 ranks on 2 GPUs: 7 each); a rank without
+    MPS gets no planned queue count."""
+    node = NodePlan.make(config(gpu_bind="none"), 2, 16)
+    given = welcome(RankIdentity(3, 3, 16, 16), node, lambda gpu: MPS_GPUS[gpu], False).welcome
+    assert {"CUDA_DEVICE_MAX_CONNECTIONS": "7"} in given.defaults
+    alone = welcome(RankIdentity(0, 0, 1, 1), NodePlan.make(config(), 1, 1), lambda gpu: GpuTarget("GPU-a"), False)
+    assert not any("CUDA_DEVICE_MAX_CONNECTIONS" in group for group in alone.welcome.defaults)
+
+
 def test_rank_environment_carries_gpu_limits_and_rank_variables():
     """A rank gets its GPU's daemon variables, its limits (only under MPS) and its rank variables (torchrun's
     layout among them)."""

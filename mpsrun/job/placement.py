@@ -15,7 +15,7 @@ from mpsrun.config.options import JobConfig
 from mpsrun.config.values import AUTO, Auto, check_shares
 from mpsrun.errors import ConfigError
 from mpsrun.mps.environment import MANAGED_VARIABLES, GpuTarget, worker_variables
-from mpsrun.mps.limits import DaemonDefaults, auto_mem_limits
+from mpsrun.mps.limits import DaemonDefaults, auto_mem_limits, client_connections
 from mpsrun.rank.frameworks import TORCHRUN_DEFAULTS, rank_defaults, shared_gpu_defaults, torchrun_layout
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import (
@@ -41,6 +41,7 @@ class RankPlan:
     mem_limit: int | None = None  # MiB
     priority: int | None = None
     sharers: int | None = None  # the node's ranks on its GPU (under --gpu-bind none: spread evenly), when known
+    clients: int | None = None  # the node's ranks its MPS server serves (all of them under --gpu-bind none), when known
 
 
 def gpu_of_rank(local_rank: int, local_size: int | None, ngpus: int, policy: str) -> int:
@@ -128,8 +129,10 @@ class NodePlan:
             return RankPlan(identity.rank, 0, None, plan.mem_limits[0], config.priority)
         gpu = 0 if config.gpu_bind == "none" else gpu_of_rank(identity.local_rank, plan.local_size, plan.ngpus,
                                                               config.map_by)
+        sharers = plan.sharing[gpu] if plan.sharing else None
+        clients = plan.local_size if config.gpu_bind == "none" else sharers
         return RankPlan(identity.rank, gpu, plan._percentage(identity, gpu), plan.mem_limits[gpu], config.priority,
-                        plan.sharing[gpu] if plan.sharing else None)
+                        sharers, clients)
 
     def ranks(self, count: int) -> list[RankPlan]:
         """Every rank of a one-node job of ``count`` ranks (all local), checked before anything starts."""
@@ -254,6 +257,8 @@ def welcome(identity: RankIdentity, node: NodePlan, target_of: Callable[[int], G
     defaults = [{name: value} for name, value in TORCHRUN_DEFAULTS.items()]  # each alone: one the caller set wins
     defaults += shared_gpu_defaults(env, plan.sharers, target.multiprocessors if target else None)
     defaults += rank_defaults(env, identity.rank)
+    if "CUDA_MPS_PIPE_DIRECTORY" in env and plan.clients is not None:  # an MPS client: its hardware queues, planned
+        defaults.append({"CUDA_DEVICE_MAX_CONNECTIONS": str(client_connections(plan.clients))})
     sent = Welcome(env, defaults, list(MANAGED_VARIABLES), restore, config.tag_output, config.grace, config.timeout,
                    mpi4py_abort, output_lock, config.output_filename, [])
     return Admission(sent, _unlimited_gpu(plan, ngpus))
