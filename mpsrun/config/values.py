@@ -201,9 +201,9 @@ def mib_text(mib: int) -> str:
     return f"{mib // 1024}G" if mib % 1024 == 0 else f"{mib}M"
 
 
-def mem_limit_text(limit: MemLimit) -> str:
+def mem_limit_text(limit: int | Auto) -> str:
     """``--mem-limit``'s value as given on a command line."""
-    return "none" if limit is None else str(limit) if limit == AUTO else mib_text(int(limit))
+    return str(limit) if limit == AUTO else mib_text(int(limit))
 
 
 def parse_priority(value: object, setting: str = "priority") -> int:

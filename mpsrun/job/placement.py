@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from mpsrun.config.options import JobConfig
-from mpsrun.config.values import AUTO, Auto, check_shares
+from mpsrun.config.values import AUTO, Auto
 from mpsrun.errors import ConfigError
 from mpsrun.mps.environment import MANAGED_VARIABLES, GpuTarget, worker_variables
 from mpsrun.mps.limits import DaemonDefaults, auto_mem_limits, client_connections
@@ -104,7 +104,6 @@ class NodePlan:
 
     @classmethod
     def make(cls, config: JobConfig, ngpus: int, local_size: int | None, free: Sequence[int] = ()) -> NodePlan:
-        check_shares(config.thread_percentage, config.nranks)
         sharing = () if local_size is None or ngpus < 1 else tuple(_sharing(config, local_size, ngpus, ""))
         try:
             limits, refused = _mem_limits(config, local_size, ngpus, free), None

@@ -20,7 +20,7 @@ import socket
 import time
 import types
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, get_args, get_origin
 
 from mpsrun.exitcodes import ExitCode
 from mpsrun.runtime.constants import CONNECT_TIMEOUT
@@ -165,15 +165,13 @@ def _fits(value: object, hint: object) -> bool:
         return True
     if hint is type(None):
         return value is None
-    if isinstance(hint, types.UnionType):
-        return any(_fits(value, arm) for arm in hint.__args__)
-    origin = getattr(hint, "__origin__", None)
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is types.UnionType:
+        return any(_fits(value, arm) for arm in args)
     if origin is dict:
-        key, item = hint.__args__  # type: ignore[attr-defined]
-        return isinstance(value, dict) and all(_fits(k, key) and _fits(v, item) for k, v in value.items())
+        return isinstance(value, dict) and all(_fits(k, args[0]) and _fits(v, args[1]) for k, v in value.items())
     if origin is list:
-        (item,) = hint.__args__  # type: ignore[attr-defined]
-        return isinstance(value, list) and all(_fits(v, item) for v in value)
+        return isinstance(value, list) and all(_fits(v, args[0]) for v in value)
     if isinstance(value, bool) and hint is not bool:
         return False
     return isinstance(value, (int, float) if hint is float else hint)  # type: ignore[arg-type]
