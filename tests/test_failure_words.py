@@ -277,10 +277,13 @@ def test_a_python_ranks_traceback_holds_only_the_programs_frames(path, fake_gpu,
 
 @pytest.mark.parametrize("path", PATHS)
 def test_a_missing_python_script_is_pythons_one_line(path, fake_gpu, tmp_path):
-    """``mpsrun -np 2 python nosuchfile.py`` says what ``python nosuchfile.py`` says, once per rank, and exits 2
-    (it printed two 12-line tracebacks of runpy and mpi4py and exited 1)."""
+    """``mpsrun -np 2 python nosuchfile.py`` says what ``python nosuchfile.py`` says, at most once per rank, and exits
+    2 (it printed two 12-line tracebacks of runpy and mpi4py and exited 1). The first rank's abort may end the other
+    before its interpreter gets that far (seen under --hosts on a loaded machine): one line or two."""
     pytest.importorskip("mpi4py")
     out = run_job(path, [], [sys.executable, str(tmp_path / "nosuchfile.py")], ranks=2)
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr
-    assert out.stderr.count("can't open file") == 2, out.stderr
+    said = [line for line in out.stderr.splitlines() if "can't open file" in line]
+    assert 1 <= len(said) <= 2 and all(line.startswith(f"{sys.executable}: can't open file") for line in said), \
+        out.stderr
