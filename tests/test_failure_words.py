@@ -287,3 +287,53 @@ def test_a_missing_python_script_is_pythons_one_line(path, fake_gpu, tmp_path):
     said = [line for line in out.stderr.splitlines() if "can't open file" in line]
     assert 1 <= len(said) <= 2 and all(line.startswith(f"{sys.executable}: can't open file") for line in said), \
         out.stderr
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_more_hardware_queues_than_a_gpu_has_is_said_with_the_way_out(path, fake_gpu, clean, monkeypatch):
+    """16 ranks on one GPU that each ask 8 hardware queues (the caller's CUDA_DEVICE_MAX_CONNECTIONS) want 128 of the
+    126 a GPU has under MPS, and one cannot create its context (on the H100: cudaErrorMemoryAllocation at
+    cudaSetDevice, and mpsrun said only 'rank 14 exited with code 1 first'). The summary names the cause and the two
+    ways out, on every path."""
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    out = run_job(path, ["--mps", "on"], fake("--hold", "30"), ranks=16)
+    assert out.returncode == 1
+    line = summary(out)
+    assert "exited with code 1 first: 16 MPS clients on one GPU asked 8 hardware queues each " \
+        "(CUDA_DEVICE_MAX_CONNECTIONS), 128 in all, more than the 126 a GPU has under MPS, so some could not create a " \
+        "CUDA context: unset CUDA_DEVICE_MAX_CONNECTIONS for mpsrun to plan it, or set at most 7" in line, line
+    assert settle(fake_gpu)
+
+
+def test_hardware_queues_that_fit_start_every_rank(fake_gpu, clean, monkeypatch):
+    """15 ranks asking 8 queues each (120 of the GPU's 126) all start, and so do 16 with mpsrun's planned 7: the
+    summary above is not said of a job whose queues fit."""
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    assert run_job("local", ["--mps", "on"], fake(), ranks=15).returncode == 0
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    out = run_job("local", ["--mps", "on"], fake(), ranks=16)
+    assert out.returncode == 0, out.stderr
+    assert settle(fake_gpu)
+
+
+#: A CuPy rank that creates its context and runs one kernel.
+CUPY_ONE_KERNEL = "import cupy; cupy.ones(8).sum(); cupy.cuda.Device().synchronize()"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
+def test_the_real_gpus_hardware_queues_run_out_as_the_summary_says(path, monkeypatch):
+    """16 CuPy ranks on GPU 0 with CUDA_DEVICE_MAX_CONNECTIONS=8 ask 128 queues: on the H100 a context fails (there
+    cudaErrorMemoryAllocation at cudaSetDevice), and the summary names the queues and the way out; the same 16 ranks
+    with mpsrun's planned 7 each, and 15 with 8 (120), all run."""
+    pytest.importorskip("cupy")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    argv = gpu_job_argv(path, [], [sys.executable, "-c", CUPY_ONE_KERNEL], ranks=16)
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "16 MPS clients on one GPU asked 8 hardware queues each" in summary(out), out.stderr
+    out = subprocess.run(gpu_job_argv(path, [], [sys.executable, "-c", CUPY_ONE_KERNEL], ranks=15),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr

@@ -15,6 +15,7 @@ from mpsrun.config.values import (
     parse_thread_spec,
 )
 from mpsrun.errors import ConfigError
+from mpsrun.rank.frameworks import queue_overflow
 
 
 @pytest.mark.parametrize(("value", "expected"), [(1, 1), (100, 100), ("25", 25), (" 50 ", 50)])
@@ -107,3 +108,16 @@ def test_thread_spec_text_and_values():
     for bad in ("10,x", "10,,20", [], "0"):
         with pytest.raises(ConfigError):
             parse_thread_spec(bad)
+
+
+@pytest.mark.parametrize(("asked", "clients", "said"), [("8", 16, True), ("8", 15, False), ("16", 8, True),
+                                                         ("3", 42, False), (None, 48, False), ("many", 16, False),
+                                                         ("8", None, False)])
+def test_an_overflow_of_a_gpus_hardware_queues_is_found(asked, clients, said):
+    """Clients x CUDA_DEVICE_MAX_CONNECTIONS beyond the GPU's 126 queues explain a failed rank (16 x 8, 8 x 16); within
+    them (15 x 8, 42 x 3), unset, unreadable, or with the clients unknown (--gpu-bind none), nothing is said."""
+    env = {} if asked is None else {"CUDA_DEVICE_MAX_CONNECTIONS": asked}
+    found = queue_overflow(env, clients, 126)
+    assert bool(found) is said
+    if said:
+        assert f"{int(asked) * clients} in all" in found and f"set at most {126 // clients}" in found

@@ -100,20 +100,24 @@ def test_a_node_of_ten_thousand_ranks_is_planned_whole(policy, expected):
 
 @pytest.mark.parametrize(("ranks", "expected"), [(1, "8"), (8, "8"), (16, "7"), (48, "2")])
 def test_mps_clients_get_their_share_of_the_servers_queues(ranks, expected):
-    """A rank under MPS gets CUDA_DEVICE_MAX_CONNECTIONS as a plain process has them (8) while its server's 112 last,
-    else its share: 1, 8, 16 and 48 ranks on one GPU get 8, 8, 7 and 2 (an MPS client gets 2 unless told)."""
+    """A rank under MPS gets CUDA_DEVICE_MAX_CONNECTIONS as a plain process has them (8) while its GPU's 126 last,
+    else its share: 1, 8, 16 and 48 ranks on one GPU get 8, 8, 7 and 2 (an MPS client gets 2 unless told). Its
+    supervisor learns the clients and the queues they share, to explain a context that failed for want of them."""
     node = NodePlan.make(config(), 1, ranks)
     given = welcome(RankIdentity(0, 0, ranks, ranks), node, lambda gpu: MPS_GPUS[gpu], False).welcome
     assert [group for group in given.defaults if "CUDA_DEVICE_MAX_CONNECTIONS" in group] == [
         {"CUDA_DEVICE_MAX_CONNECTIONS": expected}]
+    assert (given.gpu_clients, given.gpu_queues) == (ranks, 126)
 
 
 def test_the_queues_are_planned_per_server_and_only_under_mps():
-    """Under --gpu-bind none one server serves every rank of the node (16 ranks on 2 GPUs: 7 each); a rank without
-    MPS gets no planned queue count."""
+    """Under --gpu-bind none one server serves every rank of the node, which may all pick one GPU (16 ranks on 2 GPUs:
+    7 each), and which GPU each uses is not known (no clients per GPU are sent); a rank without MPS gets no planned
+    queue count."""
     node = NodePlan.make(config(gpu_bind="none"), 2, 16)
     given = welcome(RankIdentity(3, 3, 16, 16), node, lambda gpu: MPS_GPUS[gpu], False).welcome
     assert {"CUDA_DEVICE_MAX_CONNECTIONS": "7"} in given.defaults
+    assert (given.gpu_clients, given.gpu_queues) == (None, None)
     alone = welcome(RankIdentity(0, 0, 1, 1), NodePlan.make(config(), 1, 1), lambda gpu: GpuTarget("GPU-a"), False)
     assert not any("CUDA_DEVICE_MAX_CONNECTIONS" in group for group in alone.welcome.defaults)
 

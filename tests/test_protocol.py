@@ -50,10 +50,10 @@ def test_a_message_is_encoded_only_as_declared():
     """encode() refuses a field of the wrong type (a bool for a number, a number for a text, a list of the wrong
     items), and what it writes decodes to the same message."""
     assert decode(encode(SignalRanks(15, [0, 1]))) == SignalRanks(15, [0, 1])
-    welcome = Welcome({"A": "1"}, [{"B": "2"}], ["C"], {"D": None}, True, 5, None, False, None, None, ["said"])
+    welcome = Welcome({"A": "1"}, [{"B": "2"}], ["C"], {"D": None}, True, 5, None, False, None, None, 3, 126, ["said"])
     assert decode(encode(welcome)) == welcome
     for wrong in (SignalRanks("15"), Verdict(0, True), SignalRanks(15, ["0"]), Note(None),  # type: ignore[arg-type]
-                  Welcome({"A": 1}, [], [], {}, True, 5, None, False, None, None, [])):  # type: ignore[dict-item]
+                  Welcome({"A": 1}, [], [], {}, True, 5, None, False, None, None, None, None, [])):  # type: ignore[dict-item]
         with pytest.raises(ValueError, match="not a"):
             encode(wrong)
 

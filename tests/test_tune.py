@@ -86,6 +86,8 @@ def test_a_failing_setting_is_reported_and_the_rest_go_on(fake_gpu):
     (["--ranks", "1,"], "--ranks"), (["-n4"], "give --ranks"), (["--np=4"], "give --ranks"),
     (["--per-node"], "--per-node"), (["--version"], "--version"), (["--repeats", "100000"], "--repeats"),
     (["--plot", "/nonexistent/x.png"], "--plot"), (["--plot", ""], "--plot"), (["--dry-run"], "--dry-run starts nothing"),
+    (["--queues", "auto,0"], "--queues"), (["--queues", "33"], "1 to 32"), (["--queues", "many"], "--queues"),
+    (["-x", "CUDA_DEVICE_MAX_CONNECTIONS=4"], "as --queues"),
 ])
 def test_bad_settings_are_one_line_and_exit_2_before_anything_runs(fake_gpu, short_tmp, args, why):
     """A bad list value, an option tune sets itself, an unknown job option, --dry-run (whose trials measured nothing and
@@ -111,7 +113,7 @@ def test_the_budget_leaves_out_what_it_cannot_reach_and_says_which(fake_gpu):
                 "-c", program)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    assert result["dropped"] == [{"ranks": 64, "mps": "off", "thread_percentage": None}]
+    assert result["dropped"] == [{"ranks": 64, "mps": "off", "thread_percentage": None, "queues": None}]
     assert [t["ranks"] for t in result["trials"]] == [1] and "leaves out -np 64 --mps off" in out.stderr
     settle(fake_gpu)
 
@@ -142,6 +144,26 @@ def test_the_python_api_returns_the_trials_and_the_best(fake_gpu):
     assert result.recommended is result.best and result.best.setting.ranks == 2 and result.best.median == 200
     with pytest.raises(ConfigError):
         mpsrun.tune(["true"], ranks=[0])
+    settle(fake_gpu)
+
+
+#: Each rank prints one more than its hardware queues (CUDA_DEVICE_MAX_CONNECTIONS; none outside MPS).
+QUEUES_SEEN = "import os; print('rate:', 1 + int(os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 0)))"
+
+
+def test_queue_counts_are_tried_under_mps_and_the_callers_is_not_passed_on(fake_gpu, monkeypatch):
+    """--queues auto,2 tries each rank's hardware queues as mpsrun plans them (8 for 2 ranks on a GPU) and as MPS's
+    default (2), with MPS only; the caller's own CUDA_DEVICE_MAX_CONNECTIONS (5) reaches no trial, and the table and
+    the JSON name each trial's count."""
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "5")
+    out = _tune("--ranks", "2", "--mps", "on,off", "--queues", "auto,2", "--repeats", "1", "--metric", r"rate: (\S+)",
+                "--json", "--", sys.executable, "-c", QUEUES_SEEN)
+    assert out.returncode == 0, out.stderr
+    trials = json.loads(out.stdout)["trials"]
+    assert [(t["mps"], t["queues"], t["throughput"]) for t in trials] == [("on", None, 18), ("on", 2, 6),
+                                                                         ("off", None, 2)]
+    table = format_report(TuneResult.from_json(json.loads(out.stdout)), 1)
+    assert "queues" in table.splitlines()[1] and "mpsrun -np 2 --mps on --" in table, table
     settle(fake_gpu)
 
 

@@ -15,7 +15,7 @@ from mpsrun.config.options import JobConfig
 from mpsrun.config.values import AUTO, Auto
 from mpsrun.errors import ConfigError
 from mpsrun.mps.environment import MANAGED_VARIABLES, GpuTarget, worker_variables
-from mpsrun.mps.limits import DaemonDefaults, auto_mem_limits, client_connections
+from mpsrun.mps.limits import GPU_CONNECTIONS, DaemonDefaults, auto_mem_limits, client_connections
 from mpsrun.rank.frameworks import TORCHRUN_DEFAULTS, rank_defaults, shared_gpu_defaults, torchrun_layout
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import (
@@ -256,10 +256,13 @@ def welcome(identity: RankIdentity, node: NodePlan, target_of: Callable[[int], G
     defaults = [{name: value} for name, value in TORCHRUN_DEFAULTS.items()]  # each alone: one the caller set wins
     defaults += shared_gpu_defaults(env, plan.sharers, target.multiprocessors if target else None)
     defaults += rank_defaults(env, identity.rank)
-    if "CUDA_MPS_PIPE_DIRECTORY" in env and plan.clients is not None:  # an MPS client: its hardware queues, planned
-        defaults.append({"CUDA_DEVICE_MAX_CONNECTIONS": str(client_connections(plan.clients))})
+    clients = plan.clients if "CUDA_MPS_PIPE_DIRECTORY" in env else None  # an MPS client's server's, when known
+    if clients is not None:  # its hardware queues, planned
+        defaults.append({"CUDA_DEVICE_MAX_CONNECTIONS": str(client_connections(clients))})
+    gpu_clients = clients if config.gpu_bind == "single" or ngpus == 1 else None
     sent = Welcome(env, defaults, list(MANAGED_VARIABLES), restore, config.tag_output, config.grace, config.timeout,
-                   mpi4py_abort, output_lock, config.output_filename, [])
+                   mpi4py_abort, output_lock, config.output_filename, gpu_clients,
+                   None if gpu_clients is None else GPU_CONNECTIONS, [])
     return Admission(sent, _unlimited_gpu(plan, ngpus))
 
 

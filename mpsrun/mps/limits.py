@@ -11,18 +11,19 @@ from typing import NamedTuple
 
 from mpsrun.errors import ConfigError
 
-__all__ = ["PLAIN_CONNECTIONS", "SERVER_CONNECTIONS", "SERVER_SHARE_MIB", "DaemonDefaults", "auto_mem_limit",
+__all__ = ["GPU_CONNECTIONS", "PLAIN_CONNECTIONS", "SERVER_SHARE_MIB", "DaemonDefaults", "auto_mem_limit",
            "auto_mem_limits", "client_connections", "memory_hint", "stored_mem_limit"]
 
 #: Device memory the MPS server takes (66 MiB measured on an H100), with room to spare.
 SERVER_SHARE_MIB = 128
 #: Below this a rank's CUDA context alone would not fit.
 _SMALLEST_AUTO_MIB = 1024
-#: Hardware work queues (``CUDA_DEVICE_MAX_CONNECTIONS``) one MPS server hands its clients in all. Measured on an
-#: H100, driver 580 (issue 40): clients x connections up to 112 started (13x8, 7x16, 25x4, 3x32), 128 did not (4x32,
-#: 8x16, 16x8: ranks died at cudaSetDevice with cudaErrorMemoryAllocation). Whether other cards or drivers differ is
-#: not measured yet; a caller's own CUDA_DEVICE_MAX_CONNECTIONS is kept.
-SERVER_CONNECTIONS = 112
+#: Hardware work queues (``CUDA_DEVICE_MAX_CONNECTIONS``) an MPS server hands the clients of each of its GPUs in all.
+#: Measured on an H100, driver 580 (issue 40, docs/benchmarks.md): clients x queues of 126 started (42x3, 21x6, 18x7,
+#: 9x14), 128 did not (16x8, 32x4, 8x16, 4x32: a client died at cudaSetDevice with cudaErrorMemoryAllocation). The
+#: budget is each GPU's, not the server's: one server over two GPUs took 14 clients x 16 (7 on each GPU) and refused
+#: 15 (8 on one). Other cards and drivers are not measured; a caller's own CUDA_DEVICE_MAX_CONNECTIONS is kept.
+GPU_CONNECTIONS = 126
 #: What CUDA gives a process outside MPS, and the most mpsrun plans for a rank (an MPS client gets 2 by default).
 PLAIN_CONNECTIONS = 8
 
@@ -62,10 +63,10 @@ def auto_mem_limits(free: Sequence[int], sharing: Sequence[int], shared: bool,
 
 
 def client_connections(clients: int) -> int:
-    """``CUDA_DEVICE_MAX_CONNECTIONS`` for each of one MPS server's ``clients``: as many as a plain process has, within
-    the server's budget. With MPS's default of 2, a program's kernels on more than two streams run one after another
-    (a 32-stream program took three times as long as alone, in every client)."""
-    return max(1, min(PLAIN_CONNECTIONS, SERVER_CONNECTIONS // max(1, clients)))
+    """``CUDA_DEVICE_MAX_CONNECTIONS`` for each of a GPU's ``clients`` under one MPS server: as many as a plain process
+    has, within the GPU's budget. With MPS's default of 2, a program's kernels on more than two streams run one after
+    another (a 32-stream program took three times as long as alone, in every client)."""
+    return max(1, min(PLAIN_CONNECTIONS, GPU_CONNECTIONS // max(1, clients)))
 
 
 def memory_hint(gpu_index: int, free: int, total: int, sharers: int) -> str:

@@ -30,6 +30,7 @@ __all__ = [
     "JAX_PREALLOCATION",
     "failure_reason",
     "nccl_block_cap",
+    "queue_overflow",
     "rank_defaults",
     "shared_gpu_defaults",
     "torchrun_layout",
@@ -106,9 +107,25 @@ def rank_defaults(env: Mapping[str, str], rank: int) -> list[dict[str, str]]:
     return [{"CUDA_LOG_FILE": os.path.join(env[SESSION_DIR_VARIABLE], CUDA_LOG.format(rank=rank))}]
 
 
-def failure_reason(env: Mapping[str, str]) -> str:
-    """Why a rank with this environment failed, when CUDA or NCCL said so where mpsrun asked them to; else ``""``."""
-    return _cuda_reason(env) or _nccl_reason(env)
+def failure_reason(env: Mapping[str, str], gpu_clients: int | None = None, gpu_queues: int | None = None) -> str:
+    """Why a rank with this environment failed: its GPU's MPS clients asked more hardware queues than the GPU has
+    (``gpu_queues`` among ``gpu_clients``), or what CUDA or NCCL said where mpsrun asked them to; else ``""``."""
+    return queue_overflow(env, gpu_clients, gpu_queues) or _cuda_reason(env) or _nccl_reason(env)
+
+
+def queue_overflow(env: Mapping[str, str], clients: int | None, queues: int | None) -> str:
+    """The GPU's ``clients`` each asked the rank's CUDA_DEVICE_MAX_CONNECTIONS, more than its ``queues`` in all: some
+    cannot create a CUDA context (their error says only "out of memory", or that the server ended them). "" else."""
+    try:
+        each = int(env.get("CUDA_DEVICE_MAX_CONNECTIONS", ""))
+    except ValueError:
+        return ""
+    if clients is None or queues is None or each * clients <= queues:
+        return ""
+    return (f"{clients} MPS clients on one GPU asked {each} hardware queues each "
+            f"(CUDA_DEVICE_MAX_CONNECTIONS), {each * clients} in all, more than the {queues} a GPU has under MPS, so "
+            f"some could not create a CUDA context: unset CUDA_DEVICE_MAX_CONNECTIONS for mpsrun to plan it, or set at "
+            f"most {queues // clients}")
 
 
 def _our_log(env: Mapping[str, str], name: str) -> str | None:

@@ -97,6 +97,7 @@ class RankSupervisor:
         self.mpi4py_abort = welcome.mpi4py_abort
         self.lock = welcome.output_lock
         self.output_dir = welcome.output_dir
+        self.gpu_queues = welcome.gpu_clients, welcome.gpu_queues
         self.loop = EventLoop()
         self.process: subprocess.Popen[bytes] | None = None
         self.returncode: int | None = None
@@ -136,7 +137,7 @@ class RankSupervisor:
             return self.reported
         if self.returncode == ExitCode.OK:
             return self._finish(Outcome("ok", ExitCode.OK))
-        return self._finish(Outcome("rank-failed", self.returncode), failure_reason(self.env))
+        return self._finish(Outcome("rank-failed", self.returncode), failure_reason(self.env, *self.gpu_queues))
 
     def _output_files(self) -> list[int]:
         """The rank's stdout and stderr files under ``--output-filename`` (made with the user's umask), or none."""

@@ -97,7 +97,8 @@ class Welcome(NamedTuple):
 
     ``env``: mpsrun's own variables; ``defaults``: groups of variables each given only where the caller set none of
     the group; ``managed``: mpsrun's variables to drop from the caller's; ``restore``: what a launcher rewrote
-    of the caller's environment, put back (None: unset); ``lines``: said once by this rank."""
+    of the caller's environment, put back (None: unset); ``gpu_clients``: the MPS clients on the rank's GPU, where
+    it sees one GPU, and ``gpu_queues`` the hardware queues they share; ``lines``: said once by this rank."""
 
     env: dict[str, str]
     defaults: list[dict[str, str]]
@@ -109,6 +110,8 @@ class Welcome(NamedTuple):
     mpi4py_abort: bool
     output_lock: str | None
     output_dir: str | None
+    gpu_clients: int | None
+    gpu_queues: int | None
     lines: list[str]
 
 

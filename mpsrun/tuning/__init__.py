@@ -25,6 +25,7 @@ from mpsrun.tuning.grid import (
     default_ranks,
     grid,
     parse_mps_list,
+    parse_queues_list,
     parse_ranks_list,
     parse_thread_list,
 )
@@ -78,10 +79,11 @@ def _runnable(settings: list[Setting], progress: Callable[[str], object] | None)
 
 
 def tune(command: Sequence[str], *, ranks: Values | int | None = None, thread_percentage: Values | int = "none",
-         mps: Values = "on,off", repeats: int | str = 3, budget: float | str | None = None, scaling: str = "weak",
-         metric: str | None = None, options: Sequence[str] = (),
-         progress: Callable[[str], object] | None = None) -> TuneResult:
-    """Run ``command`` as mpsrun jobs, one per combination of ``ranks`` x ``mps`` x ``thread_percentage``, each
+         mps: Values = "on,off", queues: Values | int = "auto", repeats: int | str = 3,
+         budget: float | str | None = None, scaling: str = "weak", metric: str | None = None,
+         options: Sequence[str] = (), progress: Callable[[str], object] | None = None) -> TuneResult:
+    """Run ``command`` as mpsrun jobs, one per combination of ``ranks`` x ``mps`` x ``thread_percentage`` x
+    ``queues`` (each rank's hardware queues, CUDA_DEVICE_MAX_CONNECTIONS: ``"auto,2,8"``, auto as mpsrun plans), each
     ``repeats`` times after one warm-up, with the mpsrun ``options`` given (``["--gpus", "0"]``) in every trial;
     the trials, the best setting and the one to run (:class:`TuneResult`).
 
@@ -100,7 +102,8 @@ def tune(command: Sequence[str], *, ranks: Values | int | None = None, thread_pe
                   scaling=values.parse_choice(scaling, ("weak", "strong"), "--scaling"), metric=metric)
     counts = parse_ranks_list(_text(ranks, "--ranks")) if ranks is not None else default_ranks(job.options)
     settings = grid(counts, parse_mps_list(_text(mps, "--mps")),
-                    parse_thread_list(_text(thread_percentage, "--thread-percentage")))
+                    parse_thread_list(_text(thread_percentage, "--thread-percentage")),
+                    parse_queues_list(_text(queues, "--queues")))
     count = values.parse_count(repeats, "--repeats")
     if count > MAX_REPEATS:
         raise ConfigError(f"--repeats must be at most {MAX_REPEATS}, not {repeats!r}", setting="--repeats")

@@ -14,13 +14,14 @@ from mpsrun.tuning.report import check_plot_path, format_report, plot
 
 __all__ = ["main"]
 
-USAGE = ("mpsrun tune [--ranks 1,2,4,8] [--thread-percentage none,auto,50] [--mps on,off] [--repeats N]\n"
-         "                   [--budget SECONDS] [--scaling weak|strong] [--metric REGEX] [--json] [--plot FILE.png]\n"
-         "                   [job options...] -- command [args...]")
+USAGE = ("mpsrun tune [--ranks 1,2,4,8] [--thread-percentage none,auto,50] [--mps on,off] [--queues auto,2,8]\n"
+         "                   [--repeats N] [--budget SECONDS] [--scaling weak|strong] [--metric REGEX]\n"
+         "                   [--json] [--plot FILE.png] [job options...] -- command [args...]")
 DESCRIPTION = """Measure your own command as real mpsrun jobs under candidate settings, and say which to run.
 
 Each setting (every combination of the lists) runs as `mpsrun -np N --mps M [--thread-percentage T]
-[job options] -- command`, after one warm-up run, --repeats times, in alternating order. Throughput is
+[-x CUDA_DEVICE_MAX_CONNECTIONS=Q] [job options] -- command`, after one warm-up run, --repeats times, in
+alternating order (--queues: each MPS rank's hardware work queues, auto as mpsrun plans them). Throughput is
 ranks / seconds (--scaling weak: each rank does the command's whole work), 1 / seconds (--scaling
 strong: the job's work is fixed), or with --metric the sum over ranks of the number each rank prints
 last that REGEX matches (its first group). Settings whose min-max spreads overlap are a tie. The
@@ -43,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ranks", help="rank counts (1, then 1, 2, 4 and 8 per GPU)")
     parser.add_argument("--thread-percentage", help="active-thread percentages, none for unset (none)")
     parser.add_argument("--mps", help="MPS modes (on,off)")
+    parser.add_argument("--queues", help="hardware queues per MPS rank (CUDA_DEVICE_MAX_CONNECTIONS), auto for "
+                        "mpsrun's plan (auto)")
     parser.add_argument("--repeats", default="3", help="counted runs of each setting (3)")
     parser.add_argument("--budget", help="seconds for the whole tuning; settings it cannot reach are left out")
     parser.add_argument("--scaling", default="weak", help="weak (each rank does the work) or strong (weak)")
@@ -70,7 +73,7 @@ def main(argv: Sequence[str]) -> int:
         args, job_options, command = _split(argv)
         if args.plot is not None:
             check_plot_path(args.plot)
-        lists = {name: value for name in ("ranks", "thread_percentage", "mps")
+        lists = {name: value for name in ("ranks", "thread_percentage", "mps", "queues")
                  if (value := getattr(args, name)) is not None}
         result = tune(command, options=job_options, scaling=args.scaling, metric=args.metric, repeats=args.repeats,
                       budget=args.budget, progress=say, **lists)

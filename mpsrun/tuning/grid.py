@@ -17,8 +17,8 @@ from mpsrun.config import values
 from mpsrun.config.commandline import parse_args, parse_options, split_argv
 from mpsrun.errors import ConfigError, GPUError
 
-__all__ = ["SCALINGS", "Setting", "TuneJob", "default_ranks", "grid", "parse_mps_list", "parse_ranks_list",
-           "parse_thread_list"]
+__all__ = ["QUEUES_VARIABLE", "SCALINGS", "Setting", "TuneJob", "default_ranks", "grid", "parse_mps_list",
+           "parse_queues_list", "parse_ranks_list", "parse_thread_list"]
 
 SCALINGS = ("weak", "strong")
 #: Options each trial sets itself (by name in the job's configuration, and as written): the job options given to
@@ -27,26 +27,34 @@ _TUNED = {"nranks": ("-np", "--ranks"), "mps": ("--mps", "--mps"),
           "thread_percentage": ("--thread-percentage", "--thread-percentage")}
 #: Variables for the tuned options: a trial's own options decide, so the caller's are not passed on.
 TUNED_VARIABLES = ("MPSRUN_NP", "MPSRUN_MPS", "MPSRUN_THREAD_PERCENTAGE")
+#: Each rank's hardware work queues: ``--queues`` tries counts of them (and the caller's value is then not passed on).
+QUEUES_VARIABLE = "CUDA_DEVICE_MAX_CONNECTIONS"
+#: What CUDA takes for it.
+_MOST_QUEUES = 32
 
 
 @dataclass(frozen=True, slots=True)
 class Setting:
-    """One point of the grid. ``thread_percentage`` None: not set (MPS's default, every SM)."""
+    """One point of the grid. ``thread_percentage`` None: not set (MPS's default, every SM); ``queues`` None: each
+    rank's hardware queues as mpsrun plans them."""
 
     ranks: int
     mps: str
     thread_percentage: str | None = None
+    queues: int | None = None
 
     def options(self) -> list[str]:
         """The mpsrun options that make a job of this setting."""
         tp = [] if self.thread_percentage is None else ["--thread-percentage", self.thread_percentage]
-        return ["-np", str(self.ranks), "--mps", self.mps, *tp]
+        queues = [] if self.queues is None else ["-x", f"{QUEUES_VARIABLE}={self.queues}"]
+        return ["-np", str(self.ranks), "--mps", self.mps, *tp, *queues]
 
     def label(self) -> str:
         return " ".join(self.options())
 
     def to_json(self) -> dict[str, object]:
-        return {"ranks": self.ranks, "mps": self.mps, "thread_percentage": self.thread_percentage}
+        return {"ranks": self.ranks, "mps": self.mps, "thread_percentage": self.thread_percentage,
+                "queues": self.queues}
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +101,9 @@ class TuneJob:
         if "dry_run" in given:
             raise ConfigError("--dry-run starts nothing, so there is nothing to measure: run mpsrun --dry-run alone",
                               setting="--dry-run")
+        if any(export.partition("=")[0] == QUEUES_VARIABLE for export in given.get("exports", ())):
+            raise ConfigError(f"give the hardware queues to tune as --queues, not as -x {QUEUES_VARIABLE}",
+                              setting="-x")
         if per_node:
             raise ConfigError("--per-node runs under a launcher of your own: tune runs whole jobs (use --hosts or "
                               "--launcher)", setting="--per-node")
@@ -129,6 +140,19 @@ def parse_thread_list(text: str) -> tuple[str | None, ...]:
     return tuple(dict.fromkeys(found))
 
 
+def parse_queues_list(text: str) -> tuple[int | None, ...]:
+    """``auto,2,8``: hardware work queues per rank (CUDA_DEVICE_MAX_CONNECTIONS, 1 to 32; ``auto``: mpsrun's plan)."""
+    found: list[int | None] = []
+    for part in _items(text, "--queues"):
+        word = part.strip().lower()
+        count = None if word == "auto" else values.parse_count(word, "--queues")
+        if count is not None and count > _MOST_QUEUES:
+            raise ConfigError(f"--queues: CUDA takes 1 to {_MOST_QUEUES} hardware queues, not {count}",
+                              setting="--queues", value=text)
+        found.append(count)
+    return tuple(dict.fromkeys(found))
+
+
 def parse_mps_list(text: str) -> tuple[str, ...]:
     """``on,off``: MPS modes, each as ``--mps`` takes one."""
     return tuple(dict.fromkeys(values.parse_choice(part.strip().lower(), ("on", "off", "auto"), "--mps")
@@ -158,11 +182,13 @@ def _visible_gpus() -> int:
         return 1
 
 
-def grid(ranks: Sequence[int], mps: Sequence[str], thread_percentages: Sequence[str | None]) -> list[Setting]:
-    """Every combination, fewest ranks first; without MPS a thread percentage means nothing, so it is tried once."""
+def grid(ranks: Sequence[int], mps: Sequence[str], thread_percentages: Sequence[str | None],
+         queues: Sequence[int | None] = (None,)) -> list[Setting]:
+    """Every combination, fewest ranks first; without MPS a thread percentage and a queue count mean nothing to
+    mpsrun (a process outside MPS has CUDA's 8 queues), so each is tried once."""
     settings: list[Setting] = []
     for count in sorted(ranks):
         for mode in mps:
             for spec in thread_percentages if mode != "off" else (None,):
-                settings.append(Setting(count, mode, spec))
+                settings += [Setting(count, mode, spec, each) for each in (queues if mode != "off" else (None,))]
     return list(dict.fromkeys(settings))

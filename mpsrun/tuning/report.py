@@ -40,15 +40,16 @@ def _note(result: TuneResult, trial: Trial) -> str:
 
 def _rows(result: TuneResult) -> list[str]:
     baseline = result.baseline
-    header = f"{'ranks':>5}  {'mps':<4} {'thread %':<9} {'median s':>9}  {'throughput min / median / max':<32} " \
-             f"{'vs baseline':>11}  note"
+    header = f"{'ranks':>5}  {'mps':<4} {'thread %':<9} {'queues':<6} {'median s':>9}  " \
+             f"{'throughput min / median / max':<32} {'vs baseline':>11}  note"
     lines = [header]
     for trial in result.trials:
         setting = trial.setting
         seconds = sorted(run.seconds for run in trial.runs)
         spread = f"{trial.low:.4g} / {trial.median:.4g} / {trial.high:.4g}" if trial.measured else "-"
         ratio = f"{trial.median / baseline.median:.2f}x" if trial.measured and baseline else "-"
-        lines.append(f"{setting.ranks:>5}  {setting.mps:<4} {setting.thread_percentage or '-':<9} "
+        queues = "-" if setting.mps == "off" else setting.queues or "auto"
+        lines.append(f"{setting.ranks:>5}  {setting.mps:<4} {setting.thread_percentage or '-':<9} {queues:<6} "
                      f"{seconds[len(seconds) // 2]:>9.3f}  {spread:<32} {ratio:>11}  {_note(result, trial)}")
     return lines
 

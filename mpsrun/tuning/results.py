@@ -76,7 +76,7 @@ class Trial:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Trial:
-        setting = Setting(data["ranks"], data["mps"], data["thread_percentage"])
+        setting = Setting(data["ranks"], data["mps"], data["thread_percentage"], data["queues"])
         return cls(setting, tuple(Run(**run) for run in data["runs"]))
 
 

@@ -22,6 +22,9 @@ the daemon. Fault injection for tests, through the daemon's environment:
 * ``FAKE_MPS_QUIT_CLIENT_WAIT=S``: the client that sends ``quit`` waits S seconds first (a slow start);
 * ``FAKE_MPS_INIT_POLLS=N``: a new server answers INITIALIZING N times first;
 * ``FAKE_MPS_MAX_CLIENTS=N``: the server's client limit (48, as recorded on the H100).
+
+Each GPU's clients share its 126 hardware queues (CUDA_DEVICE_MAX_CONNECTIONS each, 2 unset), as measured on the
+H100: a client beyond them fails to connect.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ __all__ = ["NO_DAEMON", "main", "send"]
 # and those imports (re, enum, urllib) were half its start-up.
 HERE = os.path.dirname(os.path.realpath(__file__))
 RECORDING = os.path.join(os.path.dirname(HERE), "data", "h100", "transcript.json")
-CLIENT = os.path.join(HERE, "fake_mps_client.py")  # its server starts on built-in modules
+CLIENT = os.path.join(HERE, "fake_mps_client.py")
+GPU_QUEUES = 126  # measured on the H100, driver 580 (issue 40; mpsrun.mps.limits.GPU_CONNECTIONS)  # its server starts on built-in modules
 
 
 class _Listener(socketserver.ThreadingUnixStreamServer):
@@ -96,6 +100,7 @@ class State:
         self.server_mem: dict[str, str] = {}
         self.init_polls = int(os.environ.get("FAKE_MPS_INIT_POLLS", "0"))
         self.clients: dict[int, str] = {}  # pid -> "ok" | "terminated" | "fault"
+        self.queues: dict[int, tuple[str, int]] = {}  # pid -> its GPU and its hardware queues
         self.quitting = False
 
     def log(self, line: str, who: str = "Control", pid: int | None = None) -> None:
@@ -108,6 +113,7 @@ class State:
     def live_clients(self) -> list[int]:
         for pid in [p for p in self.clients if not pid_alive(p)]:
             del self.clients[pid]
+            self.queues.pop(pid, None)
             self.server_log(f"Client process {pid} disconnected")
         return sorted(self.clients)
 
@@ -287,7 +293,12 @@ def dispatch(state: State, cmd: str, args: list[str]) -> str:
             # Recorded on the H100 (driver 580) for the 49th client.
             state.server_log(f"Failed to accept new client. Maximum number of clients ({len(state.clients)}) reached.")
             return "busy"
+        queues = int(args[2]) if len(args) > 2 and args[2].isdigit() else 2
+        taken = sum(count for client, (gpu, count) in state.queues.items() if gpu == uuid and client in state.clients)
+        if taken + queues > GPU_QUEUES:  # measured on the H100: that client's cudaSetDevice fails, out of memory
+            return "noqueues"
         state.clients[pid] = "ok"
+        state.queues[pid] = (uuid, queues)
         # The lines the real daemon writes for every connection (tests/data/h100/daemon_stdout.txt).
         state.log(f"NEW CLIENT {pid} from user {os.getuid()}: Server already exists")
         state.server_log(f"Client {{PID: {pid}, Context ID: 0}} connected")

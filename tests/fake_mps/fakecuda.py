@@ -31,7 +31,10 @@ class Context:
         self.pid = os.getpid()
         self.pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps")
         chosen = _visible_uuid(device)
-        reply = send(f"__client_connect {self.pid} {chosen}", self.pipe, timeout=5)
+        queues = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "2")
+        reply = send(f"__client_connect {self.pid} {chosen} {queues}", self.pipe, timeout=5)
+        if reply is not None and reply.startswith("noqueues"):  # as measured on the H100, at cudaSetDevice
+            raise SystemExit(_fail("cudaErrorMemoryAllocation: out of memory"))
         if reply is not None and reply.startswith("busy"):
             raise SystemExit(_fail("cudaErrorDevicesUnavailable: CUDA-capable device(s) is/are busy or unavailable"))
         if reply is not None and reply.startswith("nodevice"):
