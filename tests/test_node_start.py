@@ -149,8 +149,7 @@ def test_a_killed_rank_supervisor_is_named_on_every_launcher(fake_gpu, short_tmp
     job = subprocess.Popen(job_argv(path, [], fake("--hold", "60", "--report-dir", str(short_tmp)), ranks=2),
                            stderr=subprocess.PIPE, text=True)
     wait_for(lambda: len(list(short_tmp.glob("*.json"))) >= 2, what="the ranks did not start", proc=job)
-    ranks = [proc for proc in psutil.Process(job.pid).children(recursive=True)
-             if "mpsrun.rank.pyrun" in " ".join(proc.cmdline())]
+    ranks = descendants(job, "mpsrun.rank.pyrun")  # (a helper of mpsrun's may end as we look)
     victim = max(ranks, key=lambda proc: proc.pid)
     rank = next(int(report.stem) for report in short_tmp.glob("*.json")
                 if json.loads(report.read_text())["pid"] == victim.pid)
