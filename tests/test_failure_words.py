@@ -316,24 +316,36 @@ def test_hardware_queues_that_fit_start_every_rank(fake_gpu, clean, monkeypatch)
     assert settle(fake_gpu)
 
 
-#: A CuPy rank that creates its context and runs one kernel.
-CUPY_ONE_KERNEL = "import cupy; cupy.ones(8).sum(); cupy.cuda.Device().synchronize()"
+#: A CuPy rank that creates its context, runs one kernel, and keeps its context until every rank has one (in the
+#: directory argv[1]): the queues are taken while a context lives.
+CUPY_HOLDS_ITS_CONTEXT = """
+import os, sys, time, cupy
+cupy.ones(8).sum(); cupy.cuda.Device().synchronize()
+open(os.path.join(sys.argv[1], os.environ["RANK"]), "w").close()
+end = time.monotonic() + 60
+while len(os.listdir(sys.argv[1])) < int(os.environ["WORLD_SIZE"]) and time.monotonic() < end:
+    time.sleep(0.01)
+"""
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", PATHS)
-def test_the_real_gpus_hardware_queues_run_out_as_the_summary_says(path, monkeypatch):
-    """16 CuPy ranks on GPU 0 with CUDA_DEVICE_MAX_CONNECTIONS=8 ask 128 queues: on the H100 a context fails (there
-    cudaErrorMemoryAllocation at cudaSetDevice), and the summary names the queues and the way out; the same 16 ranks
-    with mpsrun's planned 7 each, and 15 with 8 (120), all run."""
+def test_the_real_gpus_hardware_queues_run_out_as_the_summary_says(path, monkeypatch, tmp_path):
+    """16 CuPy ranks on GPU 0 with CUDA_DEVICE_MAX_CONNECTIONS=8 that hold their contexts together ask 128 queues: on
+    the H100 a context failed (cudaErrorMemoryAllocation at cudaSetDevice), and the summary names the queues and the
+    way out; the same 16 ranks with mpsrun's planned 7 each, and 15 with 8 (120), all run."""
     pytest.importorskip("cupy")
+
+    def job(ranks: int, name: str) -> subprocess.CompletedProcess[str]:
+        (tmp_path / name).mkdir()
+        program = [sys.executable, "-c", CUPY_HOLDS_ITS_CONTEXT, str(tmp_path / name)]
+        return subprocess.run(gpu_job_argv(path, [], program, ranks=ranks), capture_output=True, text=True,
+                              timeout=300)
+
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
-    argv = gpu_job_argv(path, [], [sys.executable, "-c", CUPY_ONE_KERNEL], ranks=16)
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    out = job(16, "over")
     assert out.returncode == 1 and "16 MPS clients on one GPU asked 8 hardware queues each" in summary(out), out.stderr
-    out = subprocess.run(gpu_job_argv(path, [], [sys.executable, "-c", CUPY_ONE_KERNEL], ranks=15),
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
+    assert job(15, "fits").returncode == 0
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    out = job(16, "planned")
     assert out.returncode == 0, out.stderr
