@@ -92,3 +92,15 @@ def test_nvml_without_bytecode_is_warned_of(fake_gpu, monkeypatch, tmp_path, cas
         assert len(warnings) == 1 and str(copy) in warnings[0] and "-m compileall" in warnings[0]
     else:
         assert warnings == []
+
+
+def test_a_driver_whose_nvml_cannot_list_mps_clients_is_warned_of(fake_gpu, monkeypatch):
+    """doctor says for each GPU whether this driver's NVML lists MPS clients (the per-rank memory comes from that
+    list), and warns, in one line naming the GPU, where it cannot."""
+    monkeypatch.setenv("MPSRUN_TMPDIR", str(fake_gpu.tmpdir))
+    assert json.loads(doctor("--json").stdout)["gpus"][0]["nvml_lists_mps_clients"] is True
+    monkeypatch.setenv("FAKE_NVML_NO_MPS_LIST", "1")
+    out = doctor()
+    assert out.returncode == 0
+    assert "warning: GPU 0: this driver's NVML cannot list MPS clients" in out.stdout, out.stdout
+    assert json.loads(doctor("--json").stdout)["gpus"][0]["nvml_lists_mps_clients"] is False

@@ -30,6 +30,7 @@ __all__ = [
     "drop_read_ahead",
     "kept_until_exit",
     "list_gpus",
+    "mps_client_memory",
     "nvml_kept",
     "parse_visible_devices",
     "read_ahead",
@@ -353,6 +354,20 @@ def compute_processes(uuid: str) -> dict[int, bool]:
             except nvml.NVMLError_NotSupported:
                 continue
         return found
+
+
+def mps_client_memory(uuid: str) -> dict[int, int] | None:
+    """Each MPS client on the GPU and its device memory in bytes (its allocations and its context, as NVML counts
+    them); None when this driver's NVML cannot list MPS clients."""
+    with _nvml() as nvml:
+        query = getattr(nvml, "nvmlDeviceGetMPSComputeRunningProcesses", None)
+        if query is None:
+            return None
+        try:
+            processes = query(nvml.nvmlDeviceGetHandleByUUID(uuid))
+        except nvml.NVMLError_NotSupported:
+            return None
+        return {int(process.pid): int(process.usedGpuMemory or 0) for process in processes}
 
 
 def compute_pids(uuid: str) -> set[int]:

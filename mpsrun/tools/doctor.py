@@ -89,6 +89,13 @@ def _gpu_entry(gpu: gpu_info.GPU, visible: list[gpu_info.GPU], servers: dict[int
         on_gpu = gpu_info.compute_pids(gpu.uuid)
     except GPUError:
         on_gpu = set()
+    try:
+        entry["nvml_lists_mps_clients"] = gpu_info.mps_client_memory(gpu.uuid) is not None
+    except GPUError:
+        entry["nvml_lists_mps_clients"] = None
+    if entry["nvml_lists_mps_clients"] is False:
+        warnings.append(f"GPU {gpu.index}: this driver's NVML cannot list MPS clients: mpsrun proves a rank's MPS "
+                        "connection from its daemon's log only, and no rank's device memory can be known")
     foreign = [servers[p] for p in on_gpu if p in servers and not servers[p]["mine"]]
     entry["foreign_mps_servers"] = [{"pid": s["pid"], "user": s["user"]} for s in foreign]
     if foreign:

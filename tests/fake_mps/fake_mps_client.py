@@ -63,7 +63,7 @@ def run_server(uuid: str) -> int:
     if entry is not None:
         os.makedirs(os.path.dirname(entry), exist_ok=True)
         with open(entry, "w") as record:
-            record.write(f'{{"uuid": "{uuid}", "type": "C"}}')  # JSON, without importing json
+            record.write(f'{{"uuid": "{uuid}", "type": "C", "mib": 66}}')  # JSON, without importing json
     try:
         while os.read(0, 65536):  # EOF when the daemon exits or stops us
             pass

@@ -25,9 +25,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fake_mps_client import send
 
+#: Device memory NVML lists for a context with nothing allocated, and for the MPS server (MiB, recorded on the H100,
+#: driver 580: clients that held 0.5, 1, 1.5 and 2 GiB were listed with 1030, 1542, 2054 and 2566 MiB, the server with
+#: 66). A fake client allocates 12 MiB unless told.
+CONTEXT_MIB, SERVER_MIB, DEFAULT_ALLOC_MIB = 518, 66, 12
+
 
 class Context:
-    def __init__(self, device: int = 0) -> None:
+    def __init__(self, device: int = 0, alloc_mib: int = DEFAULT_ALLOC_MIB) -> None:
         self.pid = os.getpid()
         self.pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps")
         chosen = _visible_uuid(device)
@@ -48,7 +53,8 @@ class Context:
         if nvml_dir:
             entry = Path(nvml_dir, "procs", str(self.pid))
             entry.parent.mkdir(parents=True, exist_ok=True)
-            entry.write_text(json.dumps({"uuid": self.uuid, "type": "M+C" if self.mps else "C"}))
+            entry.write_text(json.dumps({"uuid": self.uuid, "type": "M+C" if self.mps else "C",
+                                         "mib": CONTEXT_MIB + alloc_mib}))
             atexit.register(entry.unlink, missing_ok=True)
 
     def kernel(self) -> None:
@@ -110,8 +116,14 @@ def _lines(path: str) -> int:
         return 0
 
 
-def init(device: int = 0) -> Context:
-    return Context(device)
+def init(device: int = 0, alloc_mib: int = DEFAULT_ALLOC_MIB) -> Context:
+    return Context(device, alloc_mib)
+
+
+def _mine(values: str, rank: int) -> int:
+    """This rank's item of a list given per rank (or the one value)."""
+    items = values.split(",")
+    return int(items[rank] if len(items) > 1 else items[0])
 
 
 def _device(choice: str) -> int:
@@ -130,6 +142,8 @@ def main() -> int:
     parser.add_argument("--kill-rank", type=int, default=None, help="this rank SIGKILLs itself")
     parser.add_argument("--fault", action="store_true", help="trigger a fatal GPU fault")
     parser.add_argument("--fault-rank", type=int, default=None, help="this rank triggers a fatal GPU fault")
+    parser.add_argument("--alloc", default=str(DEFAULT_ALLOC_MIB), help="device memory to hold, MiB: one value, or "
+                        "one per rank (512,1024)")
     parser.add_argument("--report", help="write what this process saw to this JSON file")
     parser.add_argument("--report-dir", help="write <RANK>.json here")
     parser.add_argument("--no-cuda-rank", type=int, default=None, help="this rank never initialises CUDA")
@@ -150,7 +164,7 @@ def main() -> int:
             time.sleep(args.hold)
             raise SystemExit(0)  # runs the child's atexit (its fake NVML entry goes)
         return os.waitpid(child, 0)[1] and 1
-    ctx = init(_device(args.device))
+    ctx = init(_device(args.device), _mine(args.alloc, rank))
     report = args.report or (args.report_dir and os.path.join(args.report_dir, f"{rank}.json"))
     if report:
         info = {"pid": ctx.pid, "mps": ctx.mps, "server": ctx.server, "uuid": ctx.uuid, "daemon": str(ctx.pipe),

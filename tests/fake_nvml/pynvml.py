@@ -154,7 +154,7 @@ def _procs(handle: dict, kinds: tuple[str, ...]) -> list[SimpleNamespace]:
         except (OSError, ValueError):
             continue
         if info["uuid"] == handle["uuid"] and info["type"] in kinds and _alive(int(entry.name)):
-            found.append(SimpleNamespace(pid=int(entry.name), usedGpuMemory=530 << 20))
+            found.append(SimpleNamespace(pid=int(entry.name), usedGpuMemory=info["mib"] << 20))
     return found
 
 
@@ -167,7 +167,10 @@ def nvmlDeviceGetComputeRunningProcesses(handle: dict) -> list[SimpleNamespace]:
 
 
 def nvmlDeviceGetMPSComputeRunningProcesses(handle: dict) -> list[SimpleNamespace]:
-    # Recorded on the H100: only the MPS clients, not the server.
+    # Recorded on the H100: only the MPS clients, not the server, each with its memory (its allocations and its
+    # context), as the plain list gives it. FAKE_NVML_NO_MPS_LIST: a driver that cannot list them.
+    if os.environ.get("FAKE_NVML_NO_MPS_LIST"):
+        raise NVMLError_NotSupported()
     return _procs(handle, ("M+C",))
 
 
