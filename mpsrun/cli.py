@@ -180,6 +180,8 @@ def _main(args: list[str]) -> int:
 
         return run_job(config).exit_code
     except MPSError as exc:
+        if config.per_node and isinstance(exc, InterruptionError):  # every rank got the signal, this one before its
+            raise  # own handling took it: main() says it once per node, not an 'error:' line from each such rank
         _print_error(str(exc))
         return exc.exit_code
     except OSError as exc:  # what the machine refused that no step said better: one line, exit 3, never a traceback

@@ -117,6 +117,27 @@ def test_an_mpi4py_rank_that_fails_stops_the_others(fake_gpu, path, failure, sho
     settle(fake_gpu)
 
 
+def test_a_per_node_rank_whose_mpi_abort_is_slow_gives_its_code(fake_gpu, short_tmp):
+    """Under --per-node with Hydra, a Python rank that calls sys.exit(7) and reaches MPI_Abort only 0.5 s after its
+    supervisor reported it (within ABORT_WAIT) still ends the job with 7 and one summary line. Its supervisor closed
+    its link at the verdict, so its node keeper stopped the other ranks at once; the first of their supervisors to exit
+    closed its PMI connection, and Hydra SIGKILLed every process before the MPI_Abort came: mpiexec exited 9 (its
+    exit statuses ORed, 7 << 8 | SIGKILL), every time with this delay and now and then under load without it."""
+    pytest.importorskip("mpi4py")
+    source = ("import atexit, os, sys, time\nfrom mpi4py import MPI\nif os.environ['RANK'] == '1':\n"
+              "    atexit.register(time.sleep, 0.5)  # runs before mpi4py's MPI_Abort at exit\n    sys.exit(7)\n"
+              "MPI.COMM_WORLD.Barrier()\ntime.sleep(30)")
+    started = time.monotonic()
+    out = subprocess.run(job_argv("per-node", ["--grace", "1"], [sys.executable, "-c", source]), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 7, out.stdout + out.stderr
+    said = [line for line in out.stderr.splitlines() if line.startswith("mpsrun")]
+    assert len(said) == 1 and re.fullmatch(r"mpsrun: rank 1 \(pid \d+\) exited with code 7 first: sys.exit\(7\), "
+                                           r"then MPI_Abort", said[0]), out.stderr
+    assert time.monotonic() - started < 30
+    settle(fake_gpu)
+
+
 def ended(pid: int) -> bool:
     """Whether process ``pid`` has ended (a zombie has)."""
     try:

@@ -169,6 +169,23 @@ def test_an_interrupt_in_per_node_start_up_is_one_line(fake_gpu):
     settle(fake_gpu)
 
 
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_a_signal_before_a_per_node_rank_joins_is_the_nodes_line(fake_gpu, local_rank):
+    """A SIGTERM that reaches a per-node rank after its entry point took the signals but before its join handles them
+    (a rank slower than its node's others: importing the per-node code, or just before it joins) is said as the
+    node's interrupt line, by local rank 0 only, exit 143. It was 'mpsrun: error: interrupted by SIGTERM' from every
+    such rank, beside the node's line (test_an_interrupt_in_per_node_start_up_is_one_line, now and then under load).
+    The signal is sent from where run_per_node would run."""
+    code = ("import os, signal, sys, time\nimport mpsrun._entry as entry\nimport mpsrun.node.pernode as pernode\n"
+            "def slow(config, environ=None):\n    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(30)\n"
+            "pernode.run_per_node = slow\nsys.argv = ['mpsrun', '--per-node', 'true']\nsys.exit(entry.main())\n")
+    env = {**os.environ, "PMI_RANK": str(local_rank), "PMI_SIZE": "2", "MPI_LOCALRANKID": str(local_rank),
+           "MPI_LOCALNRANKS": "2"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    expected = "mpsrun: interrupted by SIGTERM before the ranks started\n" if local_rank == 0 else ""
+    assert out.returncode == 143 and out.stderr == expected, out.stderr
+
+
 def _starting(fake_gpu, job, ranks):
     """Whether the node's daemon was started (its log is made then) and each of the ``ranks`` per-node mpsrun
     processes under ``job`` has its signal handlers in place: the job is in its start-up, waiting for the daemon."""

@@ -134,6 +134,7 @@ class RankSupervisor:
             self.loop.run_until(lambda: self.returncode is not None and not self.streams)
         assert self.returncode is not None
         if self.reported is not None:  # said before MPI_Abort: the job knows this rank's end already
+            self.link.close()  # (kept open until now: see _finish)
             return self.reported
         if self.returncode == ExitCode.OK:
             return self._finish(Outcome("ok", ExitCode.OK))
@@ -299,7 +300,13 @@ class RankSupervisor:
             assert verdict is None or isinstance(verdict, Verdict)
             if verdict is not None and verdict.linger:  # the node keeper's last rank: wait until it is gone
                 self.link.expect((), Deadline(LINGER_TIMEOUT), others=self._said)
-        self.link.close()
+        # A rank about to call MPI_Abort: the link stays open until this process ends, for its closing tells the
+        # controller that the launcher has ended us (ABORT_WAIT). Closed at the verdict, it let the controller stop
+        # the other ranks before the MPI_Abort; under Hydra their supervisors' ends then closed their PMI
+        # connections, and Hydra SIGKILLed every process, this one too: the MPI_Abort never came and mpiexec
+        # exited 9, not the rank's code.
+        if not aborting:
+            self.link.close()
         late = interrupts.received[0] if interrupts.received else None
         decided = self._decided(own, reason, verdict)
         if late is not None and exit_code(decided) == ExitCode.OK:
