@@ -30,7 +30,7 @@ from mpsrun.config.options import JobConfig
 from mpsrun.errors import ConfigError, InterruptionError, JoinError, MPSError
 from mpsrun.exitcodes import ExitCode, describe_returncode
 from mpsrun.rank.identity import RankIdentity, identity_from_env, job_key
-from mpsrun.rank.join import greet, report_failure, report_interrupt
+from mpsrun.rank.join import greet, report_failure
 from mpsrun.rank.supervisor import run_rank
 from mpsrun.runtime.constants import CONTROL_VARIABLE, KEEPER_START_TIMEOUT, NODE_ID_VARIABLE, TOKEN_VARIABLE
 from mpsrun.runtime.deadline import Deadline, poll_until
@@ -200,9 +200,8 @@ def run_per_node(config: JobConfig, environ: Mapping[str, str] | None = None) ->
                               "ranks", setting="-np", value=config.nranks)
         validate_base(base)
         make_user_root(base)  # refused here, before any keeper, if it is not safe
-    except InterruptionError as exc:  # the launcher signals every rank: said once per node, as an interrupt
-        report_interrupt(exc, identity.local_rank)
-        return exc.exit_code
+    except InterruptionError:  # the launcher signals every rank: said once per node, by mpsrun.cli.main
+        raise
     except MPSError as exc:
         report_failure(exc, identity.local_rank)
         return exc.exit_code

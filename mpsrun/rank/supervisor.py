@@ -97,7 +97,7 @@ class RankSupervisor:
         self.mpi4py_abort = welcome.mpi4py_abort
         self.lock = welcome.output_lock
         self.output_dir = welcome.output_dir
-        self.gpu_queues = welcome.gpu_clients, welcome.gpu_queues
+        self.queue_budget = welcome.gpu_clients, welcome.gpu_queues  # its GPU's MPS clients and their queues
         self.loop = EventLoop()
         self.process: subprocess.Popen[bytes] | None = None
         self.returncode: int | None = None
@@ -138,7 +138,7 @@ class RankSupervisor:
             return self.reported
         if self.returncode == ExitCode.OK:
             return self._finish(Outcome("ok", ExitCode.OK))
-        return self._finish(Outcome("rank-failed", self.returncode), failure_reason(self.env, *self.gpu_queues))
+        return self._finish(Outcome("rank-failed", self.returncode), failure_reason(self.env, *self.queue_budget))
 
     def _output_files(self) -> list[int]:
         """The rank's stdout and stderr files under ``--output-filename`` (made with the user's umask), or none."""
