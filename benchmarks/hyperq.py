@@ -2,14 +2,18 @@
 
     python benchmarks/hyperq.py [--ranks 1,4,8,12,16] [--rounds 3] [--json FILE]   the table
     python benchmarks/hyperq.py --probe DIR [--json FILE]                            the server's queue budget
+    python benchmarks/hyperq.py --sweep 96,128,129,160,256 [--rounds 3]            kernels at once, one process
     python benchmarks/hyperq.py --worker [--streams 32] [--ms 10] [--sync DIR]      one rank
 
 The workload is the CUDA samples' simpleHyperQ, with our own kernel: on each of 32 streams, two
 one-block kernels that each spin for 10 ms, the second after the first. With enough hardware queues
 every stream runs at once (about 20 ms in all); with Q queues, streams beyond Q wait behind others
 (CUDA gives a plain process 8 queues, an MPS client 2 unless CUDA_DEVICE_MAX_CONNECTIONS says more).
-Each rank reports its own time from its first launch to its last kernel's end, best of 5, after its
-ranks have met at a start line (``--sync``), so the ranks' kernels run at the same time.
+Five times, the ranks meet at a start line (``--sync``), so that their kernels run at the same time,
+and each times its own first launch to its last kernel's end; a job's figure is the median over the
+five of its slowest rank's time (``together``: of the time from the first rank's start to the last
+rank's end). ``--sweep`` runs one process alone with one kernel per stream on 96 to 256 streams: how
+many kernels the GPU runs at once.
 
 The table runs, in each round and in a shuffled order: one process alone (no mpsrun); mpsrun under
 MPS with MPS's default of 2 queues (``-x CUDA_DEVICE_MAX_CONNECTIONS=2``); mpsrun under MPS with the
@@ -45,7 +49,11 @@ MPSRUN = [sys.executable, "-m", "mpsrun"]
 
 
 def worker(streams: int, ms: float, sync: str | None, pairs: bool = True, repeats: int = 5) -> None:
-    """One rank: warm up, meet the others, then time ``repeats`` rounds of the streams' kernel pairs."""
+    """One rank: warm up, then ``repeats`` times meet the others and time its streams' kernels.
+
+    Each repeat's start and end are read from CLOCK_MONOTONIC, one clock for every process of the
+    machine, so the job can say how long all its ranks took together in each repeat.
+    """
     import cupy
 
     if os.environ.get("HYPERQ_DEVICE") == "local":  # --gpu-bind none: the rank picks its device
@@ -53,16 +61,16 @@ def worker(streams: int, ms: float, sync: str | None, pairs: bool = True, repeat
     kernel = cupy.RawKernel(KERNEL, "spin")
     cycles = int(ms * _cycles_per_ms(cupy, kernel))
     queues = [cupy.cuda.Stream(non_blocking=True) for _ in range(streams)]
-    _meet(sync)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    spans = []
+    for repeat in range(repeats):
+        _meet(sync, repeat)
+        start = time.clock_gettime(time.CLOCK_MONOTONIC)
         for stream in queues:
             for _ in range(2 if pairs else 1):
                 kernel((1,), (1,), (cupy.int64(cycles),), stream=stream)
         cupy.cuda.Device().synchronize()
-        times.append(time.perf_counter() - start)
-    line = json.dumps({"rank": int(os.environ.get("RANK", 0)), "best": min(times), "median": statistics.median(times),
+        spans.append((start, time.clock_gettime(time.CLOCK_MONOTONIC)))
+    line = json.dumps({"rank": int(os.environ.get("RANK", 0)), "spans": spans,
                        "connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")})
     os.write(1, (line + "\n").encode())
 
@@ -78,18 +86,19 @@ def _cycles_per_ms(cupy: Any, kernel: Any) -> float:
     return 10_000_000 / float(cupy.cuda.get_elapsed_time(start, end))
 
 
-def _meet(sync: str | None) -> None:
+def _meet(sync: str | None, repeat: int) -> None:
+    """Wait until every rank has reached this repeat's start line (a file each in ``sync``)."""
     if sync is None or os.environ.get("HYPERQ_APART"):  # HYPERQ_APART: each rank starts when it is ready
         return
     size = int(os.environ.get("WORLD_SIZE", 1))
-    Path(sync, f"ready.{os.environ.get('RANK', 0)}").touch()
+    Path(sync, f"{repeat}.{os.environ.get('RANK', 0)}").touch()
     deadline = time.monotonic() + 120
-    while len(os.listdir(sync)) < size and time.monotonic() < deadline:
-        time.sleep(0.002)
+    while sum(name.startswith(f"{repeat}.") for name in os.listdir(sync)) < size and time.monotonic() < deadline:
+        time.sleep(0.0005)
 
 
 def job(argv: list[str], env: dict[str, str] | None = None, timeout: float = 180) -> dict[str, object]:
-    """Run one job; its exit status, the slowest rank's best time and what it said last."""
+    """Run one job: its exit status, the median of its slowest rank's times and what it said last."""
     sync = tempfile.mkdtemp(prefix="hyperq-")
     try:
         done = subprocess.run([*argv, "--sync", sync], capture_output=True, text=True, timeout=timeout,
@@ -97,8 +106,23 @@ def job(argv: list[str], env: dict[str, str] | None = None, timeout: float = 180
     finally:
         shutil.rmtree(sync, ignore_errors=True)
     ranks = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    return {"rc": done.returncode, "ranks": len(ranks), "slowest": max((r["best"] for r in ranks), default=None),
+    repeats = list(zip(*(rank["spans"] for rank in ranks), strict=True))
+    slowest = [max(end - start for start, end in spans) for spans in repeats]
+    together = [max(end for _, end in spans) - min(start for start, _ in spans) for spans in repeats]
+    return {"rc": done.returncode, "ranks": len(ranks), "slowest": statistics.median(slowest) if slowest else None,
+            "together": statistics.median(together) if together else None, "each": slowest,
             "connections": sorted({r["connections"] for r in ranks}, key=str), "said": done.stderr[-3000:]}
+
+
+def sweep(counts: list[int], rounds: int) -> dict[str, list[dict[str, object]]]:
+    """One process alone, one kernel on each of N streams: N kernels that may all run at once."""
+    found: dict[str, list[dict[str, object]]] = {}
+    for round_ in range(rounds):
+        for count in counts:
+            result = job([sys.executable, ME, "--worker", "--single", "--streams", str(count)])
+            found.setdefault(str(count), []).append(result)
+            print(f"round {round_} {count:>3} streams rc={result['rc']} median={result['slowest']}", flush=True)
+    return found
 
 
 def variants(count: int, single: bool = False) -> dict[str, list[str]]:
@@ -171,6 +195,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=40)
     parser.add_argument("--probe", type=Path, metavar="DIR", help="keep each probe job's logs under DIR")
+    parser.add_argument("--sweep", metavar="N,N,...", help="one process, one kernel on each of N streams")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.worker:
@@ -179,6 +204,8 @@ def main() -> int:
     if args.probe is not None:
         args.probe.mkdir(parents=True, exist_ok=True)
         result: object = probe(args.probe)
+    elif args.sweep:
+        result = sweep([int(n) for n in args.sweep.split(",")], args.rounds)
     else:
         result = table([int(n) for n in args.ranks.split(",")], args.rounds, args.seed, args.single)
     if args.json:
