@@ -139,6 +139,10 @@ class JobConfig:
         "--output-filename", default=None, parse=_validated(values.parse_output_dir), metavar="DIR",
         help="each rank's stdout and stderr to DIR/rank.N/stdout and DIR/rank.N/stderr (not tagged); "
         "mpsrun's own lines stay on the terminal")
+    report: str | None = option(
+        "--report", default=None, parse=_validated(values.parse_report), metavar="FILE.json",
+        help="write each rank's account (peak device memory, wall and CPU time, exit code and cause) and the memory "
+        "samples to FILE.json at the job's end; under a bare --per-node job each node writes FILE.HOST.json")
     tag_output: bool = option("--tag-output", default=False, forward=True, help="prefix each output line with [rank N]")
     timeout: float | None = option("--timeout", default=None, parse=_validated(_seconds(False)), metavar="SECONDS",
                                    forward=True, help="end the job after this long (exit 124)")

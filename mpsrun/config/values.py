@@ -45,6 +45,7 @@ __all__ = [
     "parse_output_dir",
     "parse_priority",
     "parse_ranks",
+    "parse_report",
     "parse_seconds",
     "parse_thread_percentage",
     "parse_thread_spec",
@@ -333,6 +334,20 @@ def parse_output_dir(value: object, setting: str = "--output-filename") -> str:
     if not text.strip() or "\0" in text:
         raise ConfigError(f"{setting} needs a directory, not {value!r}", setting=setting, value=value)
     return os.path.abspath(text)
+
+
+def parse_report(value: object, setting: str = "--report") -> str:
+    """A file for the job's report, made absolute here; its directory must exist and be writable now (a job that
+    ran for hours should not end unable to write it)."""
+    text = value if isinstance(value, str) else ""
+    if not text.strip() or "\0" in text:
+        raise ConfigError(f"{setting} needs a file name, not {value!r}", setting=setting, value=value)
+    path = os.path.abspath(text)
+    directory = os.path.dirname(path)
+    if os.path.isdir(path) or not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(f"{setting} {text}: not a file in a directory this user can write", setting=setting,
+                          value=value)
+    return path
 
 
 def parse_module(value: object, setting: str = "-m") -> str:

@@ -26,9 +26,12 @@ from typing import TYPE_CHECKING, Protocol
 
 from mpsrun.errors import MPSError
 from mpsrun.exitcodes import ExitCode
+from mpsrun.job.account import RankAccount
 from mpsrun.job.outcome import Policy, RankEnd
 from mpsrun.job.report import shared_memory_hint
 from mpsrun.job.table import RankState, RankTable
+from mpsrun.mps import gpus as gpu_info
+from mpsrun.mps.usage import UsageSampler
 from mpsrun.mps.watch import Finding, RankWatch, with_descendants
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import FORWARDED_SIGNALS, KILL_WAIT, PASS_SIGNALS, SAME_INTERRUPT
@@ -38,7 +41,7 @@ from mpsrun.runtime.protocol import Found, Hello, Link, Listener, Note, Refusal,
 from mpsrun.session.session import Session
 
 if TYPE_CHECKING:
-    from mpsrun.job.placement import Admission
+    from mpsrun.job.placement import Admission, RankPlan
 
 __all__ = ["Admit", "Controller", "Decider", "Policy"]
 
@@ -101,6 +104,8 @@ class Controller(abc.ABC):
         self.table = RankTable(self.loop, listener, token, self, socket.gethostname())
         self.watch = RankWatch(session.watcher(), policy.mps_required) \
             if session is not None and session.enabled else None
+        self.usage = UsageSampler([gpu.uuid for gpu in session.gpus], policy.keep_samples) \
+            if session is not None and session.gpus else None
         self.stopping: int | None = None
         self.interrupted_by: int | None = None
         self._kill_timer: Timer | None = None
@@ -121,11 +126,13 @@ class Controller(abc.ABC):
             self.decider.arm()
             if self.watch is not None:
                 self.loop.after(self.policy.watch_interval, self._check)
+            if self.usage is not None:
+                self.loop.after(self.policy.usage_interval, self._sample)
             for sig in pending:
                 self.loop.after(0, functools.partial(self._on_signal, sig))
             if first is not None:
                 self.loop.after(0, lambda: self._guarded(first))
-            with self.watch.held() if self.watch is not None else contextlib.nullcontext():
+            with gpu_info.nvml_kept() if self.watch or self.usage else contextlib.nullcontext():
                 self.loop.run_until(self._done)
         self.loop.close()
 
@@ -133,6 +140,41 @@ class Controller(abc.ABC):
         """Let the client watch read the daemons' logs once more, knowing every rank that ran."""
         if self.watch is not None:
             self.watch.settle({s.process.pid: s.rank for s in self.ranks.values() if s.process is not None})
+
+    def account(self, state: RankState, first: bool = False) -> RankAccount:
+        """A rank's account, as this controller knows it (``first``: its failure decided the job); one a node keeper
+        relayed is that keeper's."""
+        end = state.end
+        cause = end.what(first) if end is not None else "running"
+        if end is not None and end.relayed is not None:
+            return replace(end.relayed, cause=cause)
+        plan = state.plan
+        gpu, share = self._gpu_of(plan)
+        pid = end.pid if end is not None and end.pid else state.process.pid if state.process is not None else None
+        return RankAccount(
+            state.rank, self.table.host, pid, gpu, self._proven(state.rank),
+            self.usage.peaks.get(state.rank) if self.usage is not None else None,
+            plan.mem_limit if plan is not None else None, share, plan.thread_percentage if plan is not None else None,
+            end.wall if end is not None else None, end.cpu if end is not None else None,
+            end.returncode if end is not None else None, cause)
+
+    def accounts(self, first: int | None = None) -> list[RankAccount]:
+        """Every rank's account, by rank (``first``: the rank whose failure decided the job)."""
+        return [self.account(state, state.rank == first) for _, state in sorted(self.ranks.items())]
+
+    def _gpu_of(self, plan: RankPlan | None) -> tuple[int | None, int | None]:
+        """A rank's GPU (its index; None where it sees every GPU of the session, or none) and, where it shares that GPU
+        with no memory limit, its share of the GPU's memory (MiB)."""
+        if plan is None or self.session is None or not self.session.gpus or self.session.gpu_bind != "single":
+            return None, None
+        gpu, sharers = self.session.gpus[plan.gpu], plan.sharers or 1
+        return gpu.index, (gpu.memory_total >> 20) // sharers if sharers > 1 and not plan.mem_limit else None
+
+    def _proven(self, rank: int) -> bool | None:
+        """Whether the rank was proven an MPS client (True), seen using its GPU without MPS (False), or neither."""
+        if self.watch is None:
+            return None
+        return True if rank in self.watch.verified else False if rank in self.watch.without_mps else None
 
     @abc.abstractmethod
     def note(self, text: str) -> None:
@@ -165,7 +207,8 @@ class Controller(abc.ABC):
             try:
                 admission = self.welcome(identity, hello)
                 link.send(admission.welcome)
-                self.table.add(RankState(identity.rank, link, unlimited_gpu=admission.unlimited_gpu))
+                self.table.add(RankState(identity.rank, link, unlimited_gpu=admission.unlimited_gpu,
+                                         plan=admission.plan))
                 return
             except MPSError as exc:
                 refusal = (exc.exit_code, f"mpsrun: error: {exc}")
@@ -331,6 +374,14 @@ class Controller(abc.ABC):
         for finding in self.watch.check(self.table.local_pids()):
             self._finding(finding)
         self.loop.after(self.policy.watch_interval, self._check)
+
+    def _sample(self) -> None:
+        """One sample of the live ranks' device memory, while the job runs."""
+        if self.usage is None or self.stopping is not None or not self.table.accepting:
+            return
+        if pids := self.table.local_pids():
+            self.usage.sample(with_descendants(pids))
+        self.loop.after(self.policy.usage_interval, self._sample)
 
     def _finding(self, finding: Finding) -> None:
         if finding.fatal:

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mpsrun.exitcodes import ExitCode, Outcome, describe_returncode, exit_code, signal_name
-from mpsrun.runtime.constants import WATCH_INTERVAL
+from mpsrun.runtime.constants import USAGE_INTERVAL, WATCH_INTERVAL
 
 if TYPE_CHECKING:
     from mpsrun.config.options import JobConfig
+    from mpsrun.job.account import RankAccount
     from mpsrun.runtime.deadline import Deadline
 
 __all__ = ["JobResult", "Judge", "Policy", "RankEnd", "ranges"]
@@ -39,32 +40,43 @@ class Policy:
     timeout_total: float | None = None  # the --timeout itself, for the message
     mps_required: bool = False  # --mps on: a rank found without MPS fails the job
     watch_interval: float = WATCH_INTERVAL
+    usage_interval: float = USAGE_INTERVAL
+    keep_samples: bool = False  # --report: the memory samples are kept for it
 
     @classmethod
     def for_job(cls, config: JobConfig, deadline: Deadline) -> Policy:
         """The rules of ``config``'s job, with what is left of its --timeout (``deadline``) when the ranks start."""
         return cls(grace=config.grace, timeout=deadline.remaining() if config.timeout else None,
-                   timeout_total=config.timeout, mps_required=config.mps == "on")
+                   timeout_total=config.timeout, mps_required=config.mps == "on", keep_samples=bool(config.report))
 
 
 @dataclass(slots=True)
 class RankEnd:
-    """How one rank ended. ``returncode`` is None for a rank lost without a report."""
+    """How one rank ended. ``returncode`` is None for a rank lost without a report. ``wall`` and ``cpu``: its
+    program's seconds running and of CPU, where its supervisor said; ``relayed``: its account, as the node keeper
+    that relayed its end sent it (under ``--hosts``)."""
 
     rank: int
     pid: int | None
     returncode: int | None
     reason: str = ""
     aborting: bool = False  # reported as its MPI_Abort began: the MPI launcher ends the job's other ranks
+    wall: float | None = None
+    cpu: float | None = None
+    relayed: RankAccount | None = None
 
     def describe(self, first: bool = False) -> str:
         """``rank 1 (pid N) exited with code 7[ first][: reason]``."""
         who = f"rank {self.rank}" + (f" (pid {self.pid})" if self.pid else "")
+        return f"{who} {self.what(first)}"
+
+    def what(self, first: bool = False) -> str:
+        """``exited with code 7[ first][: reason]``: how it ended, without who."""
         if self.returncode is None:
-            return f"{who} ended without reporting" + (" first" if first else "") + (
+            return "ended without reporting" + (" first" if first else "") + (
                 f" ({self.reason})" if self.reason else "")
         what = describe_returncode(self.returncode) + (" first" if first else "")
-        return f"{who} {what}" + (f": {self.reason}" if self.reason else "")
+        return what + (f": {self.reason}" if self.reason else "")
 
 
 @dataclass(slots=True)

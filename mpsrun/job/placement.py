@@ -224,10 +224,12 @@ def callers_values(caller: Mapping[str, str]) -> dict[str, str | None]:
 
 class Admission(NamedTuple):
     """A rank's welcome, and for its controller (not sent) the rank's GPU position and that GPU's ranks when it
-    shares the GPU with no memory limit (a failure out of memory then names the sharing)."""
+    shares the GPU with no memory limit (a failure out of memory then names the sharing), and its plan (None
+    without GPUs), for its account."""
 
     welcome: Welcome
     unlimited_gpu: tuple[int, int] | None
+    plan: RankPlan | None = None
 
 
 def welcome(identity: RankIdentity, node: NodePlan, target_of: Callable[[int], GpuTarget | None], mpi4py_abort: bool,
@@ -263,7 +265,7 @@ def welcome(identity: RankIdentity, node: NodePlan, target_of: Callable[[int], G
     sent = Welcome(env, defaults, list(MANAGED_VARIABLES), restore, config.tag_output, config.grace, config.timeout,
                    mpi4py_abort, output_lock, config.output_filename, gpu_clients,
                    None if gpu_clients is None else GPU_CONNECTIONS, [])
-    return Admission(sent, _unlimited_gpu(plan, ngpus))
+    return Admission(sent, _unlimited_gpu(plan, ngpus), plan if ngpus else None)
 
 
 def _device_number(identity: RankIdentity, config: JobConfig, ngpus: int) -> int | None:

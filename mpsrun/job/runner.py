@@ -39,6 +39,7 @@ from mpsrun.session.claim import SessionClaim
 from mpsrun.session.paths import session_base
 
 if TYPE_CHECKING:  # imported once the launcher has started (see _AFTER_THE_LAUNCHER)
+    from mpsrun.job.account import RankAccount
     from mpsrun.job.controller import Admit
     from mpsrun.job.jobcontroller import JobController
     from mpsrun.job.nodesession import NodeSession
@@ -102,6 +103,7 @@ class Job:
         self.began = time.time()  # what MPI leaves on the node since then is the job's (mpsrun.session.leftovers)
         self.deadline = Deadline(config.timeout)  # --timeout bounds the whole job, start-up included
         self.local: NodeSession | None = None  # this node's part of the job, when it owns the daemons
+        self.accounts: list[RankAccount] = []  # every rank's, once the ranks have ended
 
     def _elapsed(self, what: str) -> None:
         log.info(f"mpsrun: {what} after {time.monotonic() - self.started:.3f} s")
@@ -147,7 +149,20 @@ class Job:
         result = controller.result(teardown_failure, late)
         if late is not None and result.cause == "signal" and not controller.judging.judge.failed:
             self.note(result.message)
+        if self.config.report and (unwritten := self._write_report(controller, result)) and not teardown_failure:
+            result = controller.result(unwritten, late)  # the job's end failed, as a teardown that fails does
         return result
+
+    def _write_report(self, controller: JobController, result: JobResult) -> str:
+        """``--report``: every rank's account and the memory samples; what failed, if the file could not be written."""
+        from mpsrun.job.account import Report
+
+        assert self.config.report is not None
+        report = Report.of(self.config.command, (result.exit_code, result.cause, result.message), self.began,
+                           self.accounts, controller.usage, controller.policy.usage_interval)
+        if unwritten := report.save(self.config.report):
+            self.note(unwritten)
+        return unwritten
 
     def _start_early(self, backend: Backend, program: str, channel: ControlChannel, claim: SessionClaim | None) -> None:
         """The MPI launcher starts now, while the session comes up (its ranks wait for their welcome)."""
@@ -282,6 +297,18 @@ class Job:
                 self.note(line)
         for line in controller.notes:  # what each host's node keeper had to say (under --hosts)
             self.note(line)
+        self._account(controller)
+
+    def _account(self, controller: JobController) -> None:
+        """Every rank's account: a table with -v, and one line when their memory peaks and limits are far apart."""
+        from mpsrun.job.account import account_lines, memory_hint
+
+        first = controller.judging.judge.first
+        self.accounts = controller.accounts(first.rank if first is not None else None)
+        for line in account_lines(self.accounts) if self.config.verbose else []:
+            log.info(f"mpsrun: {line}")
+        if (hint := memory_hint(self.accounts)) and (self.config.mem_limit is not None or self.config.verbose):
+            self.note(f"hint: {hint}")
 
     def _close(self, session: Session | None, claim: SessionClaim | None) -> str:
         """Tear the session down (and its directory, should it never have started); what failed, if anything

@@ -12,9 +12,10 @@ import hmac
 import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from mpsrun.exitcodes import ExitCode, Outcome, exit_code
+from mpsrun.job.account import RankAccount
 from mpsrun.job.outcome import RankEnd
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import HELLO_WAIT, STOP_SIGNALS
@@ -34,6 +35,9 @@ from mpsrun.runtime.protocol import (
     Refusal,
     Started,
 )
+
+if TYPE_CHECKING:
+    from mpsrun.job.placement import RankPlan
 
 __all__ = ["RankEvents", "RankState", "RankTable", "refuse_newcomer"]
 
@@ -68,6 +72,7 @@ class RankState:
     end: RankEnd | None = None
     verdict_sent: bool = False
     unlimited_gpu: tuple[int, int] | None = None  # its GPU's position and ranks, shared with no memory limit
+    plan: RankPlan | None = None  # where it runs and its limits (for its account), when welcomed here
 
     def ended(self, end: RankEnd) -> None:
         self.end = end
@@ -214,7 +219,9 @@ class RankTable:
             return
         # returncode None: a node keeper lost the rank without a report
         pid = state.process.pid if state.process is not None else message.pid
-        self.events.rank_ended(state, RankEnd(state.rank, pid, message.returncode, message.reason, message.aborting))
+        relayed = RankAccount.relayed(message, "") if _from_node(link) else None
+        self.events.rank_ended(state, RankEnd(state.rank, pid, message.returncode, message.reason, message.aborting,
+                                              message.wall, message.cpu, relayed))
 
     def _lost(self, link: Link) -> None:
         gone = "its node keeper is gone" if _from_node(link) else "its supervisor is gone"

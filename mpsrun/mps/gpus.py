@@ -33,6 +33,7 @@ __all__ = [
     "mps_client_memory",
     "nvml_kept",
     "parse_visible_devices",
+    "process_memory",
     "read_ahead",
     "select_gpus",
     "visible_gpus",
@@ -331,29 +332,46 @@ def memory_free(uuid: str) -> int:
         return int(nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByUUID(uuid)).free)
 
 
-def compute_processes(uuid: str) -> dict[int, bool]:
-    """Processes holding a CUDA context on the GPU: ``{pid: is_mps_client}``.
+def _contexts(nvml: Any, uuid: str) -> Iterator[tuple[int, bool, int | None]]:
+    """NVML's two lists of the GPU's contexts: ``(pid, listed as an MPS client, device memory in bytes or None)``.
 
-    NVML lists MPS clients (type ``M+C``) both as compute processes and as MPS compute
-    processes, and the MPS server and plain CUDA processes (type ``C``) only as compute
-    processes (recorded on an H100 and on two H200s).
+    NVML lists MPS clients (type ``M+C``) both as compute processes and as MPS compute processes, each with its
+    memory (its allocations and its context), and the MPS server and plain CUDA processes (type ``C``) only as
+    compute processes (recorded on an H100 and on two H200s).
     """
+    handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+    for name, is_mps in (("nvmlDeviceGetComputeRunningProcesses", False),
+                         ("nvmlDeviceGetMPSComputeRunningProcesses", True)):
+        query = getattr(nvml, name, None)
+        if query is None:
+            continue
+        try:
+            processes = query(handle)
+        except nvml.NVMLError_NotSupported:
+            continue
+        for process in processes:
+            used = process.usedGpuMemory
+            yield int(process.pid), is_mps, None if used is None else int(used)
+
+
+def compute_processes(uuid: str) -> dict[int, bool]:
+    """Processes holding a CUDA context on the GPU: ``{pid: is_mps_client}``."""
+    found: dict[int, bool] = {}
     with _nvml() as nvml:
-        handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
-        found: dict[int, bool] = {}
-        for name, is_mps in (
-            ("nvmlDeviceGetComputeRunningProcesses", False),
-            ("nvmlDeviceGetMPSComputeRunningProcesses", True),
-        ):
-            query = getattr(nvml, name, None)
-            if query is None:
-                continue
-            try:
-                for process in query(handle):
-                    found[int(process.pid)] = found.get(int(process.pid), False) or is_mps
-            except nvml.NVMLError_NotSupported:
-                continue
-        return found
+        for pid, is_mps, _ in _contexts(nvml, uuid):
+            found[pid] = found.get(pid, False) or is_mps
+    return found
+
+
+def process_memory(uuid: str) -> dict[int, int]:
+    """Each process holding a CUDA context on the GPU, with its device memory in bytes as NVML counts it (a process
+    whose memory NVML does not give is left out)."""
+    found: dict[int, int] = {}
+    with _nvml() as nvml:
+        for pid, _, used in _contexts(nvml, uuid):
+            if used is not None:
+                found[pid] = max(found.get(pid, 0), used)
+    return found
 
 
 def mps_client_memory(uuid: str) -> dict[int, int] | None:

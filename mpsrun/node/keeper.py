@@ -33,8 +33,10 @@ from mpsrun.config.options import JobConfig, differing_options
 from mpsrun.config.values import check_shares
 from mpsrun.errors import ConfigError, InterruptionError, MPSError
 from mpsrun.exitcodes import ExitCode
+from mpsrun.job.account import Report, account_lines, memory_hint, report_path
 from mpsrun.job.channel import free_port, rendezvous
 from mpsrun.job.nodesession import NodeSession
+from mpsrun.job.outcome import Judge
 from mpsrun.job.placement import Admission
 from mpsrun.job.report import mps_report, verified_line
 from mpsrun.job.table import refuse_newcomer
@@ -178,6 +180,23 @@ class NodeKeeper:
         if controller.reports_failures and self.session.enabled and any(s.end and s.end.returncode != 0
                                                                         for s in ranks):
             lines += mps_report(self.session.daemons, {s.process.pid: s.rank for s in ranks if s.process is not None})
+        if controller.judging is not None:  # a bare --per-node node: its ranks' accounts are said here
+            lines += self._accounts(controller.judging.judge)
+        return lines
+
+    def _accounts(self, judge: Judge) -> list[str]:
+        """The node's ranks' accounts: a table with -v, the memory hint, and ``--report`` (FILE.HOST.json)."""
+        config, controller = self.config, self.controller
+        accounts = controller.accounts(judge.first.rank if judge.first is not None else None)
+        host = socket.gethostname()
+        lines = [f"node {host}: {line}" for line in account_lines(accounts)] if config.verbose else []
+        if (hint := memory_hint(accounts)) and (config.mem_limit is not None or config.verbose):
+            lines.append(f"hint: {hint}")
+        if config.report:
+            report = Report.of(config.command, (judge.exit_code(), judge.cause, judge.message), self.began, accounts,
+                               controller.usage, controller.policy.usage_interval)
+            if unwritten := report.save(report_path(config.report, per_host=True)):
+                lines.append(unwritten)
         return lines
 
     def run(self) -> None:

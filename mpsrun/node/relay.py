@@ -16,7 +16,7 @@ from mpsrun.job.outcome import RankEnd
 from mpsrun.job.table import RankState
 from mpsrun.mps.watch import Finding
 from mpsrun.runtime.constants import STOP_SIGNALS, VERDICT_WAIT
-from mpsrun.runtime.protocol import Exited, Found, Interrupted, Link, Note, SignalRanks, Started, Verdict
+from mpsrun.runtime.protocol import Found, Interrupted, Link, Note, SignalRanks, Started, Verdict
 
 __all__ = ["Relaying"]
 
@@ -60,7 +60,7 @@ class Relaying:
         if self._orphaned:
             self.controller.verdict(state)
             return
-        self.upstream.send(Exited(end.rank, end.returncode, end.reason, end.pid, end.aborting))
+        self.upstream.send(self.controller.account(state).message(end.reason, end.aborting))
         if not self.controller.table.live():  # the job's controller answers at once; should it not, the node must close
             self.controller.loop.after(VERDICT_WAIT, self._verdicts_overdue)
 

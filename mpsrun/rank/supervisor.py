@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 
 from mpsrun.errors import InterruptionError, MPSError
@@ -110,6 +111,9 @@ class RankSupervisor:
         self.backstop = Deadline(None if self.timeout is None else self.timeout + self.grace + KILL_WAIT)
         self.aborting: AbortChannel | None = None  # where the rank's runner says it is about to call MPI_Abort
         self.reported: int | None = None  # this process's exit code, when the rank's end was reported ahead of it
+        self.began: float | None = None  # when the program started (monotonic)
+        self.wall: float | None = None  # the program's seconds running, and of CPU (its own and its reaped
+        self.cpu: float | None = None  # descendants'), once it has ended
 
     def run(self) -> int:
         program, code, reason = find_program(self.command[0], self.env.get("PATH"))
@@ -172,6 +176,7 @@ class RankSupervisor:
         # inheritable) and stay open here too until this process ends, as a plain rank holds them: Hydra's proxy
         # spins a core from the moment a rank's PMI connection closes until its process is gone.
         pid = self.process.pid
+        self.began = time.monotonic()
         self.link.send(Started(self.rank, pid, start_ticks(pid), socket.gethostname()))
         exit_fd = pidfd(pid)
         if exit_fd is None:
@@ -240,7 +245,10 @@ class RankSupervisor:
             os.close(exit_fd)
         # The leader is a zombie until reaped, so its pid still names our group: end what it left.
         kill_group(self.process.pid, signal.SIGKILL)
-        self.returncode = self.process.wait()
+        _, status, usage = os.wait4(self.process.pid, 0)  # its own CPU time, which Popen.wait does not give
+        self.returncode = self.process.returncode = os.waitstatus_to_exitcode(status)
+        self.cpu = round(usage.ru_utime + usage.ru_stime, 3)
+        self.wall = None if self.began is None else round(time.monotonic() - self.began, 3)
         self.loop.unwatch(self.link.fd)
         if self.aborting is not None:
             self.loop.unwatch(self.aborting.listener.fileno())
@@ -290,7 +298,8 @@ class RankSupervisor:
 
     def _finish(self, own: Outcome, reason: str = "", aborting: bool = False) -> int:
         returncode = own.detail if own.cause != "ok" else ExitCode.OK
-        self.link.send(Exited(self.rank, returncode, reason, aborting=aborting))
+        wall = self.wall if self.wall is not None or self.began is None else round(time.monotonic() - self.began, 3)
+        self.link.send(Exited(self.rank, returncode, reason, aborting=aborting, wall=wall, cpu=self.cpu))
         # The job's end is not cut short: a signal is noted only, also one that comes as the block ends (a deferral
         # that ended inside the block let the reaper's SIGTERM raise there: a traceback, once under load).
         with Interrupts(deferred=True) as interrupts:

@@ -103,3 +103,5 @@ LOCK_TIMEOUT = 60.0
 SERVER_AFTER = 0.25
 #: NVML is sampled this often: two looks in a row find a rank off MPS.
 WATCH_INTERVAL = 0.2
+#: How often a job samples its ranks' device memory from NVML (a rank's peak is its largest sample).
+USAGE_INTERVAL = 0.5

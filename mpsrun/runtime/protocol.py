@@ -60,13 +60,23 @@ class Started(NamedTuple):
 
 
 class Exited(NamedTuple):
-    """A rank ended. ``returncode`` None: a node keeper lost it without a report."""
+    """A rank ended. ``returncode`` None: a node keeper lost it without a report. ``wall`` and ``cpu``: its program's
+    seconds running and of CPU (its supervisor's count); the rest, of a rank a node keeper relays (its account: see
+    :class:`mpsrun.job.account.RankAccount`)."""
 
     rank: int
     returncode: int | None
     reason: str = ""
     pid: int | None = None
     aborting: bool = False  # it called MPI_Abort
+    wall: float | None = None
+    cpu: float | None = None
+    host: str = ""
+    gpu: int | None = None
+    mps: bool | None = None
+    memory_peak: int | None = None  # MiB
+    memory_limit: int | None = None  # MiB
+    thread_percentage: int | None = None
 
 
 class Interrupted(NamedTuple):

@@ -1,0 +1,175 @@
+"""Each rank's account at the job's end: where it ran, its peak device memory, its time, how it ended.
+
+The controller that owns a rank's host builds its account (:meth:`mpsrun.job.controller.Controller.account`); under
+``--hosts`` a node keeper sends its ranks' accounts in their :class:`~mpsrun.runtime.protocol.Exited` messages, so
+the job's controller holds every rank's. ``-v`` prints them as a table, ``--report FILE`` writes them as JSON (with
+the memory samples), and :func:`memory_hint` names ranks whose peak and memory limit are far apart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+from mpsrun import __version__
+from mpsrun.config.values import mib_text
+from mpsrun.job.outcome import ranges
+from mpsrun.mps.usage import Sample, UsageSampler
+from mpsrun.runtime.protocol import Exited
+
+__all__ = ["NEAR_LIMIT", "RankAccount", "Report", "account_lines", "memory_hint", "report_path"]
+
+#: A peak within this fraction of the rank's memory limit is near it; one below a quarter of it leaves most unused.
+NEAR_LIMIT, MOSTLY_UNUSED = 0.9, 0.25
+#: A suggested limit: the largest peak with this much room, rounded up to this many MiB.
+ROOM, ROUND_MIB = 1.25, 256
+
+
+@dataclass(frozen=True, slots=True)
+class RankAccount:
+    """One rank's account. ``gpu``: its GPU's index on its host (None: it saw every GPU of its session, or none);
+    ``mps``: proven an MPS client (None: not known, without MPS or on another host); memory in MiB (``memory_peak``
+    None: never sampled, a rank that ended before the first look or a GPU NVML does not count); ``memory_share``:
+    its part of its GPU's memory when it shared the GPU with no limit; times in seconds; ``exit_code`` None: lost."""
+
+    rank: int
+    host: str
+    pid: int | None
+    gpu: int | None
+    mps: bool | None
+    memory_peak: int | None
+    memory_limit: int | None
+    memory_share: int | None
+    thread_percentage: int | None
+    wall: float | None
+    cpu: float | None
+    exit_code: int | None
+    cause: str
+
+    @classmethod
+    def relayed(cls, message: Exited, cause: str) -> RankAccount:
+        """A rank's account as its node keeper sent it."""
+        return cls(message.rank, message.host, message.pid, message.gpu, message.mps, message.memory_peak,
+                   message.memory_limit, None, message.thread_percentage, message.wall, message.cpu,
+                   message.returncode, cause)
+
+    def message(self, reason: str, aborting: bool) -> Exited:
+        """The :class:`Exited` a node keeper relays for this rank."""
+        return Exited(self.rank, self.exit_code, reason, self.pid, aborting, self.wall, self.cpu, self.host, self.gpu,
+                      self.mps, self.memory_peak, self.memory_limit, self.thread_percentage)
+
+
+def _cell(value: object, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.2f}{unit}"
+    return f"{value}{unit}"
+
+
+HEADER = ("rank", "host", "pid", "gpu", "mps", "peak MiB", "limit", "SM %", "wall s", "cpu s", "exit", "cause")
+
+
+def account_lines(accounts: Sequence[RankAccount]) -> list[str]:
+    """The accounts as a table, one line a rank, for ``-v``."""
+    rows = [HEADER] + [(str(a.rank), a.host, _cell(a.pid), _cell(a.gpu), _cell(a.mps), _cell(a.memory_peak),
+                        mib_text(a.memory_limit) if a.memory_limit else "-", _cell(a.thread_percentage),
+                        _cell(a.wall), _cell(a.cpu), _cell(a.exit_code), a.cause) for a in accounts]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER) - 1)]
+    return ["  ".join(cell.rjust(width) if i not in (1,) else cell.ljust(width)
+                      for i, (cell, width) in enumerate(zip(row, widths, strict=False))) + "  " + row[-1]
+            for row in rows]
+
+
+def _suggested(peak: int) -> str:
+    return mib_text(-(-int(peak * ROOM) // ROUND_MIB) * ROUND_MIB)
+
+
+def memory_hint(accounts: Iterable[RankAccount]) -> str:
+    """One line on memory limits, from the ranks' peaks, or "": ranks that peaked near their ``--mem-limit`` (the next
+    allocation may fail), else ranks that all used under a quarter of theirs (the rest could go to others), else
+    ranks without a limit that peaked above their share of a shared GPU (``--mem-limit auto`` would fail them)."""
+    measured = [a for a in accounts if a.memory_peak is not None]
+    limited = [a for a in measured if a.memory_limit]
+    near = [a for a in limited if a.memory_peak >= NEAR_LIMIT * a.memory_limit]  # type: ignore[operator]
+    if near:
+        worst = max(near, key=lambda a: a.memory_peak or 0)
+        return (f"rank(s) {ranges([a.rank for a in near])} peaked within {100 - int(NEAR_LIMIT * 100)}% of their "
+                f"--mem-limit (up to {worst.memory_peak} MiB of {mib_text(worst.memory_limit or 0)}): an allocation "
+                "beyond the limit fails; give them more")
+    if limited and all(a.memory_peak < MOSTLY_UNUSED * a.memory_limit for a in limited):  # type: ignore[operator]
+        peak = max(a.memory_peak or 0 for a in limited)
+        return (f"rank(s) {ranges([a.rank for a in limited])} used at most {peak} MiB of their --mem-limit "
+                f"({mib_text(max(a.memory_limit or 0 for a in limited))}): --mem-limit {_suggested(peak)} would "
+                "leave the rest of the GPU to others")
+    over = [a for a in measured if not a.memory_limit and a.memory_share and a.memory_peak > a.memory_share]  # type: ignore[operator]
+    if over:
+        return (f"rank(s) {ranges([a.rank for a in over])} peaked above their share of their GPU's memory (up to "
+                f"{max(a.memory_peak or 0 for a in over)} MiB of {min(a.memory_share or 0 for a in over)} MiB): "
+                "--mem-limit auto would make their allocations fail")
+    return ""
+
+
+def report_path(path: str, per_host: bool) -> str:
+    """Where a report goes: ``path``, or under a bare ``--per-node`` job (each node writes its own ranks')
+    ``path`` with the host's name before its suffix (``job.json`` -> ``job.node01.json``)."""
+    if not per_host:
+        return path
+    stem, suffix = os.path.splitext(path)
+    return f"{stem}.{socket.gethostname()}{suffix}"
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """What ``--report FILE`` writes: the job's end, every rank's account, and the memory samples."""
+
+    command: list[str]
+    exit_code: int
+    cause: str
+    summary: str
+    started: float
+    ended: float
+    sample_interval: float | None
+    ranks: list[RankAccount]
+    samples: list[Sample]
+
+    @classmethod
+    def of(cls, command: Sequence[str], ending: tuple[int, str, str], started: float, accounts: list[RankAccount],
+           usage: UsageSampler | None, interval: float) -> Report:
+        """The report of a job that ended as ``ending`` says (exit code, cause, summary), with ``usage``'s samples."""
+        code, cause, summary = ending
+        return cls(list(command), code, cause, summary, started, time.time(), interval if usage is not None else None,
+                   accounts, usage.samples if usage is not None else [])
+
+    def save(self, path: str) -> str:
+        """Write the report to ``path``; what failed, in a line, if it could not be written."""
+        try:
+            self.write(path)
+        except OSError as exc:
+            return f"cannot write the report {path}: {exc.strerror or exc}"
+        return ""
+
+    def write(self, path: str) -> None:
+        """Write the report as JSON, whole or not at all (a temporary file beside it, renamed)."""
+        data = {"mpsrun": __version__, **asdict(self)}
+        data["samples"] = [{"time": s.time, "memory": {str(r): m for r, m in s.memory.items()}} for s in self.samples]
+        directory = os.path.dirname(os.path.abspath(path))
+        handle, temporary = tempfile.mkstemp(prefix=".mpsrun-report-", dir=directory)
+        mask = os.umask(0)  # the file as the user's other files are (mkstemp makes it 0600)
+        os.umask(mask)
+        try:
+            os.fchmod(handle, 0o666 & ~mask)
+            with os.fdopen(handle, "w") as out:
+                json.dump(data, out, indent=1)
+                out.write("\n")
+            os.replace(temporary, path)
+        except BaseException:
+            os.unlink(temporary)
+            raise
