@@ -54,8 +54,9 @@ subcommands:
                                            run your command under candidate settings; say which to use
   mpsrun doctor [--json]                   can MPS work here, and if not, why not (exit 0 if it can)
   mpsrun status [--json]                   this user's sessions on this node (owner, daemons, age)
+  mpsrun top [JOB] [--once | --json]       this user's running ranks on this node: device memory, limits, CPU
   mpsrun cleanup [--force SESSION]         stop and remove stale sessions (owner gone); never others'
-  (a program called "bench", "tune", "doctor", "status" or "cleanup" runs as: mpsrun -- bench)
+  (a program called "bench", "tune", "doctor", "status", "top" or "cleanup" runs as: mpsrun -- bench)
 
 exit status (the same under every launcher):
   0     every rank succeeded
@@ -85,7 +86,7 @@ def _print_error(message: str) -> None:
 
 
 def _subcommand(args: list[str]) -> int | None:
-    """Run ``bench``, ``tune``, ``doctor``, ``status`` or ``cleanup``; None when the words are a job."""
+    """Run ``bench``, ``tune``, ``doctor``, ``status``, ``top`` or ``cleanup``; None when the words are a job."""
     if args[:1] == ["bench"]:  # a program named "bench" runs as: mpsrun -- bench
         from mpsrun.tools import bench
 
@@ -98,6 +99,10 @@ def _subcommand(args: list[str]) -> int | None:
         from mpsrun.tools import doctor
 
         return doctor.main(args[1:])
+    if args[:1] == ["top"]:
+        from mpsrun.tools import top
+
+        return top.main(args[1:])
     if args[:1] in (["status"], ["cleanup"]):
         from mpsrun.session import registry
 

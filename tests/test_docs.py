@@ -53,7 +53,7 @@ from mpsrun.config.commandline import parse_args
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NEEDS = {"gpu", "slurm", "torch", "hosts"}
 NOT_RUN = {"output", "listing", "benchmark"}
-SUBCOMMANDS = ("bench", "tune", "doctor", "status", "cleanup")
+SUBCOMMANDS = ("bench", "tune", "doctor", "top", "status", "cleanup")
 #: The README's set-up commands (its first two sh blocks), which tests/test_readme.py and CI run.
 SETUP_BLOCKS = 2
 

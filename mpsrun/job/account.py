@@ -16,7 +16,6 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from mpsrun import __version__
 from mpsrun.config.values import mib_text
 from mpsrun.job.outcome import ranges
 from mpsrun.mps.usage import Sample, UsageSampler
@@ -126,6 +125,16 @@ def report_path(path: str, per_host: bool) -> str:
     return f"{stem}.{socket.gethostname()}{suffix}"
 
 
+def _version() -> str | None:
+    """mpsrun's version as installed (the package's own import would reach above this layer)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("mpsrun")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 @dataclass(frozen=True, slots=True)
 class Report:
     """What ``--report FILE`` writes: the job's end, every rank's account, and the memory samples."""
@@ -158,7 +167,7 @@ class Report:
 
     def write(self, path: str) -> None:
         """Write the report as JSON, whole or not at all (a temporary file beside it, renamed)."""
-        data = {"mpsrun": __version__, **asdict(self)}
+        data = {"mpsrun": _version(), **asdict(self)}
         data["samples"] = [{"time": s.time, "memory": {str(r): m for r, m in s.memory.items()}} for s in self.samples]
         directory = os.path.dirname(os.path.abspath(path))
         handle, temporary = tempfile.mkstemp(prefix=".mpsrun-report-", dir=directory)

@@ -147,7 +147,7 @@ class Controller(abc.ABC):
         end = state.end
         cause = end.what(first) if end is not None else "running"
         if end is not None and end.relayed is not None:
-            return replace(end.relayed, cause=cause)
+            return RankAccount.relayed(end.relayed, cause)
         plan = state.plan
         gpu, share = self._gpu_of(plan)
         pid = end.pid if end is not None and end.pid else state.process.pid if state.process is not None else None
@@ -379,8 +379,10 @@ class Controller(abc.ABC):
         """One sample of the live ranks' device memory, while the job runs."""
         if self.usage is None or self.stopping is not None or not self.table.accepting:
             return
-        if pids := self.table.local_pids():
-            self.usage.sample(with_descendants(pids))
+        pids = self.table.local_pids()
+        grew = bool(pids) and self.usage.sample(with_descendants(pids))
+        if grew and self.session is not None and self.session.dirs is not None:
+            self.usage.publish(self.session.dirs.usage_file)  # for mpsrun top
         self.loop.after(self.policy.usage_interval, self._sample)
 
     def _finding(self, finding: Finding) -> None:

@@ -15,8 +15,8 @@ from mpsrun.runtime.constants import USAGE_INTERVAL, WATCH_INTERVAL
 
 if TYPE_CHECKING:
     from mpsrun.config.options import JobConfig
-    from mpsrun.job.account import RankAccount
     from mpsrun.runtime.deadline import Deadline
+    from mpsrun.runtime.protocol import Exited
 
 __all__ = ["JobResult", "Judge", "Policy", "RankEnd", "ranges"]
 
@@ -53,8 +53,8 @@ class Policy:
 @dataclass(slots=True)
 class RankEnd:
     """How one rank ended. ``returncode`` is None for a rank lost without a report. ``wall`` and ``cpu``: its
-    program's seconds running and of CPU, where its supervisor said; ``relayed``: its account, as the node keeper
-    that relayed its end sent it (under ``--hosts``)."""
+    program's seconds running and of CPU, where its supervisor said; ``relayed``: the end as the node keeper that
+    relayed it sent it, with the rest of its account (under ``--hosts``)."""
 
     rank: int
     pid: int | None
@@ -63,7 +63,7 @@ class RankEnd:
     aborting: bool = False  # reported as its MPI_Abort began: the MPI launcher ends the job's other ranks
     wall: float | None = None
     cpu: float | None = None
-    relayed: RankAccount | None = None
+    relayed: Exited | None = None
 
     def describe(self, first: bool = False) -> str:
         """``rank 1 (pid N) exited with code 7[ first][: reason]``."""

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from mpsrun.exitcodes import ExitCode, Outcome, exit_code
-from mpsrun.job.account import RankAccount
 from mpsrun.job.outcome import RankEnd
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import HELLO_WAIT, STOP_SIGNALS
@@ -219,9 +218,8 @@ class RankTable:
             return
         # returncode None: a node keeper lost the rank without a report
         pid = state.process.pid if state.process is not None else message.pid
-        relayed = RankAccount.relayed(message, "") if _from_node(link) else None
         self.events.rank_ended(state, RankEnd(state.rank, pid, message.returncode, message.reason, message.aborting,
-                                              message.wall, message.cpu, relayed))
+                                              message.wall, message.cpu, message if _from_node(link) else None))
 
     def _lost(self, link: Link) -> None:
         gone = "its node keeper is gone" if _from_node(link) else "its supervisor is gone"

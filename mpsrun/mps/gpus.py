@@ -36,6 +36,7 @@ __all__ = [
     "process_memory",
     "read_ahead",
     "select_gpus",
+    "utilization",
     "visible_gpus",
 ]
 
@@ -372,6 +373,16 @@ def process_memory(uuid: str) -> dict[int, int]:
             if used is not None:
                 found[pid] = max(found.get(pid, 0), used)
     return found
+
+
+def utilization(uuid: str) -> int | None:
+    """The GPU's SM activity over NVML's last sample period, in percent; None where NVML cannot say. Under MPS it is
+    the whole GPU's: NVML charges every client's work to the MPS server and has no figure per client."""
+    with _nvml() as nvml:
+        try:
+            return int(nvml.nvmlDeviceGetUtilizationRates(nvml.nvmlDeviceGetHandleByUUID(uuid)).gpu)
+        except nvml.NVMLError_NotSupported:
+            return None
 
 
 def mps_client_memory(uuid: str) -> dict[int, int] | None:

@@ -7,10 +7,12 @@ descendants', which are the same rank) and its GPUs. A rank that ends before the
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from mpsrun.errors import GPUError
 from mpsrun.mps import gpus as gpu_info
@@ -43,8 +45,8 @@ class UsageSampler:
         self._every = 1  # keep one sample in this many (doubles each time the kept ones are thinned)
         self._taken = 0
 
-    def sample(self, pids: Mapping[int, int]) -> None:
-        """One look: ``pids`` maps every process of the ranks (descendants too) to its rank."""
+    def sample(self, pids: Mapping[int, int]) -> bool:
+        """One look: ``pids`` maps every process of the ranks (descendants too) to its rank. Whether a peak grew."""
         used: dict[int, int] = {}
         try:
             for uuid in self.uuids:
@@ -53,11 +55,21 @@ class UsageSampler:
                         used[pids[pid]] = used.get(pids[pid], 0) + memory
         except GPUError as exc:  # NVML cannot say now: no sample
             log.debug("memory sample skipped: %s", exc)
-            return
+            return False
         mib = {rank: memory >> 20 for rank, memory in used.items()}
-        for rank, memory in mib.items():
-            self.peaks[rank] = max(self.peaks.get(rank, 0), memory)
+        grew = [rank for rank, memory in mib.items() if memory > self.peaks.get(rank, -1)]
+        self.peaks.update({rank: mib[rank] for rank in grew})
         self._keep(mib)
+        return bool(grew)
+
+    def publish(self, path: Path) -> None:
+        """Write the peaks so far to ``path`` (whole, or not at all: a reader never sees half of it)."""
+        temporary = path.with_name(path.name + ".tmp")
+        try:
+            temporary.write_text(json.dumps({str(rank): peak for rank, peak in sorted(self.peaks.items())}))
+            temporary.replace(path)
+        except OSError as exc:  # the session is going away: the job's own account does not depend on it
+            log.debug("peaks not published: %s", exc)
 
     def _keep(self, mib: dict[int, int]) -> None:
         self._taken += 1

@@ -365,6 +365,11 @@ class SessionDirs:
         return self.root / "session.json"
 
     @property
+    def usage_file(self) -> Path:
+        """Each local rank's peak device memory so far, as the job's controller sampled it (for ``mpsrun top``)."""
+        return self.root / "usage.json"
+
+    @property
     def control_socket(self) -> Path:
         return self.root / "control"
 

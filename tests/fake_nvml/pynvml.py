@@ -127,6 +127,16 @@ def nvmlDeviceGetMemoryInfo(handle: dict) -> SimpleNamespace:
     return SimpleNamespace(total=total, free=free, used=total - free)
 
 
+def nvmlDeviceGetUtilizationRates(handle: dict) -> SimpleNamespace:
+    # "utilization": [sm, memory] in gpus.json (read now, as memory is); idle by default.
+    try:
+        now = next(g for g in json.loads((_root() / "gpus.json").read_text()) if g["uuid"] == handle["uuid"])
+    except (OSError, ValueError, StopIteration):
+        now = handle
+    sm, memory = now.get("utilization", (0, 0))
+    return SimpleNamespace(gpu=int(sm), memory=int(memory))
+
+
 def nvmlDeviceGetComputeMode(handle: dict) -> int:
     return int(handle.get("compute_mode", 0))
 

@@ -1,0 +1,309 @@
+"""``mpsrun top``: this user's running mpsrun jobs on this node, a row per rank and per GPU. It never changes a job.
+
+Every job's session directory names its owner and its local ranks' processes (``session.json``), and its
+controller writes each rank's peak device memory so far (``usage.json``). The rest comes from where
+``top`` and ``nvidia-smi`` read it: a rank's environment (its rank, GPU and MPS limits, as mpsrun set
+them), psutil (CPU, resident memory, state, time running) and NVML (each process's device memory, whether
+it is an MPS client, each GPU's SM activity). NVML has no SM figure per MPS client: it charges all of
+them to the server, so SM activity is the GPU's.
+
+    mpsrun top [JOB] [--once | --json] [--interval S] [--tmpdir DIR]
+
+Live in a terminal (curses; ``q`` or Ctrl-C leaves), refreshed every second; ``--once`` prints one table,
+``--json`` one snapshot; without a terminal it prints a table every interval. ``JOB``: a session's name or
+its owner's pid (``mpsrun status`` lists them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+from mpsrun.config.commandline import OneLineParser
+from mpsrun.errors import MPSError
+from mpsrun.exitcodes import ExitCode
+from mpsrun.mps import gpus as gpu_info
+from mpsrun.runtime.processes import ProcessRef
+from mpsrun.session.registry import SessionState, list_sessions
+
+__all__ = ["GpuRow", "RankRow", "Snapshot", "Top", "main", "render"]
+
+#: Per GPU (by UUID): each process with a context there, its device memory (MiB) and whether it is an MPS client.
+Contexts = dict[str, dict[int, tuple[int, bool]]]
+
+#: The first look of a process's CPU use measures from this long before the snapshot (psutil needs two).
+CPU_WINDOW = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class RankRow:
+    """One rank now. ``mps``: an MPS client (None: no CUDA context seen); memory in MiB (``memory``: device memory
+    now, over the rank's processes; ``peak``: the most its job's controller or this view saw); ``limit``: its
+    pinned-memory limit as MPS was given it; ``running``: seconds since it started."""
+
+    job: str
+    rank: int | None
+    host: str
+    pid: int
+    gpu: int | None
+    mps: bool | None
+    memory: int | None
+    peak: int | None
+    limit: str | None
+    threads: int | None
+    cpu: float
+    resident: int
+    state: str
+    running: float
+
+
+@dataclass(frozen=True, slots=True)
+class GpuRow:
+    """One GPU: its SM activity (percent, None where NVML cannot say), device memory used and total (MiB) and the
+    MPS clients on it (of every user and program)."""
+
+    index: int
+    uuid: str
+    sm: int | None
+    used: int
+    total: int
+    clients: int
+
+
+@dataclass(frozen=True, slots=True)
+class JobRow:
+    """One running job (or a node's part of one): its session, kind, owner, command and age in seconds."""
+
+    session: str
+    kind: str
+    owner: int
+    command: list[str]
+    age: float
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    time: float
+    jobs: list[JobRow]
+    ranks: list[RankRow]
+    gpus: list[GpuRow]
+
+
+class Top:
+    """Looks at this user's jobs; keeps each process between looks (CPU use is measured from one look to the next)
+    and the peaks it has seen. ``job``: one session's name or its owner's pid."""
+
+    def __init__(self, base: Path | None = None, job: str | None = None) -> None:
+        self.base, self.job = base, job
+        self._processes: dict[tuple[int, int | None], psutil.Process] = {}
+        self._peaks: dict[tuple[str, int], int] = {}
+
+    def jobs(self) -> list[SessionState]:
+        """The running jobs (their owner alive), or the one asked for."""
+        states = [s for s in list_sessions(self.base) if s.record is not None and s.record.kind in ("job", "node")
+                  and s.owner_alive]
+        if self.job is not None:
+            states = [s for s in states if self.job in (s.session_id, str(s.record.owner.pid))]  # type: ignore[union-attr]
+        return states
+
+    def snapshot(self) -> Snapshot:
+        states = self.jobs()
+        gpus = _gpus()
+        contexts = _contexts(gpus)
+        ranks = [row for state in states for row in self._ranks(state, gpus, contexts)]
+        jobs = [JobRow(s.session_id, s.record.kind, s.record.owner.pid, list(s.record.argv), round(s.age, 1))
+                for s in states if s.record is not None]
+        return Snapshot(round(time.time(), 3), jobs, sorted(ranks, key=_order), _gpu_rows(gpus, contexts))
+
+    def _ranks(self, state: SessionState, gpus: list[gpu_info.GPU], contexts: Contexts) -> Iterator[RankRow]:
+        assert state.record is not None
+        peaks = _published(state.root / "usage.json")
+        for ref in state.record.ranks:
+            process = self._process(ref)
+            if process is None:
+                continue
+            with contextlib.suppress(psutil.Error):
+                yield self._row(state.session_id, process, gpus, contexts, peaks)
+
+    def _process(self, ref: ProcessRef) -> psutil.Process | None:
+        """The live process the record names (a reused pid is another's)."""
+        if not ref.alive():
+            return None
+        key = (ref.pid, ref.start)
+        if key not in self._processes:
+            with contextlib.suppress(psutil.Error):
+                process = psutil.Process(ref.pid)
+                process.cpu_percent()  # the first call starts the measurement
+                self._processes[key] = process
+        return self._processes.get(key)
+
+    def _row(self, job: str, process: psutil.Process, gpus: list[gpu_info.GPU], contexts: Contexts,
+             peaks: dict[int, int]) -> RankRow:
+        env = process.environ()
+        rank = _number(env.get("RANK"))
+        tree = {process.pid, *(child.pid for child in process.children(recursive=True))}
+        seen = [context for on_gpu in contexts.values() for pid, context in on_gpu.items() if pid in tree]
+        memory = sum(used for used, _ in seen) if seen else None
+        peak = max(filter(None, (memory, peaks.get(rank) if rank is not None else None,
+                                 self._peaks.get((job, rank)) if rank is not None else None)), default=None)
+        if rank is not None and peak is not None:
+            self._peaks[(job, rank)] = peak
+        limit = env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "").partition("=")[2] or None
+        return RankRow(job, rank, socket.gethostname(), process.pid, _gpu_index(env.get("CUDA_VISIBLE_DEVICES"), gpus),
+                       any(mps for _, mps in seen) if seen else None, memory, peak, limit,
+                       _number(env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")), round(process.cpu_percent(), 1),
+                       process.memory_info().rss >> 20, process.status(), round(time.time() - process.create_time(), 1))
+
+
+def _order(row: RankRow) -> tuple[str, int, int]:
+    return row.job, row.rank if row.rank is not None else -1, row.pid
+
+
+def _number(text: str | None) -> int | None:
+    return int(text) if text is not None and text.strip().isdigit() else None
+
+
+def _gpus() -> list[gpu_info.GPU]:
+    with contextlib.suppress(MPSError):
+        return gpu_info.list_gpus()
+    return []
+
+
+def _contexts(gpus: list[gpu_info.GPU]) -> Contexts:
+    """Per GPU, every process with a CUDA context on it: its device memory there (MiB) and whether it is an MPS
+    client."""
+    found: Contexts = {}
+    for gpu in gpus:
+        with contextlib.suppress(MPSError):
+            memory = gpu_info.process_memory(gpu.uuid)
+            found[gpu.uuid] = {pid: (memory.get(pid, 0) >> 20, is_mps)
+                               for pid, is_mps in gpu_info.compute_processes(gpu.uuid).items()}
+    return found
+
+
+def _gpu_index(visible: str | None, gpus: list[gpu_info.GPU]) -> int | None:
+    """The index of the one GPU a rank sees (by the UUID mpsrun gave it); None for several or none."""
+    if not visible or "," in visible:
+        return None
+    return next((gpu.index for gpu in gpus if visible in (gpu.uuid, str(gpu.index))), None)
+
+
+def _gpu_rows(gpus: list[gpu_info.GPU], contexts: Contexts) -> list[GpuRow]:
+    rows = []
+    for gpu in gpus:
+        with contextlib.suppress(MPSError):
+            used = gpu.memory_total - gpu_info.memory_free(gpu.uuid)
+            clients = sum(is_mps for _, is_mps in contexts.get(gpu.uuid, {}).values())
+            rows.append(GpuRow(gpu.index, gpu.uuid, gpu_info.utilization(gpu.uuid), used >> 20, gpu.memory_total >> 20,
+                               clients))
+    return rows
+
+
+def _published(path: Path) -> dict[int, int]:
+    """The peaks a job's controller published (``usage.json``), by rank; none if it has not yet."""
+    try:
+        data = json.loads(path.read_text())
+        return {int(rank): int(peak) for rank, peak in data.items()}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
+
+
+def _time(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def _table(header: Sequence[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in [list(header), *rows]) for i in range(len(header))]
+    return ["  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+            for row in [list(header), *rows]]
+
+
+def render(snapshot: Snapshot) -> list[str]:
+    """The snapshot as lines: the jobs, a table of ranks, a table of GPUs."""
+    stamp = time.strftime("%H:%M:%S", time.localtime(snapshot.time))
+    lines = [f"mpsrun top - {stamp} - {len(snapshot.jobs)} job(s), {len(snapshot.ranks)} rank(s) on "
+             f"{socket.gethostname()}"]
+    lines += [f"  job {job.session} ({job.kind}, pid {job.owner}, {_time(job.age)}): {' '.join(job.command)[:100]}"
+              for job in snapshot.jobs]
+    ranks = [[r.job, _cell(r.rank), r.host, str(r.pid), _cell(r.gpu), _cell(r.mps), _cell(r.memory), _cell(r.peak),
+              _cell(r.limit), _cell(r.threads), f"{r.cpu:.0f}", str(r.resident), r.state, _time(r.running)]
+             for r in snapshot.ranks]
+    lines += ["", *_table(("JOB", "RANK", "HOST", "PID", "GPU", "MPS", "MEM MiB", "PEAK", "LIMIT", "SM %", "CPU %",
+                           "RSS MiB", "STATE", "TIME"), ranks)]
+    gpus = [[str(g.index), _cell(g.sm), f"{g.used}/{g.total}", str(g.clients)] for g in snapshot.gpus]
+    lines += ["", *_table(("GPU", "SM %", "MEM MiB", "MPS CLIENTS"), gpus)]
+    return lines
+
+
+def _live(top: Top, interval: float) -> None:
+    """Refresh in the terminal until ``q`` or Ctrl-C."""
+    import curses
+
+    def show(screen: curses.window) -> None:
+        curses.curs_set(0)
+        screen.timeout(int(interval * 1000))
+        while True:
+            screen.erase()
+            height, width = screen.getmaxyx()
+            for row, line in enumerate([*render(top.snapshot()), "", "q: quit"][: height - 1]):
+                screen.addnstr(row, 0, line, width - 1)
+            screen.refresh()
+            if screen.getch() in (ord("q"), ord("Q")):
+                return
+
+    curses.wrapper(show)
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = OneLineParser(prog="mpsrun top", description="This user's running mpsrun jobs on this node: a row per "
+                           "rank (device memory, limits, CPU, state) and per GPU. It never changes a job.")
+    parser.add_argument("job", nargs="?", metavar="JOB", help="one job: its session (mpsrun status) or owner's pid")
+    shown = parser.add_mutually_exclusive_group()
+    shown.add_argument("--once", action="store_true", help="print one table and exit")
+    shown.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit")
+    parser.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between refreshes (1)")
+    parser.add_argument("--tmpdir", type=Path, default=None, help="where sessions live (default as for new ones)")
+    args = parser.parse_args(argv)
+    # A view holds nothing to clean up: Ctrl-C leaves it (as q does), other stopping signals end it at once.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for number in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, signal.SIG_DFL)
+    top = Top(args.tmpdir, args.job)
+    if args.job is not None and not top.jobs():
+        print(f"mpsrun top: error: no running job {args.job} of yours here (mpsrun status lists them)",
+              file=sys.stderr)
+        return ExitCode.USAGE
+    try:
+        if args.once or args.json:
+            top.snapshot()  # the first look starts each process's CPU measurement
+            time.sleep(CPU_WINDOW)
+            snapshot = top.snapshot()
+            print(json.dumps(asdict(snapshot), indent=1) if args.json else "\n".join(render(snapshot)))
+        elif sys.stdout.isatty():
+            _live(top, max(args.interval, 0.1))
+        else:
+            while True:
+                print("\n".join(render(top.snapshot())) + "\n", flush=True)
+                time.sleep(max(args.interval, 0.1))
+    except KeyboardInterrupt:
+        pass
+    return ExitCode.OK
