@@ -108,3 +108,28 @@ def test_top_with_no_jobs_says_so(fake_gpu):
     out = _top("--once")
     assert out.returncode == 0 and "0 job(s), 0 rank(s)" in out.stdout.splitlines()[0], out
     assert sys.executable and os.environ.get("MPSRUN_FAKE_NVML")
+
+
+def test_a_hosts_jobs_controller_shows_the_other_hosts_ranks(fake_gpu, short_tmp, monkeypatch):
+    """Under --hosts the job's controller publishes each rank's host, pid and peak (the node keepers send their peaks
+    up), and top on its host shows the ranks of the other hosts from it (here the host is named otherwise, so the
+    ranks of localhost read as another host's)."""
+    from mpsrun.tools import top
+
+    job = _running("hosts", short_tmp)
+    try:
+        _ranks_seen(3)
+        monkeypatch.setattr(top.socket, "gethostname", lambda: "not-this-host")
+
+        def remote() -> list | None:
+            rows = [r for r in top.Top().snapshot().ranks if r.state == "remote" and r.peak]
+            return rows if len(rows) == 3 else None
+
+        rows = wait_for(remote, timeout=60, what="the other host's ranks")
+        shown = top.render(top.Top().snapshot())
+    finally:
+        _end(job, short_tmp)
+    assert [(r.rank, r.peak) for r in rows] == [(i, held + CONTEXT_MIB) for i, held in enumerate(HELD)]
+    assert all(r.host != "not-this-host" and r.pid > 0 for r in rows)
+    assert sum(line.split()[-2:-1] == ["remote"] for line in shown) == 3, shown
+    settle(fake_gpu)

@@ -35,9 +35,10 @@ from mpsrun.mps.usage import UsageSampler
 from mpsrun.mps.watch import Finding, RankWatch, with_descendants
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import FORWARDED_SIGNALS, KILL_WAIT, PASS_SIGNALS, SAME_INTERRUPT
+from mpsrun.runtime.files import publish
 from mpsrun.runtime.loop import EventLoop, Timer
 from mpsrun.runtime.processes import ProcessRef
-from mpsrun.runtime.protocol import Found, Hello, Link, Listener, Note, Refusal, SignalRanks, Started, Verdict
+from mpsrun.runtime.protocol import Found, Hello, Link, Listener, Note, Peaks, Refusal, SignalRanks, Started, Verdict
 from mpsrun.session.session import Session
 
 if TYPE_CHECKING:
@@ -263,7 +264,7 @@ class Controller(abc.ABC):
         if self.interrupted_by is None or (sig == signal.SIGINT and now - first > SAME_INTERRUPT):
             self._on_signal(sig)
 
-    def relayed(self, message: Found | Note) -> None:  # noqa: B027 - an event, not a hook: see RankEvents
+    def relayed(self, message: Found | Note | Peaks) -> None:  # noqa: B027 - an event, not a hook: see RankEvents
         """A node keeper's finding or note: only a multi-host job's controller has node keepers (it overrides this)."""
 
     def link_closed(self, link: Link) -> None:
@@ -380,10 +381,14 @@ class Controller(abc.ABC):
         if self.usage is None or self.stopping is not None or not self.table.accepting:
             return
         pids = self.table.local_pids()
-        grew = bool(pids) and self.usage.sample(with_descendants(pids))
-        if grew and self.session is not None and self.session.dirs is not None:
-            self.usage.publish(self.session.dirs.usage_file)  # for mpsrun top
+        if pids and self.usage.sample(with_descendants(pids)):
+            self._peaks_grew(self.usage.peaks)
         self.loop.after(self.policy.usage_interval, self._sample)
+
+    def _peaks_grew(self, peaks: dict[int, int]) -> None:
+        """A rank's peak device memory grew: published in the session's directory, for ``mpsrun top``."""
+        if self.session is not None and self.session.dirs is not None:
+            publish(self.session.dirs.usage_file, {str(rank): peak for rank, peak in sorted(peaks.items())})
 
     def _finding(self, finding: Finding) -> None:
         if finding.fatal:

@@ -30,6 +30,7 @@ from mpsrun.runtime.protocol import (
     Link,
     Listener,
     Note,
+    Peaks,
     Peer,
     Refusal,
     Started,
@@ -96,7 +97,7 @@ class RankEvents(Protocol):
 
     def interrupted(self, sig: int, source: int) -> None: ...
 
-    def relayed(self, message: Found | Note) -> None: ...
+    def relayed(self, message: Found | Note | Peaks) -> None: ...
 
     def node_closed(self) -> None: ...
 
@@ -173,7 +174,7 @@ class RankTable:
                 self._report(link, message)
             elif isinstance(message, Interrupted) and message.signal in STOP_SIGNALS:
                 self.events.interrupted(message.signal, id(link))
-            elif isinstance(message, (Found, Note)) and _from_node(link):
+            elif isinstance(message, (Found, Note, Peaks)) and _from_node(link):
                 self.events.relayed(message)
 
     def _hello(self, link: Link, hello: Hello) -> None:

@@ -7,12 +7,10 @@ descendants', which are the same rank) and its GPUs. A rank that ends before the
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from mpsrun.errors import GPUError
 from mpsrun.mps import gpus as gpu_info
@@ -61,15 +59,6 @@ class UsageSampler:
         self.peaks.update({rank: mib[rank] for rank in grew})
         self._keep(mib)
         return bool(grew)
-
-    def publish(self, path: Path) -> None:
-        """Write the peaks so far to ``path`` (whole, or not at all: a reader never sees half of it)."""
-        temporary = path.with_name(path.name + ".tmp")
-        try:
-            temporary.write_text(json.dumps({str(rank): peak for rank, peak in sorted(self.peaks.items())}))
-            temporary.replace(path)
-        except OSError as exc:  # the session is going away: the job's own account does not depend on it
-            log.debug("peaks not published: %s", exc)
 
     def _keep(self, mib: dict[int, int]) -> None:
         self._taken += 1

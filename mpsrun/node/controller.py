@@ -26,7 +26,7 @@ from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import IDLE_TIMEOUT, LATE_WAIT
 from mpsrun.runtime.output import say
 from mpsrun.runtime.processes import ProcessRef, pidfd
-from mpsrun.runtime.protocol import Link, Listener, Say
+from mpsrun.runtime.protocol import Link, Listener, Peaks, Say
 from mpsrun.session.session import Session
 
 __all__ = ["NodeController", "Starter"]
@@ -54,6 +54,7 @@ class NodeController(Controller):
         super().__init__(listener, token, welcome, policy, session,
                          Judging if upstream is None else functools.partial(Relaying, upstream=upstream))
         self.judging = self.decider if isinstance(self.decider, Judging) else None  # this node is the job's voice
+        self._upstream = upstream
         self._summary_said = False
         self.expected = expected
         self._close_node = close
@@ -125,6 +126,12 @@ class NodeController(Controller):
     def _idle(self) -> None:
         if not self.ranks:
             self.give_up = True
+
+    def _peaks_grew(self, peaks: dict[int, int]) -> None:
+        """Also to the job's controller, under ``--hosts``: ``mpsrun top`` on its host shows this host's ranks."""
+        super()._peaks_grew(peaks)
+        if self._upstream is not None:
+            self._upstream.send(Peaks({str(rank): peak for rank, peak in peaks.items()}))
 
     def note(self, text: str) -> None:
         """Into keeper.log, and when this node judges, through one of its ranks to the user."""

@@ -27,8 +27,8 @@ from mpsrun.runtime.constants import CONNECT_TIMEOUT
 from mpsrun.runtime.deadline import Deadline, backoff
 
 __all__ = ["HELLO_MAX", "LINE_MAX", "MESSAGES", "Admitted", "Exited", "Found", "Hello", "Interrupted", "Link",
-           "Listener", "Message", "Note", "Peer", "Refusal", "Say", "SignalRanks", "Started", "Verdict", "Welcome",
-           "connect", "decode", "encode", "new_token"]
+           "Listener", "Message", "Note", "Peaks", "Peer", "Refusal", "Say", "SignalRanks", "Started", "Verdict",
+           "Welcome", "connect", "decode", "encode", "new_token"]
 
 HELLO_MAX = 1 << 16  # a peer that has not shown the token: its hello, and nothing longer
 LINE_MAX = 1 << 24  # an admitted peer that sends more without a newline is not one of ours (a welcome carries
@@ -100,6 +100,12 @@ class Note(NamedTuple):
     text: str
 
 
+class Peaks(NamedTuple):
+    """A node keeper's ranks' peak device memory so far (MiB, by rank), for ``mpsrun top`` on the job's host."""
+
+    peaks: dict[str, int]
+
+
 # -- down: the controller's answers and orders -----------------------------------------------------------------------
 
 class Welcome(NamedTuple):
@@ -163,10 +169,11 @@ class Say(NamedTuple):
     text: str
 
 
-Message = (Hello | Started | Exited | Interrupted | Found | Note | Welcome | Admitted | Refusal | SignalRanks | Verdict
-           | Say)
+Message = (Hello | Started | Exited | Interrupted | Found | Note | Peaks | Welcome | Admitted | Refusal | SignalRanks
+           | Verdict | Say)
 MESSAGES: dict[str, type[Message]] = {
     "hello": Hello, "started": Started, "exited": Exited, "interrupted": Interrupted, "finding": Found, "note": Note,
+    "peaks": Peaks,
     "welcome": Welcome, "admitted": Admitted, "refuse": Refusal, "signal": SignalRanks, "verdict": Verdict, "say": Say,
 }
 _KIND = {cls: kind for kind, cls in MESSAGES.items()}

@@ -48,7 +48,8 @@ CPU_WINDOW = 0.5
 class RankRow:
     """One rank now. ``mps``: an MPS client (None: no CUDA context seen); memory in MiB (``memory``: device memory
     now, over the rank's processes; ``peak``: the most its job's controller or this view saw); ``limit``: its
-    pinned-memory limit as MPS was given it; ``running``: seconds since it started."""
+    pinned-memory limit as MPS was given it; ``running``: seconds since it started. A rank on another host of a
+    ``--hosts`` job, as its controller here heard of it, has its host, pid and peak only."""
 
     job: str
     rank: int | None
@@ -60,10 +61,10 @@ class RankRow:
     peak: int | None
     limit: str | None
     threads: int | None
-    cpu: float
-    resident: int
+    cpu: float | None
+    resident: int | None
     state: str
-    running: float
+    running: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,11 +110,8 @@ class Top:
 
     def jobs(self) -> list[SessionState]:
         """The running jobs (their owner alive), or the one asked for."""
-        states = [s for s in list_sessions(self.base) if s.record is not None and s.record.kind in ("job", "node")
-                  and s.owner_alive]
-        if self.job is not None:
-            states = [s for s in states if self.job in (s.session_id, str(s.record.owner.pid))]  # type: ignore[union-attr]
-        return states
+        return [s for s in list_sessions(self.base) if s.record is not None and s.record.kind in ("job", "node")
+                and s.owner_alive and self.job in (None, s.session_id, str(s.record.owner.pid))]
 
     def snapshot(self) -> Snapshot:
         states = self.jobs()
@@ -126,6 +124,7 @@ class Top:
 
     def _ranks(self, state: SessionState, gpus: list[gpu_info.GPU], contexts: Contexts) -> Iterator[RankRow]:
         assert state.record is not None
+        yield from _elsewhere(state)
         peaks = _published(state.root / "usage.json")
         for ref in state.record.ranks:
             process = self._process(ref)
@@ -208,6 +207,19 @@ def _gpu_rows(gpus: list[gpu_info.GPU], contexts: Contexts) -> list[GpuRow]:
     return rows
 
 
+def _elsewhere(state: SessionState) -> list[RankRow]:
+    """The ranks on other hosts of a ``--hosts`` job whose controller runs here (``ranks.json``)."""
+    here = socket.gethostname()
+    try:
+        data = json.loads((state.root / "ranks.json").read_text())
+        return [RankRow(state.session_id, int(rank), str(where["host"]), int(where["pid"]), None, None, None,
+                        None if where.get("peak") is None else int(where["peak"]), None, None, None, None, "remote",
+                        None)
+                for rank, where in data.items() if where["host"] != here]
+    except (OSError, ValueError, AttributeError, TypeError, KeyError):
+        return []
+
+
 def _published(path: Path) -> dict[int, int]:
     """The peaks a job's controller published (``usage.json``), by rank; none if it has not yet."""
     try:
@@ -225,7 +237,9 @@ def _cell(value: object) -> str:
     return str(value)
 
 
-def _time(seconds: float) -> str:
+def _time(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
     minutes, secs = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}"
@@ -245,7 +259,8 @@ def render(snapshot: Snapshot) -> list[str]:
     lines += [f"  job {job.session} ({job.kind}, pid {job.owner}, {_time(job.age)}): {' '.join(job.command)[:100]}"
               for job in snapshot.jobs]
     ranks = [[r.job, _cell(r.rank), r.host, str(r.pid), _cell(r.gpu), _cell(r.mps), _cell(r.memory), _cell(r.peak),
-              _cell(r.limit), _cell(r.threads), f"{r.cpu:.0f}", str(r.resident), r.state, _time(r.running)]
+              _cell(r.limit), _cell(r.threads), _cell(None if r.cpu is None else round(r.cpu)), _cell(r.resident),
+              r.state, _time(r.running)]
              for r in snapshot.ranks]
     lines += ["", *_table(("JOB", "RANK", "HOST", "PID", "GPU", "MPS", "MEM MiB", "PEAK", "LIMIT", "SM %", "CPU %",
                            "RSS MiB", "STATE", "TIME"), ranks)]
