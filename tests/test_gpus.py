@@ -74,7 +74,7 @@ def test_nvml_seam_on_fake_driver(fake_gpu, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     assert [g.index for g in gpus.visible_gpus()] == [1]
     assert gpus.driver_info().cuda_version == "13.0"
-    assert gpus.compute_pids(fake_gpu.uuids[0]) == set()
+    assert gpus.compute_processes(fake_gpu.uuids[0]) == {}
 
 
 def test_the_command_keeps_nvml_to_its_end_and_a_session_does_not(fake_gpu, short_tmp, monkeypatch):

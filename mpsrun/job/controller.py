@@ -388,7 +388,9 @@ class Controller(abc.ABC):
     def _peaks_grew(self, peaks: dict[int, int]) -> None:
         """A rank's peak device memory grew: published in the session's directory, for ``mpsrun top``."""
         if self.session is not None and self.session.dirs is not None:
-            publish(self.session.dirs.usage_file, {str(rank): peak for rank, peak in sorted(peaks.items())})
+            publish(self.session.dirs.usage_file, {
+                str(rank): {"host": self.table.host, "pid": state.process.pid, "peak": peaks.get(rank)}
+                for rank, state in sorted(self.ranks.items()) if state.process is not None})
 
     def _finding(self, finding: Finding) -> None:
         if finding.fatal:

@@ -36,12 +36,12 @@ log = logging.getLogger("mpsrun")
 class JobController(Controller):
     """``ranks``: the job's ranks (0..N-1). ``early``: its MPI launcher, when it was started before the session
     (it is watched from the start). ``server_after``: when to ask for each MPS server, in seconds after the first
-    rank starts (None: its first client starts it). ``note``: how to tell the user. ``ranks_file``: under
+    rank starts (None: its first client starts it). ``note``: how to tell the user. ``usage_file``: under
     ``--hosts``, where to publish each rank's host, pid and peak device memory for ``mpsrun top``."""
 
     def __init__(self, listener: Listener, token: str, welcome: Admit, policy: Policy, *, ranks: int,
                  session: Session | None, note: Callable[[str], None], early: Launched | None = None,
-                 server_after: float | None = None, ranks_file: Path | None = None) -> None:
+                 server_after: float | None = None, usage_file: Path | None = None) -> None:
         super().__init__(listener, token, welcome, policy, session,
                          functools.partial(Judging, timeout_applies=self._timeout_applies))
         assert isinstance(self.decider, Judging)
@@ -54,7 +54,7 @@ class JobController(Controller):
         self._say = note
         self._server_after = server_after
         self._nodes_overdue = self._nodes_timer = False
-        self._ranks_file = ranks_file  # under --hosts, for mpsrun top
+        self._usage_file = usage_file  # under --hosts, for mpsrun top
         self._where: dict[int, tuple[str, int]] = {}  # each started rank's host and pid
         self._remote_peaks: dict[str, int] = {}
         if early is not None:
@@ -92,9 +92,9 @@ class JobController(Controller):
 
     def rank_started(self, state: RankState, message: Started) -> None:
         super().rank_started(state, message)
-        if self._ranks_file is not None:
+        if self._usage_file is not None:
             self._where[state.rank] = (message.host, message.pid)
-            self._publish_ranks()
+            self._publish_usage()
         if self._server_after is not None:
             self.loop.after(self._server_after, self._ask_servers)
             self._server_after = None
@@ -120,15 +120,15 @@ class JobController(Controller):
             self.notes.append(message.text)
         elif isinstance(message, Peaks):
             self._remote_peaks.update(message.peaks)
-            self._publish_ranks()
+            self._publish_usage()
         else:
             self._finding(Finding(message.message, message.fatal, code=message.code))
 
-    def _publish_ranks(self) -> None:
+    def _publish_usage(self) -> None:
         """Under ``--hosts``: where each rank runs and its peak device memory so far, as the hosts' node keepers said,
         in the job's session directory (``mpsrun top`` on this host shows the other hosts' ranks from it)."""
-        if self._ranks_file is not None:
-            publish(self._ranks_file, {str(rank): {"host": host, "pid": pid, "peak": self._remote_peaks.get(str(rank))}
+        if self._usage_file is not None:
+            publish(self._usage_file, {str(rank): {"host": host, "pid": pid, "peak": self._remote_peaks.get(str(rank))}
                                        for rank, (host, pid) in sorted(self._where.items())})
 
     def node_closed(self) -> None:

@@ -106,7 +106,7 @@ class Job:
         self.deadline = Deadline(config.timeout)  # --timeout bounds the whole job, start-up included
         self.local: NodeSession | None = None  # this node's part of the job, when it owns the daemons
         self.accounts: list[RankAccount] = []  # every rank's, once the ranks have ended
-        self.ranks_file: Path | None = None  # under --hosts, where the job's controller says where its ranks run
+        self.usage_file: Path | None = None  # under --hosts, where the job's controller says where its ranks run
 
     def _elapsed(self, what: str) -> None:
         log.info(f"mpsrun: {what} after {time.monotonic() - self.started:.3f} s")
@@ -134,7 +134,7 @@ class Job:
                 claim = SessionClaim.make(session_base(None), "job", keep_logs=self.config.keep_logs)
                 dirs = claim.dirs if backend.owns_daemons else None  # else the ranks come over TCP
                 if not backend.owns_daemons and claim.dirs is not None:  # the hosts' ranks, for mpsrun top
-                    self.ranks_file = claim.dirs.ranks_file
+                    self.usage_file = claim.dirs.usage_file
                 channel = ControlChannel(f"unix:{dirs.control_socket}" if dirs is not None else "tcp",
                                          rendezvous(first_host(self.config), free_port(), os.environ))
                 if backend.head_start:
@@ -262,7 +262,7 @@ class Job:
         policy = Policy.for_job(config, self.deadline)
         return JobController(channel.listener, channel.token, self._welcome(output_lock), policy,
                              ranks=config.ranks, session=session, note=self.note, early=channel.hand_over(),
-                             server_after=backend.server_after if enabled else None, ranks_file=self.ranks_file)
+                             server_after=backend.server_after if enabled else None, usage_file=self.usage_file)
 
     def _run(self, backend: Backend, session: Session | None, program: str, channel: ControlChannel,
              interrupts: Interrupts, failure: MPSError | None) -> JobController:

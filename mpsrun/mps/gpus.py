@@ -24,7 +24,6 @@ from mpsrun.runtime.processes import set_parent_death_signal
 __all__ = [
     "GPU",
     "DriverInfo",
-    "compute_pids",
     "compute_processes",
     "driver_info",
     "drop_read_ahead",
@@ -397,8 +396,3 @@ def mps_client_memory(uuid: str) -> dict[int, int] | None:
         except nvml.NVMLError_NotSupported:
             return None
         return {int(process.pid): int(process.usedGpuMemory or 0) for process in processes}
-
-
-def compute_pids(uuid: str) -> set[int]:
-    """PIDs of processes holding a CUDA context on the GPU (plain and MPS clients)."""
-    return set(compute_processes(uuid))

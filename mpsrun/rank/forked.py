@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 
 from mpsrun.exitcodes import ExitCode
-from mpsrun.rank.supervisor import main  # imported once, here: every forked supervisor has it
+from mpsrun.rank.cli import main  # imported once, here: every forked supervisor has it
 from mpsrun.runtime.constants import FORWARDED_SIGNALS
 from mpsrun.runtime.output import say
 from mpsrun.runtime.processes import exit_now, flush_output, set_parent_death_signal, wait

@@ -1,6 +1,4 @@
-"""The rank supervisor: every rank of every mpsrun job runs under one.
-
-``python -m mpsrun.rank [--rank R --local-rank L --size N --local-size M] -- COMMAND...``
+"""The rank supervisor: every rank of every mpsrun job runs under one (``python -m mpsrun.rank``: its command line).
 
 The local launcher forks one per rank (with the identity on its command line); under ``mpiexec`` or
 ``srun`` each launched process is one, and reads its identity from the launcher's variables. It joins
@@ -21,7 +19,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 
@@ -31,17 +28,15 @@ from mpsrun.rank.abort import AbortChannel
 from mpsrun.rank.command import exec_failure_code, through_mpi4py
 from mpsrun.rank.environ import rank_env
 from mpsrun.rank.frameworks import failure_reason
-from mpsrun.rank.identity import RankIdentity, identity_from_env
-from mpsrun.rank.join import Join, direct, refused, report_failure, report_interrupt
+from mpsrun.rank.identity import RankIdentity
+from mpsrun.rank.join import Join, refused, report_failure, report_interrupt
 from mpsrun.runtime.constants import (
-    CONTROL_VARIABLE,
     DRAIN_TIMEOUT,
     FORWARDED_SIGNALS,
     KILL_WAIT,
     LINGER_TIMEOUT,
     SESSION_DIR_VARIABLE,
     STOP_SIGNALS,
-    TOKEN_VARIABLE,
     VERDICT_TIMEOUT,
 )
 from mpsrun.runtime.deadline import Deadline
@@ -70,10 +65,11 @@ from mpsrun.runtime.protocol import (
     Welcome,
 )
 
-__all__ = ["RankSupervisor", "main", "run_rank"]
+__all__ = ["RankSupervisor", "run_rank", "say_line"]
 
 
-def _say(text: str) -> None:
+def say_line(text: str) -> None:
+    """One line of mpsrun's, from a rank's supervisor."""
     say(f"mpsrun: {text}")
 
 
@@ -280,7 +276,7 @@ class RankSupervisor:
     @staticmethod
     def _said(message: Message) -> None:
         if isinstance(message, Say):  # a node keeper's word for the user, sent as the rank ended
-            _say(message.text)
+            say_line(message.text)
 
     def _on_link(self) -> None:
         messages = self.link.receive()
@@ -319,26 +315,26 @@ class RankSupervisor:
         late = interrupts.received[0] if interrupts.received else None
         decided = self._decided(own, reason, verdict)
         if late is not None and exit_code(decided) == ExitCode.OK:
-            _say(f"rank {self.rank}: interrupted by {signal_name(late)} while the job ended")
+            say_line(f"rank {self.rank}: interrupted by {signal_name(late)} while the job ended")
         return exit_code(decided._replace(late_signal=late))
 
     def _decided(self, own: Outcome, reason: str, verdict: Verdict | None) -> Outcome:
         """The job's word on this rank (its verdict), else the rank's own end."""
         if verdict is None and self.controller_lost:  # each rank says it: the reaper may have ended any of them
-            _say(f"rank {self.rank}: the job's controller (mpsrun, or the node keeper) died under the job; "
+            say_line(f"rank {self.rank}: the job's controller (mpsrun, or the node keeper) died under the job; "
                  "the rank was stopped")
             return Outcome("setup")
         if verdict is None and self.backstop.expired():
             if self.local_rank in (0, None):  # once per node
-                _say(f"timed out after {self.timeout:g} s; the job's controller did not stop the ranks (it no "
+                say_line(f"timed out after {self.timeout:g} s; the job's controller did not stop the ranks (it no "
                      "longer answers), so their supervisors did")
             return Outcome("timeout")
         if verdict is None:
             if reason:
-                _say(f"rank {self.rank}: {reason}")
+                say_line(f"rank {self.rank}: {reason}")
             return own
         for line in verdict.lines:
-            _say(line)
+            say_line(line)
         return Outcome("decided", verdict.exit_code) if 0 <= verdict.exit_code <= 255 else own
 
 
@@ -360,49 +356,10 @@ def run_rank(command: Sequence[str], identity: RankIdentity, join: Join, token: 
         report_failure(exc, identity.local_rank)
         return exc.exit_code
     except OSError as exc:
-        _say(f"rank {identity.rank}: cannot reach the job's controller: {exc}")
+        say_line(f"rank {identity.rank}: cannot reach the job's controller: {exc}")
         return ExitCode.SETUP
     if not isinstance(answer, Welcome):
         return refused(link, answer, identity)
     for line in answer.lines:
-        _say(line)
+        say_line(line)
     return RankSupervisor(identity, command, rank_env(os.environ, answer), link, answer).run()
-
-
-USAGE = "usage: python -m mpsrun.rank [--rank R --local-rank L --size N --local-size M] -- COMMAND"
-
-
-def _parse(argv: Sequence[str]) -> tuple[dict[str, int], list[str]]:
-    """The identity options (``--name N`` pairs, as mpsrun writes them) and the command."""
-    words = list(argv)
-    if "--" not in words:
-        raise SystemExit(USAGE)
-    split = words.index("--")
-    pairs = words[:split]
-    if len(pairs) % 2:
-        raise SystemExit(USAGE)
-    options: dict[str, int] = {}
-    for name, value in zip(pairs[::2], pairs[1::2], strict=True):
-        if name not in ("--rank", "--local-rank", "--size", "--local-size") or not value.isdecimal():
-            raise SystemExit(USAGE)
-        options[name[2:].replace("-", "_")] = int(value)
-    return options, words[split + 1 :]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    options, command = _parse(sys.argv[1:] if argv is None else argv)
-    address, token = os.environ.get(CONTROL_VARIABLE), os.environ.get(TOKEN_VARIABLE, "")
-    if not command or not address:
-        _say(f"python -m mpsrun.rank runs a rank of a job started by mpsrun; it needs {CONTROL_VARIABLE} and a "
-             "command")
-        return ExitCode.USAGE
-    if "rank" in options and "local_rank" in options:
-        identity: RankIdentity | None = RankIdentity(options["rank"], options["local_rank"], options.get("size"),
-                                                     options.get("local_size"))
-    else:
-        identity = identity_from_env(os.environ)
-    if identity is None:
-        _say("no local-rank variable from the MPI launcher "
-             "(OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, SLURM_LOCALID, ...)")
-        return ExitCode.SETUP
-    return run_rank(command, identity, direct(address), token)

@@ -60,9 +60,8 @@ class Started(NamedTuple):
 
 
 class Exited(NamedTuple):
-    """A rank ended. ``returncode`` None: a node keeper lost it without a report. ``wall`` and ``cpu``: its program's
-    seconds running and of CPU (its supervisor's count); the rest, of a rank a node keeper relays (its account: see
-    :class:`mpsrun.job.account.RankAccount`)."""
+    """A rank ended. ``returncode`` None: a node keeper lost it without a report. ``wall``, ``cpu``: its program's
+    seconds running and of CPU; the rest, of a rank a node keeper relays (:class:`mpsrun.job.account.RankAccount`)."""
 
     rank: int
     returncode: int | None

@@ -365,14 +365,7 @@ class SessionDirs:
         return self.root / "session.json"
 
     @property
-    def ranks_file(self) -> Path:
-        """Under ``--hosts``: each rank's host, pid and peak device memory, as the job's controller heard them (for
-        ``mpsrun top``)."""
-        return self.root / "ranks.json"
-
-    @property
-    def usage_file(self) -> Path:
-        """Each local rank's peak device memory so far, as the job's controller sampled it (for ``mpsrun top``)."""
+    def usage_file(self) -> Path:  # for mpsrun top: each rank's host, pid and peak device memory so far
         return self.root / "usage.json"
 
     @property

@@ -86,7 +86,7 @@ def _gpu_entry(gpu: gpu_info.GPU, visible: list[gpu_info.GPU], servers: dict[int
         "visible": gpu in visible,
     }
     try:
-        on_gpu = gpu_info.compute_pids(gpu.uuid)
+        on_gpu = set(gpu_info.compute_processes(gpu.uuid))
     except GPUError:
         on_gpu = set()
     try:

@@ -1,7 +1,7 @@
 """``mpsrun top``: this user's running mpsrun jobs on this node, a row per rank and per GPU. It never changes a job.
 
 Every job's session directory names its owner and its local ranks' processes (``session.json``), and its
-controller writes each rank's peak device memory so far (``usage.json``). The rest comes from where
+controller writes each rank's host, pid and peak device memory so far (``usage.json``). The rest comes from where
 ``top`` and ``nvidia-smi`` read it: a rank's environment (its rank, GPU and MPS limits, as mpsrun set
 them), psutil (CPU, resident memory, state, time running) and NVML (each process's device memory, whether
 it is an MPS client, each GPU's SM activity). NVML has no SM figure per MPS client: it charges all of
@@ -33,6 +33,7 @@ from mpsrun.errors import MPSError
 from mpsrun.exitcodes import ExitCode
 from mpsrun.mps import gpus as gpu_info
 from mpsrun.runtime.processes import ProcessRef
+from mpsrun.session.paths import SessionDirs
 from mpsrun.session.registry import SessionState, list_sessions
 
 __all__ = ["GpuRow", "RankRow", "Snapshot", "Top", "main", "render"]
@@ -124,8 +125,10 @@ class Top:
 
     def _ranks(self, state: SessionState, gpus: list[gpu_info.GPU], contexts: Contexts) -> Iterator[RankRow]:
         assert state.record is not None
-        yield from _elsewhere(state)
-        peaks = _published(state.root / "usage.json")
+        published = _published(state.root)
+        here = socket.gethostname()
+        yield from (row for row in published.values() if row.host != here)
+        peaks = {rank: row.peak for rank, row in published.items() if row.host == here and row.peak is not None}
         for ref in state.record.ranks:
             process = self._process(ref)
             if process is None:
@@ -207,25 +210,16 @@ def _gpu_rows(gpus: list[gpu_info.GPU], contexts: Contexts) -> list[GpuRow]:
     return rows
 
 
-def _elsewhere(state: SessionState) -> list[RankRow]:
-    """The ranks on other hosts of a ``--hosts`` job whose controller runs here (``ranks.json``)."""
-    here = socket.gethostname()
+def _published(root: Path) -> dict[int, RankRow]:
+    """What a job's controller published (``usage.json``): each rank's host, pid and peak device memory so far, as
+    rows of their own (under ``--hosts`` the ranks of the other hosts are shown from it)."""
     try:
-        data = json.loads((state.root / "ranks.json").read_text())
-        return [RankRow(state.session_id, int(rank), str(where["host"]), int(where["pid"]), None, None, None,
-                        None if where.get("peak") is None else int(where["peak"]), None, None, None, None, "remote",
-                        None)
-                for rank, where in data.items() if where["host"] != here]
+        data = json.loads(SessionDirs(root).usage_file.read_text())
+        return {int(rank): RankRow(root.name, int(rank), str(item["host"]), int(item["pid"]), None, None, None,
+                                   None if item.get("peak") is None else int(item["peak"]), None, None, None, None,
+                                   "remote", None)
+                for rank, item in data.items()}
     except (OSError, ValueError, AttributeError, TypeError, KeyError):
-        return []
-
-
-def _published(path: Path) -> dict[int, int]:
-    """The peaks a job's controller published (``usage.json``), by rank; none if it has not yet."""
-    try:
-        data = json.loads(path.read_text())
-        return {int(rank): int(peak) for rank, peak in data.items()}
-    except (OSError, ValueError, AttributeError, TypeError):
         return {}
 
 
