@@ -46,7 +46,7 @@ def _launcher_recorded(fake_gpu):
 def _supervisors_waiting(proc, ranks=3):
     """Whether mpiexec has started the job's ``ranks`` rank supervisors and each has its signal handlers in place:
     they are connecting, or waiting for their welcome."""
-    supervisors = [p for p in descendants(proc, "mpsrun.rank.supervisor") if "mpiexec" not in p.name()]
+    supervisors = [p for p in descendants(proc, "mpsrun.rank.cli") if "mpiexec" not in p.name()]
     return len(supervisors) == ranks and all(handles(p, signal.SIGTERM) for p in supervisors)
 
 

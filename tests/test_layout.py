@@ -123,7 +123,7 @@ def test_every_package_says_what_it_owns():
 def test_the_rank_supervisor_imports_only_the_standard_library():
     """Under an MPI launcher one supervisor starts per rank, without site-packages (``python -S``): everything it
     imports must be the standard library's or mpsrun's own, and mpsrun's own only below the rank layer."""
-    code = ("import sys; before = set(sys.modules); import mpsrun.rank.supervisor, mpsrun.rank.forked; "
+    code = ("import sys; before = set(sys.modules); import mpsrun.rank.cli, mpsrun.rank.forked; "
             "print('\\n'.join(sorted(set(sys.modules) - before)))")
     out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True,
                          cwd=PACKAGE.parent)

@@ -121,7 +121,7 @@ def test_the_supervisor_comes_from_mpsrun_not_from_the_working_directory(tmp_pat
     foreign.mkdir()
     (foreign / "__init__.py").write_text("raise SystemExit('the foreign mpsrun was imported')\n")
     (tmp_path / "math.py").write_text("raise SystemExit('the project math.py was imported')\n")
-    argv = [*python_without_site("mpsrun.rank.supervisor"), "--", "true"]
+    argv = [*python_without_site("mpsrun.rank.cli"), "--", "true"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MPSRUN_CONTROL")}
     out = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
     assert "foreign" not in out.stderr and "project" not in out.stderr

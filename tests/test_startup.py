@@ -165,7 +165,7 @@ def test_nvml_is_initialised_once_per_job(fake_gpu, short_tmp, monkeypatch):
 def test_the_rank_shim_reads_only_its_own_option_pairs():
     """The shim's own line, as mpsrun writes it: ``--name N`` pairs, ``--``, the command; anything else (an
     unknown name, a value that is not a whole number, a name without a value, no ``--``) is a usage error."""
-    from mpsrun.rank.supervisor import _parse
+    from mpsrun.rank.cli import _parse
 
     assert _parse(["--rank", "3", "--local-rank", "1", "--size", "4", "--local-size", "2", "--", "a", "-b"]) == (
         {"rank": 3, "local_rank": 1, "size": 4, "local_size": 2}, ["a", "-b"])

@@ -33,7 +33,7 @@ from mpsrun.runtime.processes import python_without_site
 __all__ = ["Backend", "HostsBackend", "LocalBackend", "MpiexecBackend", "choose_backend"]
 
 #: The rank supervisor, started by an MPI launcher (the local launcher forks it: :mod:`mpsrun.rank.forked`).
-SHIM = tuple(python_without_site("mpsrun.rank.supervisor"))
+SHIM = tuple(python_without_site("mpsrun.rank.cli"))
 
 
 class Backend(Protocol):

@@ -1,8 +1,8 @@
 """A rank supervisor forked from the local launcher: the supervisor's own code, with no interpreter to start.
 
-Starting ``python -m mpsrun.rank.supervisor`` costs an interpreter start and its imports per rank, on the
+Starting ``python -m mpsrun.rank`` costs an interpreter start and its imports per rank, on the
 path of every job; a fork of the controller has both already. The child is made to look like
-a freshly started supervisor before it runs :func:`mpsrun.rank.supervisor.main`: a session of its own,
+a freshly started supervisor before it runs :func:`mpsrun.rank.cli.main`: a session of its own,
 only descriptors 0-2 (stdin from ``/dev/null`` unless it is given the terminal), the signals
 the controller caught back at their defaults (ignored ones stay ignored, as across exec), and
 the job's environment. It never returns into the controller's code: it ends with ``os._exit``.
