@@ -2,14 +2,16 @@
 its exit code and cause; a table with -v, a JSON file with --report, and one line when memory limits and peaks are
 far apart. On every path with the fake GPU, whose NVML lists each client's memory as the H100's did."""
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from helpers import PATHS, fake, job_argv, settle
+from helpers import MPSRUN, PATHS, fake, job_argv, settle, wait_for
 
 from mpsrun.job.account import RankAccount, Report, account_lines, memory_hint, report_path
 from mpsrun.mps import usage
@@ -176,3 +178,156 @@ def test_a_report_is_written_whole_with_the_users_umask(tmp_path):
         os.umask(old)
     assert json.loads(target.read_text())["samples"] == [{"time": 1.5, "memory": {"0": 1}}]
     assert oct(target.stat().st_mode & 0o777) == oct(0o640) and os.listdir(tmp_path) == ["r.json"]
+
+
+def _job(options: list[str], program: list[str], path: str = "local", ranks: int = 2) -> subprocess.CompletedProcess:
+    return subprocess.run(job_argv(path, options, program, ranks=ranks), capture_output=True, text=True, timeout=120)
+
+
+def test_a_report_through_a_symlink_writes_its_target(fake_gpu, short_tmp):
+    """--report LINK where LINK is a symlink to reports/job.json (a 'latest' link a batch script keeps): the report
+    must reach the file the user named through the link, as any program's output file does. mpsrun instead renames a
+    new file over the link: the link is gone and its target never written."""
+    reports = short_tmp / "reports"
+    reports.mkdir()
+    target, link = reports / "job.json", short_tmp / "latest.json"
+    link.symlink_to(target)
+    out = _job(["--report", str(link)], [sys.executable, "-c", "pass"])
+    assert out.returncode == 0, out.stderr
+    assert link.is_symlink(), "the user's symlink was replaced by a regular file"
+    assert target.exists() and json.loads(target.read_text())["exit_code"] == 0
+    settle(fake_gpu)
+
+
+def test_a_report_to_a_fifo_reaches_its_reader(fake_gpu, short_tmp):
+    """--report FIFO with a reader on it (`mkfifo r; jq . r & mpsrun --report r ...`, the way a batch script streams
+    sacct-like output): the reader must get the report, or mpsrun must refuse the path in one line. mpsrun instead
+    replaces the FIFO with a regular file: the reader never gets anything and waits for ever."""
+    fifo = short_tmp / "report.fifo"
+    os.mkfifo(fifo)
+    received = short_tmp / "received"
+    with open(received, "wb") as sink:
+        reader = subprocess.Popen(["cat", str(fifo)], stdout=sink)
+    try:
+        out = _job(["--report", str(fifo)], [sys.executable, "-c", "pass"])
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            reader.wait(timeout=10)
+        still_fifo = os.path.exists(fifo) and os.stat(fifo, follow_symlinks=False).st_mode & 0o170000 == 0o010000
+    finally:
+        if reader.poll() is None:
+            reader.kill()  # our own cat, blocked on a FIFO no one will open any more
+            reader.wait()
+    assert still_fifo, "the FIFO was replaced by a regular file"
+    assert out.returncode == 0 and json.loads(received.read_text())["exit_code"] == 0, (out.stderr,
+                                                                                      received.read_text())
+    settle(fake_gpu)
+
+
+def test_a_report_to_a_full_device_is_one_line_and_exit_3(fake_gpu, short_tmp):
+    """--report onto a device that refuses every write (a char device 1:7, what /dev/full is): command-line.md
+    promises that a report that cannot be written at the end is one line and exit 3. mpsrun instead renames a new
+    file over the device node (as root, `--report /dev/full` or `--report /dev/stdout` would replace /dev's own) and
+    exits 0."""
+    full = short_tmp / "full"
+    try:
+        os.mknod(full, 0o020666, os.makedev(1, 7))
+    except (PermissionError, OSError) as exc:
+        pytest.skip(f"cannot make a device node here: {exc}")
+    out = _job(["--report", str(full)], [sys.executable, "-c", "pass"])
+    assert os.stat(full, follow_symlinks=False).st_mode & 0o170000 == 0o020000, "the device node was replaced"
+    assert out.returncode == 3 and out.stderr.count("\n") == 1, (out.returncode, out.stderr)
+    assert out.stderr.startswith(f"mpsrun: cannot write the report {full}: No space left on device"), out.stderr
+    settle(fake_gpu)
+
+
+def test_a_job_whose_launcher_fails_before_any_rank_starts_lists_them_as_never_started(fake_gpu, short_tmp):
+    """mpiexec (/bin/false) ends before either rank started: mpsrun says so, and the report lists both ranks as never
+    started, with the job's exit code and summary (a batch script always finds one once the job ran)."""
+    report = short_tmp / "job.json"
+    argv = [*MPSRUN, "-np", "2", "--launcher", "mpiexec", "--mpiexec", "/bin/false", "--report", str(report),
+            sys.executable, "-c", "pass"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "before rank(s) 0-1 started" in out.stderr, out.stderr
+    written = json.loads(report.read_text())
+    assert written["exit_code"] == out.returncode and "before rank(s) 0-1 started" in written["summary"]
+    assert [(r["rank"], r["pid"], r["cause"]) for r in written["ranks"]] == [
+        (0, None, "ended without reporting (never started)"), (1, None, "ended without reporting (never started)")]
+    settle(fake_gpu)
+
+
+def test_a_report_name_with_a_newline_fails_in_one_line(fake_gpu, short_tmp):
+    """A --report path with a newline in it (odd, but a legal file name): each failure is one line (exit 2 when its
+    directory is missing at the start, exit 3 when it is gone at the end). mpsrun prints the name raw, so its message
+    spans two lines, the second one whatever the name says."""
+    start = _job(["--report", str(short_tmp / "absent\nmpsrun: all good" / "job.json")], [sys.executable, "-c", "pass"])
+    folder = short_tmp / "d"
+    folder.mkdir()
+    remove = f"import os; os.rmdir({str(folder)!r}) if os.environ['RANK'] == '0' else None"
+    end = _job(["--report", str(folder / "job\nmpsrun: all good.json")], [sys.executable, "-c", remove])
+    assert start.returncode == 2 and start.stderr.count("\n") == 1, start.stderr
+    assert end.returncode == 3 and end.stderr.count("\n") == 1, end.stderr
+    settle(fake_gpu)
+
+
+def test_hosts_accounts_say_mps_as_the_nodes_verified_line_does(fake_gpu, short_tmp):
+    """Under --hosts, rank 1 fails at once and the others are stopped: the node's -v line says '3 of 3 ranks
+    connected to MPS', so each rank's account (table and --report) must say mps yes/true. The node keeper builds a
+    rank's account when the rank ends, before its client watch settles; a rank stopped quickly is then sent up as
+    not known ('-', null), contradicting the line above it. (Timing-dependent: tried a few times.)"""
+    program = fake("--hold", "30", "--fail-rank", "1", "--exit", "7")
+    seen = []
+    for attempt in range(4):
+        report = short_tmp / f"job{attempt}.json"
+        out = _job(["-v", "--report", str(report)], program, path="hosts", ranks=3)
+        assert out.returncode == 7, out.stderr
+        if "3 of 3 ranks connected to MPS" not in out.stderr:
+            continue
+        seen.append([r["mps"] for r in json.loads(report.read_text())["ranks"]])
+        settle(fake_gpu)
+    assert seen and all(mps == [True, True, True] for mps in seen), seen
+
+
+def test_a_per_node_report_comes_when_the_launcher_ended_every_rank(fake_gpu, short_tmp):
+    """A bare --per-node job in which rank 1's mpsrun is killed (SIGKILL; Hydra then ends every rank): the node
+    closes after the launcher has returned, and its FILE.HOST.json comes within seconds, with every rank, rank 1
+    lost without a report (as command-line.md says)."""
+    from mpsrun.job.account import report_path
+
+    kill = ("import os, signal, time\nif os.environ['RANK'] == '1':\n    time.sleep(1)\n"
+            "    os.kill(os.getppid(), signal.SIGKILL)\ntime.sleep(5)")
+    report = Path(report_path(str(short_tmp / "job.json"), per_host=True))
+    out = _job(["--report", str(short_tmp / "job.json")], [sys.executable, "-c", kill], path="per-node", ranks=3)
+    assert out.returncode != 0
+    written = wait_for(lambda: report.exists() and json.loads(report.read_text()), timeout=60, what="the report")
+    assert [r["rank"] for r in written["ranks"]] == [0, 1, 2] and written["ranks"][1]["exit_code"] is None, written
+    settle(fake_gpu)
+
+
+def test_the_near_limit_hint_gives_a_limit_that_fits():
+    """command-line.md: where ranks peaked within 10% of their --mem-limit, 'one line says so, with a limit that
+    fits'. The line for ranks near their limit says only 'give them more', with no --mem-limit to give."""
+    from mpsrun.job.account import RankAccount, memory_hint
+
+    accounts = [RankAccount(r, "h", 1, 0, True, 1018, 1024, None, None, 1.0, 0.5, 0, "exited with code 0")
+                for r in range(3)]
+    hint = memory_hint(accounts)
+    assert "peaked within 10%" in hint
+    import re
+
+    suggested = re.search(r"--mem-limit (\d+)([MG])\b(?! \()", hint.split("):", 1)[-1])
+    assert suggested, hint
+    assert int(suggested.group(1)) * (1024 if suggested.group(2) == "G" else 1) > 1018, hint
+
+
+def test_the_share_hint_is_said_under_hosts_as_on_the_other_paths(fake_gpu, short_tmp, monkeypatch):
+    """Two ranks share the 80 GiB GPU without --mem-limit and rank 0 peaks at 41518 MiB, above its share (40960):
+    with -v, command-line.md promises one hint line, and the local, mpiexec and per-node paths print it. Under
+    --hosts the node keeper's relayed account carries no share (RankAccount.relayed sets memory_share None), so the
+    line never comes."""
+    monkeypatch.setenv("FAKE_NVML_LOOK_LOG", str(short_tmp / "looks"))
+    program = fake("--hold", "0.5", "--until-looks", "8", "--alloc", "41000,100")
+    out = _job(["-v"], program, path="hosts", ranks=2)
+    assert out.returncode == 0, out.stderr
+    hints = [line for line in out.stderr.splitlines() if line.startswith("mpsrun: hint:")]
+    assert len(hints) == 1 and "rank(s) 0 peaked above their share" in hints[0], out.stderr
+    settle(fake_gpu)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from helpers import MPSRUN, PATHS, fake, job_argv, settle, wait_for
@@ -96,11 +97,14 @@ def test_top_without_a_terminal_prints_snapshots_until_interrupted(fake_gpu, sho
     """Piped, top prints a table every interval; Ctrl-C (SIGINT) ends it with 0 and no traceback."""
     proc = subprocess.Popen([*MPSRUN, "top", "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    time.sleep(1.5)
+    headers = 0
+    while headers < 2:  # each snapshot as it comes (the test's own timeout bounds a top that prints none)
+        line = proc.stdout.readline()
+        assert line, "top ended before its second snapshot"
+        headers += line.startswith("mpsrun top - ")
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0 and err == "", err
-    assert out.count("mpsrun top - ") >= 2
 
 
 def test_top_with_no_jobs_says_so(fake_gpu):
@@ -133,3 +137,117 @@ def test_a_hosts_jobs_controller_shows_the_other_hosts_ranks(fake_gpu, short_tmp
     assert all(r.host != "not-this-host" and r.pid > 0 for r in rows)
     assert sum(line.split()[-2:-1] == ["remote"] for line in shown) == 3, shown
     settle(fake_gpu)
+
+
+# A rank that, once running, replaces its own image with one whose environment says RANK=<odd> (same pid and start
+# time, so the session's record still names it), then waits for a file.
+_EXEC_WITH_RANK = """\
+import os, sys, time
+go, odd = sys.argv[1], sys.argv[2]
+if os.environ.get("HOSTILE_DONE") != "1":
+    os.execve(sys.executable, [sys.executable, __file__, go, odd], dict(os.environ, RANK=odd, HOSTILE_DONE="1"))
+while not os.path.exists(go):
+    time.sleep(0.05)
+"""
+
+
+def _sessions(fake_gpu) -> list[Path]:
+    return [d for d in fake_gpu.session_dirs() if (d / "session.json").exists()]
+
+
+def _started(argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _go(job: subprocess.Popen, go: Path) -> tuple[str, str]:
+    go.touch()
+    return job.communicate(timeout=120)
+
+
+@pytest.mark.parametrize("odd", ["\u00b2", "\u2460"])  # '²' and '①': str.isdigit() says yes, int() says no
+def test_top_survives_a_rank_whose_RANK_is_an_odd_digit(fake_gpu, short_tmp, odd):
+    """mpsrun top reads each rank's RANK from its environment. A rank that re-executes itself with RANK set to a
+    character str.isdigit() accepts but int() refuses (a superscript two) must not make top fail: top must still
+    print its table and exit 0 (the rank shown without a number, as a rank with a garbage RANK is)."""
+    program = short_tmp / "odd_rank.py"
+    program.write_text(_EXEC_WITH_RANK)
+    go = short_tmp / "go"
+    job = _started(job_argv("local", [], [sys.executable, str(program), str(go), odd], ranks=2))
+    try:
+        wait_for(lambda: _sessions(fake_gpu), timeout=60, what="the job's session")
+        time.sleep(2)  # the ranks have started and re-executed themselves
+        out = _top("--once")
+    finally:
+        _go(job, go)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert "mpsrun top - " in out.stdout
+    settle(fake_gpu)
+
+
+# A rank that plants something at its session's usage.json (the file mpsrun top reads), then waits for a file. It
+# holds no device memory, so its job's controller never publishes usage.json over what it planted.
+_PLANT = """\
+import os, sys, time
+go, what = sys.argv[1], sys.argv[2]
+usage = os.path.join(os.environ["MPSRUN_SESSION_DIR"], "usage.json")
+if os.environ["RANK"] == "0":
+    if os.path.lexists(usage):
+        os.unlink(usage)
+    if what == "fifo":
+        os.mkfifo(usage)
+    elif what == "zero":
+        os.symlink("/dev/zero", usage)
+    elif what == "nested":
+        with open(usage, "w") as out:
+            out.write("[" * 200000)
+    elif what == "infinity":
+        with open(usage, "w") as out:
+            out.write('{"0": {"host": "elsewhere", "pid": 1, "peak": Infinity}}')
+    open(go + ".planted", "w").close()
+while not os.path.exists(go):
+    time.sleep(0.05)
+"""
+
+
+def _limited_memory() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # a runaway read fails here, not on the machine
+
+
+@pytest.mark.parametrize("what", ["fifo", "zero", "nested", "infinity"])
+def test_top_is_not_stopped_by_what_a_rank_plants_at_usage_json(fake_gpu, short_tmp, what):
+    """A rank can write in its session's directory (MPSRUN_SESSION_DIR), so it can plant a FIFO, a symlink to
+    /dev/zero, JSON nested 200000 deep or a peak of Infinity at usage.json, the file mpsrun top reads. runtime/files.py
+    says the files a rank can reach are read without following a symlink, without blocking on opening, regular files
+    only and up to a size; tools.md says top changes nothing and prints one table. top --once must still print its
+    table and exit 0 within seconds (not hang on the FIFO, not read /dev/zero until memory runs out, not end in a
+    traceback)."""
+    program = short_tmp / "plant.py"
+    program.write_text(_PLANT)
+    go = short_tmp / "go"
+    job = _started(job_argv("local", [], [sys.executable, str(program), str(go), what], ranks=2))
+    try:
+        wait_for(lambda: Path(str(go) + ".planted").exists(), timeout=60, what="the planted usage.json")
+        try:
+            out = subprocess.run([*MPSRUN, "top", "--once"], capture_output=True, text=True, timeout=20,
+                                 preexec_fn=_limited_memory)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"mpsrun top --once hung on a usage.json planted as {what}")
+    finally:
+        _go(job, go)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "2 rank(s)" in out.stdout.splitlines()[0], out.stdout
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("interval", ["nan", "inf"])
+def test_top_interval_that_is_not_a_finite_number_is_a_usage_error(fake_gpu, interval):
+    """mpsrun top --interval S: a value that is no number of seconds (nan, inf) must be refused as any bad option is,
+    with one line and exit 2, not print a table and then end in a traceback (exit 1) at its first sleep."""
+    try:
+        out = _top("--interval", interval)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"mpsrun top --interval {interval} ran on (it should be refused)")
+    assert out.returncode == 2, (out.returncode, out.stderr[-600:])
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr

@@ -17,6 +17,7 @@ import stat
 from collections.abc import Mapping, Sequence
 
 from mpsrun.errors import ConfigError
+from mpsrun.runtime.output import printable
 
 __all__ = [
     "AUTO",
@@ -337,16 +338,18 @@ def parse_output_dir(value: object, setting: str = "--output-filename") -> str:
 
 
 def parse_report(value: object, setting: str = "--report") -> str:
-    """A file for the job's report, made absolute here; its directory must exist and be writable now (a job that
-    ran for hours should not end unable to write it)."""
+    """A file for the job's report, made absolute here: a FIFO or a device (written into as it stands), or a file in
+    a directory this user can write now (a job that ran for hours should not end unable to write it)."""
     text = value if isinstance(value, str) else ""
     if not text.strip() or "\0" in text:
         raise ConfigError(f"{setting} needs a file name, not {value!r}", setting=setting, value=value)
     path = os.path.abspath(text)
-    directory = os.path.dirname(path)
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+        return path
+    directory = os.path.dirname(os.path.realpath(path))  # through a symlink, its target's
     if os.path.isdir(path) or not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
-        raise ConfigError(f"{setting} {text}: not a file in a directory this user can write", setting=setting,
-                          value=value)
+        raise ConfigError(f"{setting} {printable(text)}: not a file in a directory this user can write",
+                          setting=setting, value=value)
     return path
 
 

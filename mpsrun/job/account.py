@@ -8,6 +8,7 @@ the memory samples), and :func:`memory_hint` names ranks whose peak and memory l
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -19,6 +20,7 @@ from dataclasses import asdict, dataclass
 from mpsrun.config.values import mib_text
 from mpsrun.job.outcome import ranges
 from mpsrun.mps.usage import Sample, UsageSampler
+from mpsrun.runtime.output import printable
 from mpsrun.runtime.protocol import Exited
 
 __all__ = ["NEAR_LIMIT", "RankAccount", "Report", "account_lines", "memory_hint", "report_path"]
@@ -54,13 +56,13 @@ class RankAccount:
     def relayed(cls, message: Exited, cause: str) -> RankAccount:
         """A rank's account as its node keeper sent it."""
         return cls(message.rank, message.host, message.pid, message.gpu, message.mps, message.memory_peak,
-                   message.memory_limit, None, message.thread_percentage, message.wall, message.cpu,
+                   message.memory_limit, message.memory_share, message.thread_percentage, message.wall, message.cpu,
                    message.returncode, cause)
 
     def message(self, reason: str, aborting: bool) -> Exited:
         """The :class:`Exited` a node keeper relays for this rank."""
         return Exited(self.rank, self.exit_code, reason, self.pid, aborting, self.wall, self.cpu, self.host, self.gpu,
-                      self.mps, self.memory_peak, self.memory_limit, self.thread_percentage)
+                      self.mps, self.memory_peak, self.memory_limit, self.memory_share, self.thread_percentage)
 
 
 def _cell(value: object, unit: str = "") -> str:
@@ -102,7 +104,7 @@ def memory_hint(accounts: Iterable[RankAccount]) -> str:
         worst = max(near, key=lambda a: a.memory_peak or 0)
         return (f"rank(s) {ranges([a.rank for a in near])} peaked within {100 - int(NEAR_LIMIT * 100)}% of their "
                 f"--mem-limit (up to {worst.memory_peak} MiB of {mib_text(worst.memory_limit or 0)}): an allocation "
-                "beyond the limit fails; give them more")
+                f"beyond the limit fails; --mem-limit {_suggested(worst.memory_peak or 0)} would give them room")
     if limited and all(a.memory_peak < MOSTLY_UNUSED * a.memory_limit for a in limited):  # type: ignore[operator]
         peak = max(a.memory_peak or 0 for a in limited)
         return (f"rank(s) {ranges([a.rank for a in limited])} used at most {peak} MiB of their --mem-limit "
@@ -162,23 +164,43 @@ class Report:
         try:
             self.write(path)
         except OSError as exc:
-            return f"cannot write the report {path}: {exc.strerror or exc}"
+            return f"cannot write the report {printable(path)}: {exc.strerror or exc}"
         return ""
 
     def write(self, path: str) -> None:
-        """Write the report as JSON, whole or not at all (a temporary file beside it, renamed)."""
+        """Write the report as JSON to ``path``: through a symlink, to its target; into a FIFO or a device as it
+        stands (a FIFO no one reads is an error, not a wait); a file whole or not at all (a new file beside it,
+        renamed over it)."""
         data = {"mpsrun": _version(), **asdict(self)}
         data["samples"] = [{"time": s.time, "memory": {str(r): m for r, m in s.memory.items()}} for s in self.samples]
-        directory = os.path.dirname(os.path.abspath(path))
-        handle, temporary = tempfile.mkstemp(prefix=".mpsrun-report-", dir=directory)
-        mask = os.umask(0)  # the file as the user's other files are (mkstemp makes it 0600)
-        os.umask(mask)
-        try:
-            os.fchmod(handle, 0o666 & ~mask)
-            with os.fdopen(handle, "w") as out:
-                json.dump(data, out, indent=1)
-                out.write("\n")
-            os.replace(temporary, path)
-        except BaseException:
-            os.unlink(temporary)
-            raise
+        text = json.dumps(data, indent=1) + "\n"
+        if os.path.exists(path) and not os.path.isfile(path):
+            _write_into(path, text.encode())
+        else:
+            _replace(os.path.realpath(path), text)
+
+
+def _write_into(path: str, data: bytes) -> None:
+    try:
+        handle = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a FIFO with no reader
+            raise OSError(exc.errno, "a FIFO that no one reads", path) from None
+        raise
+    with os.fdopen(handle, "wb") as out:
+        os.set_blocking(handle, True)
+        out.write(data)
+
+
+def _replace(path: str, text: str) -> None:
+    handle, temporary = tempfile.mkstemp(prefix=".mpsrun-report-", dir=os.path.dirname(path))
+    mask = os.umask(0)  # the file as the user's other files are (mkstemp makes it 0600)
+    os.umask(mask)
+    try:
+        os.fchmod(handle, 0o666 & ~mask)
+        with os.fdopen(handle, "w") as out:
+            out.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise

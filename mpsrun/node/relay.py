@@ -60,6 +60,7 @@ class Relaying:
         if self._orphaned:
             self.controller.verdict(state)
             return
+        self.controller.settle_watch()  # its MPS membership, as the node's verified line will say it
         self.upstream.send(self.controller.account(state).message(end.reason, end.aborting))
         if not self.controller.table.live():  # the job's controller answers at once; should it not, the node must close
             self.controller.loop.after(VERDICT_WAIT, self._verdicts_overdue)

@@ -16,9 +16,15 @@ import os
 import select
 import sys
 
-__all__ = ["LineTagger", "say"]
+__all__ = ["LineTagger", "printable", "say"]
 
 PIPE_BUF = select.PIPE_BUF
+
+
+def printable(text: str) -> str:
+    """``text`` as it is, or quoted with its escapes where it holds a newline or another control character (a file
+    name may): a message of ours stays one line."""
+    return text if text.isprintable() else repr(text)
 
 
 def say(line: str) -> None:

@@ -60,8 +60,7 @@ class Started(NamedTuple):
 
 
 class Exited(NamedTuple):
-    """A rank ended. ``returncode`` None: a node keeper lost it without a report. ``wall``, ``cpu``: its program's
-    seconds running and of CPU; the rest, of a rank a node keeper relays (:class:`mpsrun.job.account.RankAccount`)."""
+    """A rank ended (``returncode`` None: lost unreported); from ``wall`` on, its account (``job.account``)."""
 
     rank: int
     returncode: int | None
@@ -73,8 +72,9 @@ class Exited(NamedTuple):
     host: str = ""
     gpu: int | None = None
     mps: bool | None = None
-    memory_peak: int | None = None  # MiB
-    memory_limit: int | None = None  # MiB
+    memory_peak: int | None = None  # these three in MiB
+    memory_limit: int | None = None
+    memory_share: int | None = None
     thread_percentage: int | None = None
 
 

@@ -16,8 +16,10 @@ its owner's pid (``mpsrun status`` lists them).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
+import math
 import signal
 import socket
 import sys
@@ -32,6 +34,7 @@ from mpsrun.config.commandline import OneLineParser
 from mpsrun.errors import MPSError
 from mpsrun.exitcodes import ExitCode
 from mpsrun.mps import gpus as gpu_info
+from mpsrun.runtime.files import read_log
 from mpsrun.runtime.processes import ProcessRef
 from mpsrun.session.paths import SessionDirs
 from mpsrun.session.registry import SessionState, list_sessions
@@ -40,6 +43,9 @@ __all__ = ["GpuRow", "RankRow", "Snapshot", "Top", "main", "render"]
 
 #: Per GPU (by UUID): each process with a context there, its device memory (MiB) and whether it is an MPS client.
 Contexts = dict[str, dict[int, tuple[int, bool]]]
+
+#: The most of a session's usage.json that is read (a job of thousands of ranks writes well under this).
+USAGE_READ_LIMIT = 1 << 22
 
 #: The first look of a process's CPU use measures from this long before the snapshot (psutil needs two).
 CPU_WINDOW = 0.5
@@ -171,7 +177,11 @@ def _order(row: RankRow) -> tuple[str, int, int]:
 
 
 def _number(text: str | None) -> int | None:
-    return int(text) if text is not None and text.strip().isdigit() else None
+    """A whole number from a rank's environment; None for anything else (a rank may set what it likes)."""
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
 
 
 def _gpus() -> list[gpu_info.GPU]:
@@ -212,14 +222,15 @@ def _gpu_rows(gpus: list[gpu_info.GPU], contexts: Contexts) -> list[GpuRow]:
 
 def _published(root: Path) -> dict[int, RankRow]:
     """What a job's controller published (``usage.json``): each rank's host, pid and peak device memory so far, as
-    rows of their own (under ``--hosts`` the ranks of the other hosts are shown from it)."""
+    rows of their own (under ``--hosts`` the ranks of the other hosts are shown from it). A rank can write there too:
+    the file is read as logs are (no symlink, no FIFO, a bounded size), and anything not of the shape is left out."""
     try:
-        data = json.loads(SessionDirs(root).usage_file.read_text())
+        data = json.loads(read_log(SessionDirs(root).usage_file, start=0, last=USAGE_READ_LIMIT))
         return {int(rank): RankRow(root.name, int(rank), str(item["host"]), int(item["pid"]), None, None, None,
                                    None if item.get("peak") is None else int(item["peak"]), None, None, None, None,
                                    "remote", None)
                 for rank, item in data.items()}
-    except (OSError, ValueError, AttributeError, TypeError, KeyError):
+    except (OSError, ValueError, AttributeError, TypeError, KeyError, RecursionError, OverflowError):
         return {}
 
 
@@ -282,6 +293,17 @@ def _live(top: Top, interval: float) -> None:
     curses.wrapper(show)
 
 
+def _seconds(text: str) -> float:
+    """``--interval``: a number of seconds, at least 0.1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0.1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds of at least 0.1")
+    return value
+
+
 def main(argv: Sequence[str]) -> int:
     parser = OneLineParser(prog="mpsrun top", description="This user's running mpsrun jobs on this node: a row per "
                            "rank (device memory, limits, CPU, state) and per GPU. It never changes a job.")
@@ -289,7 +311,7 @@ def main(argv: Sequence[str]) -> int:
     shown = parser.add_mutually_exclusive_group()
     shown.add_argument("--once", action="store_true", help="print one table and exit")
     shown.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit")
-    parser.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between refreshes (1)")
+    parser.add_argument("--interval", type=_seconds, default=1.0, metavar="S", help="seconds between refreshes (1)")
     parser.add_argument("--tmpdir", type=Path, default=None, help="where sessions live (default as for new ones)")
     args = parser.parse_args(argv)
     # A view holds nothing to clean up: Ctrl-C leaves it (as q does), other stopping signals end it at once.
@@ -308,11 +330,11 @@ def main(argv: Sequence[str]) -> int:
             snapshot = top.snapshot()
             print(json.dumps(asdict(snapshot), indent=1) if args.json else "\n".join(render(snapshot)))
         elif sys.stdout.isatty():
-            _live(top, max(args.interval, 0.1))
+            _live(top, args.interval)
         else:
             while True:
                 print("\n".join(render(top.snapshot())) + "\n", flush=True)
-                time.sleep(max(args.interval, 0.1))
+                time.sleep(args.interval)
     except KeyboardInterrupt:
         pass
     return ExitCode.OK
