@@ -3,7 +3,6 @@ sessions' records, the ranks' environments, psutil and NVML; it never changes a 
 lists each client's memory as the H100's did."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -107,35 +106,36 @@ def test_top_without_a_terminal_prints_snapshots_until_interrupted(fake_gpu, sho
     assert proc.returncode == 0 and err == "", err
 
 
-def test_top_with_no_jobs_says_so(fake_gpu):
-    """No running job: the header says 0 jobs, and the GPU's row is there."""
+def test_top_with_no_jobs_says_so_in_one_line(fake_gpu):
+    """No running job: --once says so in one line and exits 0; --json gives an empty snapshot with the GPU's row."""
     out = _top("--once")
-    assert out.returncode == 0 and "0 job(s), 0 rank(s)" in out.stdout.splitlines()[0], out
-    assert sys.executable and os.environ.get("MPSRUN_FAKE_NVML")
+    assert out.returncode == 0 and out.stdout.count("\n") == 1 and "no running mpsrun job" in out.stdout, out
+    snapshot = _snapshot()
+    assert snapshot["jobs"] == [] and snapshot["ranks"] == [] and len(snapshot["gpus"]) == 1
 
 
-def test_a_hosts_jobs_controller_shows_the_other_hosts_ranks(fake_gpu, short_tmp, monkeypatch):
-    """Under --hosts the job's controller publishes each rank's host, pid and peak (the node keepers send their peaks
-    up), and top on its host shows the ranks of the other hosts from it (here the host is named otherwise, so the
-    ranks of localhost read as another host's)."""
-    from mpsrun.tools import top
-
-    job = _running("hosts", short_tmp)
+def test_a_job_that_ends_while_top_watches_it(fake_gpu, short_tmp):
+    """top, piped, watches a job of three ranks; the job ends as it would have without top (exit 0), and top goes on,
+    its next snapshots showing no job, until Ctrl-C (exit 0)."""
+    proc = subprocess.Popen([*MPSRUN, "top", "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    job = _running("local", short_tmp)
     try:
-        _ranks_seen(3)
-        monkeypatch.setattr(top.socket, "gethostname", lambda: "not-this-host")
-
-        def remote() -> list | None:
-            rows = [r for r in top.Top().snapshot().ranks if r.state == "remote" and r.peak]
-            return rows if len(rows) == 3 else None
-
-        rows = wait_for(remote, timeout=60, what="the other host's ranks")
-        shown = top.render(top.Top().snapshot())
+        seen = False
+        while not seen:  # until a snapshot shows the job's three ranks
+            line = proc.stdout.readline()
+            assert line, "top ended while the job ran"
+            seen = " 1 job(s), 3 rank(s)" in line
     finally:
-        _end(job, short_tmp)
-    assert [(r.rank, r.peak) for r in rows] == [(i, held + CONTEXT_MIB) for i, held in enumerate(HELD)]
-    assert all(r.host != "not-this-host" and r.pid > 0 for r in rows)
-    assert sum(line.split()[-2:-1] == ["remote"] for line in shown) == 3, shown
+        out, err = _end(job, short_tmp)
+    assert job.returncode == 0, err
+    line = "the job's last snapshot"
+    while " 0 job(s), 0 rank(s)" not in line:  # top went on: a snapshot shows no job
+        line = proc.stdout.readline()
+        assert line, "top ended after the job"
+    proc.send_signal(signal.SIGINT)
+    rest, errors = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and errors == "", errors
     settle(fake_gpu)
 
 

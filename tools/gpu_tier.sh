@@ -4,8 +4,8 @@
 # NCCL 2.30+. Logs go to $OUT/tier-K.log. Usage there: OUT=DIR bash tools/gpu_tier.sh K
 #   1: the contract, faults, sessions and gates, 4 workers taking tests one at a time (each job has its own
 #      daemons; nothing there times or counts what other jobs do)
-#   2: launch, shared arrays, binding and memory, the bench, fidelity, docs, environment, one at a time (they read
-#      the GPU's free memory and every process of the machine)
+#   2: launch, shared arrays, binding and memory, each rank's account and top, the bench, fidelity, docs,
+#      environment, one at a time (they read the GPU's free memory and every process of the machine)
 #   3: failure words
 #   4: frameworks      5: PyTorch's environment with NCCL 2.30+
 set -u -o pipefail
@@ -20,7 +20,8 @@ case "$part" in
   1) { nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,compute_mode --format=csv; } > "$OUT/machine.log"
      run -n 4 --dist load tests/test_gpu_contract.py tests/test_gpu_faults.py tests/test_gpu_session.py \
        tests/test_gpu_gate.py ;;
-  2) run tests/test_gpu_launch.py tests/test_gpu_shared.py tests/test_gpu_bind_memory.py tests/test_bench.py \
+  2) run tests/test_gpu_launch.py tests/test_gpu_shared.py tests/test_gpu_bind_memory.py tests/test_gpu_account.py \
+       tests/test_bench.py \
        tests/test_fake_fidelity.py tests/test_docs.py tests/test_environment.py ;;
   3) run tests/test_failure_words.py ;;
   4) run tests/test_frameworks.py ;;

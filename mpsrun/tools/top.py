@@ -324,7 +324,9 @@ def main(argv: Sequence[str]) -> int:
               file=sys.stderr)
         return ExitCode.USAGE
     try:
-        if args.once or args.json:
+        if args.once and not top.jobs():
+            print(f"mpsrun top: no running mpsrun job of yours on {socket.gethostname()}")
+        elif args.once or args.json:
             top.snapshot()  # the first look starts each process's CPU measurement
             time.sleep(CPU_WINDOW)
             snapshot = top.snapshot()
