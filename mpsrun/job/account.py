@@ -23,7 +23,7 @@ from mpsrun.mps.usage import Sample, UsageSampler
 from mpsrun.runtime.output import printable
 from mpsrun.runtime.protocol import Exited
 
-__all__ = ["NEAR_LIMIT", "RankAccount", "Report", "account_lines", "memory_hint", "report_path"]
+__all__ = ["NEAR_LIMIT", "RankAccount", "Report", "account_lines", "cell", "memory_hint", "report_path"]
 
 #: A peak within this fraction of the rank's memory limit is near it; one below a quarter of it leaves most unused.
 NEAR_LIMIT, MOSTLY_UNUSED = 0.9, 0.25
@@ -65,7 +65,8 @@ class RankAccount:
                       self.mps, self.memory_peak, self.memory_limit, self.memory_share, self.thread_percentage)
 
 
-def _cell(value: object, unit: str = "") -> str:
+def cell(value: object, unit: str = "") -> str:
+    """A table's cell: "-" for what is not known, yes/no, seconds to the hundredth."""
     if value is None:
         return "-"
     if isinstance(value, bool):
@@ -80,9 +81,9 @@ HEADER = ("rank", "host", "pid", "gpu", "mps", "peak MiB", "limit", "SM %", "wal
 
 def account_lines(accounts: Sequence[RankAccount]) -> list[str]:
     """The accounts as a table, one line a rank, for ``-v``."""
-    rows = [HEADER] + [(str(a.rank), a.host, _cell(a.pid), _cell(a.gpu), _cell(a.mps), _cell(a.memory_peak),
-                        mib_text(a.memory_limit) if a.memory_limit else "-", _cell(a.thread_percentage),
-                        _cell(a.wall), _cell(a.cpu), _cell(a.exit_code), a.cause) for a in accounts]
+    rows = [HEADER] + [(str(a.rank), a.host, cell(a.pid), cell(a.gpu), cell(a.mps), cell(a.memory_peak),
+                        mib_text(a.memory_limit) if a.memory_limit else "-", cell(a.thread_percentage),
+                        cell(a.wall), cell(a.cpu), cell(a.exit_code), a.cause) for a in accounts]
     widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER) - 1)]
     return ["  ".join(cell.rjust(width) if i not in (1,) else cell.ljust(width)
                       for i, (cell, width) in enumerate(zip(row, widths, strict=False))) + "  " + row[-1]

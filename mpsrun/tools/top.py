@@ -33,6 +33,7 @@ import psutil
 from mpsrun.config.commandline import OneLineParser
 from mpsrun.errors import MPSError
 from mpsrun.exitcodes import ExitCode
+from mpsrun.job.account import cell
 from mpsrun.mps import gpus as gpu_info
 from mpsrun.runtime.files import read_log
 from mpsrun.runtime.processes import ProcessRef
@@ -234,14 +235,6 @@ def _published(root: Path) -> dict[int, RankRow]:
         return {}
 
 
-def _cell(value: object) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    return str(value)
-
-
 def _time(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -263,13 +256,13 @@ def render(snapshot: Snapshot) -> list[str]:
              f"{socket.gethostname()}"]
     lines += [f"  job {job.session} ({job.kind}, pid {job.owner}, {_time(job.age)}): {' '.join(job.command)[:100]}"
               for job in snapshot.jobs]
-    ranks = [[r.job, _cell(r.rank), r.host, str(r.pid), _cell(r.gpu), _cell(r.mps), _cell(r.memory), _cell(r.peak),
-              _cell(r.limit), _cell(r.threads), _cell(None if r.cpu is None else round(r.cpu)), _cell(r.resident),
+    ranks = [[r.job, cell(r.rank), r.host, str(r.pid), cell(r.gpu), cell(r.mps), cell(r.memory), cell(r.peak),
+              cell(r.limit), cell(r.threads), cell(None if r.cpu is None else round(r.cpu)), cell(r.resident),
               r.state, _time(r.running)]
              for r in snapshot.ranks]
     lines += ["", *_table(("JOB", "RANK", "HOST", "PID", "GPU", "MPS", "MEM MiB", "PEAK", "LIMIT", "SM %", "CPU %",
                            "RSS MiB", "STATE", "TIME"), ranks)]
-    gpus = [[str(g.index), _cell(g.sm), f"{g.used}/{g.total}", str(g.clients)] for g in snapshot.gpus]
+    gpus = [[str(g.index), cell(g.sm), f"{g.used}/{g.total}", str(g.clients)] for g in snapshot.gpus]
     lines += ["", *_table(("GPU", "SM %", "MEM MiB", "MPS CLIENTS"), gpus)]
     return lines
 
