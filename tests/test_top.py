@@ -3,6 +3,8 @@ sessions' records, the ranks' environments, psutil and NVML; it never changes a 
 lists each client's memory as the H100's did."""
 
 import json
+import os
+import select
 import signal
 import subprocess
 import sys
@@ -251,3 +253,36 @@ def test_top_interval_that_is_not_a_finite_number_is_a_usage_error(fake_gpu, int
         pytest.fail(f"mpsrun top --interval {interval} ran on (it should be refused)")
     assert out.returncode == 2, (out.returncode, out.stderr[-600:])
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+
+
+def test_the_live_view_draws_in_a_terminal_and_q_leaves_it(fake_gpu, short_tmp):
+    """In a terminal (a pseudo-terminal here), top draws its view with curses, refreshes, and leaves on q with exit 0,
+    giving the terminal back (curses' alternate screen ended)."""
+    controller, terminal = os.openpty()
+    proc = subprocess.Popen([*MPSRUN, "top", "--interval", "0.2"], stdin=terminal, stdout=terminal, stderr=terminal,
+                            env={**os.environ, "TERM": "xterm"}, start_new_session=True)
+    os.close(terminal)
+    try:
+        shown = _read_until(controller, b"q: quit")
+        os.write(controller, b"q")
+        code = proc.wait(timeout=30)
+        shown += _read_until(controller, b"\x1b[?1049l")  # the alternate screen left: the terminal as it was
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # our own top, should it not have left
+            proc.wait()
+        os.close(controller)
+    assert b"mpsrun top - " in shown and b"\x1b[?1049l" in shown and code == 0, shown[-2000:]
+
+
+def _read_until(fd: int, wanted: bytes, timeout: float = 60) -> bytes:
+    """What a terminal shows until ``wanted`` (or the timeout, or its other end is gone)."""
+    shown = b""
+    deadline = time.monotonic() + timeout
+    while wanted not in shown and time.monotonic() < deadline:
+        if select.select([fd], [], [], 1)[0]:
+            try:
+                shown += os.read(fd, 65536)
+            except OSError:  # EIO: no process holds the terminal any more
+                break
+    return shown
