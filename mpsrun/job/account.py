@@ -12,7 +12,6 @@ import errno
 import json
 import os
 import socket
-import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -194,6 +193,8 @@ def _write_into(path: str, data: bytes) -> None:
 
 
 def _replace(path: str, text: str) -> None:
+    import tempfile  # only for a report: not on every job's path
+
     handle, temporary = tempfile.mkstemp(prefix=".mpsrun-report-", dir=os.path.dirname(path))
     mask = os.umask(0)  # the file as the user's other files are (mkstemp makes it 0600)
     os.umask(mask)

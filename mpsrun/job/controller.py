@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Protocol
 
 from mpsrun.errors import MPSError
 from mpsrun.exitcodes import ExitCode
-from mpsrun.job.account import RankAccount
 from mpsrun.job.outcome import Policy, RankEnd
 from mpsrun.job.report import shared_memory_hint
 from mpsrun.job.table import RankState, RankTable
@@ -42,6 +41,7 @@ from mpsrun.runtime.protocol import Found, Hello, Link, Listener, Note, Peaks, R
 from mpsrun.session.session import Session
 
 if TYPE_CHECKING:
+    from mpsrun.job.account import RankAccount
     from mpsrun.job.placement import Admission, RankPlan
 
 __all__ = ["Admit", "Controller", "Decider", "Policy"]
@@ -143,8 +143,9 @@ class Controller(abc.ABC):
             self.watch.settle({s.process.pid: s.rank for s in self.ranks.values() if s.process is not None})
 
     def account(self, state: RankState, first: bool = False) -> RankAccount:
-        """A rank's account, as this controller knows it (``first``: its failure decided the job); one a node keeper
-        relayed is that keeper's."""
+        """A rank's account as this controller knows it (``first``: it failed first), or as its node keeper sent it."""
+        from mpsrun.job.account import RankAccount  # at the job's end only: not on every job's path to its ranks
+
         end = state.end
         cause = end.what(first) if end is not None else "running"
         if end is not None and end.relayed is not None:

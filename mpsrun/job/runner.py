@@ -306,6 +306,8 @@ class Job:
 
     def _account(self, controller: JobController) -> None:
         """Every rank's account: a table with -v, and one line when their memory peaks and limits are far apart."""
+        if not (self.config.verbose or self.config.report or self.config.mem_limit is not None):
+            return  # nothing to say or write
         from mpsrun.job.account import account_lines, memory_hint
 
         first = controller.judging.judge.first

@@ -187,6 +187,8 @@ class NodeKeeper:
     def _accounts(self, judge: Judge) -> list[str]:
         """The node's ranks' accounts: a table with -v, the memory hint, and ``--report`` (FILE.HOST.json)."""
         config, controller = self.config, self.controller
+        if not (config.verbose or config.report or config.mem_limit is not None):
+            return []  # nothing to say or write
         accounts = controller.accounts(judge.first.rank if judge.first is not None else None)
         host = socket.gethostname()
         lines = [f"node {host}: {line}" for line in account_lines(accounts)] if config.verbose else []

@@ -13,7 +13,6 @@ import errno
 import json
 import os
 import stat
-import tempfile
 from pathlib import Path
 
 __all__ = ["LOG_READ_LIMIT", "publish", "read_log"]
@@ -40,6 +39,8 @@ def read_log(path: str | os.PathLike[str], *, start: int | None = None, last: in
 def publish(path: Path, data: object) -> None:
     """Write ``data`` as JSON to ``path`` whole, or not at all, for readers such as ``mpsrun top`` (which never see
     half of it). A directory that is going away only costs the file."""
+    import tempfile  # (random, shutil and more): only once a job has a peak to publish
+
     try:
         handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     except OSError:
