@@ -258,6 +258,10 @@ def test_top_interval_that_is_not_a_finite_number_is_a_usage_error(fake_gpu, int
 def test_the_live_view_draws_in_a_terminal_and_q_leaves_it(fake_gpu, short_tmp):
     """In a terminal (a pseudo-terminal here), top draws its view with curses, refreshes, and leaves on q with exit 0,
     giving the terminal back (curses' alternate screen ended)."""
+    probe = subprocess.run([sys.executable, "-c", "import curses, os; curses.setupterm('xterm', os.open('/dev/null', 1))"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no curses or no terminfo for xterm in this Python: {probe.stderr.decode()[-200:]}")
     controller, terminal = os.openpty()
     proc = subprocess.Popen([*MPSRUN, "top", "--interval", "0.2"], stdin=terminal, stdout=terminal, stderr=terminal,
                             env={**os.environ, "TERM": "xterm"}, start_new_session=True)
@@ -273,6 +277,27 @@ def test_the_live_view_draws_in_a_terminal_and_q_leaves_it(fake_gpu, short_tmp):
             proc.wait()
         os.close(controller)
     assert b"mpsrun top - " in shown and b"\x1b[?1049l" in shown and code == 0, shown[-2000:]
+
+
+def test_a_terminal_curses_cannot_draw_on_gets_snapshots(fake_gpu):
+    """A terminal whose TERM has no terminfo entry: top prints its tables as it does into a pipe (no traceback), and
+    Ctrl-C (SIGINT) ends it with 0."""
+    controller, terminal = os.openpty()
+    proc = subprocess.Popen([*MPSRUN, "top", "--interval", "0.2"], stdin=terminal, stdout=terminal, stderr=terminal,
+                            env={**os.environ, "TERM": "no-such-terminal"}, start_new_session=True)
+    os.close(terminal)
+    try:
+        shown = _read_until(controller, b"GPU  SM %")
+        shown += _read_until(controller, b"mpsrun top - ")  # a second table
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # our own top, should it not have ended
+            proc.wait()
+        os.close(controller)
+    assert shown.count(b"mpsrun top - ") >= 2 and b"q: quit" not in shown and b"Traceback" not in shown, shown[-2000:]
+    assert code == 0
 
 
 def _read_until(fd: int, wanted: bytes, timeout: float = 60) -> bytes:

@@ -267,12 +267,17 @@ def render(snapshot: Snapshot) -> list[str]:
     return lines
 
 
-def _live(top: Top, interval: float) -> None:
-    """Refresh in the terminal until ``q`` or Ctrl-C."""
-    import curses
+def _live(top: Top, interval: float) -> bool:
+    """Refresh in the terminal until ``q`` or Ctrl-C; False where curses cannot draw on it (no terminfo for its
+    ``TERM``, or no curses in this Python)."""
+    try:
+        import curses
+    except ImportError:
+        return False
 
     def show(screen: curses.window) -> None:
-        curses.curs_set(0)
+        with contextlib.suppress(curses.error):  # a terminal that cannot hide its cursor
+            curses.curs_set(0)
         screen.timeout(int(interval * 1000))
         while True:
             screen.erase()
@@ -283,7 +288,18 @@ def _live(top: Top, interval: float) -> None:
             if screen.getch() in (ord("q"), ord("Q")):
                 return
 
-    curses.wrapper(show)
+    try:
+        curses.wrapper(show)
+    except curses.error:
+        return False
+    return True
+
+
+def _snapshots(top: Top, interval: float) -> None:
+    """A table every interval, for a pipe or a terminal curses cannot draw on."""
+    while True:
+        print("\n".join(render(top.snapshot())) + "\n", flush=True)
+        time.sleep(interval)
 
 
 def _seconds(text: str) -> float:
@@ -324,12 +340,8 @@ def main(argv: Sequence[str]) -> int:
             time.sleep(CPU_WINDOW)
             snapshot = top.snapshot()
             print(json.dumps(asdict(snapshot), indent=1) if args.json else "\n".join(render(snapshot)))
-        elif sys.stdout.isatty():
-            _live(top, args.interval)
-        else:
-            while True:
-                print("\n".join(render(top.snapshot())) + "\n", flush=True)
-                time.sleep(args.interval)
+        elif not (sys.stdout.isatty() and _live(top, args.interval)):
+            _snapshots(top, args.interval)
     except KeyboardInterrupt:
         pass
     return ExitCode.OK
