@@ -311,3 +311,20 @@ def _read_until(fd: int, wanted: bytes, timeout: float = 60) -> bytes:
             except OSError:  # EIO: no process holds the terminal any more
                 break
     return shown
+
+
+def test_a_long_running_view_forgets_the_ranks_of_ended_jobs(fake_gpu, short_tmp):
+    """A live view keeps each rank's process (for its CPU use) and peak between looks; once the job has ended, the next
+    look keeps nothing of it, so a view left open for days does not grow with every job it saw."""
+    from mpsrun.tools import top
+
+    view = top.Top()
+    job = _running("local", short_tmp)
+    try:
+        wait_for(lambda: len([r for r in view.snapshot().ranks if r.peak]) == 3, timeout=60, what="three ranks")
+        kept = (len(view._processes), len(view._peaks))
+    finally:
+        _end(job, short_tmp)
+    view.snapshot()
+    assert kept == (3, 3) and (view._processes, view._peaks) == ({}, {})
+    settle(fake_gpu)

@@ -101,6 +101,8 @@ class JobRow:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
+    """One look (``time``: seconds since the epoch): the running jobs, their ranks, the GPUs."""
+
     time: float
     jobs: list[JobRow]
     ranks: list[RankRow]
@@ -126,6 +128,7 @@ class Top:
         gpus = _gpus()
         contexts = _contexts(gpus)
         ranks = [row for state in states for row in self._ranks(state, gpus, contexts)]
+        self._forget({(row.pid, row.job, row.rank) for row in ranks})
         jobs = [JobRow(s.session_id, s.record.kind, s.record.owner.pid, list(s.record.argv), round(s.age, 1))
                 for s in states if s.record is not None]
         return Snapshot(round(time.time(), 3), jobs, sorted(ranks, key=_order), _gpu_rows(gpus, contexts))
@@ -142,6 +145,13 @@ class Top:
                 continue
             with contextlib.suppress(psutil.Error):
                 yield self._row(state.session_id, process, gpus, contexts, peaks)
+
+    def _forget(self, shown: set[tuple[int, str, int | None]]) -> None:
+        """Drop what is kept of processes and ranks no longer shown (a live view runs for days)."""
+        pids = {pid for pid, _, _ in shown}
+        self._processes = {key: process for key, process in self._processes.items() if key[0] in pids}
+        self._peaks = {key: peak for key, peak in self._peaks.items() if (key[0], key[1]) in
+                       {(job, rank) for _, job, rank in shown}}
 
     def _process(self, ref: ProcessRef) -> psutil.Process | None:
         """The live process the record names (a reused pid is another's)."""
