@@ -83,9 +83,9 @@ def account_lines(accounts: Sequence[RankAccount]) -> list[str]:
     rows = [HEADER] + [(str(a.rank), a.host, cell(a.pid), cell(a.gpu), cell(a.mps), cell(a.memory_peak),
                         mib_text(a.memory_limit) if a.memory_limit else "-", cell(a.thread_percentage),
                         cell(a.wall), cell(a.cpu), cell(a.exit_code), a.cause) for a in accounts]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER) - 1)]
-    return ["  ".join(cell.rjust(width) if i not in (1,) else cell.ljust(width)
-                      for i, (cell, width) in enumerate(zip(row, widths, strict=False))) + "  " + row[-1]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER) - 1)]  # the cause, last, runs on
+    return ["  ".join(text.ljust(width) if i == 1 else text.rjust(width)  # the host's name to the left
+                      for i, (text, width) in enumerate(zip(row, widths, strict=False))) + "  " + row[-1]
             for row in rows]
 
 
@@ -97,23 +97,24 @@ def memory_hint(accounts: Iterable[RankAccount]) -> str:
     """One line on memory limits, from the ranks' peaks, or "": ranks that peaked near their ``--mem-limit`` (the next
     allocation may fail), else ranks that all used under a quarter of theirs (the rest could go to others), else
     ranks without a limit that peaked above their share of a shared GPU (``--mem-limit auto`` would fail them)."""
-    measured = [a for a in accounts if a.memory_peak is not None]
-    limited = [a for a in measured if a.memory_limit]
-    near = [a for a in limited if a.memory_peak >= NEAR_LIMIT * a.memory_limit]  # type: ignore[operator]
+    measured = [(a, a.memory_peak) for a in accounts if a.memory_peak is not None]
+    limited = [(a, peak, a.memory_limit) for a, peak in measured if a.memory_limit]
+    near = [(a, peak, limit) for a, peak, limit in limited if peak >= NEAR_LIMIT * limit]
     if near:
-        worst = max(near, key=lambda a: a.memory_peak or 0)
-        return (f"rank(s) {ranges([a.rank for a in near])} peaked within {100 - int(NEAR_LIMIT * 100)}% of their "
-                f"--mem-limit (up to {worst.memory_peak} MiB of {mib_text(worst.memory_limit or 0)}): an allocation "
-                f"beyond the limit fails; --mem-limit {_suggested(worst.memory_peak or 0)} would give them room")
-    if limited and all(a.memory_peak < MOSTLY_UNUSED * a.memory_limit for a in limited):  # type: ignore[operator]
-        peak = max(a.memory_peak or 0 for a in limited)
-        return (f"rank(s) {ranges([a.rank for a in limited])} used at most {peak} MiB of their --mem-limit "
-                f"({mib_text(max(a.memory_limit or 0 for a in limited))}): --mem-limit {_suggested(peak)} would "
-                "leave the rest of the GPU to others")
-    over = [a for a in measured if not a.memory_limit and a.memory_share and a.memory_peak > a.memory_share]  # type: ignore[operator]
+        _, peak, limit = max(near, key=lambda item: item[1])
+        return (f"rank(s) {ranges([a.rank for a, _, _ in near])} peaked within {100 - int(NEAR_LIMIT * 100)}% of "
+                f"their --mem-limit (up to {peak} MiB of {mib_text(limit)}): an allocation beyond the limit fails; "
+                f"--mem-limit {_suggested(peak)} would give them room")
+    if limited and all(peak < MOSTLY_UNUSED * limit for _, peak, limit in limited):
+        peak = max(peak for _, peak, _ in limited)
+        return (f"rank(s) {ranges([a.rank for a, _, _ in limited])} used at most {peak} MiB of their --mem-limit "
+                f"({mib_text(max(limit for _, _, limit in limited))}): --mem-limit {_suggested(peak)} would leave "
+                "the rest of the GPU to others")
+    over = [(a, peak, a.memory_share) for a, peak in measured
+            if not a.memory_limit and a.memory_share and peak > a.memory_share]
     if over:
-        return (f"rank(s) {ranges([a.rank for a in over])} peaked above their share of their GPU's memory (up to "
-                f"{max(a.memory_peak or 0 for a in over)} MiB of {min(a.memory_share or 0 for a in over)} MiB): "
+        return (f"rank(s) {ranges([a.rank for a, _, _ in over])} peaked above their share of their GPU's memory (up "
+                f"to {max(peak for _, peak, _ in over)} MiB of {min(share or 0 for _, _, share in over)} MiB): "
                 "--mem-limit auto would make their allocations fail")
     return ""
 
