@@ -113,6 +113,23 @@ def test_the_top_of_the_package_holds_at_most_ten_modules():
     assert len(top) <= 10, top
 
 
+#: The house's sizes (the developers' guide): a module at most this many lines, a function under the other.
+MODULE_LINES, FUNCTION_LINES = 400, 50
+
+
+def test_modules_and_functions_stay_short():
+    """Every module of the package holds at most 400 lines and every function fewer than 50, so each reads at once."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        if len(text.splitlines()) > MODULE_LINES:
+            long.append(f"{path.name}: {len(text.splitlines())} lines")
+        long += [f"{path.name}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines"
+                 for node in ast.walk(ast.parse(text)) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and node.end_lineno is not None and node.end_lineno - node.lineno + 1 >= FUNCTION_LINES]
+    assert not long, long
+
+
 def test_every_package_says_what_it_owns():
     """Each sub-package's docstring names what it owns and what it may import."""
     for init in sorted(PACKAGE.glob("*/__init__.py")):
