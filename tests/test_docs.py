@@ -417,3 +417,10 @@ def test_the_docs_have_no_stray_blank_lines_or_second_version():
     benchmarks = (ROOT / "docs" / "benchmarks.md").read_text()
     for quote in re.finditer(r"`[^`]*verified as MPS clients[^`]*`", benchmarks):
         assert benchmarks[max(0, quote.start() - 40):quote.start()].rstrip().endswith("then read"), quote.group()
+
+
+def test_benchmarks_do_not_say_mpsrun_leaves_the_queues_alone():
+    """docs/benchmarks.md once said 'mpsrun leaves the variable alone' of CUDA_DEVICE_MAX_CONNECTIONS, the opposite of
+    what mpsrun does since issue 40 (a hostile user found it): no page says so."""
+    for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        assert "mpsrun leaves the variable alone" not in " ".join(page.read_text().split()), page.name

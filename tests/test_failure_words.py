@@ -349,3 +349,29 @@ def test_the_real_gpus_hardware_queues_run_out_as_the_summary_says(path, monkeyp
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
     out = job(16, "planned")
     assert out.returncode == 0, out.stderr
+
+
+def _mpsrun_said(out: subprocess.CompletedProcess[str]) -> str:
+    return "\n".join(line for line in out.stderr.splitlines() if line.startswith("mpsrun"))
+
+
+def test_a_device_ordinal_error_is_not_hidden_behind_a_queue_guess(fake_gpu, clean, monkeypatch):
+    """16 ranks that use LOCAL_RANK as their CUDA device, with the caller's CUDA_DEVICE_MAX_CONNECTIONS=8 (16 x 8 is
+    more than the GPU's 126): ranks 1-15 fail at 'invalid device ordinal', before any queue is asked for, and the
+    summary names that cause and its way out, not the queues (a hostile user saw the queues blamed)."""
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    out = run_job("local", ["--mps", "on"], fake("--device", "local", "--hold", "30"), ranks=16)
+    said = _mpsrun_said(out)
+    assert out.returncode == 1 and "(LOCAL_RANK as a device index)" in said and "hardware queues" not in said, said
+    settle(fake_gpu)
+
+
+def test_more_ranks_than_a_server_takes_are_not_told_to_set_zero_queues(fake_gpu, clean):
+    """127 ranks on one GPU with the queues mpsrun plans (1 each): the server refuses the 49th client, and the summary
+    does not blame the queues nor advise 'set at most 0' (it counts at most the 48 clients a server takes); the MPS
+    log's line names the cause."""
+    out = run_job("local", ["--mps", "on"], fake("--hold", "20"), ranks=127, timeout=300)
+    said = _mpsrun_said(out)
+    assert out.returncode != 0 and "maximum number of clients (48) reached" in said, said
+    assert "set at most 0" not in said and "unset CUDA_DEVICE_MAX_CONNECTIONS" not in said, said
+    settle(fake_gpu, 60)

@@ -163,7 +163,28 @@ def test_queue_counts_are_tried_under_mps_and_the_callers_is_not_passed_on(fake_
     assert [(t["mps"], t["queues"], t["throughput"]) for t in trials] == [("on", None, 18), ("on", 2, 6),
                                                                          ("off", None, 2)]
     table = format_report(TuneResult.from_json(json.loads(out.stdout)), 1)
-    assert "queues" in table.splitlines()[1] and "mpsrun -np 2 --mps on --" in table, table
+    assert "queues" in table.splitlines()[1], table
+    assert "run: env -u CUDA_DEVICE_MAX_CONNECTIONS mpsrun -np 2 --mps on --" in table, table
+    settle(fake_gpu)
+
+
+def test_tunes_recommended_command_runs_with_the_queues_it_measured(fake_gpu, monkeypatch):
+    """The caller has CUDA_DEVICE_MAX_CONNECTIONS=5; --queues auto,2 finds auto (mpsrun's plan, 8 each) best. The
+    command tune recommends, run as printed in the same shell, gives each rank the 8 that was measured, not the
+    caller's 5 (it did, before: a hostile user ran it)."""
+    import shlex
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "5")
+    out = _tune("--ranks", "2", "--mps", "on", "--queues", "auto,2", "--repeats", "1", "--metric", r"rate: (\S+)",
+                "--json", "--", sys.executable, "-c", QUEUES_SEEN)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    words = shlex.split(result["command"])
+    mpsrun_at = words.index("mpsrun")
+    again = subprocess.run([*words[:mpsrun_at], *MPSRUN, *words[mpsrun_at + 1:]], capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert sorted(again.stdout.split()) == ["9", "9", "rate:", "rate:"], (result["command"], again.stdout)
     settle(fake_gpu)
 
 

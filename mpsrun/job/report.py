@@ -15,14 +15,12 @@ from mpsrun.mps.daemon import ControlDaemon
 from mpsrun.mps.limits import memory_hint
 from mpsrun.mps.replies import diagnose_log, torn_down_clients
 from mpsrun.mps.watch import RankWatch
+from mpsrun.runtime.constants import MPS_CLIENT_LIMIT
 from mpsrun.runtime.files import read_log
 from mpsrun.session.session import Session
 
 __all__ = ["MPS_CLIENT_LIMIT", "crowding_warnings", "mps_report", "shared_memory_hint", "verified_line"]
 
-#: Clients an MPS server accepts on Volta and later (documented; the H100 with driver 580
-#: logged "Maximum number of clients (48) reached" for the 49th).
-MPS_CLIENT_LIMIT = 48
 
 
 def mps_report(daemons: Sequence[ControlDaemon], rank_of: Mapping[int, int]) -> list[str]:

@@ -23,7 +23,7 @@ import os
 import re
 from collections.abc import Mapping
 
-from mpsrun.runtime.constants import SESSION_DIR_VARIABLE
+from mpsrun.runtime.constants import MPS_CLIENT_LIMIT, SESSION_DIR_VARIABLE
 from mpsrun.runtime.files import read_log
 
 __all__ = [
@@ -110,22 +110,26 @@ def rank_defaults(env: Mapping[str, str], rank: int) -> list[dict[str, str]]:
 def failure_reason(env: Mapping[str, str], gpu_clients: int | None = None, gpu_queues: int | None = None) -> str:
     """Why a rank with this environment failed: its GPU's MPS clients asked more hardware queues than the GPU has
     (``gpu_queues`` among ``gpu_clients``), or what CUDA or NCCL said where mpsrun asked them to; else ``""``."""
-    return queue_overflow(env, gpu_clients, gpu_queues) or _cuda_reason(env) or _nccl_reason(env)
+    device, error = _cuda_reasons(env)  # a device that does not exist fails before any queue is asked for
+    return device or queue_overflow(env, gpu_clients, gpu_queues) or error or _nccl_reason(env)
 
 
 def queue_overflow(env: Mapping[str, str], clients: int | None, queues: int | None) -> str:
     """The GPU's ``clients`` each asked the rank's CUDA_DEVICE_MAX_CONNECTIONS, more than its ``queues`` in all: some
-    cannot create a CUDA context (their error says only "out of memory", or that the server ended them). "" else."""
+    cannot create a CUDA context (their error says only "out of memory", or that the server ended them). "" else.
+    Only as many clients as an MPS server takes count: beyond them the server's limit is the cause, which its log
+    says."""
     try:
         each = int(env.get("CUDA_DEVICE_MAX_CONNECTIONS", ""))
     except ValueError:
         return ""
-    if clients is None or queues is None or each * clients <= queues:
+    served = min(clients, MPS_CLIENT_LIMIT) if clients is not None else None
+    if served is None or queues is None or each * served <= queues:
         return ""
-    return (f"{clients} MPS clients on one GPU asked {each} hardware queues each "
-            f"(CUDA_DEVICE_MAX_CONNECTIONS), {each * clients} in all, more than the {queues} a GPU has under MPS, so "
+    return (f"{served} MPS clients on one GPU asked {each} hardware queues each "
+            f"(CUDA_DEVICE_MAX_CONNECTIONS), {each * served} in all, more than the {queues} a GPU has under MPS, so "
             f"some could not create a CUDA context: unset CUDA_DEVICE_MAX_CONNECTIONS for mpsrun to plan it, or set at "
-            f"most {queues // clients}")
+            f"most {queues // served}")
 
 
 def _our_log(env: Mapping[str, str], name: str) -> str | None:
@@ -158,17 +162,18 @@ _CUDA_ERRORS = {
 }
 
 
-def _cuda_reason(env: Mapping[str, str]) -> str:
-    """CUDA's word for the rank's last error that mpsrun can explain, from the rank's CUDA log."""
+def _cuda_reasons(env: Mapping[str, str]) -> tuple[str, str]:
+    """CUDA's word, from the rank's CUDA log, for a device it asked for and does not see, and for its last error that
+    mpsrun can explain ("" for either it did not say)."""
     path = _our_log(env, "CUDA_LOG_FILE")
-    said = ""
+    device = error = ""
     for match in _CUDA_LINE.finditer(_tail(path) if path else ""):
-        error, call, device, last = match.groups()
-        if device is not None:
-            said = _no_such_device(env, int(device), int(last) + 1)
-        elif error in _CUDA_ERRORS:
-            said = f"CUDA said {error} ({call}): {_CUDA_ERRORS[error]}"
-    return said
+        code, call, number, last = match.groups()
+        if number is not None:
+            device = _no_such_device(env, int(number), int(last) + 1)
+        elif code in _CUDA_ERRORS:
+            error = f"CUDA said {code} ({call}): {_CUDA_ERRORS[code]}"
+    return device, error
 
 
 def _no_such_device(env: Mapping[str, str], device: int, seen: int) -> str:

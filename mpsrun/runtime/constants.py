@@ -105,3 +105,6 @@ SERVER_AFTER = 0.25
 WATCH_INTERVAL = 0.2
 #: How often a job samples its ranks' device memory from NVML (a rank's peak is its largest sample).
 USAGE_INTERVAL = 0.5
+#: Clients an MPS server accepts on Volta and later (documented; the H100 with driver 580
+#: logged "Maximum number of clients (48) reached" for the 49th).
+MPS_CLIENT_LIMIT = 48

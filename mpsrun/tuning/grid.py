@@ -118,9 +118,11 @@ class TuneJob:
         tag = ["--tag-output"] if self.metric is not None else []
         return [*setting.options(), *tag, *self._words()]
 
-    def command_line(self, setting: Setting) -> str:
-        """The command a user runs to get ``setting``, as a shell would take it."""
-        return shlex.join(["mpsrun", *self._words(setting)])
+    def command_line(self, setting: Setting, unset: Sequence[str] = ()) -> str:
+        """The command a user runs to get ``setting``, as a shell would take it; ``unset``: variables the trials ran
+        without, which the command then runs without too (``env -u``) where this shell has them."""
+        dropped = [word for name in unset if name in os.environ for word in ("-u", name)]
+        return shlex.join([*(["env", *dropped] if dropped else []), "mpsrun", *self._words(setting)])
 
 
 def parse_ranks_list(text: str) -> tuple[int, ...]:

@@ -61,7 +61,7 @@ def _verdict(result: TuneResult) -> list[str]:
             return ["nothing could be measured: every trial failed (see the notes above)"]
         why = "it was interrupted" if result.interrupted is not None else "the budget left out every setting"
         return [f"nothing was measured: {why}"]
-    run = f"run: {result.job.command_line(chosen.setting)}"
+    run = f"run: {result.command_line(chosen.setting)}"
     if baseline is None or best is baseline:
         lines = [run, f"  the baseline ({best.setting.label()}) is the best measured"]
     elif not result.beats_baseline:

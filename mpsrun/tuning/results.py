@@ -12,7 +12,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from mpsrun.tuning.grid import Setting, TuneJob
+from mpsrun.tuning.grid import QUEUES_VARIABLE, Setting, TuneJob
 
 __all__ = ["Run", "Trial", "TuneResult"]
 
@@ -133,11 +133,17 @@ class TuneResult:
             return self.best
         return self.baseline
 
+    def command_line(self, setting: Setting) -> str:
+        """The command that runs ``setting`` as its trials ran: where queue counts were tried, the caller's
+        CUDA_DEVICE_MAX_CONNECTIONS reached none, so mpsrun's plan (auto) runs without it too."""
+        tried = any(t.setting.queues is not None for t in self.trials)
+        return self.job.command_line(setting, (QUEUES_VARIABLE,) if tried and setting.queues is None else ())
+
     def to_json(self) -> dict[str, Any]:
         chosen = self.recommended
         baseline = self.baseline
         return {"trials": [t.to_json() for t in self.trials], "best": chosen.to_json() if chosen else None,
-                "command": self.job.command_line(chosen.setting) if chosen else None,
+                "command": self.command_line(chosen.setting) if chosen else None,
                 "baseline": baseline.to_json() if baseline else None, "beats_baseline": self.beats_baseline,
                 "scaling": "metric" if self.job.metric else self.job.scaling,
                 "dropped": [s.to_json() for s in self.dropped], "interrupted": self.interrupted,
