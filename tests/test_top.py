@@ -2,6 +2,7 @@
 sessions' records, the ranks' environments, psutil and NVML; it never changes a job. With the fake GPU, whose NVML
 lists each client's memory as the H100's did."""
 
+import contextlib
 import json
 import os
 import select
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -255,6 +257,23 @@ def test_top_interval_that_is_not_a_finite_number_is_a_usage_error(fake_gpu, int
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
 
 
+@contextlib.contextmanager
+def _top_in_a_terminal(term: str) -> Iterator[tuple[int, subprocess.Popen]]:
+    """``mpsrun top`` in a pseudo-terminal of type ``term``: the terminal's other end, and top's process (killed at
+    the end should it still run: our own child)."""
+    controller, terminal = os.openpty()
+    proc = subprocess.Popen([*MPSRUN, "top", "--interval", "0.2"], stdin=terminal, stdout=terminal, stderr=terminal,
+                            env={**os.environ, "TERM": term}, start_new_session=True)
+    os.close(terminal)
+    try:
+        yield controller, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(controller)
+
+
 def test_the_live_view_draws_in_a_terminal_and_q_leaves_it(fake_gpu, short_tmp):
     """In a terminal (a pseudo-terminal here), top draws its view with curses, refreshes, and leaves on q with exit 0,
     giving the terminal back (curses' alternate screen ended)."""
@@ -262,40 +281,22 @@ def test_the_live_view_draws_in_a_terminal_and_q_leaves_it(fake_gpu, short_tmp):
                            capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"no curses or no terminfo for xterm in this Python: {probe.stderr.decode()[-200:]}")
-    controller, terminal = os.openpty()
-    proc = subprocess.Popen([*MPSRUN, "top", "--interval", "0.2"], stdin=terminal, stdout=terminal, stderr=terminal,
-                            env={**os.environ, "TERM": "xterm"}, start_new_session=True)
-    os.close(terminal)
-    try:
+    with _top_in_a_terminal("xterm") as (controller, proc):
         shown = _read_until(controller, b"q: quit")
         os.write(controller, b"q")
         code = proc.wait(timeout=30)
         shown += _read_until(controller, b"\x1b[?1049l")  # the alternate screen left: the terminal as it was
-    finally:
-        if proc.poll() is None:
-            proc.kill()  # our own top, should it not have left
-            proc.wait()
-        os.close(controller)
     assert b"mpsrun top - " in shown and b"\x1b[?1049l" in shown and code == 0, shown[-2000:]
 
 
 def test_a_terminal_curses_cannot_draw_on_gets_snapshots(fake_gpu):
     """A terminal whose TERM has no terminfo entry: top prints its tables as it does into a pipe (no traceback), and
     Ctrl-C (SIGINT) ends it with 0."""
-    controller, terminal = os.openpty()
-    proc = subprocess.Popen([*MPSRUN, "top", "--interval", "0.2"], stdin=terminal, stdout=terminal, stderr=terminal,
-                            env={**os.environ, "TERM": "no-such-terminal"}, start_new_session=True)
-    os.close(terminal)
-    try:
+    with _top_in_a_terminal("no-such-terminal") as (controller, proc):
         shown = _read_until(controller, b"GPU  SM %")
         shown += _read_until(controller, b"mpsrun top - ")  # a second table
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()  # our own top, should it not have ended
-            proc.wait()
-        os.close(controller)
     assert shown.count(b"mpsrun top - ") >= 2 and b"q: quit" not in shown and b"Traceback" not in shown, shown[-2000:]
     assert code == 0
 
