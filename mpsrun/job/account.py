@@ -15,6 +15,7 @@ import socket
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from mpsrun.config.values import mib_text
 from mpsrun.job.outcome import ranges
@@ -22,7 +23,11 @@ from mpsrun.mps.usage import Sample, UsageSampler
 from mpsrun.runtime.output import printable
 from mpsrun.runtime.protocol import Exited
 
-__all__ = ["NEAR_LIMIT", "RankAccount", "Report", "account_lines", "cell", "memory_hint", "report_path"]
+if TYPE_CHECKING:
+    from mpsrun.config.options import JobConfig
+
+__all__ = ["NEAR_LIMIT", "RankAccount", "Report", "account_lines", "accounted", "cell", "memory_hint", "report_path",
+           "to_say"]
 
 #: A peak within this fraction of the rank's memory limit is near it; one below a quarter of it leaves most unused.
 NEAR_LIMIT, MOSTLY_UNUSED = 0.9, 0.25
@@ -117,6 +122,19 @@ def memory_hint(accounts: Iterable[RankAccount]) -> str:
                 f"to {max(peak for _, peak, _ in over)} MiB of {min(share or 0 for _, _, share in over)} MiB): "
                 "--mem-limit auto would make their allocations fail")
     return ""
+
+
+def accounted(config: JobConfig) -> bool:
+    """Whether a job's end has accounts to say or write: with -v, --report or a --mem-limit (for the hint)."""
+    return config.verbose or bool(config.report) or config.mem_limit is not None
+
+
+def to_say(accounts: Sequence[RankAccount], config: JobConfig) -> tuple[list[str], list[str]]:
+    """What a job's end says of its ranks' accounts: the table (with -v), and the memory hint (with a --mem-limit,
+    or -v)."""
+    table = account_lines(accounts) if config.verbose else []
+    hint = memory_hint(accounts) if config.mem_limit is not None or config.verbose else ""
+    return table, [f"hint: {hint}"] if hint else []
 
 
 def report_path(path: str, per_host: bool) -> str:

@@ -57,6 +57,7 @@ class JobController(Controller):
         self._usage_file = usage_file  # under --hosts, for mpsrun top
         self._where: dict[int, tuple[str, int]] = {}  # each started rank's host and pid
         self._remote_peaks: dict[str, int] = {}
+        self._publish_due = False
         if early is not None:
             self.launchers.adopt(early)
 
@@ -94,7 +95,7 @@ class JobController(Controller):
         super().rank_started(state, message)
         if self._usage_file is not None:
             self._where[state.rank] = (message.host, message.pid)
-            self._publish_usage()
+            self._publish_soon()
         if self._server_after is not None:
             self.loop.after(self._server_after, self._ask_servers)
             self._server_after = None
@@ -120,13 +121,20 @@ class JobController(Controller):
             self.notes.append(message.text)
         elif isinstance(message, Peaks):
             self._remote_peaks.update(message.peaks)
-            self._publish_usage()
+            self._publish_soon()
         else:
             self._finding(Finding(message.message, message.fatal, code=message.code))
+
+    def _publish_soon(self) -> None:
+        """One write for all that changed in this turn of the loop (a thousand ranks start in a few turns)."""
+        if not self._publish_due:
+            self._publish_due = True
+            self.loop.after(0, self._publish_usage)
 
     def _publish_usage(self) -> None:
         """Under ``--hosts``: where each rank runs and its peak device memory so far, as the hosts' node keepers said,
         in the job's session directory (``mpsrun top`` on this host shows the other hosts' ranks from it)."""
+        self._publish_due = False
         if self._usage_file is not None:
             publish(self._usage_file, {str(rank): {"host": host, "pid": pid, "peak": self._remote_peaks.get(str(rank))}
                                        for rank, (host, pid) in sorted(self._where.items())})

@@ -306,16 +306,17 @@ class Job:
 
     def _account(self, controller: JobController) -> None:
         """Every rank's account: a table with -v, and one line when their memory peaks and limits are far apart."""
-        if not (self.config.verbose or self.config.report or self.config.mem_limit is not None):
-            return  # nothing to say or write
-        from mpsrun.job.account import account_lines, memory_hint
+        from mpsrun.job.account import accounted, to_say
 
+        if not accounted(self.config):
+            return
         first = controller.judging.judge.first
         self.accounts = controller.accounts(first.rank if first is not None else None)
-        for line in account_lines(self.accounts) if self.config.verbose else []:
+        table, hints = to_say(self.accounts, self.config)
+        for line in table:
             log.info(f"mpsrun: {line}")
-        if (hint := memory_hint(self.accounts)) and (self.config.mem_limit is not None or self.config.verbose):
-            self.note(f"hint: {hint}")
+        for line in hints:
+            self.note(line)
 
     def _close(self, session: Session | None, claim: SessionClaim | None) -> str:
         """Tear the session down (and its directory, should it never have started); what failed, if anything

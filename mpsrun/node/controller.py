@@ -54,7 +54,6 @@ class NodeController(Controller):
         super().__init__(listener, token, welcome, policy, session,
                          Judging if upstream is None else functools.partial(Relaying, upstream=upstream))
         self.judging = self.decider if isinstance(self.decider, Judging) else None  # this node is the job's voice
-        self._upstream = upstream
         self._summary_said = False
         self.expected = expected
         self._close_node = close
@@ -130,8 +129,8 @@ class NodeController(Controller):
     def _peaks_grew(self, peaks: dict[int, int]) -> None:
         """Also to the job's controller, under ``--hosts``: ``mpsrun top`` on its host shows this host's ranks."""
         super()._peaks_grew(peaks)
-        if self._upstream is not None:
-            self._upstream.send(Peaks({str(rank): peak for rank, peak in peaks.items()}))
+        if isinstance(self.decider, Relaying):
+            self.decider.upstream.send(Peaks({str(rank): peak for rank, peak in peaks.items()}))
 
     def note(self, text: str) -> None:
         """Into keeper.log, and when this node judges, through one of its ranks to the user."""

@@ -33,7 +33,7 @@ from mpsrun.config.options import JobConfig, differing_options
 from mpsrun.config.values import check_shares
 from mpsrun.errors import ConfigError, InterruptionError, MPSError
 from mpsrun.exitcodes import ExitCode
-from mpsrun.job.account import Report, account_lines, memory_hint, report_path
+from mpsrun.job.account import Report, accounted, report_path, to_say
 from mpsrun.job.channel import free_port, rendezvous
 from mpsrun.job.nodesession import NodeSession
 from mpsrun.job.outcome import Judge
@@ -187,13 +187,11 @@ class NodeKeeper:
     def _accounts(self, judge: Judge) -> list[str]:
         """The node's ranks' accounts: a table with -v, the memory hint, and ``--report`` (FILE.HOST.json)."""
         config, controller = self.config, self.controller
-        if not (config.verbose or config.report or config.mem_limit is not None):
-            return []  # nothing to say or write
+        if not accounted(config):
+            return []
         accounts = controller.accounts(judge.first.rank if judge.first is not None else None)
-        host = socket.gethostname()
-        lines = [f"node {host}: {line}" for line in account_lines(accounts)] if config.verbose else []
-        if (hint := memory_hint(accounts)) and (config.mem_limit is not None or config.verbose):
-            lines.append(f"hint: {hint}")
+        table, hints = to_say(accounts, config)
+        lines = [f"node {socket.gethostname()}: {line}" for line in table] + hints
         if config.report:
             report = Report.of(config.command, (judge.exit_code(), judge.cause, judge.message), self.began, accounts,
                                controller.usage, controller.policy.usage_interval)

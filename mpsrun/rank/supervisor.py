@@ -322,12 +322,12 @@ class RankSupervisor:
         """The job's word on this rank (its verdict), else the rank's own end."""
         if verdict is None and self.controller_lost:  # each rank says it: the reaper may have ended any of them
             say_line(f"rank {self.rank}: the job's controller (mpsrun, or the node keeper) died under the job; "
-                 "the rank was stopped")
+                     "the rank was stopped")
             return Outcome("setup")
         if verdict is None and self.backstop.expired():
             if self.local_rank in (0, None):  # once per node
                 say_line(f"timed out after {self.timeout:g} s; the job's controller did not stop the ranks (it no "
-                     "longer answers), so their supervisors did")
+                         "longer answers), so their supervisors did")
             return Outcome("timeout")
         if verdict is None:
             if reason:
