@@ -355,12 +355,13 @@ def _mpsrun_said(out: subprocess.CompletedProcess[str]) -> str:
     return "\n".join(line for line in out.stderr.splitlines() if line.startswith("mpsrun"))
 
 
-def test_a_device_ordinal_error_is_not_hidden_behind_a_queue_guess(fake_gpu, clean, monkeypatch):
+@pytest.mark.parametrize("path", PATHS)
+def test_a_device_ordinal_error_is_not_hidden_behind_a_queue_guess(path, fake_gpu, clean, monkeypatch):
     """16 ranks that use LOCAL_RANK as their CUDA device, with the caller's CUDA_DEVICE_MAX_CONNECTIONS=8 (16 x 8 is
     more than the GPU's 126): ranks 1-15 fail at 'invalid device ordinal', before any queue is asked for, and the
-    summary names that cause and its way out, not the queues (a hostile user saw the queues blamed)."""
+    summary names that cause and its way out, not the queues (a hostile user saw the queues blamed), on every path."""
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
-    out = run_job("local", ["--mps", "on"], fake("--device", "local", "--hold", "30"), ranks=16)
+    out = run_job(path, ["--mps", "on"], fake("--device", "local", "--hold", "30"), ranks=16)
     said = _mpsrun_said(out)
     assert out.returncode == 1 and "(LOCAL_RANK as a device index)" in said and "hardware queues" not in said, said
     settle(fake_gpu)
