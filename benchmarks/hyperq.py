@@ -17,7 +17,7 @@ many kernels the GPU runs at once.
 
 The table runs, in each round and in a shuffled order: one process alone (no mpsrun); mpsrun under
 MPS with MPS's default of 2 queues (``-x CUDA_DEVICE_MAX_CONNECTIONS=2``); mpsrun under MPS with the
-planned count (mpsrun's default); mpsrun time-sliced (``--mps off``). Every job runs on GPU 0. The
+planned count (``--queues auto``); mpsrun time-sliced (``--mps off``). Every job runs on GPU 0. The
 figure of a job is its slowest rank's. ``--probe`` starts jobs of N clients with C queues each and
 says which started (clients x queues around the budget), one server per GPU and one serving two.
 Nothing here is a pass/fail test: the figures go to docs/benchmarks.md.
@@ -129,7 +129,7 @@ def variants(count: int, single: bool = False) -> dict[str, list[str]]:
     work = [sys.executable, ME, "--worker", *(["--single"] if single else [])]
     on = [*MPSRUN, "-np", str(count), "--gpus", "0", "--mps", "on"]
     return {"alone": work, "mps 2 queues": [*on, "-x", "CUDA_DEVICE_MAX_CONNECTIONS=2", *work],
-            "mps planned": [*on, *work],
+            "mps planned": [*on, "--queues", "auto", *work],
             "time-sliced": [*MPSRUN, "-np", str(count), "--gpus", "0", "--mps", "off", *work]}
 
 

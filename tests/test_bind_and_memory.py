@@ -118,13 +118,16 @@ SHOW_QUEUES = "import os; os.write(1, (str(os.environ.get('CUDA_DEVICE_MAX_CONNE
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_each_mps_rank_gets_its_queues_unless_the_caller_set_them(path, fake_gpu, monkeypatch):
-    """Four ranks under MPS get CUDA_DEVICE_MAX_CONNECTIONS=8 (their server's budget allows a plain process's), and a
-    caller's own value reaches them unchanged, on every path."""
+def test_each_mps_rank_gets_the_queues_asked_for_else_the_callers(path, fake_gpu, monkeypatch):
+    """Four ranks under MPS: without --queues none is set (MPS's default) and a caller's own value reaches them
+    unchanged; --queues auto gives each 8 (their server's budget allows a plain process's) and --queues 5 gives 5,
+    over the caller's value, on every path."""
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    out = run_job(path, ["--mps", "on"], [sys.executable, "-c", SHOW_QUEUES], ranks=4)
-    assert out.returncode == 0 and out.stdout.splitlines() == ["8"] * 4, out.stderr
+    for options, expected in ((["--mps", "on"], "None"), (["--mps", "on", "--queues", "auto"], "8")):
+        out = run_job(path, options, [sys.executable, "-c", SHOW_QUEUES], ranks=4)
+        assert out.returncode == 0 and out.stdout.splitlines() == [expected] * 4, out.stderr
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "3")
-    out = run_job(path, ["--mps", "on"], [sys.executable, "-c", SHOW_QUEUES], ranks=4)
-    assert out.returncode == 0 and out.stdout.splitlines() == ["3"] * 4, out.stderr
+    for options, expected in ((["--mps", "on"], "3"), (["--mps", "on", "--queues", "5"], "5")):
+        out = run_job(path, options, [sys.executable, "-c", SHOW_QUEUES], ranks=4)
+        assert out.returncode == 0 and out.stdout.splitlines() == [expected] * 4, out.stderr
     settle(fake_gpu)

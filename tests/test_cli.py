@@ -92,6 +92,9 @@ BAD_COMMAND_LINES = [
     (["--timeout", "\uff15", "python"], "must be more than 0 seconds"),  # a fullwidth 5 was taken as 5
     (["--grace", "-1", "python"], "must be 0 or more seconds"),  # it said "a number of seconds below ..." of -1
     (["--priority", "2", "python"], "--priority: value must be 0"),
+    (["--queues", "0", "python"], "--queues: value must be a positive whole number"),
+    (["--queues", "33", "python"], "CUDA takes 1 to 32 hardware queues, not 33"),
+    (["--queues", "many", "python"], "--queues: value must be a positive whole number"),
     (["--gpus", "zero", "python"], "GPU indices or GPU- UUIDs"),
     (["--gpus", "0,,1", "python"], "comma-separated"),
     (["--gpus", "GPU-", "python"], "GPU indices or GPU- UUIDs"),

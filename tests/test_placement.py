@@ -100,26 +100,30 @@ def test_a_node_of_ten_thousand_ranks_is_planned_whole(policy, expected):
 
 @pytest.mark.parametrize(("ranks", "expected"), [(1, "8"), (8, "8"), (16, "7"), (48, "2")])
 def test_mps_clients_get_their_share_of_the_servers_queues(ranks, expected):
-    """A rank under MPS gets CUDA_DEVICE_MAX_CONNECTIONS as a plain process has them (8) while its GPU's 126 last,
-    else its share: 1, 8, 16 and 48 ranks on one GPU get 8, 8, 7 and 2 (an MPS client gets 2 unless told). Its
-    supervisor learns the clients and the queues they share, to explain a context that failed for want of them."""
-    node = NodePlan.make(config(), 1, ranks)
-    given = welcome(RankIdentity(0, 0, ranks, ranks), node, lambda gpu: MPS_GPUS[gpu], False).welcome
-    assert [group for group in given.defaults if "CUDA_DEVICE_MAX_CONNECTIONS" in group] == [
-        {"CUDA_DEVICE_MAX_CONNECTIONS": expected}]
-    assert (given.gpu_clients, given.gpu_queues) == (ranks, 126)
+    """Under --queues auto a rank under MPS gets CUDA_DEVICE_MAX_CONNECTIONS as a plain process has them (8) while
+    its GPU's 126 last, else its share: 1, 8, 16 and 48 ranks on one GPU get 8, 8, 7 and 2. --queues 3 gives 3
+    whatever the count; without --queues nothing is set (MPS's default of 2). Its supervisor learns the clients and
+    the queues they share, to explain a context that failed for want of them."""
+    def queues(**settings: object) -> str | None:
+        node = NodePlan.make(config(**settings), 1, ranks)
+        given = welcome(RankIdentity(0, 0, ranks, ranks), node, lambda gpu: MPS_GPUS[gpu], False).welcome
+        assert (given.gpu_clients, given.gpu_queues) == (ranks, 126)
+        assert not any("CUDA_DEVICE_MAX_CONNECTIONS" in group for group in given.defaults)
+        return given.env.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    assert (queues(queues="auto"), queues(queues=3), queues()) == (expected, "3", None)
 
 
 def test_the_queues_are_planned_per_server_and_only_under_mps():
     """Under --gpu-bind none one server serves every rank of the node, which may all pick one GPU (16 ranks on 2 GPUs:
     7 each), and which GPU each uses is not known (no clients per GPU are sent); a rank without MPS gets no planned
     queue count."""
-    node = NodePlan.make(config(gpu_bind="none"), 2, 16)
+    node = NodePlan.make(config(gpu_bind="none", queues="auto"), 2, 16)
     given = welcome(RankIdentity(3, 3, 16, 16), node, lambda gpu: MPS_GPUS[gpu], False).welcome
-    assert {"CUDA_DEVICE_MAX_CONNECTIONS": "7"} in given.defaults
+    assert given.env["CUDA_DEVICE_MAX_CONNECTIONS"] == "7"
     assert (given.gpu_clients, given.gpu_queues) == (None, None)
-    alone = welcome(RankIdentity(0, 0, 1, 1), NodePlan.make(config(), 1, 1), lambda gpu: GpuTarget("GPU-a"), False)
-    assert not any("CUDA_DEVICE_MAX_CONNECTIONS" in group for group in alone.welcome.defaults)
+    node = NodePlan.make(config(queues=4), 1, 1)
+    alone = welcome(RankIdentity(0, 0, 1, 1), node, lambda gpu: GpuTarget("GPU-a"), False)
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in alone.welcome.env
 
 
 def test_rank_environment_carries_gpu_limits_and_rank_variables():

@@ -147,44 +147,46 @@ def test_the_python_api_returns_the_trials_and_the_best(fake_gpu):
     settle(fake_gpu)
 
 
-#: Each rank prints one more than its hardware queues (CUDA_DEVICE_MAX_CONNECTIONS; none outside MPS).
-QUEUES_SEEN = "import os; print('rate:', 1 + int(os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 0)))"
+#: Each rank prints one more than its hardware queues (CUDA_DEVICE_MAX_CONNECTIONS; 0 where not set), in one write.
+QUEUES_SEEN = ("import os; os.write(1, ('rate: %d\\n' % (1 + int(os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 0))))"
+               ".encode())")
 
 
-def test_queue_counts_are_tried_under_mps_and_the_callers_is_not_passed_on(fake_gpu, monkeypatch):
-    """--queues auto,2 tries each rank's hardware queues as mpsrun plans them (8 for 2 ranks on a GPU) and as MPS's
-    default (2), with MPS only; the caller's own CUDA_DEVICE_MAX_CONNECTIONS (5) reaches no trial, and the table and
-    the JSON name each trial's count."""
+def test_queue_counts_are_tried_under_mps_as_the_queues_option_sets_them(fake_gpu, monkeypatch):
+    """--queues default,auto,2 tries each rank's hardware queues as mpsrun's --queues sets them, with MPS only:
+    default leaves the caller's own CUDA_DEVICE_MAX_CONNECTIONS (5), auto plans 8 for 2 ranks on a GPU, 2 gives 2;
+    the caller's MPSRUN_QUEUES reaches no trial, and the table and the JSON name each trial's count."""
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "5")
-    out = _tune("--ranks", "2", "--mps", "on,off", "--queues", "auto,2", "--repeats", "1", "--metric", r"rate: (\S+)",
-                "--json", "--", sys.executable, "-c", QUEUES_SEEN)
+    monkeypatch.setenv("MPSRUN_QUEUES", "1")
+    out = _tune("--ranks", "2", "--mps", "on,off", "--queues", "default,auto,2", "--repeats", "1", "--metric",
+                r"rate: (\S+)", "--json", "--", sys.executable, "-c", QUEUES_SEEN)
     assert out.returncode == 0, out.stderr
     trials = json.loads(out.stdout)["trials"]
-    assert [(t["mps"], t["queues"], t["throughput"]) for t in trials] == [("on", None, 18), ("on", 2, 6),
-                                                                         ("off", None, 2)]
+    assert [(t["mps"], t["queues"], t["throughput"]) for t in trials] == [
+        ("on", None, 12), ("on", "auto", 18), ("on", 2, 6), ("off", None, 12)]
     table = format_report(TuneResult.from_json(json.loads(out.stdout)), 1)
     assert "queues" in table.splitlines()[1], table
-    assert "run: env -u CUDA_DEVICE_MAX_CONNECTIONS mpsrun -np 2 --mps on --" in table, table
+    assert "run: mpsrun -np 2 --mps on --queues auto --" in table, table
     settle(fake_gpu)
 
 
 def test_tunes_recommended_command_runs_with_the_queues_it_measured(fake_gpu, monkeypatch):
-    """The caller has CUDA_DEVICE_MAX_CONNECTIONS=5; --queues auto,2 finds auto (mpsrun's plan, 8 each) best. The
-    command tune recommends, run as printed in the same shell, gives each rank the 8 that was measured, not the
-    caller's 5 (it did, before: a hostile user ran it)."""
+    """The caller has CUDA_DEVICE_MAX_CONNECTIONS=5 and MPSRUN_QUEUES=1; --queues default,2 finds default (the
+    caller's 5) best. The command tune recommends, run as printed in the same shell, gives each rank the 5 that was
+    measured: it runs without MPSRUN_QUEUES, as the trials did."""
     import shlex
 
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "5")
-    out = _tune("--ranks", "2", "--mps", "on", "--queues", "auto,2", "--repeats", "1", "--metric", r"rate: (\S+)",
-                "--json", "--", sys.executable, "-c", QUEUES_SEEN)
+    monkeypatch.setenv("MPSRUN_QUEUES", "1")
+    out = _tune("--ranks", "2", "--mps", "on", "--queues", "default,2", "--repeats", "1", "--metric",
+                r"rate: (\S+)", "--json", "--", sys.executable, "-c", QUEUES_SEEN)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     words = shlex.split(result["command"])
-    mpsrun_at = words.index("mpsrun")
-    again = subprocess.run([*words[:mpsrun_at], *MPSRUN, *words[mpsrun_at + 1:]], capture_output=True, text=True,
-                           timeout=120)
+    assert words[:4] == ["env", "-u", "MPSRUN_QUEUES", "mpsrun"], words
+    again = subprocess.run([*words[:3], *MPSRUN, *words[4:]], capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr
-    assert sorted(again.stdout.split()) == ["9", "9", "rate:", "rate:"], (result["command"], again.stdout)
+    assert sorted(again.stdout.split()) == ["6", "6", "rate:", "rate:"], (result["command"], again.stdout)
     settle(fake_gpu)
 
 

@@ -116,6 +116,11 @@ class JobConfig:
                                         metavar="SIZE", render=values.mem_limit_text, forward=True,
                                    help="pinned device memory per rank, e.g. 4G or 512M (the ~0.5 GiB CUDA context "
                                    "counts), or auto: each GPU's free memory split among its ranks")
+    queues: values.Queues = option(
+        "--queues", default=None, parse=_validated(values.parse_queues), metavar="N|auto", render=str, forward=True,
+        help="hardware work queues per MPS rank (CUDA_DEVICE_MAX_CONNECTIONS): N, or auto: 8 while the GPU's "
+        "budget lasts (for programs that overlap more than 2 streams; each queue slows a client's start). "
+        "Default: MPS's 2")
     priority: int | None = option("--priority", default=None, parse=_validated(values.parse_priority), metavar="0|1",
                                   forward=True, help="MPS client priority: 0 normal, 1 below normal")
     mps: str = option("--mps", default="auto", choices=values.MPS_MODES, forward=True,
@@ -193,7 +198,7 @@ class JobConfig:
             raise ConfigError(f"not a job configuration: unknown setting(s) {', '.join(unknown)}", setting="config")
         settings: dict[str, Any] = {name: tuple(value) if isinstance(value, list) else value
                                     for name, value in data.items()}
-        for name in ("thread_percentage", "mem_limit"):  # JSON wrote AUTO as its text
+        for name in ("thread_percentage", "mem_limit", "queues"):  # JSON wrote AUTO as its text
             if settings.get(name) == values.AUTO:
                 settings[name] = values.AUTO
         return cls(**settings)

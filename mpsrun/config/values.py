@@ -26,10 +26,12 @@ __all__ = [
     "LOCAL_RANKS",
     "MAP_POLICIES",
     "MAX_RANKS",
+    "MOST_QUEUES",
     "MPS_MODES",
     "Auto",
     "GpuList",
     "MemLimit",
+    "Queues",
     "ThreadSpec",
     "check_shares",
     "hostfile_lines",
@@ -45,6 +47,7 @@ __all__ = [
     "parse_mem_limit",
     "parse_output_dir",
     "parse_priority",
+    "parse_queues",
     "parse_ranks",
     "parse_report",
     "parse_seconds",
@@ -75,6 +78,10 @@ AUTO = Auto.AUTO
 ThreadSpec = None | int | Auto | tuple[int, ...]
 #: ``None`` (no limit), a pinned device-memory limit in MiB, or ``AUTO``.
 MemLimit = None | int | Auto
+#: ``None`` (MPS's default for its clients), hardware work queues for each MPS rank, or ``AUTO`` (planned per GPU).
+Queues = None | int | Auto
+#: The most hardware work queues CUDA gives a process (``CUDA_DEVICE_MAX_CONNECTIONS``).
+MOST_QUEUES = 32
 #: GPUs by position among the visible ones, or by ``GPU-`` UUID (or a prefix of one); None: every visible GPU.
 GpuList = tuple[int | str, ...] | None
 _MEM = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
@@ -206,6 +213,17 @@ def mib_text(mib: int) -> str:
 def mem_limit_text(limit: int | Auto) -> str:
     """``--mem-limit``'s value as given on a command line."""
     return str(limit) if limit == AUTO else mib_text(int(limit))
+
+
+def parse_queues(value: object, setting: str = "--queues") -> int | Auto:
+    """Hardware work queues per MPS rank (``CUDA_DEVICE_MAX_CONNECTIONS``, 1 to 32), or ``AUTO``."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return AUTO
+    count = parse_count(value, setting)
+    if count > MOST_QUEUES:
+        raise ConfigError(f"{setting}: CUDA takes 1 to {MOST_QUEUES} hardware queues, not {count}", setting=setting,
+                          value=value)
+    return count
 
 
 def parse_priority(value: object, setting: str = "priority") -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from mpsrun.config.options import JobConfig
-from mpsrun.config.values import AUTO, Auto
+from mpsrun.config.values import AUTO, Auto, Queues
 from mpsrun.errors import ConfigError
 from mpsrun.mps.environment import MANAGED_VARIABLES, GpuTarget, worker_variables
 from mpsrun.mps.limits import GPU_CONNECTIONS, DaemonDefaults, auto_mem_limits, client_connections
@@ -259,13 +259,22 @@ def welcome(identity: RankIdentity, node: NodePlan, target_of: Callable[[int], G
     defaults += shared_gpu_defaults(env, plan.sharers, target.multiprocessors if target else None)
     defaults += rank_defaults(env, identity.rank)
     clients = plan.clients if "CUDA_MPS_PIPE_DIRECTORY" in env else None  # an MPS client's server's, when known
-    if clients is not None:  # its hardware queues, planned
-        defaults.append({"CUDA_DEVICE_MAX_CONNECTIONS": str(client_connections(clients))})
+    queues = _rank_queues(config.queues, clients) if "CUDA_MPS_PIPE_DIRECTORY" in env else None
+    if queues is not None:  # asked for on the command line: it wins over the caller's variable
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(queues)
     gpu_clients = clients if config.gpu_bind == "single" or ngpus == 1 else None
     sent = Welcome(env, defaults, list(MANAGED_VARIABLES), restore, config.tag_output, config.grace, config.timeout,
                    mpi4py_abort, output_lock, config.output_filename, gpu_clients,
                    None if gpu_clients is None else GPU_CONNECTIONS, [])
     return Admission(sent, _unlimited_gpu(plan, ngpus), plan if ngpus else None)
+
+
+def _rank_queues(queues: Queues, clients: int | None) -> int | None:
+    """An MPS rank's hardware work queues: ``--queues`` N, or under ``auto`` as many as a plain process has while
+    its GPU's budget lasts among its server's ``clients`` (None where they are not known: MPS's default)."""
+    if queues == AUTO:
+        return None if clients is None else client_connections(clients)
+    return None if queues is None else int(queues)
 
 
 def _device_number(identity: RankIdentity, config: JobConfig, ngpus: int) -> int | None:

@@ -128,8 +128,8 @@ def queue_overflow(env: Mapping[str, str], clients: int | None, queues: int | No
         return ""
     return (f"{served} MPS clients on one GPU asked {each} hardware queues each "
             f"(CUDA_DEVICE_MAX_CONNECTIONS), {each * served} in all, more than the {queues} a GPU has under MPS, so "
-            f"some could not create a CUDA context: unset CUDA_DEVICE_MAX_CONNECTIONS for mpsrun to plan it, or set at "
-            f"most {queues // served}")
+            f"some could not create a CUDA context: give mpsrun --queues auto to plan them, or --queues "
+            f"{queues // served} or fewer")
 
 
 def _our_log(env: Mapping[str, str], name: str) -> str | None:

@@ -79,11 +79,11 @@ def _runnable(settings: list[Setting], progress: Callable[[str], object] | None)
 
 
 def tune(command: Sequence[str], *, ranks: Values | int | None = None, thread_percentage: Values | int = "none",
-         mps: Values = "on,off", queues: Values | int = "auto", repeats: int | str = 3,
+         mps: Values = "on,off", queues: Values | int = "default", repeats: int | str = 3,
          budget: float | str | None = None, scaling: str = "weak", metric: str | None = None,
          options: Sequence[str] = (), progress: Callable[[str], object] | None = None) -> TuneResult:
     """Run ``command`` as mpsrun jobs, one per combination of ``ranks`` x ``mps`` x ``thread_percentage`` x
-    ``queues`` (each rank's hardware queues, CUDA_DEVICE_MAX_CONNECTIONS: ``"auto,2,8"``, auto as mpsrun plans), each
+    ``queues`` (each rank's hardware queues as ``--queues`` sets them: ``"default,auto,8"``), each
     ``repeats`` times after one warm-up, with the mpsrun ``options`` given (``["--gpus", "0"]``) in every trial;
     the trials, the best setting and the one to run (:class:`TuneResult`).
 

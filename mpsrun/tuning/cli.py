@@ -14,20 +14,20 @@ from mpsrun.tuning.report import check_plot_path, format_report, plot
 
 __all__ = ["main"]
 
-USAGE = ("mpsrun tune [--ranks 1,2,4,8] [--thread-percentage none,auto,50] [--mps on,off] [--queues auto,2,8]\n"
+USAGE = ("mpsrun tune [--ranks 1,2,4,8] [--thread-percentage none,auto,50] [--mps on,off] [--queues default,auto,8]\n"
          "                   [--repeats N] [--budget SECONDS] [--scaling weak|strong] [--metric REGEX]\n"
          "                   [--json] [--plot FILE.png] [job options...] -- command [args...]")
 DESCRIPTION = """Measure your own command as real mpsrun jobs under candidate settings, and say which to run.
 
 Each setting (every combination of the lists) runs as `mpsrun -np N --mps M [--thread-percentage T]
-[-x CUDA_DEVICE_MAX_CONNECTIONS=Q] [job options] -- command`, after one warm-up run, --repeats times, in
-alternating order (--queues: each MPS rank's hardware work queues, auto as mpsrun plans them). Throughput is
+[--queues Q] [job options] -- command`, after one warm-up run, --repeats times, in alternating order
+(--queues: each MPS rank's hardware work queues; default: not set, MPS's 2). Throughput is
 ranks / seconds (--scaling weak: each rank does the command's whole work), 1 / seconds (--scaling
 strong: the job's work is fixed), or with --metric the sum over ranks of the number each rank prints
 last that REGEX matches (its first group). Settings whose min-max spreads overlap are a tie. The
 baseline is one rank (--mps off if listed); the best is recommended only when its whole spread lies
 above the baseline's."""
-EPILOG = """job options: any mpsrun option but -np, --mps and --thread-percentage (--gpus, --mem-limit,
+EPILOG = """job options: any mpsrun option but -np, --mps, --thread-percentage and --queues (--gpus, --mem-limit,
 --launcher, ...), applied to every trial.
 exit status: 0 measured; 2 bad settings (nothing runs); 3 every trial failed; 128+S stopped by signal S
 (what was measured until then is still shown)."""
@@ -44,8 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ranks", help="rank counts (1, then 1, 2, 4 and 8 per GPU)")
     parser.add_argument("--thread-percentage", help="active-thread percentages, none for unset (none)")
     parser.add_argument("--mps", help="MPS modes (on,off)")
-    parser.add_argument("--queues", help="hardware queues per MPS rank (CUDA_DEVICE_MAX_CONNECTIONS), auto for "
-                        "mpsrun's plan (auto)")
+    parser.add_argument("--queues", help="hardware queues per MPS rank, as mpsrun's --queues takes them, default "
+                        "for not set (default)")
     parser.add_argument("--repeats", default="3", help="counted runs of each setting (3)")
     parser.add_argument("--budget", help="seconds for the whole tuning; settings it cannot reach are left out")
     parser.add_argument("--scaling", default="weak", help="weak (each rank does the work) or strong (weak)")

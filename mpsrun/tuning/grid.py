@@ -12,6 +12,7 @@ import re
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from mpsrun.config import values
 from mpsrun.config.commandline import parse_args, parse_options, split_argv
@@ -26,27 +27,25 @@ SCALINGS = ("weak", "strong")
 _TUNED = {"nranks": ("-np", "--ranks"), "mps": ("--mps", "--mps"),
           "thread_percentage": ("--thread-percentage", "--thread-percentage")}
 #: Variables for the tuned options: a trial's own options decide, so the caller's are not passed on.
-TUNED_VARIABLES = ("MPSRUN_NP", "MPSRUN_MPS", "MPSRUN_THREAD_PERCENTAGE")
-#: Each rank's hardware work queues: ``--queues`` tries counts of them (and the caller's value is then not passed on).
+TUNED_VARIABLES = ("MPSRUN_NP", "MPSRUN_MPS", "MPSRUN_THREAD_PERCENTAGE", "MPSRUN_QUEUES")
+#: Each rank's hardware work queues, which ``--queues`` sets (tune tries counts of them as that option).
 QUEUES_VARIABLE = "CUDA_DEVICE_MAX_CONNECTIONS"
-#: What CUDA takes for it.
-_MOST_QUEUES = 32
 
 
 @dataclass(frozen=True, slots=True)
 class Setting:
     """One point of the grid. ``thread_percentage`` None: not set (MPS's default, every SM); ``queues`` None: each
-    rank's hardware queues as mpsrun plans them."""
+    rank's hardware queues not set (MPS's default, or the caller's CUDA_DEVICE_MAX_CONNECTIONS)."""
 
     ranks: int
     mps: str
     thread_percentage: str | None = None
-    queues: int | None = None
+    queues: values.Queues = None
 
     def options(self) -> list[str]:
         """The mpsrun options that make a job of this setting."""
         tp = [] if self.thread_percentage is None else ["--thread-percentage", self.thread_percentage]
-        queues = [] if self.queues is None else ["-x", f"{QUEUES_VARIABLE}={self.queues}"]
+        queues = [] if self.queues is None else ["--queues", str(self.queues)]
         return ["-np", str(self.ranks), "--mps", self.mps, *tp, *queues]
 
     def label(self) -> str:
@@ -54,7 +53,14 @@ class Setting:
 
     def to_json(self) -> dict[str, object]:
         return {"ranks": self.ranks, "mps": self.mps, "thread_percentage": self.thread_percentage,
-                "queues": self.queues}
+                "queues": str(self.queues) if self.queues == values.AUTO else self.queues}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Setting:
+        """A setting :meth:`to_json` wrote."""
+        queues = data["queues"]
+        return cls(data["ranks"], data["mps"], data["thread_percentage"],
+                   None if queues is None else values.parse_queues(queues))
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,16 +148,12 @@ def parse_thread_list(text: str) -> tuple[str | None, ...]:
     return tuple(dict.fromkeys(found))
 
 
-def parse_queues_list(text: str) -> tuple[int | None, ...]:
-    """``auto,2,8``: hardware work queues per rank (CUDA_DEVICE_MAX_CONNECTIONS, 1 to 32; ``auto``: mpsrun's plan)."""
-    found: list[int | None] = []
+def parse_queues_list(text: str) -> tuple[values.Queues, ...]:
+    """``default,auto,2,8``: hardware work queues per rank, each as ``--queues`` takes one (``default``: not set)."""
+    found: list[values.Queues] = []
     for part in _items(text, "--queues"):
         word = part.strip().lower()
-        count = None if word == "auto" else values.parse_count(word, "--queues")
-        if count is not None and count > _MOST_QUEUES:
-            raise ConfigError(f"--queues: CUDA takes 1 to {_MOST_QUEUES} hardware queues, not {count}",
-                              setting="--queues", value=text)
-        found.append(count)
+        found.append(None if word == "default" else values.parse_queues(word, "--queues"))
     return tuple(dict.fromkeys(found))
 
 
@@ -185,7 +187,7 @@ def _visible_gpus() -> int:
 
 
 def grid(ranks: Sequence[int], mps: Sequence[str], thread_percentages: Sequence[str | None],
-         queues: Sequence[int | None] = (None,)) -> list[Setting]:
+         queues: Sequence[values.Queues] = (None,)) -> list[Setting]:
     """Every combination, fewest ranks first; without MPS a thread percentage and a queue count mean nothing to
     mpsrun (a process outside MPS has CUDA's 8 queues), so each is tried once."""
     settings: list[Setting] = []

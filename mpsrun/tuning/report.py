@@ -48,7 +48,7 @@ def _rows(result: TuneResult) -> list[str]:
         seconds = sorted(run.seconds for run in trial.runs)
         spread = f"{trial.low:.4g} / {trial.median:.4g} / {trial.high:.4g}" if trial.measured else "-"
         ratio = f"{trial.median / baseline.median:.2f}x" if trial.measured and baseline else "-"
-        queues = "-" if setting.mps == "off" else setting.queues or "auto"
+        queues = "-" if setting.mps == "off" else str(setting.queues or "default")
         lines.append(f"{setting.ranks:>5}  {setting.mps:<4} {setting.thread_percentage or '-':<9} {queues:<6} "
                      f"{seconds[len(seconds) // 2]:>9.3f}  {spread:<32} {ratio:>11}  {_note(result, trial)}")
     return lines

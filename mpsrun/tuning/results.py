@@ -12,7 +12,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from mpsrun.tuning.grid import QUEUES_VARIABLE, Setting, TuneJob
+from mpsrun.tuning.grid import Setting, TuneJob
 
 __all__ = ["Run", "Trial", "TuneResult"]
 
@@ -76,8 +76,7 @@ class Trial:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Trial:
-        setting = Setting(data["ranks"], data["mps"], data["thread_percentage"], data["queues"])
-        return cls(setting, tuple(Run(**run) for run in data["runs"]))
+        return cls(Setting.from_json(data), tuple(Run(**run) for run in data["runs"]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,10 +133,9 @@ class TuneResult:
         return self.baseline
 
     def command_line(self, setting: Setting) -> str:
-        """The command that runs ``setting`` as its trials ran: where queue counts were tried, the caller's
-        CUDA_DEVICE_MAX_CONNECTIONS reached none, so mpsrun's plan (auto) runs without it too."""
-        tried = any(t.setting.queues is not None for t in self.trials)
-        return self.job.command_line(setting, (QUEUES_VARIABLE,) if tried and setting.queues is None else ())
+        """The command that runs ``setting`` as its trials ran: no trial had the caller's MPSRUN_QUEUES, so one
+        without --queues runs without it too."""
+        return self.job.command_line(setting, ("MPSRUN_QUEUES",) if setting.queues is None else ())
 
     def to_json(self) -> dict[str, Any]:
         chosen = self.recommended
@@ -155,6 +153,6 @@ class TuneResult:
         """A result saved with :meth:`to_json` (``mpsrun tune --json``), to report or plot again."""
         job = TuneJob(tuple(data["job"]["command"]), tuple(data["job"]["options"]), data["job"]["scaling"],
                       data["job"]["metric"])
-        dropped = tuple(Setting(**setting) for setting in data["dropped"])
+        dropped = tuple(Setting.from_json(setting) for setting in data["dropped"])
         return cls(job, tuple(Trial.from_json(t) for t in data["trials"]), dropped, data["interrupted"],
                    data["elapsed"])

@@ -24,7 +24,7 @@ from mpsrun.errors import CommandNotExecutableError, CommandNotFoundError, Confi
 from mpsrun.exitcodes import ExitCode
 from mpsrun.runtime.interrupts import Interrupts
 from mpsrun.runtime.processes import own_module
-from mpsrun.tuning.grid import QUEUES_VARIABLE, TUNED_VARIABLES, Setting, TuneJob
+from mpsrun.tuning.grid import TUNED_VARIABLES, Setting, TuneJob
 from mpsrun.tuning.results import Run, Trial, TuneResult
 
 __all__ = ["Schedule", "run_trial"]
@@ -120,8 +120,7 @@ class Schedule:
     progress: Callable[[str], object] | None = None
 
     def __post_init__(self) -> None:
-        tuned = TUNED_VARIABLES + ((QUEUES_VARIABLE,) if any(s.queues is not None for s in self.settings) else ())
-        self._env = {name: value for name, value in os.environ.items() if name not in tuned}
+        self._env = {name: value for name, value in os.environ.items() if name not in TUNED_VARIABLES}
         self._runs: dict[Setting, list[Run]] = {setting: [] for setting in self.settings}
         self._done, self._planned = 0, self.repeats * len(self.settings)
         self._start = time.monotonic()
