@@ -120,4 +120,4 @@ def test_an_overflow_of_a_gpus_hardware_queues_is_found(asked, clients, said):
     found = queue_overflow(env, clients, 126)
     assert bool(found) is said
     if said:
-        assert f"{int(asked) * clients} in all" in found and f"set at most {126 // clients}" in found
+        assert f"{int(asked) * clients} in all" in found and f"--queues {126 // clients} or fewer" in found
