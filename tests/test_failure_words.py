@@ -332,21 +332,20 @@ while len(os.listdir(sys.argv[1])) < int(os.environ["WORLD_SIZE"]) and time.mono
 def test_the_real_gpus_hardware_queues_run_out_as_the_summary_says(path, monkeypatch, tmp_path):
     """16 CuPy ranks on GPU 0 with CUDA_DEVICE_MAX_CONNECTIONS=8 that hold their contexts together ask 128 queues: on
     the H100 a context failed (cudaErrorMemoryAllocation at cudaSetDevice), and the summary names the queues and the
-    way out; the same 16 ranks with mpsrun's planned 7 each, and 15 with 8 (120), all run."""
+    way out; the same 16 ranks with --queues auto (7 each, over the caller's 8), and 15 with 8 (120), all run."""
     pytest.importorskip("cupy")
 
-    def job(ranks: int, name: str) -> subprocess.CompletedProcess[str]:
+    def job(ranks: int, name: str, *options: str) -> subprocess.CompletedProcess[str]:
         (tmp_path / name).mkdir()
         program = [sys.executable, "-c", CUPY_HOLDS_ITS_CONTEXT, str(tmp_path / name)]
-        return subprocess.run(gpu_job_argv(path, [], program, ranks=ranks), capture_output=True, text=True,
-                              timeout=300)
+        return subprocess.run(gpu_job_argv(path, list(options), program, ranks=ranks), capture_output=True,
+                              text=True, timeout=300)
 
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
     out = job(16, "over")
     assert out.returncode == 1 and "16 MPS clients on one GPU asked 8 hardware queues each" in summary(out), out.stderr
     assert job(15, "fits").returncode == 0
-    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
-    out = job(16, "planned")
+    out = job(16, "planned", "--queues", "auto")
     assert out.returncode == 0, out.stderr
 
 
