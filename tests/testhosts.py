@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from helpers import FAKE_MPS, FAKE_NVML, ROOT
+from helpers import FAKE_MPS, FAKE_NVML, ROOT, locked
 
 #: Where each host keeps its own files, inside its private /tmp (the same path on every host).
 HOME = "/tmp/th"
@@ -295,10 +295,13 @@ def ensure_sshd() -> None:
     if os.path.exists(SSHD):
         return
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for argv in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "openssh-server"]):
-        out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600, stdin=subprocess.DEVNULL)
-        if out.returncode != 0:
-            raise Unavailable(f"{' '.join(argv)} exited {out.returncode}: {out.stderr.strip()[-500:]}")
+    with locked(Path(__file__)):  # one install at a time among xdist's workers
+        for argv in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "openssh-server"]):
+            if os.path.exists(SSHD):
+                break
+            out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600, stdin=subprocess.DEVNULL)
+            if out.returncode != 0:
+                raise Unavailable(f"{' '.join(argv)} exited {out.returncode}: {out.stderr.strip()[-500:]}")
 
 
 @contextlib.contextmanager
