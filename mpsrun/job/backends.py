@@ -11,12 +11,15 @@ controller, so the backends differ only in what they start:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+from mpsrun.config import values
 from mpsrun.config.options import JobConfig, option_variables
 from mpsrun.errors import ConfigError
 from mpsrun.job import mpiexec as mpi
@@ -120,7 +123,9 @@ class HostsBackend(MpiexecBackend):
         per_node = [sys.executable, "-m", "mpsrun", "--per-node", "--", program, *config.command[1:]]
         # Open MPI gives each --host one slot: the ranks are spread over them (--oversubscribe).
         argv = self._argv(config, per_node, hosts, export=self.EXPORT, oversubscribe=bool(config.hosts))
-        return [self._spec(argv, env, config.ranks)]
+        lines = config.hosts or values.hostfile_lines(config.hostfile or "")
+        return [dataclasses.replace(self._spec(argv, env, config.ranks),
+                                    hosts=tuple(re.split(r"[:\s]", line, maxsplit=1)[0] for line in lines))]
 
 
 def choose_backend(config: JobConfig) -> Backend:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import signal
+import socket
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -31,6 +32,14 @@ from mpsrun.session.session import Session
 __all__ = ["JobController"]
 
 log = logging.getLogger("mpsrun")
+
+
+def unheard(hosts: Sequence[str], heard: set[str]) -> list[str]:
+    """The other hosts, of ``hosts`` as ``--hosts`` names them, from which no node keeper came (a keeper names its
+    host by its own host name; compared by short name). This host is left out: its launcher starts it without a
+    remote shell, and when the launcher failed elsewhere first, its keeper never came either."""
+    names = {name.split(".", 1)[0] for name in heard} | {"localhost", "127", socket.gethostname().split(".", 1)[0]}
+    return [host for host in hosts if host.split(".", 1)[0] not in names and host != "::1"]
 
 
 class JobController(Controller):
@@ -67,6 +76,13 @@ class JobController(Controller):
     def result(self, teardown_failure: str = "", late_signal: int | None = None) -> JobResult:
         """How the job ended, as judged here."""
         return self.judging.result(teardown_failure, late_signal)
+
+    def run(self, first: Callable[[], object] | None = None, pending: Sequence[int] = ()) -> None:
+        """As every controller runs; then what an exited MPI launcher left in its group is killed."""
+        try:
+            super().run(first, pending)
+        finally:
+            self.launchers.kill_leftovers()
 
     def launch(self, specs: Sequence[LaunchSpec]) -> None:
         """Start the ranks' launchers (unless one was started early)."""
@@ -225,7 +241,13 @@ class JobController(Controller):
 
     def _launcher_judged(self, started: Launched, returncode: int, waited: bool) -> None:
         missing = [r for r in started.spec.ranks if r not in self.ranks]
-        if missing:
+        silent = unheard(started.spec.hosts, self.table.heard)
+        if silent and len(missing) == len(started.spec.ranks):  # no rank started: the launcher did not get there
+            self.fail("setup", ExitCode.SETUP, f"{started.spec.name} {describe_returncode(returncode)} before any "
+                      f"rank started: no node keeper came from {', '.join(silent)}: it could not reach the host or "
+                      "start mpsrun there (its own lines say why)")
+            self._never_started(missing)
+        elif missing:
             self.fail("launcher-failed", returncode, f"{started.spec.name} {describe_returncode(returncode)} "
                       f"before rank(s) {ranges(missing)} started")
             self._never_started(missing)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mpsrun.runtime.loop import EventLoop
-from mpsrun.runtime.processes import pidfd, set_parent_death_signal
+from mpsrun.runtime.processes import ProcessRef, descendants, pidfd, set_parent_death_signal
 
 if TYPE_CHECKING:
     from mpsrun.rank.forked import ForkedSupervisor
@@ -38,6 +38,8 @@ class LaunchSpec:
     #: The launcher exits with this plus S when a process it started was killed by signal S (128: Open MPI); None
     #: when that cannot be told from its other codes.
     signal_status: int | None = None
+    #: The hosts it starts the job's node keepers on (``--hosts``), as given: a failure names those never heard from.
+    hosts: tuple[str, ...] = ()
 
 
 class Launched:
@@ -81,6 +83,7 @@ class Launchers:
         self.started: list[Launched] = []
         self.pending: list[LaunchSpec] = []
         self._winding_down = False
+        self._descendants: set[ProcessRef] = set()  # of the MPI launchers, as seen when they were signalled
 
     def launch(self, specs: Sequence[LaunchSpec]) -> None:
         """Start ``specs``, a few per turn of the loop, so a signal or a failure is handled while hundreds start;
@@ -133,6 +136,13 @@ class Launchers:
             started.fd = None
         self.on_exit(started, started.reap())
 
+    def kill_leftovers(self) -> None:
+        """At the job's end: SIGKILL what the MPI launchers had started when they were told to stop and is still
+        there (Hydra puts each ssh to a host in a session of its own, and one to a host cut off outlives mpiexec,
+        saying goodbye over the dead link). Each is the very process seen (pid and start time)."""
+        for process in self._descendants:
+            process.signal(signal.SIGKILL)
+
     def wind_down(self, grace: float) -> None:
         """Every rank has ended (or was killed): the launchers get ``grace`` to exit, then SIGTERM, then SIGKILL."""
         if self._winding_down or self.ended:
@@ -149,4 +159,6 @@ class Launchers:
 
     def _signal(self, sig: int) -> None:
         for started in self.started:
+            if not started.spec.fork and not started.ended:
+                self._descendants.update(descendants(started.popen.pid))
             started.signal_group(sig)

@@ -54,7 +54,8 @@ class Policy:
 class RankEnd:
     """How one rank ended. ``returncode`` is None for a rank lost without a report. ``wall`` and ``cpu``: its
     program's seconds running and of CPU, where its supervisor said; ``relayed``: the end as the node keeper that
-    relayed it sent it, with the rest of its account (under ``--hosts``)."""
+    relayed it sent it, with the rest of its account (under ``--hosts``); ``host``: where it ran, when a node keeper
+    told (under ``--hosts`` a pid alone does not say where)."""
 
     rank: int
     pid: int | None
@@ -64,11 +65,13 @@ class RankEnd:
     wall: float | None = None
     cpu: float | None = None
     relayed: Exited | None = None
+    host: str = ""
 
     def describe(self, first: bool = False) -> str:
-        """``rank 1 (pid N) exited with code 7[ first][: reason]``."""
-        who = f"rank {self.rank}" + (f" (pid {self.pid})" if self.pid else "")
-        return f"{who} {self.what(first)}"
+        """``rank 1 (pid N[ on HOST]) exited with code 7[ first][: reason]``."""
+        where = [f"pid {self.pid}"] if self.pid else []
+        where += [f"on {self.host}"] if self.host else []
+        return f"rank {self.rank}" + (f" ({' '.join(where)})" if where else "") + f" {self.what(first)}"
 
     def what(self, first: bool = False) -> str:
         """``exited with code 7[ first][: reason]``: how it ended, without who."""

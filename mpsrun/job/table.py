@@ -111,6 +111,7 @@ class RankTable:
         self.loop, self.listener, self.token, self.events, self.host = loop, listener, token, events, host
         self.ranks: dict[int, RankState] = {}
         self.nodes: set[Link] = set()  # open links of node keepers (each closes once its host's session is gone)
+        self.heard: set[str] = set()  # the hosts whose node keepers said hello
         self.accepting = True  # False once a node keeper closes: a rank that comes then starts a new one
         self._unheard: set[Link] = set()  # accepted, their hello not yet read
         loop.watch(listener.fileno(), self._accept)
@@ -186,6 +187,7 @@ class RankTable:
         elif hello.role == "node":  # a node keeper relaying for its ranks
             link.admit(Peer("node", node=hello.node))
             self.nodes.add(link)
+            self.heard.add(hello.node)
             link.send(Admitted())
         else:
             try:
@@ -219,15 +221,19 @@ class RankTable:
             return
         # returncode None: a node keeper lost the rank without a report
         pid = state.process.pid if state.process is not None else message.pid
+        relayed = message if _from_node(link) else None
+        host = relayed.host if relayed is not None and relayed.host != self.host else ""  # a pid elsewhere needs it
         self.events.rank_ended(state, RankEnd(state.rank, pid, message.returncode, message.reason, message.aborting,
-                                              message.wall, message.cpu, message if _from_node(link) else None))
+                                              message.wall, message.cpu, relayed, host))
 
     def _lost(self, link: Link) -> None:
         gone = "its node keeper is gone" if _from_node(link) else "its supervisor is gone"
+        node = link.peer.node if link.peer is not None and _from_node(link) else ""
+        host = node if node != self.host else ""  # a pid elsewhere needs it
         for state in [s for s in self.live() if s.link is link]:
             if state.process is not None:  # its leader died with its supervisor; end what it left
                 kill_group(state.process.pid, signal.SIGKILL)
             pid = state.process.pid if state.process is not None else None
-            self.events.rank_ended(state, RankEnd(state.rank, pid, None, gone))
+            self.events.rank_ended(state, RankEnd(state.rank, pid, None, gone, host=host))
         self._forget_node(link)
         self.events.link_closed(link)

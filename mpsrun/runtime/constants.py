@@ -92,6 +92,10 @@ KEEPER_START_TIMEOUT = 120.0
 UPSTREAM_TIMEOUT = 30.0
 #: Connecting to a controller.
 CONNECT_TIMEOUT = 10.0
+#: A TCP link between hosts (a node keeper's to the job's controller) that has been silent this long is probed,
+#: every LINK_PROBE_EVERY s, and taken for lost after LINK_PROBES unanswered probes, or once data it sent has gone
+#: unacknowledged for LINK_LOST_AFTER s: a host cut off the network sends no FIN, and its job would wait forever.
+LINK_IDLE, LINK_PROBE_EVERY, LINK_PROBES, LINK_LOST_AFTER = 5, 2, 3, 15.0
 #: A peer's hello, sent right after it connects, read before it is turned away.
 HELLO_WAIT = 1.0
 #: Each MPS daemon's start (to answer, and its server to come up) and stop (quit, then signals).

@@ -24,6 +24,7 @@ from mpsrun.exitcodes import ExitCode
 __all__ = [
     "ProcessRef",
     "close_all",
+    "descendants",
     "ensure_descriptors",
     "exit_now",
     "find_program",
@@ -172,6 +173,17 @@ class ProcessRef(NamedTuple):
         if not isinstance(data, dict) or not all(isinstance(data.get(k), int) for k in ("pid", "start")):
             raise ValueError(f"not a process reference: {data!r}")
         return cls(int(data["pid"]), int(data["start"]))
+
+
+def descendants(pid: int) -> list[ProcessRef]:
+    """Every process under ``pid`` now (children's children too), each exactly; [] once it is gone."""
+    import psutil  # only where a launcher is stopped: not on a job's way to its ranks
+
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    return [ref for child in children if (ref := ProcessRef.of(child.pid)) is not None]
 
 
 def kill_group(pgid: int, sig: int) -> bool:

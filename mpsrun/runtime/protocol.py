@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, get_args, get_origin
 
 from mpsrun.exitcodes import ExitCode
-from mpsrun.runtime.constants import CONNECT_TIMEOUT
+from mpsrun.runtime.constants import CONNECT_TIMEOUT, LINK_IDLE, LINK_LOST_AFTER, LINK_PROBE_EVERY, LINK_PROBES
 from mpsrun.runtime.deadline import Deadline, backoff
 
 __all__ = ["HELLO_MAX", "LINE_MAX", "MESSAGES", "Admitted", "Exited", "Found", "Hello", "Interrupted", "Link",
@@ -355,6 +355,7 @@ class Listener:
             conn, _ = self.sock.accept()
         except OSError:
             return None
+        keep_alive(conn)
         conn.setblocking(True)
         return Link(conn, line_max=HELLO_MAX)
 
@@ -385,6 +386,18 @@ def _connect_unix(path: str, deadline: Deadline) -> socket.socket:
     raise AssertionError("unreachable")  # pragma: no cover - backoff() never ends
 
 
+def keep_alive(sock: socket.socket) -> None:
+    """Have the kernel notice a peer host that is gone without a word (see ``LINK_IDLE``); TCP links only."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    with contextlib.suppress(AttributeError, OSError):  # the TCP names are Linux's; elsewhere the system's defaults
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, LINK_IDLE)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, LINK_PROBE_EVERY)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, LINK_PROBES)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(LINK_LOST_AFTER * 1000))
+
+
 def connect(address: str, timeout: float = CONNECT_TIMEOUT) -> Link:
     """Connect to ``unix:PATH`` or ``tcp:HOST:PORT``; raises OSError."""
     if address.startswith("unix:"):
@@ -394,6 +407,7 @@ def connect(address: str, timeout: float = CONNECT_TIMEOUT) -> Link:
         if not port.isdecimal():
             raise OSError(f"not a controller address: {address!r}")
         sock = socket.create_connection((host, int(port)), timeout=timeout)
+        keep_alive(sock)
     else:
         raise OSError(f"not a controller address: {address!r}")
     sock.settimeout(None)
