@@ -272,3 +272,15 @@ def test_the_python_api_refuses_bad_values_before_anything_runs(fake_gpu, kwargs
     with pytest.raises(ConfigError):
         mpsrun.tune(arguments.pop("command"), **arguments)
     assert not fake_gpu.session_dirs()
+
+
+@pytest.mark.parametrize("given", [["--queues", "4"], ["--queues=auto"]])
+def test_the_queues_among_the_job_options_are_refused(fake_gpu, short_tmp, given):
+    """``mpsrun.tune(..., options=["--queues", "4"])``: tune sets --queues in each trial, so a job option would
+    override every trial's count after it (the default and auto trials all ran with 4, labelled otherwise), as the
+    epilog says it must not: ConfigError naming --queues, as for --thread-percentage, and no trial ran."""
+    marker = short_tmp / "ran"
+    with pytest.raises(ConfigError, match="mpsrun tune sets --queues in each trial"):
+        mpsrun.tune([sys.executable, "-c", f"open({str(marker)!r}, 'w')"], ranks=1, mps="on",
+                    queues="default,8", options=given, repeats=1)
+    assert not marker.exists() and not fake_gpu.session_dirs()
