@@ -309,7 +309,7 @@ def test_more_hardware_queues_than_a_gpu_has_is_said_with_the_way_out(path, fake
 def test_the_queue_summary_never_advises_more_queues_than_mpsrun_takes(path, fake_gpu, clean, monkeypatch):
     """Two ranks whose caller's CUDA_DEVICE_MAX_CONNECTIONS is 64 ask 128 of the GPU's 126 queues and one fails: the
     summary's way out names --queues 32 or fewer, a count --queues takes (it said '--queues 63 or fewer', which
-    mpsrun refuses: 'CUDA takes 1 to 32 hardware queues'), on every path."""
+    mpsrun refuses: --queues takes 1 to 32), on every path."""
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "64")
     out = run_job(path, ["--mps", "on"], fake("--hold", "30"), ranks=2)
     assert out.returncode == 1

@@ -218,11 +218,7 @@ def parse_queues(value: object, setting: str = "--queues") -> int | Auto:
     """Hardware work queues per MPS rank (``CUDA_DEVICE_MAX_CONNECTIONS``, 1 to 32), or ``AUTO``."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         return AUTO
-    count = parse_count(value, setting)
-    if count > MOST_QUEUES:
-        raise ConfigError(f"{setting}: CUDA takes 1 to {MOST_QUEUES} hardware queues, not {count}", setting=setting,
-                          value=value)
-    return count
+    return _bounded(value, 1, MOST_QUEUES, setting, " (CUDA's hardware queues) or auto")
 
 
 def parse_priority(value: object, setting: str = "priority") -> int:
