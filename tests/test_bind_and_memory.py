@@ -131,3 +131,19 @@ def test_each_mps_rank_gets_the_queues_asked_for_else_the_callers(path, fake_gpu
         out = run_job(path, options, [sys.executable, "-c", SHOW_QUEUES], ranks=4)
         assert out.returncode == 0 and out.stdout.splitlines() == [expected] * 4, out.stderr
     settle(fake_gpu)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_queues_without_mps_set_nothing_and_say_so(path, fake_gpu, monkeypatch):
+    """--mps off --queues 8: no rank is an MPS client, so none gets CUDA_DEVICE_MAX_CONNECTIONS from mpsrun (a caller's
+    own 3 reaches them unchanged), and mpsrun warns that --queues has no effect without MPS, as it does of
+    --priority (it said nothing, and the queues asked for were dropped silently), on every path."""
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    for caller, expected in ((None, "None"), ("3", "3")):
+        if caller is not None:
+            monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", caller)
+        out = run_job(path, ["--mps", "off", "--queues", "8"], [sys.executable, "-c", SHOW_QUEUES], ranks=2)
+        assert out.returncode == 0 and out.stdout.splitlines() == [expected] * 2, out.stderr
+        said = [line for line in out.stderr.splitlines() if line.startswith("mpsrun")]
+        assert said and set(said) == {"mpsrun: warning: --queues has no effect without MPS"}, out.stderr
+    settle(fake_gpu)

@@ -92,9 +92,9 @@ BAD_COMMAND_LINES = [
     (["--timeout", "\uff15", "python"], "must be more than 0 seconds"),  # a fullwidth 5 was taken as 5
     (["--grace", "-1", "python"], "must be 0 or more seconds"),  # it said "a number of seconds below ..." of -1
     (["--priority", "2", "python"], "--priority: value must be 0"),
-    (["--queues", "0", "python"], "--queues: value must be a positive whole number"),
-    (["--queues", "33", "python"], "CUDA takes 1 to 32 hardware queues, not 33"),
-    (["--queues", "many", "python"], "--queues: value must be a positive whole number"),
+    (["--queues", "0", "python"], "--queues: value must be a whole number from 1 to 32"),
+    (["--queues", "33", "python"], "--queues: value must be a whole number from 1 to 32"),
+    (["--queues", "many", "python"], "--queues: value must be a whole number from 1 to 32"),
     (["--gpus", "zero", "python"], "GPU indices or GPU- UUIDs"),
     (["--gpus", "0,,1", "python"], "comma-separated"),
     (["--gpus", "GPU-", "python"], "GPU indices or GPU- UUIDs"),
@@ -117,6 +117,19 @@ def test_bad_command_lines_exit_2_with_one_line(argv, message, capsys, no_gpu):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("mpsrun: error: ") and message in err
     assert list(no_gpu.iterdir()) == [no_gpu / "bin"]  # nothing was created
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "33", "many", "1e1", "0x8", "\uff18", ""])
+def test_a_bad_queue_count_says_the_range_once_in_either_spelling(value, capsys, no_gpu, monkeypatch):
+    """--queues 33 (or 0, a fullwidth 8, ...) and MPSRUN_QUEUES=33 are refused in one line that says the range
+    --queues takes and the value as given, as --thread-percentage does; 33 said 'argument --queues: value: CUDA takes
+    1 to 32 hardware queues, not 33' (a stray 'value:'), and 0 'a positive whole number' without the range."""
+    expected = f"value must be a whole number from 1 to 32 (CUDA's hardware queues) or auto, not {value!r}"
+    assert main(["--queues", value, "--dry-run", "python"]) == 2
+    assert capsys.readouterr().err == f"mpsrun: error: argument --queues: {expected} (see mpsrun --help)\n"
+    monkeypatch.setenv("MPSRUN_QUEUES", value)
+    assert main(["--dry-run", "python"]) == 2
+    assert capsys.readouterr().err == f"mpsrun: error: MPSRUN_QUEUES: {expected} (see mpsrun --help)\n"
 
 
 def test_help_and_version(capsys):

@@ -305,6 +305,20 @@ def test_more_hardware_queues_than_a_gpu_has_is_said_with_the_way_out(path, fake
     assert settle(fake_gpu)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_the_queue_summary_never_advises_more_queues_than_mpsrun_takes(path, fake_gpu, clean, monkeypatch):
+    """Two ranks whose caller's CUDA_DEVICE_MAX_CONNECTIONS is 64 ask 128 of the GPU's 126 queues and one fails: the
+    summary's way out names --queues 32 or fewer, a count --queues takes (it said '--queues 63 or fewer', which
+    mpsrun refuses: --queues takes 1 to 32), on every path."""
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "64")
+    out = run_job(path, ["--mps", "on"], fake("--hold", "30"), ranks=2)
+    assert out.returncode == 1
+    line = summary(out)
+    assert "2 MPS clients on one GPU asked 64 hardware queues each" in line, line
+    assert line.endswith("give mpsrun --queues auto to plan them, or --queues 32 or fewer"), line
+    assert settle(fake_gpu)
+
+
 def test_hardware_queues_that_fit_start_every_rank(fake_gpu, clean, monkeypatch):
     """15 ranks asking 8 queues each (120 of the GPU's 126) all start, and so do 16 with --queues auto (7 each, over
     the caller's 8): the summary above is not said of a job whose queues fit."""

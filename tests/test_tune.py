@@ -272,3 +272,29 @@ def test_the_python_api_refuses_bad_values_before_anything_runs(fake_gpu, kwargs
     with pytest.raises(ConfigError):
         mpsrun.tune(arguments.pop("command"), **arguments)
     assert not fake_gpu.session_dirs()
+
+
+@pytest.mark.parametrize("given", [["--queues", "4"], ["--queues=auto"]])
+def test_the_queues_among_the_job_options_are_refused(fake_gpu, short_tmp, given):
+    """``mpsrun.tune(..., options=["--queues", "4"])``: tune sets --queues in each trial, so a job option would
+    override every trial's count after it (the default and auto trials all ran with 4, labelled otherwise), as the
+    epilog says it must not: ConfigError naming --queues, as for --thread-percentage, and no trial ran."""
+    marker = short_tmp / "ran"
+    with pytest.raises(ConfigError, match="mpsrun tune sets --queues in each trial"):
+        mpsrun.tune([sys.executable, "-c", f"open({str(marker)!r}, 'w')"], ranks=1, mps="on",
+                    queues="default,8", options=given, repeats=1)
+    assert not marker.exists() and not fake_gpu.session_dirs()
+
+
+def test_the_python_api_takes_none_as_the_default_queues(fake_gpu, monkeypatch):
+    """``mpsrun.tune(..., queues=[None, 2])``: None is "not set", as for a thread percentage (and as a Setting's
+    queues read), so the trials are the default and 2; it was refused ("--queues must be a positive whole number,
+    not 'none'"), and so was ``queues=None``."""
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    result = mpsrun.tune([sys.executable, "-c", QUEUES_SEEN], ranks=2, mps="on", queues=[None, 2], repeats=1,
+                         metric=r"rate: (\S+)")
+    assert [(t.setting.queues, t.median) for t in result.trials] == [(None, 2), (2, 6)]
+    result = mpsrun.tune([sys.executable, "-c", QUEUES_SEEN], ranks=1, mps="on", queues=None, repeats=1,
+                         metric=r"rate: (\S+)")
+    assert [t.setting.queues for t in result.trials] == [None]
+    settle(fake_gpu)

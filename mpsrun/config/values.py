@@ -17,6 +17,7 @@ import stat
 from collections.abc import Mapping, Sequence
 
 from mpsrun.errors import ConfigError
+from mpsrun.runtime.constants import MOST_QUEUES
 from mpsrun.runtime.output import printable
 
 __all__ = [
@@ -80,8 +81,6 @@ ThreadSpec = None | int | Auto | tuple[int, ...]
 MemLimit = None | int | Auto
 #: ``None`` (MPS's default for its clients), hardware work queues for each MPS rank, or ``AUTO`` (planned per GPU).
 Queues = None | int | Auto
-#: The most hardware work queues CUDA gives a process (``CUDA_DEVICE_MAX_CONNECTIONS``).
-MOST_QUEUES = 32
 #: GPUs by position among the visible ones, or by ``GPU-`` UUID (or a prefix of one); None: every visible GPU.
 GpuList = tuple[int | str, ...] | None
 _MEM = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
@@ -219,11 +218,7 @@ def parse_queues(value: object, setting: str = "--queues") -> int | Auto:
     """Hardware work queues per MPS rank (``CUDA_DEVICE_MAX_CONNECTIONS``, 1 to 32), or ``AUTO``."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         return AUTO
-    count = parse_count(value, setting)
-    if count > MOST_QUEUES:
-        raise ConfigError(f"{setting}: CUDA takes 1 to {MOST_QUEUES} hardware queues, not {count}", setting=setting,
-                          value=value)
-    return count
+    return _bounded(value, 1, MOST_QUEUES, setting, " (CUDA's hardware queues) or auto")
 
 
 def parse_priority(value: object, setting: str = "priority") -> int:

@@ -203,7 +203,8 @@ def without_mps(config: JobConfig, reason: str, gpus_seen: bool = True) -> list[
     either)."""
     unused = [flag for flag, value in (("--gpus", None if gpus_seen else config.gpus),
                                        ("--thread-percentage", config.thread_percentage),
-                                       ("--mem-limit", config.mem_limit), ("--priority", config.priority))
+                                       ("--mem-limit", config.mem_limit), ("--priority", config.priority),
+                                       ("--queues", config.queues))
               if value is not None]
     lines = [] if config.mps == "off" else [f"running without MPS: {reason}"]  # asked for: nothing to say
     if unused:

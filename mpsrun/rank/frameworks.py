@@ -23,7 +23,7 @@ import os
 import re
 from collections.abc import Mapping
 
-from mpsrun.runtime.constants import MPS_CLIENT_LIMIT, SESSION_DIR_VARIABLE
+from mpsrun.runtime.constants import MOST_QUEUES, MPS_CLIENT_LIMIT, SESSION_DIR_VARIABLE
 from mpsrun.runtime.files import read_log
 
 __all__ = [
@@ -118,7 +118,7 @@ def queue_overflow(env: Mapping[str, str], clients: int | None, queues: int | No
     """The GPU's ``clients`` each asked the rank's CUDA_DEVICE_MAX_CONNECTIONS, more than its ``queues`` in all: some
     cannot create a CUDA context (their error says only "out of memory", or that the server ended them). "" else.
     Only as many clients as an MPS server takes count: beyond them the server's limit is the cause, which its log
-    says."""
+    says. The way out names no more queues than ``--queues`` takes."""
     try:
         each = int(env.get("CUDA_DEVICE_MAX_CONNECTIONS", ""))
     except ValueError:
@@ -129,7 +129,7 @@ def queue_overflow(env: Mapping[str, str], clients: int | None, queues: int | No
     return (f"{served} MPS clients on one GPU asked {each} hardware queues each "
             f"(CUDA_DEVICE_MAX_CONNECTIONS), {each * served} in all, more than the {queues} a GPU has under MPS, so "
             f"some could not create a CUDA context: give mpsrun --queues auto to plan them, or --queues "
-            f"{queues // served} or fewer")
+            f"{min(queues // served, MOST_QUEUES)} or fewer")
 
 
 def _our_log(env: Mapping[str, str], name: str) -> str | None:

@@ -112,3 +112,5 @@ USAGE_INTERVAL = 0.5
 #: Clients an MPS server accepts on Volta and later (documented; the H100 with driver 580
 #: logged "Maximum number of clients (48) reached" for the 49th).
 MPS_CLIENT_LIMIT = 48
+#: The most hardware work queues CUDA gives a process (``CUDA_DEVICE_MAX_CONNECTIONS``), and so ``--queues``' most.
+MOST_QUEUES = 32

@@ -40,15 +40,16 @@ Values = str | Sequence[object]
 MAX_REPEATS = 1000
 
 
-def _text(items: Values | int, setting: str) -> str:
-    """A list as the command line writes it (``1,2,4``; None as ``none``); a single value is a list of one."""
+def _text(items: Values | int | None, setting: str, unset: str = "none") -> str:
+    """A list as the command line writes it (``1,2,4``; None as ``unset``, the list's word for not set); a single
+    value is a list of one."""
     if isinstance(items, str):
         return items
     if items is None or isinstance(items, (int, float)):
         items = [items]
     if not isinstance(items, Sequence):
         raise ConfigError(f"{setting} takes a list or text like '1,2,4', not {items!r}", setting=setting)
-    return ",".join("none" if item is None else str(item) for item in items)
+    return ",".join(unset if item is None else str(item) for item in items)
 
 
 def _strings(words: Sequence[str], setting: str) -> tuple[str, ...]:
@@ -79,7 +80,7 @@ def _runnable(settings: list[Setting], progress: Callable[[str], object] | None)
 
 
 def tune(command: Sequence[str], *, ranks: Values | int | None = None, thread_percentage: Values | int = "none",
-         mps: Values = "on,off", queues: Values | int = "default", repeats: int | str = 3,
+         mps: Values = "on,off", queues: Values | int | None = "default", repeats: int | str = 3,
          budget: float | str | None = None, scaling: str = "weak", metric: str | None = None,
          options: Sequence[str] = (), progress: Callable[[str], object] | None = None) -> TuneResult:
     """Run ``command`` as mpsrun jobs, one per combination of ``ranks`` x ``mps`` x ``thread_percentage`` x
@@ -88,9 +89,10 @@ def tune(command: Sequence[str], *, ranks: Values | int | None = None, thread_pe
     the trials, the best setting and the one to run (:class:`TuneResult`).
 
     Lists are sequences or text as on the command line (``"1,2,4"``; a thread percentage of None or ``"none"``
-    is unset). ``ranks`` defaults to 1, then 1, 2, 4 and 8 per GPU. ``scaling`` ``"weak"``: throughput is ranks
-    per second of the job; ``"strong"``: jobs per second; ``metric``: a regular expression for a number each
-    rank prints, summed over ranks. ``budget``: seconds for all of it; what it cannot reach is left out.
+    is unset, and so is a queue count of None or ``"default"``). ``ranks`` defaults to 1, then 1, 2, 4 and 8 per
+    GPU. ``scaling`` ``"weak"``: throughput is ranks per second of the job; ``"strong"``: jobs per second;
+    ``metric``: a regular expression for a number each rank prints, summed over ranks. ``budget``: seconds for all
+    of it; what it cannot reach is left out.
     ``progress`` hears a line after each trial. A bad value raises :class:`~mpsrun.errors.ConfigError` before
     anything runs; a command that cannot run at all, the warm-up's error (exit 126 or 127).
     """
@@ -103,7 +105,7 @@ def tune(command: Sequence[str], *, ranks: Values | int | None = None, thread_pe
     counts = parse_ranks_list(_text(ranks, "--ranks")) if ranks is not None else default_ranks(job.options)
     settings = grid(counts, parse_mps_list(_text(mps, "--mps")),
                     parse_thread_list(_text(thread_percentage, "--thread-percentage")),
-                    parse_queues_list(_text(queues, "--queues")))
+                    parse_queues_list(_text(queues, "--queues", unset="default")))
     count = values.parse_count(repeats, "--repeats")
     if count > MAX_REPEATS:
         raise ConfigError(f"--repeats must be at most {MAX_REPEATS}, not {repeats!r}", setting="--repeats")

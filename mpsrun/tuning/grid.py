@@ -25,7 +25,7 @@ SCALINGS = ("weak", "strong")
 #: Options each trial sets itself (by name in the job's configuration, and as written): the job options given to
 #: tune must leave them to it; what to give tune instead.
 _TUNED = {"nranks": ("-np", "--ranks"), "mps": ("--mps", "--mps"),
-          "thread_percentage": ("--thread-percentage", "--thread-percentage")}
+          "thread_percentage": ("--thread-percentage", "--thread-percentage"), "queues": ("--queues", "--queues")}
 #: Variables for the tuned options: a trial's own options decide, so the caller's are not passed on.
 TUNED_VARIABLES = ("MPSRUN_NP", "MPSRUN_MPS", "MPSRUN_THREAD_PERCENTAGE", "MPSRUN_QUEUES")
 #: Each rank's hardware work queues, which ``--queues`` sets (tune tries counts of them as that option).
