@@ -1,13 +1,12 @@
 """How rank supervisors, node keepers and the job's controller talk: typed messages as JSON lines over a socket.
 
-A controller listens on a UNIX socket in its private session directory (one node), or on TCP for jobs
-over several hosts. Every message is one of the classes below, declared once with its fields and their
-types; :data:`MESSAGES` names them on the wire (``{"type": "hello", ...}``). Both ends use that
-declaration: :func:`encode` writes a message object, and :func:`decode` builds one only from a line whose
-every field has the declared type (anything else is dropped, so no handler sees a field of the wrong type).
-A peer's first message must carry the job's token; until a link is :meth:`admitted <Link.admit>`, a line
-may be at most :data:`HELLO_MAX` bytes, so a stranger who reaches a TCP port gets nothing parsed that it
-could make large.
+A controller listens on a UNIX socket in its private session directory (one node), or on TCP for jobs over several
+hosts. Every message is one of the classes below, declared once with its fields and their types; :data:`MESSAGES`
+names them on the wire (``{"type": "hello", ...}``). Both ends use that declaration: :func:`encode` writes a message
+object, and :func:`decode` builds one only from a line whose every field has the declared type (anything else is
+dropped, so no handler sees a field of the wrong type). A peer's first message must carry the job's token; until a
+link is :meth:`admitted <Link.admit>`, a line may be at most :data:`HELLO_MAX` bytes, so a stranger who reaches a TCP
+port gets nothing parsed that it could make large.
 
 The annotations here are evaluated (no ``from __future__ import annotations``): :func:`decode` checks values
 against them.
@@ -23,8 +22,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, get_args, get_origin
 
 from mpsrun.exitcodes import ExitCode
-from mpsrun.runtime.constants import CONNECT_TIMEOUT, LINK_IDLE, LINK_LOST_AFTER, LINK_PROBE_EVERY, LINK_PROBES
+from mpsrun.runtime.constants import CONNECT_TIMEOUT
 from mpsrun.runtime.deadline import Deadline, backoff
+from mpsrun.runtime.keepalive import keep_alive
 
 __all__ = ["HELLO_MAX", "LINE_MAX", "MESSAGES", "Admitted", "Exited", "Found", "Hello", "Interrupted", "Link",
            "Listener", "Message", "Note", "Peaks", "Peer", "Refusal", "Say", "SignalRanks", "Started", "Verdict",
@@ -243,19 +243,17 @@ def new_token() -> str:
 class Link:
     """One connected peer. :meth:`send` and :meth:`receive` never raise.
 
-    A failed send only marks the link broken: the socket stays open (and registered with
-    whoever waits on it) until :meth:`receive` sees its end, so the loss is always noticed.
-    At its end the socket still stays open, until its owner has stopped waiting on it and
-    calls :meth:`close`: closed first, the descriptor's number could be reused while a forked
-    child still held the socket, and an event loop would take the old socket's events for
-    the new descriptor's (the kernel drops a registration only once no process holds it).
+    A failed send only marks the link broken: the socket stays open (and registered with whoever waits on it) until
+    :meth:`receive` sees its end, so the loss is always noticed. At its end the socket still stays open, until its
+    owner has stopped waiting on it and calls :meth:`close`: closed first, the descriptor's number could be reused
+    while a forked child still held the socket, and an event loop would take the old socket's events for the new
+    descriptor's (the kernel drops a registration only once no process holds it).
     """
 
     def __init__(self, sock: socket.socket, line_max: int = LINE_MAX) -> None:
         self.sock = sock
         self.fd = sock.fileno()  # kept after close, to stop waiting on it
-        self.closed = False
-        self.broken = False
+        self.closed = self.broken = False
         self.ended = False  # the peer's end was read
         self.peer: Peer | None = None  # who the peer is, once admitted
         self._line_max = line_max
@@ -384,18 +382,6 @@ def _connect_unix(path: str, deadline: Deadline) -> socket.socket:
             sock.close()
             raise
     raise AssertionError("unreachable")  # pragma: no cover - backoff() never ends
-
-
-def keep_alive(sock: socket.socket) -> None:
-    """Have the kernel notice a peer host that is gone without a word (see ``LINK_IDLE``); TCP links only."""
-    if sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return
-    with contextlib.suppress(AttributeError, OSError):  # the TCP names are Linux's; elsewhere the system's defaults
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, LINK_IDLE)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, LINK_PROBE_EVERY)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, LINK_PROBES)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(LINK_LOST_AFTER * 1000))
 
 
 def connect(address: str, timeout: float = CONNECT_TIMEOUT) -> Link:
