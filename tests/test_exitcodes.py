@@ -70,3 +70,22 @@ def test_returncodes_and_signals_are_described_as_a_shell_would():
     assert describe_returncode(7) == "exited with code 7"
     assert describe_returncode(-9) == "was killed by signal 9 (SIGKILL)"
     assert signal_name(15) == "SIGTERM" and signal_name(99) == "signal 99"
+
+
+def test_a_lost_host_is_named_even_when_its_collateral_came_first():
+    """Under --hosts a host that dies makes the MPI launcher end the job's other processes; under load the end of
+    one of this host's ranks (lost unreported) may reach the judge first. A rank lost with another host's node
+    keeper then takes its place as the summary's first, so the line names that host; a rank that failed with a code
+    of its own keeps its place."""
+    from mpsrun.job.outcome import Judge, RankEnd
+
+    judge = Judge()
+    assert judge.rank_ended(RankEnd(0, 101, None, "its supervisor is gone"))
+    assert not judge.rank_ended(RankEnd(3, None, None, "its node keeper is gone", host="h2"))
+    judge.launcher_ended("mpiexec", 255)
+    assert judge.message == ("rank 3 (on h2) ended without reporting first (its node keeper is gone); mpiexec exited "
+                             "with code 255") and judge.exit_code() == 255
+    failed = Judge()
+    assert failed.rank_ended(RankEnd(1, 102, 7))
+    assert not failed.rank_ended(RankEnd(3, None, None, "its node keeper is gone", host="h2"))
+    assert failed.message == "rank 1 (pid 102) exited with code 7 first" and failed.exit_code() == 7

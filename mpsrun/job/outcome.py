@@ -112,12 +112,26 @@ class Judge:
 
     def rank_ended(self, end: RankEnd) -> bool:
         """Record a rank's end; True when it is the job's first failure."""
-        if end.returncode == ExitCode.OK or self.failed:
+        if end.returncode == ExitCode.OK:
+            return False
+        if self.failed:
+            self._lost_host_explains(end)
             return False
         self.first = end
         first = self.decide("rank-failed", end.returncode, end.describe(first=True))
         self._lost_takes_launcher_status()
         return first
+
+    def _lost_host_explains(self, end: RankEnd) -> None:
+        """A rank lost with another host's node keeper explains a rank of this host lost unreported before it: once a
+        host is gone the MPI launcher ends the job's other processes, and under load their end may come first. The
+        summary then names the host."""
+        first = self.first
+        if self.outcome.cause != "rank-failed" or first is None or first.returncode is not None or first.host \
+                or end.returncode is not None or not end.host:
+            return
+        self.first, self.outcome, self.message = end, Outcome("rank-failed", None), end.describe(first=True)
+        self._lost_takes_launcher_status()
 
     def decide(self, cause: str, detail: int | None, message: str) -> bool:
         """The job fails for this reason unless something failed first; True if this is first."""
