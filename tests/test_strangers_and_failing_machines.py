@@ -576,3 +576,18 @@ def test_a_ctrl_c_to_the_group_does_not_cut_the_daemons_quit(fake_gpu, path):
     assert job.returncode == 130, err
     assert "did not quit" not in err and "interrupted by SIGINT while ending the job" in err, err
     settle(fake_gpu)
+
+
+def test_a_hosts_controller_listens_on_the_address_its_hosts_reach(fake_gpu):
+    """The --hosts controller listens where its hosts reach it, not on every interface: over loopback for
+    ``--hosts localhost`` (its per-node ranks are told 127.0.0.1). Only hosts that resolve to nothing (the launcher
+    then says why) leave it on every interface. tests/test_two_hosts.py checks the same across two hosts."""
+    from mpsrun.job.channel import listen_address
+
+    assert listen_address(["localhost"]) == "127.0.0.1"
+    assert listen_address(["no-such-host.invalid"]) == listen_address([]) == ""
+    job = subprocess.Popen(job_argv("hosts", [], fake("--hold", "1"), ranks=2), stderr=subprocess.PIPE, text=True)
+    host, port = _control_port(job)
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == 0 and (host, port > 0) == ("127.0.0.1", True), err
+    settle(fake_gpu)

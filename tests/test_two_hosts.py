@@ -293,3 +293,34 @@ def test_a_host_that_cannot_be_reached_is_a_setup_failure_in_one_line(hosts):
     assert summary(out.stderr) == ["mpsrun: mpiexec exited with code 255 before any rank started: no node keeper came "
                                    "from h3: it could not reach the host or start mpsrun there (its own lines say "
                                    "why)"], out.stderr
+
+
+#: Connects to argv[1]:argv[2]; says "refused" if it cannot, else sends a hello with a wrong token and says "closed"
+#: once the other end closes without a word, or what it answered.
+STRANGER = ("import socket, sys\n"
+            "try:\n    conn = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)\n"
+            "except OSError:\n    print('refused'); sys.exit()\n"
+            "conn.sendall(b'{\"type\": \"hello\", \"role\": \"node\", \"token\": \"wrong\", \"node\": \"h3\"}\\n')\n"
+            "print(conn.recv(1 << 16).decode() or 'closed')\n")
+
+
+def test_the_control_port_listens_where_the_hosts_reach_it_and_refuses_strangers(hosts):
+    """The --hosts job's controller on h1 listens on h1's address on the hosts' network (it listened on every
+    interface), not on loopback; a stranger on h3, a host of that network that is not in the job, reaches the port
+    and gets its link closed without a word for a wrong token, and the job goes on to its end (SIGTERM, 143)."""
+    job, stderr = started_job(hosts)
+    try:
+        listening = hosts["h1"].run("ss", "-Hltnp", timeout=10).stdout.splitlines()
+        ours = [line.split()[3] for line in listening if f"pid={job.pid}," in line]
+        assert len(ours) == 1 and ours[0].startswith(f"{testhosts.SUBNET}.1:"), listening
+        port = ours[0].rsplit(":", 1)[1]
+        assert hosts["h1"].run(sys.executable, "-c", STRANGER, "127.0.0.1", port).stdout.split() == ["refused"]
+        assert hosts["h3"].run(sys.executable, "-c", STRANGER, f"{testhosts.SUBNET}.1", port).stdout.split() == \
+            ["closed"]
+        assert job.poll() is None, stderr.text()
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(timeout=60) == 143, stderr.text()
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()

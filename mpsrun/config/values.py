@@ -35,6 +35,7 @@ __all__ = [
     "Queues",
     "ThreadSpec",
     "check_shares",
+    "host_names",
     "hostfile_lines",
     "mib_text",
     "parse_choice",
@@ -308,6 +309,12 @@ def hostfile_lines(path: str, setting: str = "--hostfile") -> list[str]:
         raise ConfigError(f"cannot read host file {path!r}: {getattr(exc, 'strerror', None) or exc}",
                           setting=setting, value=path) from None
     return [line for line in lines if line]
+
+
+def host_names(hosts: Sequence[str], hostfile: str | None) -> list[str]:
+    """The host names of ``--hosts`` (``a,b:2``) or of a host file's lines (``a``, ``a:2``, ``a slots=2``)."""
+    lines = hosts or (hostfile_lines(hostfile) if hostfile else [])
+    return [re.split(r"[:\s]", line, maxsplit=1)[0] for line in lines]
 
 
 def parse_hostfile(value: object, setting: str = "--hostfile") -> str:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import re
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Protocol
@@ -123,9 +122,8 @@ class HostsBackend(MpiexecBackend):
         per_node = [sys.executable, "-m", "mpsrun", "--per-node", "--", program, *config.command[1:]]
         # Open MPI gives each --host one slot: the ranks are spread over them (--oversubscribe).
         argv = self._argv(config, per_node, hosts, export=self.EXPORT, oversubscribe=bool(config.hosts))
-        lines = config.hosts or values.hostfile_lines(config.hostfile or "")
-        return [dataclasses.replace(self._spec(argv, env, config.ranks),
-                                    hosts=tuple(re.split(r"[:\s]", line, maxsplit=1)[0] for line in lines))]
+        hosts_named = tuple(values.host_names(config.hosts, config.hostfile))
+        return [dataclasses.replace(self._spec(argv, env, config.ranks), hosts=hosts_named)]
 
 
 def choose_backend(config: JobConfig) -> Backend:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from mpsrun.errors import MPSError
 from mpsrun.job.launch import Launched, LaunchSpec
@@ -20,7 +20,7 @@ from mpsrun.runtime.constants import CONTROL_VARIABLE, JOB_ID_VARIABLE, RENDEZVO
 from mpsrun.runtime.interrupts import uninterrupted
 from mpsrun.runtime.protocol import Listener, new_token
 
-__all__ = ["ControlChannel", "free_port", "rendezvous"]
+__all__ = ["ControlChannel", "free_port", "listen_address", "rendezvous"]
 
 
 def free_port() -> int:
@@ -28,6 +28,24 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("", 0))
         return int(probe.getsockname()[1])
+
+
+def listen_address(hosts: Sequence[str]) -> str:
+    """Where the controller of a job over ``hosts`` (names or addresses) listens: this host's address on the way to
+    them, as the kernel would send from it; one other than loopback where some are reached over loopback and the
+    rest one other way. Every interface ("") only where they are reached over several, or none resolves (the
+    launcher then says why)."""
+    found: set[str] = set()
+    for host in hosts:
+        try:
+            target = socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((target, 9))  # a UDP connect sends nothing: it picks the route and the source address
+                found.add(str(probe.getsockname()[0]))
+        except OSError:
+            continue
+    beyond = {address for address in found if not address.startswith("127.")}
+    return next(iter(found)) if len(found) == 1 else next(iter(beyond)) if len(beyond) == 1 else ""
 
 
 def rendezvous(host: str, port: int, environ: Mapping[str, str]) -> dict[str, str]:

@@ -26,7 +26,7 @@ from mpsrun.errors import (
 )
 from mpsrun.exitcodes import ExitCode
 from mpsrun.job.backends import Backend, choose_backend
-from mpsrun.job.channel import ControlChannel, free_port, rendezvous
+from mpsrun.job.channel import ControlChannel, free_port, listen_address, rendezvous
 from mpsrun.job.outcome import Policy
 from mpsrun.mps import gpus
 from mpsrun.rank.identity import RankIdentity
@@ -135,7 +135,9 @@ class Job:
                 dirs = claim.dirs if backend.owns_daemons else None  # else the ranks come over TCP
                 if not backend.owns_daemons and claim.dirs is not None:  # the hosts' ranks, for mpsrun top
                     self.usage_file = claim.dirs.usage_file
-                channel = ControlChannel(f"unix:{dirs.control_socket}" if dirs is not None else "tcp",
+                where = f"unix:{dirs.control_socket}" if dirs is not None else \
+                    f"tcp:{listen_address(values.host_names(self.config.hosts, self.config.hostfile))}"
+                channel = ControlChannel(where,
                                          rendezvous(first_host(self.config), free_port(), os.environ))
                 if backend.head_start:
                     self._start_early(backend, program, channel, claim)

@@ -328,7 +328,7 @@ class Link:
 
 
 class Listener:
-    """A listening socket: ``unix:PATH``, or ``tcp`` (every interface, a free port; the token guards it)."""
+    """A listening socket: ``unix:PATH``, or ``tcp:ADDRESS`` (a free port there; ``tcp``: any; the token guards it)."""
 
     def __init__(self, where: str) -> None:
         if where.startswith("unix:"):
@@ -340,8 +340,8 @@ class Listener:
             self.path = None
             self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self.sock.bind(("", 0))
-            self.address = f"tcp:{socket.gethostname()}:{self.sock.getsockname()[1]}"
+            self.sock.bind((where[4:], 0))
+            self.address = f"tcp:{where[4:] or socket.gethostname()}:{self.sock.getsockname()[1]}"
         self.sock.listen(socket.SOMAXCONN)  # every rank of a job may connect at once
 
     def fileno(self) -> int:
