@@ -285,13 +285,17 @@ def test_no_gpu_list_is_read_ahead_where_node_keepers_read_it(fake_gpu, path):
 @pytest.mark.parametrize(("path", "sig"), [("local", signal.SIGTERM), ("mpiexec", signal.SIGTERM),
                                          ("hosts", signal.SIGHUP)])
 @pytest.mark.slow
-def test_a_signal_during_the_teardown_is_said(fake_gpu, path, sig):
+def test_a_signal_during_the_teardown_is_said(fake_gpu, short_tmp, path, sig):
     """A SIGTERM or SIGHUP to mpsrun once the ranks have ended, while a daemon will not quit: teardown finishes
     within its deadlines, the job exits 128+N and says so in one line, besides the line about the quit (it used to
     exit in silence; --hosts, whose node keepers tear down while its loop runs, took it for a signal to a running
-    job: 'received SIGHUP; stopping the ranks', a rank's 'interrupted by SIGTERM', 'stopped by SIGHUP')."""
+    job: 'received SIGHUP; stopping the ranks', a rank's 'interrupted by SIGTERM', 'stopped by SIGHUP'). The signal
+    is sent once both ranks have run and a quit is logged after that (on a loaded machine a quit seen before the
+    ranks ran made the signal one to a job still starting)."""
     fake_gpu.daemon_env(FAKE_MPS_QUIT_HANG="1")
-    job = subprocess.Popen(job_argv(path, [], fake("--hold", "0.2"), ranks=2), stderr=subprocess.PIPE, text=True)
+    argv = job_argv(path, [], fake("--hold", "0.2", "--report-dir", str(short_tmp)), ranks=2)
+    job = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: len(list(short_tmp.glob("*.json"))) == 2, what="the ranks did not start", proc=job)
     wait_for(lambda: any("Cmd:quit" in log for log in control_logs(fake_gpu)), what="the ranks did not end",
              proc=job)  # the teardown's quit hangs for its 10 s
     job.send_signal(sig)
