@@ -19,7 +19,7 @@ import pytest
 import testhosts
 import testslurm
 from helpers import MPSRUN
-from test_two_hosts import BLOCK, check_placement, fake_program, placed, summary
+from hostjobs import BLOCK, check_placement, fake_program, placed, summary
 
 pytestmark = [pytest.mark.two_hosts, pytest.mark.mpiexec]
 
