@@ -146,6 +146,7 @@ class TestHost:
         self.init = Holder(["--net", "--mount", "--uts", "--propagation", "private"], f"host {name}")
         self.sshd: subprocess.Popen | None = None
         self.gpus: list[dict] = []
+        self.services: set[int] = set()  # pids of daemons a helper runs on the host (tests/testslurm.py's), not a job's
 
     def argv(self, *argv: str, wd: str = str(ROOT)) -> list[str]:
         """``argv`` as run on this host (its network, mounts and host name; working directory ``wd``)."""
@@ -164,8 +165,8 @@ class TestHost:
         return Path(f"/proc/{self.init.pid}/root") / inner.lstrip("/")
 
     def processes(self) -> list[int]:
-        """The live processes on this host but its init and sshd: what jobs left running."""
-        keep = {self.sshd.pid} if self.sshd is not None else set()
+        """The live processes on this host but its init, sshd and :attr:`services`: what jobs left running."""
+        keep = ({self.sshd.pid} if self.sshd is not None else set()) | self.services
         return [pid for pid in self.init.processes() if pid not in keep]
 
     def described(self) -> list[str]:
