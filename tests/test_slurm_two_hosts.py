@@ -21,7 +21,7 @@ import testslurm
 from helpers import MPSRUN
 from hostjobs import BLOCK, check_placement, fake_program, placed, summary
 
-pytestmark = [pytest.mark.two_hosts, pytest.mark.mpiexec]
+pytestmark = [pytest.mark.two_hosts, pytest.mark.slurm]
 
 
 @pytest.fixture(scope="module")

@@ -205,27 +205,20 @@ def kill_host(hosts, job):
     return code, stderr.text()
 
 
-def test_a_host_whose_processes_die_ends_the_job_at_once(hosts):
-    """Every process of the job on h2 killed: the job on h1 ends within seconds with a failure code (mpiexec's 255:
-    its proxy on h2 is gone) and nothing of it is left on h1. h2 keeps the session directory of its killed keeper
-    and reaper, as a host that died would."""
-    code, stderr = kill_host(hosts, started_job(hosts))
-    assert code == 255, stderr
-    assert "(on h2) ended without reporting" in stderr, stderr
-    time.sleep(1)
-    assert not hosts["h1"].processes() and not hosts["h1"].session_dirs(), hosts["h1"].described()
-    hosts["h2"].clear()
-
-
-def test_a_host_that_dies_is_named_in_one_line(hosts):
-    """A host that dies mid-job is named: mpsrun's one line says a rank on h2 ended without reporting (it said only
-    'rank 3 ended without reporting first'). ssh and Hydra print their own lines above it (docs/multi-node.md)."""
+def test_a_host_whose_processes_die_ends_the_job_in_one_line_naming_it(hosts):
+    """Every process of the job on h2 killed (as when the host dies; its sshd lives on): the job on h1 ends within
+    seconds with the launcher's code (MPICH's Hydra: 255 once its proxy on h2 is gone, 9 when it saw the processes
+    SIGKILLed first), mpsrun's one line says a rank on h2 ended without reporting (it said only 'rank 3 ended without
+    reporting first'), and nothing of the job is left on h1. ssh and Hydra print their own lines above it
+    (docs/multi-node.md). h2 keeps the session directory of its killed keeper and reaper, as a host that died would."""
     code, stderr = kill_host(hosts, started_job(hosts))
     hosts["h2"].clear()
     lines = summary(stderr)
-    assert code == 255 and len(lines) == 1, stderr
+    assert code in (9, 255) and len(lines) == 1, stderr
     assert re.fullmatch(r"mpsrun: rank [23] \(on h2\) ended without reporting first \(its node keeper is gone\); "
-                        r"mpiexec exited with code 255", lines[0]), stderr
+                        rf"mpiexec exited with code {code}", lines[0]), stderr
+    time.sleep(1)
+    assert not hosts["h1"].processes() and not hosts["h1"].session_dirs(), hosts["h1"].described()
 
 
 def test_a_host_cut_off_ends_the_job_in_one_line_naming_it(hosts):
