@@ -195,12 +195,15 @@ def ended(job: subprocess.Popen, timeout: float) -> int | None:
 
 
 def kill_host(hosts, job):
-    """Every process of the job on h2 SIGKILLed, by pid (as when the host dies; its sshd lives on); the job's code
-    (None: still running after 30 s) and mpsrun's lines."""
+    """Every process of the job on h2 stopped, then SIGKILLed, by pid (as when the host dies, all at once: killed one
+    by one, the last could see the first go and stop their ranks; its sshd lives on); the job's code (None: still
+    running after 30 s) and mpsrun's lines."""
     job, stderr = job
-    for pid in hosts["h2"].processes():
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+    doomed = hosts["h2"].processes()
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in doomed:
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
     code = ended(job, 30)
     return code, stderr.text()
 

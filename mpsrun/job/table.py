@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 from mpsrun.exitcodes import ExitCode, Outcome, exit_code
 from mpsrun.job.outcome import RankEnd
 from mpsrun.rank.identity import RankIdentity
-from mpsrun.runtime.constants import HELLO_WAIT, STOP_SIGNALS
+from mpsrun.runtime.constants import HELLO_WAIT, RELAYED_INTERRUPT_WAIT, STOP_SIGNALS
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.loop import EventLoop
 from mpsrun.runtime.processes import ProcessRef, kill_group
@@ -174,9 +174,15 @@ class RankTable:
             elif isinstance(message, (Started, Exited)):
                 self._report(link, message)
             elif isinstance(message, Interrupted) and message.signal in STOP_SIGNALS:
-                self.events.interrupted(message.signal, id(link))
+                self._interrupted(link, message.signal)
             elif isinstance(message, (Found, Note, Peaks)) and _from_node(link):
                 self.events.relayed(message)
+
+    def _interrupted(self, link: Link, sig: int) -> None:
+        if _from_node(link):  # see RELAYED_INTERRUPT_WAIT
+            self.loop.after(RELAYED_INTERRUPT_WAIT, lambda: self.events.interrupted(sig, id(link)))
+        else:
+            self.events.interrupted(sig, id(link))
 
     def _hello(self, link: Link, hello: Hello) -> None:
         if not token_matches(hello.token, self.token):

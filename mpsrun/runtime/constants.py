@@ -64,6 +64,9 @@ DRAIN_TIMEOUT = 2.0
 #: An MPI launcher that ended while ranks ran: how long their own reports (relayed by node keepers under --hosts)
 #: may still come before the launcher's status is the job's.
 LAUNCHER_REPORT_WAIT = 2.0
+#: A stopping signal a node keeper relays from its ranks is heard this much later: when a host dies, the MPI launcher
+#: stops the other hosts' ranks too, and the dead host's lost link, a moment behind, is the cause to say.
+RELAYED_INTERRUPT_WAIT = 0.5
 #: A rank that reported its MPI_Abort: how long its launcher gets to end the job's other ranks (at once, measured with
 #: MPICH's Hydra and Open MPI) before mpsrun stops those left, unless the rank's supervisor is gone sooner.
 ABORT_WAIT = 2.0
