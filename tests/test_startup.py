@@ -241,6 +241,20 @@ def test_a_signal_inside_an_uninterrupted_block_is_acted_on_as_it_ends():
     assert steps[-1] == "plain"
 
 
+def test_a_signal_after_the_teardown_and_before_the_handlers_go_is_only_remembered():
+    """Once a job's teardown begins (``defer_to_the_end``), a stopping signal up to the end of the handlers' block
+    (NVML's shutdown comes there) is only remembered, for the job's end to say: it raised there, and a Ctrl-C as a
+    job ended was 'mpsrun: error: interrupted by SIGINT' instead of 'interrupted by SIGINT while ending the job'
+    (seen on a loaded machine)."""
+    from mpsrun.runtime.interrupts import Interrupts
+
+    with Interrupts() as interrupts:
+        interrupts.defer_to_the_end()
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert interrupts.received == [signal.SIGINT, signal.SIGTERM]
+
+
 SERVED = ("for i in $(seq 600); do grep -qs 'Starting new server' \"$MPSRUN_SESSION_DIR\"/gpu*/log/control.log "
           "&& exit 0; sleep 0.05; done")
 

@@ -146,12 +146,12 @@ class Job:
                 session = self.local.session if self.local is not None else None
                 failure = self._set_up(session, claim, channel)
                 controller = self._run(backend, session, program, channel, interrupts, failure)
-            finally:
-                with interrupts.deferred():
-                    gpus.drop_read_ahead()
-                    if channel is not None:
-                        channel.close()
-                    teardown_failure = self._close(session, claim)
+            finally:  # from here on a signal is only remembered, NVML's shutdown at the block's end included
+                interrupts.defer_to_the_end()
+                gpus.drop_read_ahead()
+                if channel is not None:
+                    channel.close()
+                teardown_failure = self._close(session, claim)
         late = interrupts.received[0] if interrupts.received else controller.late_signal
         result = controller.result(teardown_failure, late)
         if late is not None and result.cause == "signal" and not controller.judging.judge.failed:

@@ -70,6 +70,11 @@ class Interrupts:
             self.deferring = True  # the teardown this starts is not cut short by the next one
             raise InterruptionError(signal=sig)
 
+    def defer_to_the_end(self) -> None:
+        """Every signal from now to the block's end is only remembered (a teardown under way, and what follows it
+        before the handlers go: a signal there was an error)."""
+        self.deferring = True
+
     def in_force_here(self) -> bool:
         return self._thread == threading.get_ident()
 
