@@ -11,7 +11,6 @@ controller, so the backends differ only in what they start:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import sys
@@ -98,9 +97,10 @@ class MpiexecBackend:
         argv = self._argv(config, [*SHIM, "--", program, *config.command[1:]])
         return [self._spec(argv, env, config.ranks)]
 
-    def _spec(self, argv: tuple[str, ...], env: Mapping[str, str], ranks: int) -> LaunchSpec:
+    def _spec(self, argv: tuple[str, ...], env: Mapping[str, str], ranks: int, hosts: Sequence[str] = ()
+              ) -> LaunchSpec:
         return LaunchSpec("mpiexec", argv, env, tuple(range(ranks)), stdin=True,
-                          signal_status=SIGNAL_STATUS.get(self.flavour))
+                          signal_status=SIGNAL_STATUS.get(self.flavour), hosts=tuple(hosts))
 
 
 class HostsBackend(MpiexecBackend):
@@ -122,8 +122,7 @@ class HostsBackend(MpiexecBackend):
         per_node = [sys.executable, "-m", "mpsrun", "--per-node", "--", program, *config.command[1:]]
         # Open MPI gives each --host one slot: the ranks are spread over them (--oversubscribe).
         argv = self._argv(config, per_node, hosts, export=self.EXPORT, oversubscribe=bool(config.hosts))
-        hosts_named = tuple(values.host_names(config.hosts, config.hostfile))
-        return [dataclasses.replace(self._spec(argv, env, config.ranks), hosts=hosts_named)]
+        return [self._spec(argv, env, config.ranks, values.host_names(config.hosts, config.hostfile))]
 
 
 def choose_backend(config: JobConfig) -> Backend:

@@ -9,6 +9,7 @@ summary. Under ``--hosts`` each host's node keeper relays its ranks here
 from __future__ import annotations
 
 import functools
+import ipaddress
 import logging
 import signal
 import socket
@@ -36,10 +37,21 @@ log = logging.getLogger("mpsrun")
 
 def unheard(hosts: Sequence[str], heard: set[str]) -> list[str]:
     """The other hosts, of ``hosts`` as ``--hosts`` names them, from which no node keeper came (a keeper names its
-    host by its own host name; compared by short name). This host is left out: its launcher starts it without a
+    host by its own host name; names are compared short). This host is left out: its launcher starts it without a
     remote shell, and when the launcher failed elsewhere first, its keeper never came either."""
-    names = {name.split(".", 1)[0] for name in heard} | {"localhost", "127", socket.gethostname().split(".", 1)[0]}
-    return [host for host in hosts if host.split(".", 1)[0] not in names and host != "::1"]
+    here = {_short(name) for name in heard} | {"localhost", _short(socket.gethostname())}
+    return [host for host in hosts if _short(host) not in here and not _loopback(host)]
+
+
+def _short(name: str) -> str:
+    return name.split(".", 1)[0]
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name, not an address
+        return False
 
 
 class JobController(Controller):
@@ -78,7 +90,8 @@ class JobController(Controller):
         return self.judging.result(teardown_failure, late_signal)
 
     def run(self, first: Callable[[], object] | None = None, pending: Sequence[int] = ()) -> None:
-        """As every controller runs; then what an exited MPI launcher left in its group is killed."""
+        """As every controller runs; then what the MPI launchers had started and left is killed (see
+        :meth:`Launchers.kill_leftovers`)."""
         try:
             super().run(first, pending)
         finally:

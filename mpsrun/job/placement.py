@@ -260,7 +260,7 @@ def welcome(identity: RankIdentity, node: NodePlan, target_of: Callable[[int], G
     defaults += shared_gpu_defaults(env, plan.sharers, target.multiprocessors if target else None)
     defaults += rank_defaults(env, identity.rank)
     clients = plan.clients if "CUDA_MPS_PIPE_DIRECTORY" in env else None  # an MPS client's server's, when known
-    queues = _rank_queues(config.queues, clients) if "CUDA_MPS_PIPE_DIRECTORY" in env else None
+    queues = _rank_queues(config.queues, clients, "CUDA_MPS_PIPE_DIRECTORY" in env)
     if queues is not None:  # asked for on the command line: it wins over the caller's variable
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(queues)
     gpu_clients = clients if config.gpu_bind == "single" or ngpus == 1 else None
@@ -270,9 +270,12 @@ def welcome(identity: RankIdentity, node: NodePlan, target_of: Callable[[int], G
     return Admission(sent, _unlimited_gpu(plan, ngpus), plan if ngpus else None)
 
 
-def _rank_queues(queues: Queues, clients: int | None) -> int | None:
+def _rank_queues(queues: Queues, clients: int | None, mps_client: bool) -> int | None:
     """An MPS rank's hardware work queues: ``--queues`` N, or under ``auto`` as many as a plain process has while
-    its GPU's budget lasts among its server's ``clients`` (None where they are not known: MPS's default)."""
+    its GPU's budget lasts among its server's ``clients`` (None where they are not known: MPS's default). None for
+    a rank that is no MPS client."""
+    if not mps_client:
+        return None
     if queues == AUTO:
         return None if clients is None else client_connections(clients)
     return None if queues is None else int(queues)

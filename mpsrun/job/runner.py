@@ -78,11 +78,8 @@ def resolve_command(command: tuple[str, ...]) -> str:
 def first_host(config: JobConfig) -> str:
     """Where rank 0 runs: the first host of ``--hosts`` or of the host file (MPI launchers fill hosts in
     order), else this one."""
-    if config.hosts:
-        return config.hosts[0]
-    if config.hostfile:
-        return values.hostfile_lines(config.hostfile)[0].split()[0]
-    return "127.0.0.1"
+    names = values.host_names(config.hosts, config.hostfile)
+    return names[0] if names else "127.0.0.1"
 
 
 def make_output_dir(path: str | None) -> None:
