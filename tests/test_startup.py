@@ -265,7 +265,7 @@ SERVED = ("for i in $(seq 600); do grep -qs 'Starting new server' \"$MPSRUN_SESS
     (["sh", "-c", 'if [ "$RANK" = 1 ]; then exit 3; fi; trap "" TERM; sleep 1'], 0),  # rank 0 outlives the stop
 ])
 def test_the_launchers_ask_for_the_server_while_the_ranks_start(fake_gpu, path, program, servers):
-    """Each server is asked for 0.25 s after the first rank starts, before ranks that import a GPU framework reach
+    """Each server is asked for 0.25 s after the last rank has started, before ranks that import a GPU framework reach
     CUDA (its first client would otherwise wait for it): a job still running then gets its server without any
     client (its ranks, no CUDA clients, run until the daemon's log says it started one, or 30 s), and its teardown
     ends it; a job already stopping (a rank failed) asks for none."""
@@ -275,6 +275,20 @@ def test_the_launchers_ask_for_the_server_while_the_ranks_start(fake_gpu, path, 
     wait_processes_gone(fake_gpu)  # the session is kept: what the logs say is final once its processes are gone
     assert sum(text.count("Starting new server") for text in control_logs(fake_gpu)) == servers
     remove_kept(fake_gpu)
+
+
+def test_the_server_is_asked_for_once_the_last_rank_has_started():
+    """The cue to ask for the servers comes once, when the last of the job's ranks has started (a rank heard twice
+    counts once), never at the first rank's start: 48 short ranks took as long to start as the server's wait, and
+    the job paid for a server nobody used. Without a wait (None) there is no cue."""
+    from mpsrun.job.jobcontroller import ServerCue
+
+    cue = ServerCue(range(3), 0.25)
+    assert [cue.started(r) for r in (0, 0, 2)] == [None, None, None]
+    assert cue.started(1) == 0.25
+    assert cue.started(1) is None and cue.started(0) is None
+    lazy = ServerCue(range(1), None)
+    assert lazy.started(0) is None
 
 
 @pytest.mark.parametrize("path", ["per-node", "hosts"])

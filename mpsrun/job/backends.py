@@ -42,11 +42,11 @@ class Backend(Protocol):
     #: False when each host's node keeper starts that host's MPS daemons instead of the controller (its ranks then
     #: reach the job's controller over TCP; else at its socket in the session directory).
     owns_daemons: bool
-    #: When each MPS server is asked for, in seconds after the first rank starts, unless every rank has ended by
-    #: then; None: with its first client, as a hand-started daemon does. A server takes a while to become ready
-    #: and its first client waits for it: ranks that use the GPU from Python take longer than that to reach CUDA
-    #: (importing CuPy, PyTorch or JAX), so they do not wait, and a job over by then never pays for a server it
-    #: did not use (the figures are in docs/benchmarks.md).
+    #: When each MPS server is asked for, in seconds after the last of the job's ranks has started, unless every
+    #: rank has ended by then; None: with its first client, as a hand-started daemon does. A server takes a while to
+    #: become ready and its first client waits for it: ranks that use the GPU from Python take longer than that to
+    #: reach CUDA (importing CuPy, PyTorch or JAX), so they do not wait, and a job over by then never pays for a
+    #: server it did not use, however long its many ranks took to start (the figures are in docs/benchmarks.md).
     server_after: float | None
     #: The launcher starts before the MPS session (``Job``), its ranks waiting for their welcome: the session comes
     #: up while an MPI launcher starts its ranks.

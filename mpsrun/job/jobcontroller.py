@@ -54,10 +54,27 @@ def _loopback(host: str) -> bool:
         return False
 
 
+class ServerCue:
+    """When to ask for each MPS server: ``after`` seconds once the last of ``ranks`` has started (None: never, its first
+    client starts it). Not at the first rank's start: a job of many short ranks would still be starting its last ones
+    then, and would pay for a server none of them uses (its start, then its quit before the daemon's)."""
+
+    def __init__(self, ranks: range, after: float | None) -> None:
+        self._waiting = set(ranks) if after is not None else set()
+        self._after = after
+
+    def started(self, rank: int) -> float | None:
+        """The delay to ask after, once: when ``rank`` was the last to start; else None."""
+        if not self._waiting:
+            return None
+        self._waiting.discard(rank)
+        return None if self._waiting else self._after
+
+
 class JobController(Controller):
     """``ranks``: the job's ranks (0..N-1). ``early``: its MPI launcher, when it was started before the session
-    (it is watched from the start). ``server_after``: when to ask for each MPS server, in seconds after the first
-    rank starts (None: its first client starts it). ``note``: how to tell the user. ``usage_file``: under
+    (it is watched from the start). ``server_after``: when to ask for each MPS server, in seconds after the last
+    of its ranks has started (None: its first client starts it). ``note``: how to tell the user. ``usage_file``: under
     ``--hosts``, where to publish each rank's host, pid and peak device memory for ``mpsrun top``."""
 
     def __init__(self, listener: Listener, token: str, welcome: Admit, policy: Policy, *, ranks: int,
@@ -73,7 +90,7 @@ class JobController(Controller):
         self.abandoned = False  # the job cannot run: see abandon()
         self.late_signal: int | None = None  # a stopping signal once every rank had ended (see _on_signal)
         self._say = note
-        self._server_after = server_after
+        self._server_cue = ServerCue(self.expected, server_after)
         self._nodes_overdue = self._nodes_timer = False
         self._usage_file = usage_file  # under --hosts, for mpsrun top
         self._where: dict[int, tuple[str, int]] = {}  # each started rank's host and pid
@@ -125,9 +142,9 @@ class JobController(Controller):
         if self._usage_file is not None:
             self._where[state.rank] = (message.host, message.pid)
             self._publish_soon()
-        if self._server_after is not None:
-            self.loop.after(self._server_after, self._ask_servers)
-            self._server_after = None
+        delay = self._server_cue.started(state.rank)
+        if delay is not None:
+            self.loop.after(delay, self._ask_servers)
 
     def _ask_servers(self) -> None:
         """Start each server before its first client needs it, unless the job is stopping or over: once every rank

@@ -106,7 +106,7 @@ DAEMON_START_TIMEOUT = 30.0
 DAEMON_STOP_TIMEOUT = 10.0
 #: Holding this user's lock on the session root (node sessions start and end under it).
 LOCK_TIMEOUT = 60.0
-#: When the launchers ask for each MPS server, after the first rank starts (see job.backends).
+#: When the launchers ask for each MPS server, after the last rank has started (see job.backends).
 SERVER_AFTER = 0.25
 #: NVML is sampled this often: two looks in a row find a rank off MPS.
 WATCH_INTERVAL = 0.2
