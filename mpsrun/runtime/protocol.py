@@ -6,13 +6,12 @@ names them on the wire (``{"type": "hello", ...}``). Both ends use that declarat
 object, and :func:`decode` builds one only from a line whose every field has the declared type (anything else is
 dropped, so no handler sees a field of the wrong type). A peer's first message must carry the job's token; until a
 link is :meth:`admitted <Link.admit>`, a line may be at most :data:`HELLO_MAX` bytes, so a stranger who reaches a TCP
-port gets nothing parsed that it could make large.
-
-The annotations here are evaluated (no ``from __future__ import annotations``): :func:`decode` checks values
-against them.
+port gets nothing parsed that it could make large. The annotations here are evaluated (no ``from __future__ import
+annotations``): :func:`decode` checks values against them.
 """
 
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -172,28 +171,29 @@ Message = (Hello | Started | Exited | Interrupted | Found | Note | Peaks | Welco
            | Verdict | Say)
 MESSAGES: dict[str, type[Message]] = {
     "hello": Hello, "started": Started, "exited": Exited, "interrupted": Interrupted, "finding": Found, "note": Note,
-    "peaks": Peaks,
-    "welcome": Welcome, "admitted": Admitted, "refuse": Refusal, "signal": SignalRanks, "verdict": Verdict, "say": Say,
-}
+    "peaks": Peaks, "welcome": Welcome, "admitted": Admitted, "refuse": Refusal, "signal": SignalRanks,
+    "verdict": Verdict, "say": Say}
 _KIND = {cls: kind for kind, cls in MESSAGES.items()}
 
 
-def _fits(value: object, hint: object) -> bool:
-    """Whether a decoded JSON ``value`` has the declared type ``hint`` (a bool is not a number; an int is a float)."""
+@functools.cache
+def _checker(hint: object) -> Callable[[object], bool]:
+    """Whether a decoded JSON value has the declared type ``hint`` (a bool is not a number; an int is a float), as a
+    test worked out once per type: a welcome carries the caller's whole environment, checked at both ends."""
     if hint is object:
-        return True
-    if hint is type(None):
-        return value is None
+        return lambda value: True
     origin, args = get_origin(hint), get_args(hint)
     if origin is types.UnionType:
-        return any(_fits(value, arm) for arm in args)
+        arms = [_checker(arm) for arm in args]
+        return lambda value: any(arm(value) for arm in arms)
     if origin is dict:
-        return isinstance(value, dict) and all(_fits(k, args[0]) and _fits(v, args[1]) for k, v in value.items())
+        key, item = _checker(args[0]), _checker(args[1])
+        return lambda value: isinstance(value, dict) and all(key(k) and item(v) for k, v in value.items())
     if origin is list:
-        return isinstance(value, list) and all(_fits(v, args[0]) for v in value)
-    if isinstance(value, bool) and hint is not bool:
-        return False
-    return isinstance(value, (int, float) if hint is float else hint)  # type: ignore[arg-type]
+        item = _checker(args[0])
+        return lambda value: isinstance(value, list) and all(item(v) for v in value)
+    kinds = (int, float) if hint is float else hint
+    return lambda value: isinstance(value, kinds) and (hint is bool or not isinstance(value, bool))  # type: ignore
 
 
 def _checked(cls: type[Message], fields: dict[str, Any]) -> Message | None:
@@ -202,7 +202,7 @@ def _checked(cls: type[Message], fields: dict[str, Any]) -> Message | None:
     known: dict[str, Any] = {name: fields[name] for name in cls._fields if name in fields}
     if any(name not in known for name in cls._fields if name not in cls._field_defaults):
         return None
-    if not all(_fits(value, hints[name]) for name, value in known.items()):
+    if not all(_checker(hints[name])(value) for name, value in known.items()):
         return None
     return cls(**known)
 
