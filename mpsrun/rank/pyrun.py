@@ -5,24 +5,24 @@ instead of ``MPI_Finalize``, which waits forever for ranks that never come. Run 
 own and ``runpy``'s frames to every traceback, and a missing script becomes a 12-line traceback. This
 runner keeps the abort and reports errors as ``python FILE`` does: the program's frames only, and one
 line (exit code 2) for a script that cannot be opened.
+
+It runs in every Python rank's interpreter: what only a failure needs is imported when one comes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import runpy
-import signal
-import socket
 import sys
-from collections.abc import Callable
-from types import TracebackType
 
 from mpi4py.run import run_command_line, set_abort_status
 
-from mpsrun.exitcodes import ExitCode, Outcome, exit_code
 from mpsrun.runtime.constants import ABORT_SOCKET_VARIABLE
-from mpsrun.runtime.output import say
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import TracebackType
 
 #: How long the runner waits for its supervisor to report the rank's end before it calls MPI_Abort.
 ABORT_REPORT_WAIT = 10.0
@@ -58,6 +58,9 @@ def _before_abort(path: str, code: int, reason: str) -> None:
     mpi = sys.modules.get("mpi4py.MPI")
     if not path or code == 0 or mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
         return
+    import contextlib
+    import socket
+
     with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as channel:
         channel.settimeout(ABORT_REPORT_WAIT)
         channel.connect(path)
@@ -82,6 +85,10 @@ def _text(value: object, how: Callable[[object], str]) -> str:
 def _ending(exc: SystemExit | KeyboardInterrupt) -> tuple[int, str]:
     """The code MPI_Abort is to give (0: none) and the words for it. A code is a byte, as an exit status is, but never
     0 for a failure: ``sys.exit(256)`` would read as success (and a code past C's int failed in mpi4py)."""
+    import signal
+
+    from mpsrun.exitcodes import ExitCode, Outcome, exit_code
+
     if isinstance(exc, KeyboardInterrupt):
         return exit_code(Outcome("signal", signal.SIGINT)), "uncaught KeyboardInterrupt"
     if exc.code is None or exc.code == 0:
@@ -104,6 +111,9 @@ def main(args: list[str]) -> int:
         sys.excepthook = _program_only
         raise
     except BaseException as exc:
+        from mpsrun.exitcodes import ExitCode
+        from mpsrun.runtime.output import say
+
         tb = program_frames(exc.__traceback__)
         if tb is None and _unopenable(args, exc):
             assert isinstance(exc, OSError)

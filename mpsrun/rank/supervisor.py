@@ -27,7 +27,6 @@ from mpsrun.exitcodes import ExitCode, Outcome, exit_code, signal_name
 from mpsrun.rank.abort import AbortChannel
 from mpsrun.rank.command import exec_failure_code, through_mpi4py
 from mpsrun.rank.environ import rank_env
-from mpsrun.rank.frameworks import failure_reason
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.rank.join import Join, refused, report_failure, report_interrupt
 from mpsrun.runtime.constants import (
@@ -138,6 +137,8 @@ class RankSupervisor:
             return self.reported
         if self.returncode == ExitCode.OK:
             return self._finish(Outcome("ok", ExitCode.OK))
+        from mpsrun.rank.frameworks import failure_reason  # a failure's words only: every supervisor imports this module
+
         return self._finish(Outcome("rank-failed", self.returncode), failure_reason(self.env, *self.queue_budget))
 
     def _output_files(self) -> list[int]:
