@@ -24,8 +24,9 @@ __all__ = [
     "__version__", "mps_session", "shared", "tune",
 ]
 
-#: Where each name comes from, imported on first use (PEP 562): every process of a job imports this package (each
-#: rank's supervisor, and each Python rank's runner in the rank's own interpreter), and pays for nothing here.
+#: Where each name other than an error comes from; all are imported on first use (PEP 562): every process of a job
+#: imports this package (each rank's supervisor, and each Python rank's runner in the rank's own interpreter), and
+#: pays for nothing here.
 _LAZY = {"Session": "mpsrun.session.session", "mps_session": "mpsrun.session.session", "shared": "mpsrun.shared",
          "tune": "mpsrun.tuning"}
 
