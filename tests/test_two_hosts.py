@@ -228,8 +228,10 @@ def test_a_host_cut_off_ends_the_job_in_one_line_naming_it(hosts):
     """h2's link goes down mid-job (no FIN reaches h1): the job, which has no --timeout, ends once the link's
     keep-alive probes go unanswered (LINK_IDLE + LINK_PROBES x LINK_PROBE_EVERY, then --grace), with the launcher's
     code (MPICH's Hydra: 255) and one line of mpsrun's naming h2, and leaves nothing running on h1: not even the ssh
-    to h2 that mpiexec left in its group. It never ended before, and --timeout's end left that ssh running."""
-    job, stderr = started_job(hosts, "--grace", "1")
+    to h2 that mpiexec left in its group. It never ended before, and --timeout's end left that ssh running. The
+    --grace (5 s) is Hydra's to end on mpsrun's SIGTERM: on a loaded machine 1 s was too short, and mpsrun's SIGKILL
+    then gave 137 (a documented code, but not the launcher's own)."""
+    job, stderr = started_job(hosts, "--grace", "5")
     began = time.monotonic()
     hosts["h2"].run("ip", "link", "set", "eth0", "down", timeout=30)
     try:
