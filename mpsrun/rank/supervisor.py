@@ -137,7 +137,8 @@ class RankSupervisor:
             return self.reported
         if self.returncode == ExitCode.OK:
             return self._finish(Outcome("ok", ExitCode.OK))
-        from mpsrun.rank.frameworks import failure_reason  # a failure's words only: every supervisor imports this module
+        # Imported for a failure's words only: every rank's supervisor imports this module.
+        from mpsrun.rank.frameworks import failure_reason
 
         return self._finish(Outcome("rank-failed", self.returncode), failure_reason(self.env, *self.queue_budget))
 
