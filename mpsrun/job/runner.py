@@ -283,6 +283,7 @@ class Job:
             self._elapsed("ranks starting")
 
         controller.run(first=start, pending=pending)
+        interrupts.defer_to_the_end()  # the ranks are done: a signal from here on comes while the job ends
         self._elapsed("ranks done")
         self._report(controller, session)
         return controller
