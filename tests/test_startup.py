@@ -334,7 +334,7 @@ def test_a_signal_during_the_teardown_is_said(fake_gpu, short_tmp, path, sig):
     settle(fake_gpu)
 
 
-@pytest.mark.parametrize("path", ["local", "mpiexec"])
+@pytest.mark.parametrize("path", ["local", "mpiexec", "hosts"])
 @pytest.mark.slow
 def test_a_signal_as_the_ranks_are_done_is_said_as_one_while_ending(fake_gpu, path):
     """A SIGTERM as soon as ``-v`` says the ranks are done (the loop is over, the daemons' quit has begun, the report
