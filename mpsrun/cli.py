@@ -178,10 +178,10 @@ def _main(args: list[str]) -> int:
 
             return show(config)
         if config.per_node:
-            from mpsrun.node.pernode import run_per_node
+            from mpsrun.agent.pernode import run_per_node
 
             return run_per_node(config)
-        from mpsrun.job.runner import run_job
+        from mpsrun.job.run import run_job
 
         return run_job(config).exit_code
     except MPSError as exc:

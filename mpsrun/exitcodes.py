@@ -10,10 +10,12 @@ its exit status with :func:`exit_code`, so the paths cannot disagree. Standard l
 
 from __future__ import annotations
 
+import enum
 import signal
 from typing import NamedTuple
 
-__all__ = ["CAUSES", "ExitCode", "Outcome", "describe_returncode", "exit_code", "signal_name"]
+__all__ = ["CAUSES", "Cause", "ExitCode", "Outcome", "describe_returncode", "exit_code", "exit_status", "killed_by",
+           "signal_name"]
 
 
 class ExitCode:
@@ -29,16 +31,33 @@ class ExitCode:
     KILLED = 128 + signal.SIGKILL  # a rank lost without a word: as if SIGKILLed
 
 
-#: Why a job ended. ``rank-failed``/``launcher-failed``: ``detail`` is the process's returncode (-N: killed by
-#: signal N; None: lost without a report); ``signal``: the signal's number; ``setup``/``check-failed``/``decided``:
-#: the code itself (``decided``: what the job's controller told a rank's supervisor).
-CAUSES = ("ok", "rank-failed", "launcher-failed", "timeout", "signal", "check-failed", "setup", "decided")
+class Cause(str, enum.Enum):
+    """Why a job ended, as its report's ``cause`` says. ``rank-failed``/``launcher-failed``: an :class:`Outcome`'s
+    ``detail`` is the process's returncode (-N: killed by signal N; None: lost without a report); ``signal``: the
+    signal's number; ``setup``/``check-failed``/``decided``: the code itself (``decided``: what the job's agent told a
+    rank's supervisor); ``teardown-failed``: the job succeeded but its session could not be torn down."""
+
+    OK = "ok"
+    RANK_FAILED = "rank-failed"
+    LAUNCHER_FAILED = "launcher-failed"
+    TIMEOUT = "timeout"
+    SIGNAL = "signal"
+    CHECK_FAILED = "check-failed"
+    SETUP = "setup"
+    DECIDED = "decided"
+    TEARDOWN_FAILED = "teardown-failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+CAUSES = tuple(cause.value for cause in Cause)
 
 
 class Outcome(NamedTuple):
     """The facts a job's exit status is decided from: its first failure, and what came while it ended."""
 
-    cause: str = "ok"
+    cause: str = Cause.OK
     detail: int | None = None
     teardown_failed: bool = False  # the session could not be torn down
     late_signal: int | None = None  # a stopping signal that came while the job was ending
@@ -61,18 +80,32 @@ def exit_code(outcome: Outcome) -> int:
 
 
 def _first_failure(cause: str, detail: int | None) -> int:
-    if cause == "ok":
+    try:
+        known = Cause(cause)
+    except ValueError:
+        raise ValueError(f"unknown cause {cause!r}; one of {', '.join(CAUSES)}") from None
+    if known is Cause.OK:
         return ExitCode.OK
-    if cause in ("rank-failed", "launcher-failed"):
+    if known in (Cause.RANK_FAILED, Cause.LAUNCHER_FAILED):
         code = ExitCode.KILLED if detail is None else _shell(detail)
         return code or ExitCode.SETUP  # a launcher that ended 0 before its ranks ran still failed the job
-    if cause == "timeout":
+    if known is Cause.TIMEOUT:
         return ExitCode.TIMEOUT
-    if cause == "signal":
+    if known is Cause.SIGNAL:
         return 128 + (detail or 0)
-    if cause in ("setup", "check-failed", "decided"):
-        return ExitCode.SETUP if detail is None else detail
-    raise ValueError(f"unknown cause {cause!r}; one of {', '.join(CAUSES)}")
+    return ExitCode.SETUP if detail is None else detail  # setup, check-failed, decided, teardown: the code itself
+
+
+def exit_status(code: int) -> bool:
+    """Whether ``code`` is an exit status a process can have (0-255)."""
+    return 0 <= code <= 255
+
+
+def killed_by(launcher_status: int, signal_offset: int | None) -> int | None:
+    """The signal an MPI launcher says killed one of its processes, by its exit status and its way of saying it (it
+    exits with ``signal_offset`` + S: Open MPI's 128); None where the status says no such thing."""
+    number = launcher_status - signal_offset if signal_offset is not None else 0
+    return number if 2 <= number < 65 else None
 
 
 def signal_name(number: int) -> str:

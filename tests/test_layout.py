@@ -24,8 +24,8 @@ LAYERS = [
     {"mps"},
     {"session"},
     {"shared"},
+    {"agent"},
     {"job"},
-    {"node"},
     {"tools", "tuning"},
     {"cli", "_entry", "__main__", "__init__"},
 ]

@@ -150,7 +150,6 @@ def parse_options(words: Sequence[str], environ: Mapping[str, str], version: str
         raise ConfigError("-v/--verbose and -q/--quiet cannot be used together", setting="--quiet")
     if found.get("hosts") and found.get("hostfile"):
         raise ConfigError("give --hosts or --hostfile, not both", setting="--hosts")
-    values.check_shares(found.get("thread_percentage"), found.get("nranks"))  # said here, before anything starts
     return found
 
 

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+from mpsrun.agent.plan import mpi4py_available
 from mpsrun.config import values
 from mpsrun.config.options import JobConfig, option_variables
 from mpsrun.errors import ConfigError
@@ -141,6 +142,6 @@ def choose_backend(config: JobConfig) -> Backend:
         if found is None:
             raise ConfigError("--launcher mpiexec: no mpiexec or mpirun on PATH", setting="--launcher")
         return MpiexecBackend(found)
-    if found is not None and (config.mpiexec or mpi.mpi4py_available()):
+    if found is not None and (config.mpiexec or mpi4py_available()):
         return MpiexecBackend(found)
     return LocalBackend()

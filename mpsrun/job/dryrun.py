@@ -1,6 +1,6 @@
 """``mpsrun --dry-run``: the job's plan, printed, with nothing started (no daemon, no rank, no directory).
 
-Each rank's variables come from the same :func:`mpsrun.job.placement.welcome` a running job uses, so what is printed
+Each rank's variables come from the same :func:`mpsrun.agent.plan.welcome` a running job uses, so what is printed
 is what the ranks would get, with the session's paths and the rendezvous port written as placeholders. Without a
 driver (a login node checking a batch script) the GPUs are the positions ``--gpus`` names, and what depends on them
 (their UUIDs, free memory for ``--mem-limit auto``, their SMs for NCCL's cap) is said to be read when the job starts.
@@ -13,13 +13,12 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from mpsrun.agent.plan import NodePlan, mpi4py_abort, mpi4py_available, rendezvous, welcome
 from mpsrun.config.options import JobConfig
 from mpsrun.config.values import AUTO, mib_text
 from mpsrun.errors import ConfigError, MPSError, NoDriverError
 from mpsrun.exitcodes import ExitCode
-from mpsrun.job.channel import rendezvous
-from mpsrun.job.mpiexec import find_mpiexec, mpi4py_abort, mpi4py_available
-from mpsrun.job.placement import NodePlan, welcome
+from mpsrun.job.mpiexec import find_mpiexec
 from mpsrun.mps import gpus as gpu_info
 from mpsrun.mps.daemon import unavailable_reason
 from mpsrun.mps.environment import GpuTarget
@@ -64,7 +63,7 @@ def plan_lines(config: JobConfig) -> list[str]:
                           "(each node's ranks get the plan of their place on that node)", setting="--dry-run")
     found, why = _gpus(config)
     count = len(found) or len(config.gpus or (0,))
-    node = NodePlan.make(config, count, config.ranks, [g.memory_free for g in found])
+    node = NodePlan.make(config, count, config.ranks, [g.memory_free for g in found], config.ranks)
     plans = node.ranks(config.ranks)
     targets = _targets(config, found, count)
     lines = _header(config, found, why, count)
@@ -104,8 +103,8 @@ def _variables(node: NodePlan, rank: int, targets: Sequence[GpuTarget]) -> dict[
     config = node.config
     identity = RankIdentity(rank, rank, config.ranks, config.ranks)
     abort = mpi4py_abort(config.mpi4py_abort)
-    given = welcome(identity, node, lambda p: targets[0 if config.gpu_bind == "none" else p], abort,
-                    session_dir=SESSION).welcome
+    given, _ = welcome(identity, node, lambda p: targets[0 if config.gpu_bind == "none" else p], abort,
+                       session_dir=SESSION)
     env = dict(given.env)
     for group in given.defaults:
         if not any(name in os.environ for name in group):  # the caller's values win, as in a running job

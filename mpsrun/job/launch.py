@@ -49,7 +49,7 @@ class Launched:
         self.spec = spec
         self.popen: subprocess.Popen[bytes] | ForkedSupervisor
         if spec.fork:
-            from mpsrun.rank.forked import ForkedSupervisor  # the local launcher's (see job.runner)
+            from mpsrun.rank.forked import ForkedSupervisor  # the local launcher's only
 
             self.popen = ForkedSupervisor(spec.argv, spec.env, spec.stdin)
         else:
@@ -95,23 +95,22 @@ class Launchers:
         for _ in range(min(self.PER_TURN, len(self.pending))):
             spec = self.pending.pop(0)
             try:
-                self._start(spec)
+                self.start(spec)
             except OSError as exc:
                 self.on_error(spec, exc)
                 break  # the job is failing: on_error cancels the rest
         if self.pending:
             self.loop.after(0, self._next)
 
-    def _start(self, spec: LaunchSpec) -> None:
-        self.adopt(Launched(spec))
-
-    def adopt(self, started: Launched) -> None:
-        """Watch a process started before the loop ran (the mpiexec launcher's head start)."""
+    def start(self, spec: LaunchSpec) -> Launched:
+        """Start one now (raises OSError), watched from the loop's next turn (the mpiexec launcher's head start)."""
+        started = Launched(spec)
         self.started.append(started)
         if started.fd is not None:
             self.loop.watch(started.fd, functools.partial(self._exited, started))
         else:  # no pidfds on this kernel: a bounded poll interval
             self._poll(started)
+        return started
 
     def cancel(self) -> list[int]:
         """Start nothing more (the job is stopping); the ranks that will now never start."""

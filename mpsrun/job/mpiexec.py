@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import os
 import shutil
 import signal
@@ -21,7 +19,6 @@ __all__ = [
     "find_mpiexec",
     "flavour_of_version",
     "host_arguments",
-    "mpi4py_available",
     "mpiexec_command",
 ]
 
@@ -39,17 +36,6 @@ def find_mpiexec(explicit: str | None = None) -> str | None:
         # The same directory, not just the same file: a launcher finds its helpers beside the path it was run by.
         return name if found and os.path.abspath(found) == os.path.abspath(explicit) else explicit
     return next((name for name in ("mpiexec", "mpirun") if shutil.which(name)), None)
-
-
-@functools.cache
-def mpi4py_available() -> bool:
-    """Whether this interpreter has mpi4py (asked once: a search of every path entry)."""
-    return importlib.util.find_spec("mpi4py") is not None
-
-
-def mpi4py_abort(setting: str) -> bool:
-    """Whether Python ranks run under mpi4py's runner: ``--mpi4py-abort`` is on, and mpi4py is installed."""
-    return setting == "on" and mpi4py_available()
 
 
 def flavour_of_version(text: str) -> str:

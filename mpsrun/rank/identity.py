@@ -64,9 +64,6 @@ class RankIdentity(NamedTuple):
     world_size: int | None = None
     local_world_size: int | None = None
 
-    def to_json(self) -> dict[str, int | None]:
-        return dict(self._asdict())
-
     def impossible(self) -> str | None:
         """What makes this identity impossible (a rank beyond a size the launcher gave), or None."""
         local_size, size = self.local_world_size, self.world_size
@@ -79,14 +76,17 @@ class RankIdentity(NamedTuple):
         return None
 
     @classmethod
-    def from_json(cls, data: Mapping[str, object]) -> RankIdentity:
-        values = {k: data.get(k) for k in ("rank", "local_rank", "world_size", "local_world_size")}
+    def checked(cls, rank: int | None, local_rank: int | None, world_size: int | None = None,
+                local_world_size: int | None = None) -> RankIdentity:
+        """An identity as a hello gives it; ValueError for one that names no rank, or a negative number."""
+        values = {"rank": rank, "local_rank": local_rank, "world_size": world_size,
+                  "local_world_size": local_world_size}
         for name, value in values.items():
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            if value is not None and value < 0:
                 raise ValueError(f"{name} must be a whole number, not {value!r}")
-        if values["rank"] is None or values["local_rank"] is None:
+        if rank is None or local_rank is None:
             raise ValueError("a rank identity needs rank and local_rank")
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(rank, local_rank, world_size, local_world_size)
 
 
 def identity_from_env(env: Mapping[str, str]) -> RankIdentity | None:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from mpsrun.errors import InterruptionError, MPSError
-from mpsrun.exitcodes import ExitCode, Outcome, exit_code, signal_name
+from mpsrun.exitcodes import Cause, ExitCode, Outcome, exit_code, exit_status, signal_name
 from mpsrun.rank.abort import AbortChannel
 from mpsrun.rank.command import exec_failure_code, through_mpi4py
 from mpsrun.rank.environ import rank_env
@@ -268,7 +268,7 @@ class RankSupervisor:
         """A signal from outside (srun, mpiexec, a user): pass it on, and tell the controller it stops the job."""
         self._signal(sig)
         if sig in STOP_SIGNALS and self.returncode is None and self.reported is None:
-            self.link.send(Interrupted(sig, self.rank))
+            self.link.send(Interrupted(sig))
 
     def _overdue(self) -> None:
         """The job's controller let its --timeout pass without ending this rank: end it as the controller would."""
@@ -295,7 +295,7 @@ class RankSupervisor:
                 self._said(message)
 
     def _finish(self, own: Outcome, reason: str = "", aborting: bool = False) -> int:
-        returncode = own.detail if own.cause != "ok" else ExitCode.OK
+        returncode = ExitCode.OK if own.cause == Cause.OK else ExitCode.SETUP if own.detail is None else own.detail
         wall = self.wall if self.wall is not None or self.began is None else round(time.monotonic() - self.began, 3)
         self.link.send(Exited(self.rank, returncode, reason, aborting=aborting, wall=wall, cpu=self.cpu))
         # The job's end is not cut short: a signal is noted only, also one that comes as the block ends (a deferral
@@ -337,7 +337,7 @@ class RankSupervisor:
             return own
         for line in verdict.lines:
             say_line(line)
-        return Outcome("decided", verdict.exit_code) if 0 <= verdict.exit_code <= 255 else own
+        return Outcome(Cause.DECIDED, verdict.exit_code) if exit_status(verdict.exit_code) else own
 
 
 def run_rank(command: Sequence[str], identity: RankIdentity, join: Join, token: str) -> int:
@@ -346,7 +346,7 @@ def run_rank(command: Sequence[str], identity: RankIdentity, join: Join, token: 
     set_parent_death_signal(signal.SIGTERM)  # our launcher gone: stop the rank like a SIGTERM
     if os.getppid() != parent:
         return exit_code(Outcome("signal", signal.SIGTERM))
-    hello = Hello("rank", token, identity.to_json(), socket.gethostname(), os.getpid(),
+    hello = Hello("rank", token, identity.rank, identity.local_rank, identity.world_size, identity.local_world_size,
                   os.environ.get("CUDA_VISIBLE_DEVICES"))
     try:
         with Interrupts():

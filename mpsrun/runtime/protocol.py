@@ -25,28 +25,30 @@ from mpsrun.runtime.constants import CONNECT_TIMEOUT
 from mpsrun.runtime.deadline import Deadline, backoff
 from mpsrun.runtime.keepalive import keep_alive
 
-__all__ = ["HELLO_MAX", "LINE_MAX", "MESSAGES", "Admitted", "Exited", "Found", "Hello", "Interrupted", "Link",
-           "Listener", "Message", "Note", "Peaks", "Peer", "Refusal", "Say", "SignalRanks", "Started", "Verdict",
-           "Welcome", "connect", "decode", "encode", "new_token"]
+__all__ = ["HELLO_MAX", "LINE_MAX", "MESSAGES", "Admitted", "Ended", "Exited", "Found", "Hello", "Interrupted",
+           "Link", "Listener", "Message", "Note", "Peaks", "Refusal", "Say", "SignalRanks", "Started", "Stop",
+           "Verdict", "Welcome", "connect", "decode", "encode", "new_token"]
 
 HELLO_MAX = 1 << 16  # a peer that has not shown the token: its hello, and nothing longer
 LINE_MAX = 1 << 24  # an admitted peer that sends more without a newline is not one of ours (a welcome carries
 # the caller's environment, which Linux lets grow to a quarter of the stack limit: 2 MiB by default)
 
 
-# -- up: from a rank supervisor, or under --hosts from a node keeper relaying for its ranks --------------------------
+# -- up: from a rank supervisor to its node's agent, or under --hosts from an agent to the job's command --------------
 
 class Hello(NamedTuple):
-    """A peer's first word: a rank's supervisor (``role`` "rank") or a node keeper ("node")."""
+    """A peer's first word: a rank's supervisor (``role`` "rank", with its identity) or a node's agent ("node", with
+    its host's name)."""
 
     role: str
     token: str
-    identity: dict[str, int | None] | None = None  # a rank's RankIdentity
-    host: str = ""
-    shim: int = 0  # the supervisor's pid
-    devices: str | None = None  # the CUDA_VISIBLE_DEVICES it was started with
-    settings: dict[str, object] | None = None  # --per-node: the options the rank was started with
-    node: str = ""  # a node keeper's host
+    rank: int | None = None
+    local_rank: int | None = None
+    world_size: int | None = None
+    local_world_size: int | None = None
+    devices: str | None = None  # the CUDA_VISIBLE_DEVICES the rank was started with
+    settings: str = ""  # --per-node: the options the rank was started with (JobConfig.settings, as JSON)
+    node: str = ""
 
 
 class Started(NamedTuple):
@@ -59,33 +61,45 @@ class Started(NamedTuple):
 
 
 class Exited(NamedTuple):
-    """A rank ended (``returncode`` None: lost unreported); from ``wall`` on, its account (``job.account``)."""
+    """A rank's program ended (its supervisor's word): its returncode, why where the supervisor can tell, whether it
+    called MPI_Abort, and its seconds running and of CPU."""
+
+    rank: int
+    returncode: int
+    reason: str = ""
+    aborting: bool = False
+    wall: float | None = None
+    cpu: float | None = None
+
+
+class Ended(NamedTuple):
+    """Under --hosts, an agent's word on one of its ranks' end (``returncode`` None: lost unreported), with its
+    account (``mpsrun.agent.account``: memory in MiB, times in seconds)."""
 
     rank: int
     returncode: int | None
     reason: str = ""
-    pid: int | None = None
-    aborting: bool = False  # it called MPI_Abort
-    wall: float | None = None
-    cpu: float | None = None
+    aborting: bool = False
     host: str = ""
+    pid: int | None = None
     gpu: int | None = None
     mps: bool | None = None
-    memory_peak: int | None = None  # these three in MiB
+    memory_peak: int | None = None
     memory_limit: int | None = None
     memory_share: int | None = None
     thread_percentage: int | None = None
+    wall: float | None = None
+    cpu: float | None = None
 
 
 class Interrupted(NamedTuple):
-    """A stopping signal reached a rank's supervisor (or a node keeper) from outside."""
+    """A stopping signal reached a rank's supervisor (or an agent) from outside."""
 
     signal: int
-    rank: int | None = None
 
 
 class Found(NamedTuple):
-    """A node keeper's finding for the job's controller (``fatal``: it fails the job, with ``code``)."""
+    """An agent's finding for the job's command (``fatal``: it fails the job, with ``code``)."""
 
     message: str
     fatal: bool
@@ -93,21 +107,21 @@ class Found(NamedTuple):
 
 
 class Note(NamedTuple):
-    """A line a node keeper has for the job's summary."""
+    """A line an agent has for the job's summary."""
 
     text: str
 
 
 class Peaks(NamedTuple):
-    """A node keeper's ranks' peak device memory so far (MiB, by rank), for ``mpsrun top`` on the job's host."""
+    """An agent's ranks' peak device memory so far (MiB, by rank), for ``mpsrun top`` on the job's host."""
 
     peaks: dict[str, int]
 
 
-# -- down: the controller's answers and orders -----------------------------------------------------------------------
+# -- down: an agent's (or the command's) answers and orders ---------------------------------------------------------
 
 class Welcome(NamedTuple):
-    """A rank admitted: its environment and how its supervisor runs it (from :func:`mpsrun.job.placement.welcome`).
+    """A rank admitted: its environment and how its supervisor runs it (from :func:`mpsrun.agent.plan.welcome`).
 
     ``env``: mpsrun's own variables; ``defaults``: groups of variables each given only where the caller set none of
     the group; ``managed``: mpsrun's variables to drop from the caller's; ``restore``: what a launcher rewrote
@@ -130,12 +144,12 @@ class Welcome(NamedTuple):
 
 
 class Admitted(NamedTuple):
-    """A node keeper's hello was taken: it may relay for its ranks."""
+    """A node's agent was taken (under --hosts), or a node's agent is ready (to the rank that started it)."""
 
 
 class Refusal(NamedTuple):
-    """A peer not admitted. ``retry``: come again (to a new node keeper); ``linger``: the node's last rank waits
-    until its keeper is gone; ``failed``: the keeper could not start, ``heard`` by the rank that started it."""
+    """A peer not admitted. ``retry``: come again (to a new agent); ``linger``: the node's last rank waits until its
+    agent is gone; ``failed``: the agent could not start, ``heard`` by the rank that started it."""
 
     exit_code: int = ExitCode.SETUP
     message: str = ""
@@ -146,33 +160,38 @@ class Refusal(NamedTuple):
 
 
 class SignalRanks(NamedTuple):
-    """Pass ``signal`` to these ranks (None: all the link's)."""
+    """Pass ``signal`` to the link's rank."""
 
     signal: int
-    ranks: list[int] | None = None
+
+
+class Stop(NamedTuple):
+    """The job's command to an agent: stop the ranks with ``signal``; ``exit_code``: the job's, once it failed."""
+
+    signal: int
+    exit_code: int | None = None
 
 
 class Verdict(NamedTuple):
-    """How the job ended for ``rank``: its exit code, lines to say, and whether to wait for the node's end."""
+    """How the job ended for a rank: its exit code, lines to say, and whether to wait for the node's end."""
 
-    rank: int
     exit_code: int
     lines: list[str] = []  # noqa: RUF012 - never changed: a NamedTuple's default is shared
     linger: bool = False
 
 
 class Say(NamedTuple):
-    """A node keeper's word for the user, said by the rank's supervisor."""
+    """An agent's word for the user, said by the rank's supervisor."""
 
     text: str
 
 
-Message = (Hello | Started | Exited | Interrupted | Found | Note | Peaks | Welcome | Admitted | Refusal | SignalRanks
-           | Verdict | Say)
+Message = (Hello | Started | Exited | Ended | Interrupted | Found | Note | Peaks | Welcome | Admitted | Refusal
+           | SignalRanks | Stop | Verdict | Say)
 MESSAGES: dict[str, type[Message]] = {
-    "hello": Hello, "started": Started, "exited": Exited, "interrupted": Interrupted, "finding": Found, "note": Note,
-    "peaks": Peaks, "welcome": Welcome, "admitted": Admitted, "refuse": Refusal, "signal": SignalRanks,
-    "verdict": Verdict, "say": Say}
+    "hello": Hello, "started": Started, "exited": Exited, "ended": Ended, "interrupted": Interrupted,
+    "finding": Found, "note": Note, "peaks": Peaks, "welcome": Welcome, "admitted": Admitted, "refuse": Refusal,
+    "signal": SignalRanks, "stop": Stop, "verdict": Verdict, "say": Say}
 _KIND = {cls: kind for kind, cls in MESSAGES.items()}
 
 
@@ -227,14 +246,6 @@ def decode(line: bytes) -> Message | None:
     return None if cls is None else _checked(cls, data)
 
 
-class Peer(NamedTuple):
-    """Who an admitted link's peer is: a rank's supervisor (``role`` "rank", its rank) or a node keeper ("node")."""
-
-    role: str
-    rank: int | None = None
-    node: str = ""
-
-
 def new_token() -> str:
     """The job's secret, as ``secrets.token_hex(16)`` makes one (without hashlib and OpenSSL in every supervisor)."""
     return os.urandom(16).hex()
@@ -255,7 +266,7 @@ class Link:
         self.fd = sock.fileno()  # kept after close, to stop waiting on it
         self.closed = self.broken = False
         self.ended = False  # the peer's end was read
-        self.peer: Peer | None = None  # who the peer is, once admitted
+        self.admitted = False  # the peer has shown the job's token
         self._line_max = line_max
         self._buffer = b""
 
@@ -266,9 +277,9 @@ class Link:
     def usable(self) -> bool:
         return not (self.closed or self.broken or self.ended)
 
-    def admit(self, peer: Peer) -> None:
-        """The peer has shown the job's token: it is ``peer`` from now on, and may send lines of any length."""
-        self.peer = peer
+    def admit(self) -> None:
+        """The peer has shown the job's token: it may send lines of any length."""
+        self.admitted = True
         self._line_max = LINE_MAX
 
     def send(self, message: Message) -> bool:

@@ -85,6 +85,7 @@ class Session:
         stop_timeout: float = DAEMON_STOP_TIMEOUT,
         gpu_bind: str = "single",
         workers: int | None = None,
+        claim: SessionClaim | None = None,
     ) -> None:
         self._requested = values.parse_gpu_arguments(gpu, gpus)
         self._named = self._requested is not None and (gpu is not None or gpus is not None)  # not the default
@@ -105,7 +106,8 @@ class Session:
         self.export = None if export is None else values.parse_flag(export, "export")
         self.gpus: list[GPU] = []
         self._daemons = DaemonSet([], shared=False)
-        self._claim: SessionClaim | None = None
+        self._claim = claim  # a node agent's (made before the session starts: it holds the agent's socket); or ours
+        self._own_claim = claim is None  # an API session's: its words, its export, a directory only under MPS
         self.enabled = False
         self.disabled_reason: str | None = None
         self.teardown_errors: list[BaseException] = []
@@ -168,19 +170,16 @@ class Session:
         starting (clients that connect meanwhile are queued by the daemon); call :meth:`wait_active` before
         relying on them.
         """
-        return self._start(None, "active" if wait_active else "requested", None, None)
+        return self._start("active" if wait_active else "requested", None, None)
 
-    def start_in(self, claim: SessionClaim, defaults: DaemonDefaults,
-                 meanwhile: Callable[[], object] | None = None) -> Session:
-        """Start the ``mpsrun`` command's or a node keeper's session in ``claim`` (their directory, made already: it
-        holds their control socket, also without MPS), with ``defaults`` as the ranks' plans decide them. Servers
-        start with their first client, as a hand-started daemon's do; ``meanwhile`` runs while the daemons come up.
-        The claim is released on :meth:`close`, also after a failed start (mpiexec's ranks may still reach it)."""
-        return self._start(claim, "lazy", defaults, meanwhile)
+    def start_lazy(self, defaults: DaemonDefaults, meanwhile: Callable[[], object] | None = None) -> Session:
+        """Start a node agent's session in the claim it was made with, with ``defaults`` as the ranks' plans decide
+        them. Servers start with their first client, as a hand-started daemon's do; ``meanwhile`` runs while the
+        daemons come up."""
+        return self._start("lazy", defaults, meanwhile)
 
-    def _start(self, claim: SessionClaim | None, server: str, defaults: DaemonDefaults | None,
-               meanwhile: Callable[[], object] | None) -> Session:
-        own = claim is None  # an API session: its own directory (only with MPS), its own words, its export
+    def _start(self, server: str, defaults: DaemonDefaults | None, meanwhile: Callable[[], object] | None) -> Session:
+        own = self._own_claim
         self.resolve()
         if self._state != "resolved":
             raise MPSError(f"this session is {self._state}; make a new one with mps_session()")
@@ -189,8 +188,9 @@ class Session:
         if defaults is not None:
             self._defaults = defaults
         try:
-            if self.disabled_reason is None or not own:
-                self._claim = claim or SessionClaim.make(self.base, "api", keep_logs=self.keep_logs)
+            if self._claim is None and self.disabled_reason is None:
+                self._claim = SessionClaim.make(self.base, "api", keep_logs=self.keep_logs)
+            if self._claim is not None:
                 self._claim.add_gpus([g.uuid for g in self.gpus], [group[0].index for group in self._daemons.groups()])
             if self.disabled_reason is None:
                 self._start_daemons(server, meanwhile)
@@ -204,7 +204,7 @@ class Session:
         except BaseException:
             self._state = "failed"
             with contextlib.suppress(Exception):
-                self._teardown(release=own)
+                self._teardown()
             raise
         self._state = "running"
         return self
@@ -236,6 +236,11 @@ class Session:
             except MPSError as exc:
                 log.warning("mpsrun: warning: %s; should mpsrun be killed, the processes of rank(s) with pid %s may "
                             "outlive it", exc, ", ".join(str(rank.pid) for rank in ranks))
+
+    def add_launcher(self, pid: int) -> None:
+        """Record the job's MPI launcher (its process group), for the reaper to end with the session."""
+        if self._claim is not None:
+            self._claim.add_launcher(pid)
 
     @property
     def state(self) -> str:
@@ -314,14 +319,23 @@ class Session:
 
     # -- stopping -------------------------------------------------------------------------
 
-    def _teardown(self, release: bool = True) -> list[BaseException]:
+    def _teardown(self) -> list[BaseException]:
+        """Stop the daemons and restore the environment; an API session's own claim is released here at once (an
+        agent's, which its ranks may still reach, at :meth:`close`)."""
         if self._exported is not None:
             self._exported.restore()
             self._exported = None
         errors = self._daemons.stop(self.stop_timeout)
-        if self._claim is not None and release:
-            errors += self._claim.release()
+        if self._own_claim:
+            errors += self._release()
         return errors
+
+    def _release(self) -> list[BaseException]:
+        """The one place a session's claim is released: its directory removed (kept, with the daemons' logs, under
+        keep_logs once daemons ran) and its reaper told."""
+        if self._claim is None:
+            return []
+        return self._claim.release(self.keep_logs and bool(self._daemons.daemons))
 
     def begin_close(self) -> None:
         """Every worker has ended: begin stopping the daemons in the background; :meth:`close` finishes."""
@@ -331,13 +345,12 @@ class Session:
     def close(self) -> None:
         """Stop the daemons and servers, restore the environment, remove the directories; raise
         :class:`TeardownError` if something could not be (nothing in a forked child, or when called again)."""
-        if self._state in ("new", "resolved"):  # never started: nor can it be any more
-            self._state = "closed"
+        if self._state == "closed" or (self._owner_pid is not None and self._owner_pid != os.getpid()):
             return
-        if self._owner_pid != os.getpid() or self._state == "closed":
-            return
-        failed, self._state = self._state == "failed", "closed"
-        self.teardown_errors = self._claim.release() if failed and self._claim else self._teardown()
+        started, self._state = self._state in ("starting", "running"), "closed"  # (a failed start tore down)
+        self.teardown_errors = self._teardown() if started else []
+        if not self._own_claim or not started:  # an agent's claim, or one never used: released now
+            self.teardown_errors += self._release()
         if self.teardown_errors:
             raise TeardownError("session teardown failed: " + "; ".join(str(e) for e in self.teardown_errors),
                                 errors=self.teardown_errors)

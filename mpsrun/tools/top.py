@@ -30,10 +30,10 @@ from pathlib import Path
 
 import psutil
 
+from mpsrun.agent.account import cell
 from mpsrun.config.commandline import OneLineParser
 from mpsrun.errors import MPSError
 from mpsrun.exitcodes import ExitCode
-from mpsrun.job.account import cell
 from mpsrun.mps import gpus as gpu_info
 from mpsrun.runtime.files import read_log
 from mpsrun.runtime.processes import ProcessRef

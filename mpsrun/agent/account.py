@@ -1,9 +1,9 @@
 """Each rank's account at the job's end: where it ran, its peak device memory, its time, how it ended.
 
-The controller that owns a rank's host builds its account (:meth:`mpsrun.job.controller.Controller.account`); under
-``--hosts`` a node keeper sends its ranks' accounts in their :class:`~mpsrun.runtime.protocol.Exited` messages, so
-the job's controller holds every rank's. ``-v`` prints them as a table, ``--report FILE`` writes them as JSON (with
-the memory samples), and :func:`memory_hint` names ranks whose peak and memory limit are far apart.
+The agent of a rank's node tells the rank's end with its account (:class:`~mpsrun.runtime.protocol.Ended`, in the same
+process or from each host under ``--hosts``), so whoever decides the job holds every rank's. ``-v`` prints them as a
+table, ``--report FILE`` writes them as JSON (with the memory samples), and :func:`memory_hint` names ranks whose peak
+and memory limit are far apart.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from mpsrun.agent.outcome import ranges
 from mpsrun.config.values import mib_text
-from mpsrun.job.outcome import ranges
 from mpsrun.mps.usage import Sample, UsageSampler
 from mpsrun.runtime.output import printable
-from mpsrun.runtime.protocol import Exited
+from mpsrun.runtime.protocol import Ended
 
 if TYPE_CHECKING:
     from mpsrun.config.options import JobConfig
@@ -57,16 +57,10 @@ class RankAccount:
     cause: str
 
     @classmethod
-    def relayed(cls, message: Exited, cause: str) -> RankAccount:
-        """A rank's account as its node keeper sent it."""
-        return cls(message.rank, message.host, message.pid, message.gpu, message.mps, message.memory_peak,
-                   message.memory_limit, message.memory_share, message.thread_percentage, message.wall, message.cpu,
-                   message.returncode, cause)
-
-    def message(self, reason: str, aborting: bool) -> Exited:
-        """The :class:`Exited` a node keeper relays for this rank."""
-        return Exited(self.rank, self.exit_code, reason, self.pid, aborting, self.wall, self.cpu, self.host, self.gpu,
-                      self.mps, self.memory_peak, self.memory_limit, self.memory_share, self.thread_percentage)
+    def of(cls, ended: Ended, cause: str) -> RankAccount:
+        """A rank's account from its end as its agent told it, and the ``cause`` the job's decision gives it."""
+        return cls(ended.rank, ended.host, ended.pid, ended.gpu, ended.mps, ended.memory_peak, ended.memory_limit,
+                   ended.memory_share, ended.thread_percentage, ended.wall, ended.cpu, ended.returncode, cause)
 
 
 def cell(value: object, unit: str = "") -> str:

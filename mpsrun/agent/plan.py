@@ -7,12 +7,14 @@ their daemons :func:`daemon_defaults`, from the same rules.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from mpsrun.config.options import JobConfig
-from mpsrun.config.values import AUTO, Auto, Queues
+from mpsrun.config.values import AUTO, Auto, Queues, check_shares
 from mpsrun.errors import ConfigError
 from mpsrun.mps.environment import MANAGED_VARIABLES, GpuTarget, worker_variables
 from mpsrun.mps.limits import GPU_CONNECTIONS, DaemonDefaults, auto_mem_limits, client_connections
@@ -23,12 +25,37 @@ from mpsrun.runtime.constants import (
     JOB_ID_VARIABLE,
     LAUNCHER_PREFIXES,
     LAUNCHER_REWRITES,
+    RENDEZVOUS_VARIABLES,
     SESSION_DIR_VARIABLE,
 )
 from mpsrun.runtime.protocol import Welcome
 
-__all__ = ["Admission", "NodePlan", "RankPlan", "gpu_of_rank", "rank_environment", "ranks_on_gpus", "ranks_per_gpu",
-           "welcome", "without_mps"]
+__all__ = [
+    "NodePlan",
+    "RankPlan",
+    "callers_values",
+    "free_port",
+    "gpu_of_rank",
+    "mpi4py_abort",
+    "mpi4py_available",
+    "rank_environment",
+    "ranks_on_gpus",
+    "ranks_per_gpu",
+    "rendezvous",
+    "welcome",
+    "without_mps",
+]
+
+
+@functools.cache
+def mpi4py_available() -> bool:
+    """Whether this interpreter has mpi4py (asked once: a search of every path entry)."""
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+def mpi4py_abort(setting: str) -> bool:
+    """Whether Python ranks run under mpi4py's runner: ``--mpi4py-abort`` is on, and mpi4py is installed."""
+    return setting == "on" and mpi4py_available()
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +69,11 @@ class RankPlan:
     priority: int | None = None
     sharers: int | None = None  # the node's ranks on its GPU (under --gpu-bind none: spread evenly), when known
     clients: int | None = None  # the node's ranks its MPS server serves (all of them under --gpu-bind none), when known
+
+    @property
+    def unlimited_sharing(self) -> bool:
+        """It shares its GPU with other ranks and has no memory limit (a failure out of memory then names that)."""
+        return self.sharers is not None and self.sharers > 1 and self.mem_limit is None
 
 
 def gpu_of_rank(local_rank: int, local_size: int | None, ngpus: int, policy: str) -> int:
@@ -103,7 +135,10 @@ class NodePlan:
     refused: ConfigError | None  # why no rank of this node can be planned (auto without the node's size)
 
     @classmethod
-    def make(cls, config: JobConfig, ngpus: int, local_size: int | None, free: Sequence[int] = ()) -> NodePlan:
+    def make(cls, config: JobConfig, ngpus: int, local_size: int | None, free: Sequence[int] = (),
+             world_size: int | None = None) -> NodePlan:
+        """``world_size``: the job's ranks, when known: a --thread-percentage list must give one value each."""
+        check_shares(config.thread_percentage, world_size)
         sharing = () if local_size is None or ngpus < 1 else tuple(_sharing(config, local_size, ngpus, ""))
         try:
             limits, refused = _mem_limits(config, local_size, ngpus, free), None
@@ -144,13 +179,9 @@ class NodePlan:
             return spec
         if spec == AUTO:
             sharing = self.sharing or _sharing(self.config, None, self.ngpus, "--thread-percentage")  # (raises)
-            return max(1, 100 // sharing[gpu])
+            return _auto_percentage(sharing[gpu])
         assert isinstance(spec, tuple)
-        world = identity.world_size
-        if (world is not None and len(spec) != world) or identity.rank >= len(spec):
-            raise ConfigError(f"--thread-percentage lists {len(spec)} values but there are {world or 'more'} ranks; "
-                              "give one value per rank, a single value, or auto", setting="--thread-percentage",
-                              value=spec)
+        check_shares(spec, identity.world_size if identity.rank < len(spec) else identity.rank + 1)
         return spec[identity.rank]
 
     def daemon_defaults(self) -> DaemonDefaults:
@@ -162,8 +193,27 @@ class NodePlan:
         elif isinstance(spec, tuple):
             cap = max(spec)
         elif spec == AUTO and self.sharing:
-            cap = max(max(1, 100 // n) for n in self.sharing if n)
+            cap = max(_auto_percentage(n) for n in self.sharing if n)
         return DaemonDefaults(cap, self.mem_limits)
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (the kernel's choice), for a rendezvous of the job's ranks."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return int(probe.getsockname()[1])
+
+
+def rendezvous(host: str, port: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """torch.distributed's ``env://`` rendezvous, as torchrun gives it: ``MASTER_ADDR``, rank 0's ``host``, and
+    ``MASTER_PORT``, one ``port`` for the whole job. What the caller set (``environ``) is left alone."""
+    found = dict(zip(RENDEZVOUS_VARIABLES, (host.split(":", 1)[0], str(port)), strict=True))
+    return {name: value for name, value in found.items() if name not in environ}
+
+
+def _auto_percentage(sharers: int) -> int:
+    """``--thread-percentage auto``: an even share of the SMs among a GPU's ranks."""
+    return max(1, 100 // sharers)
 
 
 def rank_environment(target: GpuTarget | None, plan: RankPlan | None, identity: RankIdentity | None = None,
@@ -223,36 +273,27 @@ def callers_values(caller: Mapping[str, str]) -> dict[str, str | None]:
     return values
 
 
-class Admission(NamedTuple):
-    """A rank's welcome, and for its controller (not sent) the rank's GPU position and that GPU's ranks when it
-    shares the GPU with no memory limit (a failure out of memory then names the sharing), and its plan (None
-    without GPUs), for its account."""
-
-    welcome: Welcome
-    unlimited_gpu: tuple[int, int] | None
-    plan: RankPlan | None = None
-
-
-def welcome(identity: RankIdentity, node: NodePlan, target_of: Callable[[int], GpuTarget | None], mpi4py_abort: bool,
+def welcome(identity: RankIdentity, node: NodePlan, target_of: Callable[[int], GpuTarget | None], mpi4py_abort: bool, *,
             session_dir: str | None = None, output_lock: str | None = None,
-            callers: Mapping[str, str | None] | None = None) -> Admission:
-    """What a rank's supervisor is told when it says hello: the rank's variables and how to run it.
+            callers: Mapping[str, str | None] | None = None, extra: Mapping[str, str] | None = None,
+            lines: Sequence[str] = ()) -> tuple[Welcome, RankPlan | None]:
+    """What a rank's supervisor is told when it says hello (the rank's variables and how to run it), and the rank's
+    plan (None where the node has no GPU).
 
-    ``node``: the plan of the rank's node. ``session_dir``: the job's (or
-    node's) private directory, also without MPS (:mod:`mpsrun.shared` keeps its handles there).
-    ``mpi4py_abort``: whether Python ranks run through mpi4py's runner (mpi4py is installed, and not off).
-    ``callers``: :func:`callers_values` of the environment the job was started from, when this process has it (the
-    ``mpsrun`` command, not a node keeper): what an MPI launcher rewrote of it is put back.
+    ``node``: the plan of the rank's node. ``session_dir``: the job's (or node's) private directory, also without
+    MPS (:mod:`mpsrun.shared` keeps its handles there). ``mpi4py_abort``: whether Python ranks run through mpi4py's
+    runner (mpi4py is installed, and not off). ``callers``: :func:`callers_values` of the environment the job was
+    started from, when this process has it (the ``mpsrun`` command, not a node keeper): what an MPI launcher rewrote
+    of it is put back. ``extra``: variables of the node's own (a one-node per-node job's rendezvous); ``lines``: what
+    the rank says once.
     """
     config, ngpus = node.config, node.ngpus
     plan = node.rank(identity)
     target = target_of(plan.gpu) if ngpus else None
-    env = rank_environment(target, plan, identity, _device_number(identity, config, ngpus))
+    env = {**rank_environment(target, plan, identity, _device_number(identity, config, ngpus)), **(extra or {})}
     if session_dir is not None:
         env.setdefault(SESSION_DIR_VARIABLE, session_dir)
-    restore: dict[str, str | None] = {}
-    if callers is not None:
-        restore.update(callers)
+    restore: dict[str, str | None] = dict(callers or {})
     for item in config.exports:  # -x: resolved where the command line was read
         name, given, value = item.partition("=")
         restore[name] = value if given else None
@@ -264,10 +305,11 @@ def welcome(identity: RankIdentity, node: NodePlan, target_of: Callable[[int], G
     if queues is not None:  # asked for on the command line: it wins over the caller's variable
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(queues)
     gpu_clients = clients if config.gpu_bind == "single" or ngpus == 1 else None
-    sent = Welcome(env, defaults, list(MANAGED_VARIABLES), restore, config.tag_output, config.grace, config.timeout,
-                   mpi4py_abort, output_lock, config.output_filename, gpu_clients,
-                   None if gpu_clients is None else GPU_CONNECTIONS, [])
-    return Admission(sent, _unlimited_gpu(plan, ngpus), plan if ngpus else None)
+    sent = Welcome(env=env, defaults=defaults, managed=list(MANAGED_VARIABLES), restore=restore, tag=config.tag_output,
+                   grace=config.grace, timeout=config.timeout, mpi4py_abort=mpi4py_abort, output_lock=output_lock,
+                   output_dir=config.output_filename, gpu_clients=gpu_clients,
+                   gpu_queues=None if gpu_clients is None else GPU_CONNECTIONS, lines=list(lines))
+    return sent, plan if ngpus else None
 
 
 def _rank_queues(queues: Queues, clients: int | None, mps_client: bool) -> int | None:
@@ -287,9 +329,3 @@ def _device_number(identity: RankIdentity, config: JobConfig, ngpus: int) -> int
     if config.local_rank != "device":
         return None
     return 0 if config.gpu_bind == "single" or ngpus < 1 else identity.local_rank % ngpus
-
-
-def _unlimited_gpu(plan: RankPlan, ngpus: int) -> tuple[int, int] | None:
-    if ngpus and plan.sharers is not None and plan.sharers > 1 and plan.mem_limit is None:
-        return plan.gpu, plan.sharers
-    return None

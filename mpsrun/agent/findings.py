@@ -1,6 +1,6 @@
 """What a job's end says beyond its first failure: MPS log findings and the proof of MPS.
 
-Used by the launcher and by node keepers alike.
+Used by the command and by node keepers alike.
 """
 
 from __future__ import annotations
@@ -8,8 +8,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Mapping, Sequence
 
+from mpsrun.agent.outcome import ranges
+from mpsrun.agent.plan import RankPlan
+from mpsrun.config.values import AUTO, MemLimit, mib_text
 from mpsrun.errors import MPSError
-from mpsrun.job.outcome import ranges
 from mpsrun.mps import gpus
 from mpsrun.mps.daemon import ControlDaemon
 from mpsrun.mps.limits import memory_hint
@@ -19,7 +21,8 @@ from mpsrun.runtime.constants import MPS_CLIENT_LIMIT
 from mpsrun.runtime.files import read_log
 from mpsrun.session.session import Session
 
-__all__ = ["MPS_CLIENT_LIMIT", "crowding_warnings", "mps_report", "shared_memory_hint", "verified_line"]
+__all__ = ["MPS_CLIENT_LIMIT", "crowding_warnings", "mps_report", "placement_line", "shared_memory_hint",
+           "verified_line"]
 
 
 
@@ -39,6 +42,19 @@ def mps_report(daemons: Sequence[ControlDaemon], rank_of: Mapping[int, int]) -> 
                 "(MPS does not say which client caused it; the first rank to fail is reported above)"
             )
     return lines
+
+
+def placement_line(session: Session, plan: RankPlan, mem_limit: MemLimit) -> str:
+    """Where a rank runs and with what limits, for -v."""
+    if not session.gpus:
+        return "no GPU"
+    if session.gpu_bind == "none":
+        where = "GPUs " + ",".join(str(g.index) for g in session.gpus)
+    else:
+        where = f"GPU {session.gpus[plan.gpu].index}"
+    auto = " (auto)" if mem_limit == AUTO else ""
+    return where + (f", {plan.thread_percentage}% of SMs" if plan.thread_percentage else "") + (
+        f", {mib_text(plan.mem_limit)} pinned memory{auto}" if plan.mem_limit else "")
 
 
 def verified_line(watch: RankWatch, ranks: Iterable[int], where: str = "") -> str:

@@ -7,16 +7,16 @@ so a job gives the same exit code and the same summary however its ranks were st
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
-from mpsrun.exitcodes import ExitCode, Outcome, describe_returncode, exit_code, signal_name
+from mpsrun.exitcodes import Cause, ExitCode, Outcome, describe_returncode, exit_code, killed_by, signal_name
 from mpsrun.runtime.constants import USAGE_INTERVAL, WATCH_INTERVAL
 
 if TYPE_CHECKING:
     from mpsrun.config.options import JobConfig
     from mpsrun.runtime.deadline import Deadline
-    from mpsrun.runtime.protocol import Exited
+    from mpsrun.runtime.protocol import Ended
 
 __all__ = ["JobResult", "Judge", "Policy", "RankEnd", "ranges"]
 
@@ -50,12 +50,10 @@ class Policy:
                    timeout_total=config.timeout, mps_required=config.mps == "on", keep_samples=bool(config.report))
 
 
-@dataclass(slots=True)
-class RankEnd:
+class RankEnd(NamedTuple):
     """How one rank ended. ``returncode`` is None for a rank lost without a report. ``wall`` and ``cpu``: its
-    program's seconds running and of CPU, where its supervisor said; ``relayed``: the end as the node keeper that
-    relayed it sent it, with the rest of its account (under ``--hosts``); ``host``: where it ran, when a node keeper
-    told (under ``--hosts`` a pid alone does not say where)."""
+    program's seconds running and of CPU, where its supervisor said; ``host``: where it ran, where a pid alone does
+    not say it (under ``--hosts``, another host)."""
 
     rank: int
     pid: int | None
@@ -64,8 +62,13 @@ class RankEnd:
     aborting: bool = False  # reported as its MPI_Abort began: the MPI launcher ends the job's other ranks
     wall: float | None = None
     cpu: float | None = None
-    relayed: Exited | None = None
     host: str = ""
+
+    @classmethod
+    def of(cls, ended: Ended, here: str) -> RankEnd:
+        """A rank's end as its agent told it; its host named where it is not ``here``."""
+        return cls(ended.rank, ended.pid, ended.returncode, ended.reason, ended.aborting, ended.wall, ended.cpu,
+                   ended.host if ended.host != here else "")
 
     def describe(self, first: bool = False) -> str:
         """``rank 1 (pid N[ on HOST]) exited with code 7[ first][: reason]``."""
@@ -82,14 +85,12 @@ class RankEnd:
         return what + (f": {self.reason}" if self.reason else "")
 
 
-@dataclass(slots=True)
-class JobResult:
-    """How a job ended: its exit code, the cause (:data:`mpsrun.exitcodes.CAUSES`) and the summary line."""
+class JobResult(NamedTuple):
+    """How a job ended: its exit code, the cause (:class:`mpsrun.exitcodes.Cause`) and the summary line."""
 
     exit_code: int
     cause: str
     message: str = ""
-    ends: list[RankEnd] = field(default_factory=list)
 
 
 class Judge:
@@ -104,7 +105,7 @@ class Judge:
 
     @property
     def failed(self) -> bool:
-        return self.outcome.cause != "ok"
+        return self.outcome.cause != Cause.OK
 
     @property
     def cause(self) -> str:
@@ -118,7 +119,7 @@ class Judge:
             self._lost_host_explains(end)
             return False
         self.first = end
-        first = self.decide("rank-failed", end.returncode, end.describe(first=True))
+        first = self.decide(Cause.RANK_FAILED, end.returncode, end.describe(first=True))
         self._lost_takes_launcher_status()
         return first
 
@@ -127,10 +128,10 @@ class Judge:
         host is gone the MPI launcher ends the job's other processes, and under load their end may come first. The
         summary then names the host."""
         first = self.first
-        if self.outcome.cause != "rank-failed" or first is None or first.returncode is not None or first.host \
+        if self.outcome.cause != Cause.RANK_FAILED or first is None or first.returncode is not None or first.host \
                 or end.returncode is not None or not end.host:
             return
-        self.first, self.outcome, self.message = end, Outcome("rank-failed", None), end.describe(first=True)
+        self.first, self.outcome, self.message = end, Outcome(Cause.RANK_FAILED, None), end.describe(first=True)
         self._lost_takes_launcher_status()
 
     def decide(self, cause: str, detail: int | None, message: str) -> bool:
@@ -149,34 +150,28 @@ class Judge:
             self._lost_takes_launcher_status()
 
     def _lost_takes_launcher_status(self) -> None:
-        if self._launcher is None or self.outcome != Outcome("rank-failed", None) or self.first is None:
+        if self._launcher is None or self.outcome != Outcome(Cause.RANK_FAILED, None) or self.first is None:
             return
         name, returncode, signal_status = self._launcher
-        killed_by = returncode - signal_status if signal_status is not None else 0
-        if 2 <= killed_by < 65:
-            self.outcome = Outcome("rank-failed", -killed_by)
-            self.message += (f"; rank {self.first.rank}'s supervisor {describe_returncode(-killed_by)} "
+        signalled = killed_by(returncode, signal_status)
+        if signalled is not None:
+            self.outcome = Outcome(Cause.RANK_FAILED, -signalled)
+            self.message += (f"; rank {self.first.rank}'s supervisor {describe_returncode(-signalled)} "
                              f"({name} exited with code {returncode})")
         else:
-            self.outcome = Outcome("rank-failed", returncode)
+            self.outcome = Outcome(Cause.RANK_FAILED, returncode)
             self.message += f"; {name} {describe_returncode(returncode)}"
 
     def exit_code(self) -> int:
         return exit_code(self.outcome)
 
-    def result(self, ends: Sequence[RankEnd], teardown_failure: str = "", late_signal: int | None = None
-               ) -> JobResult:
+    def result(self, teardown_failure: str = "", late_signal: int | None = None) -> JobResult:
         """The job's result once it has ended: a teardown that failed, or a signal while it ended, counts only
         when nothing failed first."""
         outcome = self.outcome._replace(teardown_failed=bool(teardown_failure), late_signal=late_signal)
-        code = exit_code(outcome)
         cause, message = self.outcome.cause, self.message
         if not self.failed and teardown_failure:
-            cause, message = "teardown-failed", teardown_failure
+            cause, message = Cause.TEARDOWN_FAILED, teardown_failure
         elif not self.failed and late_signal:
-            cause, message = "signal", f"interrupted by {signal_name(late_signal)} while ending the job"
-        return JobResult(code, cause, message, sorted(ends, key=_by_rank))
-
-
-def _by_rank(end: RankEnd) -> int:
-    return end.rank
+            cause, message = Cause.SIGNAL, f"interrupted by {signal_name(late_signal)} while ending the job"
+        return JobResult(exit_code(outcome), str(cause), message)

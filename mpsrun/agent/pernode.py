@@ -2,11 +2,8 @@
 
 Every process the batch system or MPI launcher starts is one rank, run by a rank
 supervisor. The local ranks of one job step on one node share that node's MPS session,
-owned by a node keeper (:mod:`mpsrun.node.keeper`): the first local rank starts it, under this
-user's lock on the session root, and every rank joins it through its socket. The keeper
-welcomes each rank with its environment, applies fail-fast to the node's ranks (or relays
-to the job's controller under ``mpsrun --hosts``), and when the last of them is gone, however
-it died, stops the daemons and removes the node's session before that rank may exit.
+owned by the node's agent, its keeper (:mod:`mpsrun.agent.keeper`): the first local rank starts
+it, under this user's lock on the session root, and every rank joins it through its socket.
 
 The session is named after the job step (``SLURM_JOB_ID.SLURM_STEP_ID``, else the MPI job,
 else the launcher process) and the node (``MPSRUN_NODE_ID`` overrides the host name; tests
@@ -36,7 +33,7 @@ from mpsrun.runtime.constants import CONTROL_VARIABLE, KEEPER_START_TIMEOUT, NOD
 from mpsrun.runtime.deadline import Deadline, poll_until
 from mpsrun.runtime.output import say
 from mpsrun.runtime.processes import ProcessRef, own_module
-from mpsrun.runtime.protocol import Hello, Link, Refusal, Welcome, connect
+from mpsrun.runtime.protocol import Admitted, Hello, Link, Refusal, Welcome, connect, decode
 from mpsrun.session.paths import (
     base_directory,
     drop_reservation,
@@ -53,20 +50,21 @@ JOIN_ATTEMPTS = 3  # a keeper may close just as a late rank arrives; the rank th
 
 
 class KeeperRequest(NamedTuple):
-    """What the rank that starts a keeper tells it: the node session's name and base, the job's configuration
-    (as the rank read it), how many ranks the launcher put on the node, under ``--hosts`` the job's controller and
-    token, and the starting rank's number."""
+    """What the rank that starts a keeper tells it: the node session's name and base, the job's configuration (as
+    the rank read it), how many ranks the launcher put on the node and in the job, the CUDA_VISIBLE_DEVICES every
+    local rank must share, under ``--hosts`` the job's command and token, the starting rank's number, and its parent
+    (pid, start time): the node's launcher."""
 
     name: str
     base: str
     config: dict[str, Any]
     local_size: int | None = None
-    devices: str | None = None  # the CUDA_VISIBLE_DEVICES every local rank must share
+    world_size: int | None = None
+    devices: str | None = None
     upstream: str | None = None
     token: str = ""
     starter: int | None = None
-    launcher: tuple[int, int] | None = None  # the starting rank's parent (pid, start time): the node's launcher
-    world_size: int | None = None  # the job's ranks, as the starting rank's launcher says
+    launcher: tuple[int, int] | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> KeeperRequest:
@@ -83,16 +81,16 @@ def _start_keeper(base: Path, name: str, config: JobConfig, identity: RankIdenti
 
     Returns the keeper's answering pipe, still open: the keeper knows by its closing that this rank will not come,
     so it is closed only once this rank has joined (or when this process ends)."""
-    request = KeeperRequest(name, str(base), config.to_json(), identity.local_world_size,
-                            os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get(CONTROL_VARIABLE),
-                            os.environ.get(TOKEN_VARIABLE, ""), identity.rank, ProcessRef.of(os.getppid()),
-                            identity.world_size)
-    keeper = subprocess.Popen(own_module("mpsrun.node.keeper"), stdin=subprocess.PIPE,
+    request = KeeperRequest(name=name, base=str(base), config=config.to_json(), local_size=identity.local_world_size,
+                            world_size=identity.world_size, devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                            upstream=os.environ.get(CONTROL_VARIABLE), token=os.environ.get(TOKEN_VARIABLE, ""),
+                            starter=identity.rank, launcher=ProcessRef.of(os.getppid()))
+    keeper = subprocess.Popen(own_module("mpsrun.agent.keeper"), stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
     assert keeper.stdin is not None and keeper.stdout is not None
     with contextlib.suppress(BrokenPipeError), keeper.stdin:  # a keeper killed at once: its status, below, says so
         keeper.stdin.write(json.dumps(request._asdict()).encode())
-    if keeper.wait() != 0:  # it forks into the background at once (exit 0) and says ready on the pipe
+    if keeper.wait() != 0:  # it forks into the background at once (exit 0) and answers on the pipe
         keeper.stdout.close()
         raise JoinError(f"this node's keeper {describe_returncode(keeper.returncode)} before its session was ready",
                         speaks=True)
@@ -100,19 +98,18 @@ def _start_keeper(base: Path, name: str, config: JobConfig, identity: RankIdenti
     wait = KEEPER_START_TIMEOUT if config.timeout is None else min(KEEPER_START_TIMEOUT, config.timeout + 10)
     ready, _, _ = select.select([keeper.stdout], [], [], wait)
     line = keeper.stdout.readline() if ready else None
-    answer = line.decode(errors="replace").strip() if line else ""
-    if answer == "ready":
+    answer = decode(line) if line else None
+    if isinstance(answer, Admitted):
         return keeper.stdout
     keeper.stdout.close()
     if line is None and config.timeout is not None:  # the rank that started the keeper says why, as it knows
         raise JoinError(f"timed out after {config.timeout:g} s while this node's session started", speaks=True,
                         exit_code=ExitCode.TIMEOUT)
-    if not answer:
+    if not isinstance(answer, Refusal):
         raise JoinError(f"this node's session did not start within {wait:g} s" if line is None
                         else "this node's keeper ended before its session was ready", speaks=True)
-    code, _, message = answer.partition(" ")
-    exit_code = int(code) if code.isdigit() else ExitCode.SETUP
-    raise JoinError(message, speaks=_starter_says(exit_code, identity.local_rank), exit_code=exit_code)
+    raise JoinError(answer.message, speaks=_starter_says(answer.exit_code, identity.local_rank),
+                    exit_code=answer.exit_code)
 
 
 def _transient(exit_code: int) -> bool:
@@ -189,7 +186,7 @@ def run_per_node(config: JobConfig, environ: Mapping[str, str] | None = None) ->
         identity = RankIdentity(identity.rank, identity.local_rank, config.nranks, identity.local_world_size)
     if (impossible := identity.impossible()) is not None:  # said by every such rank: its own variables
         raise ConfigError(f"--per-node: the launcher's variables do not fit together: {impossible}",
-                          setting="launcher", value=identity.to_json())
+                          setting="launcher", value=identity._asdict())
     if (config.mpiexec or config.mpiexec_args) and CONTROL_VARIABLE not in env and identity.local_rank == 0:
         say("mpsrun: warning: --mpiexec and --mpiexec-arg have no effect with --per-node (the launcher that started "
             "this rank is the job's)")
@@ -212,7 +209,7 @@ def run_per_node(config: JobConfig, environ: Mapping[str, str] | None = None) ->
         for _ in range(JOIN_ATTEMPTS):
             link, pipe = _join_node(base, name, config, joining)
             with pipe or contextlib.nullcontext():  # we started the keeper: held until it has answered us
-                answer = greet(link, hello._replace(settings=config.settings()))
+                answer = greet(link, hello._replace(settings=json.dumps(config.settings(), sort_keys=True)))
             if isinstance(answer, Welcome) or (answer is not None and not answer.retry and not answer.failed):
                 return link, answer
             link.close()

@@ -1,0 +1,479 @@
+"""The node keeper: a ``--per-node`` job's agent, as a process of its own on each node (each host under ``--hosts``).
+
+The node's first local rank (:mod:`mpsrun.agent.pernode`) starts it in a new interpreter with its
+:class:`KeeperRequest` on stdin. It forks into the background, claims the node session's directory (reserved by that
+rank) and listens in it, so the node's other ranks connect and wait; it starts the session and answers the starting
+rank on stdout (an encoded :class:`Admitted`, or the :class:`Refusal` that says why it cannot). It runs in its own
+session with its output in the session directory, so it never holds the launcher's output pipes open.
+
+Every local rank's supervisor joins it, however late; when the last of the ranks the launcher put on the node has had
+its verdict, the keeper ends the session first and that rank waits (lingers) until the keeper is gone, so the
+launcher's end means the node is clean. A bare ``--per-node`` job's node decides for itself (a
+:class:`~mpsrun.agent.decision.Decision`) and speaks through its ranks; under ``--hosts`` it reports to the job's
+command, which decides (:class:`Upstream`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from mpsrun.agent.account import Report, accounted, report_path, to_say
+from mpsrun.agent.agent import Agent, Top, Welcoming
+from mpsrun.agent.decision import Decision, InterruptSources
+from mpsrun.agent.findings import mps_report, verified_line
+from mpsrun.agent.outcome import Policy
+from mpsrun.agent.pernode import KeeperRequest
+from mpsrun.agent.plan import free_port, rendezvous
+from mpsrun.agent.ranks import refuse_newcomer
+from mpsrun.config.options import JobConfig
+from mpsrun.errors import InterruptionError, MPSError
+from mpsrun.exitcodes import ExitCode
+from mpsrun.runtime.constants import (
+    FORWARDED_SIGNALS,
+    IDLE_TIMEOUT,
+    LATE_WAIT,
+    LINGER_TIMEOUT,
+    PASS_SIGNALS,
+    UPSTREAM_TIMEOUT,
+)
+from mpsrun.runtime.deadline import Deadline, poll_until
+from mpsrun.runtime.interrupts import Interrupts
+from mpsrun.runtime.loop import EventLoop
+from mpsrun.runtime.output import say
+from mpsrun.runtime.processes import ProcessRef, ensure_descriptors, exit_now, pidfd
+from mpsrun.runtime.protocol import (
+    Admitted,
+    Ended,
+    Found,
+    Hello,
+    Interrupted,
+    Link,
+    Listener,
+    Note,
+    Peaks,
+    Refusal,
+    Started,
+    Stop,
+    connect,
+    encode,
+)
+from mpsrun.session import leftovers
+from mpsrun.session.claim import SessionClaim
+from mpsrun.session.paths import user_root_lock
+
+__all__ = ["Keeper", "Upstream", "failure_answer", "main", "turn_away"]
+
+log = logging.getLogger("mpsrun")
+
+
+def failure_answer(exc: BaseException) -> tuple[int, str]:
+    """A keeper that cannot start: its exit code and the node's one line about it."""
+    if isinstance(exc, InterruptionError):  # the node's ranks end as a signalled rank does
+        return exc.exit_code, f"this node's keeper was {exc} while its session started"
+    if isinstance(exc, MPSError):
+        return exc.exit_code, str(exc)
+    if isinstance(exc, KeyboardInterrupt):
+        return ExitCode.SETUP, "this node's keeper was interrupted while its session started"
+    return ExitCode.SETUP, f"node keeper failed: {exc!r}"
+
+
+def turn_away(listener: Listener, base: Path, refusal: Refusal) -> None:
+    """Answer every rank still waiting in the listener's backlog with ``refusal``, then close it; under the user's
+    lock, where ranks connect, so none comes between (a rank that meets a closed connection knows we died)."""
+    with user_root_lock(base):
+        listener.sock.setblocking(False)
+        while (link := listener.accept()) is not None:
+            refuse_newcomer(link, refusal)
+        listener.close()
+
+
+class Upstream:
+    """Under ``--hosts``: the node's events go up ``link`` to the job's command, which decides. ``job_code``: the
+    job's exit code once the command said it; ``orphaned``: the command is gone (the node's ranks then get 3)."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.job_code: int | None = None
+        self.orphaned = False
+        self._interrupts = InterruptSources()
+        self._interrupted = False
+        self._refusals: set[str] = set()
+
+    def rank_started(self, started: Started) -> None:
+        self.link.send(started)
+
+    def rank_ended(self, ended: Ended) -> None:
+        self.link.send(ended)
+
+    def refused(self, code: int, message: str) -> str:
+        """Said once, by the job's command: it is the job's summary line."""
+        if message not in self._refusals:
+            self._refusals.add(message)
+            self.link.send(Found(message.removeprefix("mpsrun: "), True, code))  # "error: ...", as the job says
+        return ""
+
+    def failed(self, code: int, message: str) -> None:
+        self.link.send(Found(message, True, code))
+
+    def warned(self, message: str) -> None:
+        self.link.send(Found(message, False))
+
+    def interrupted(self, sig: int, source: int) -> None:
+        if self._interrupts.news(sig, source, self._interrupted):
+            self._interrupted = True
+            self.link.send(Interrupted(sig))
+
+    def verdict(self, own: int, deliverable: bool) -> tuple[int, list[str]]:
+        return ExitCode.SETUP if self.orphaned else own if self.job_code is None else self.job_code, []
+
+    def closing(self, lines: list[str]) -> list[str]:
+        """The node's last words go up to the job's command, which says them at the job's end."""
+        for line in lines:
+            self.link.send(Note(line))
+        return []
+
+    def peaks(self, peaks: dict[int, int]) -> None:
+        self.link.send(Peaks({str(rank): peak for rank, peak in peaks.items()}))
+
+    def ordered(self, stop: Stop | None) -> None:
+        """The command's stop (None: the command is gone)."""
+        if stop is None:
+            self.orphaned = True
+        elif stop.exit_code is not None:
+            self.job_code = stop.exit_code
+
+
+class Arrivals:
+    """Which of the ranks the launcher put on this node have yet to come: the rank that started the keeper (its
+    ``pipe`` closes once it has joined, or when it never will), others the launcher announced (``expected``), none
+    once the node's ``launcher`` has ended."""
+
+    def __init__(self, loop: EventLoop, agent: Agent, expected: int | None, starter: int | None, pipe: int,
+                 launcher: ProcessRef | None) -> None:
+        self.loop, self.agent, self.expected, self.starter = loop, agent, expected, starter
+        self.absent = 0  # places that will have no rank (a starter gone before it joined)
+        self.give_up = False  # no rank ever came, or the launcher ended before any did
+        self.launcher_ended = False
+        self._late: Deadline | None = None  # how long ranks still on their way are waited for
+        loop.watch(pipe, lambda: self._starter_left(pipe))
+        loop.after(IDLE_TIMEOUT, self._idle)
+        self._launcher = pidfd(launcher.pid) if launcher is not None else None
+        if self._launcher is not None and launcher is not None and launcher.alive():  # that very process's pidfd
+            loop.watch(self._launcher, self._launcher_gone)
+
+    def awaited(self) -> bool:
+        """Whether ranks of this node have yet to come (for LATE_WAIT at most once every rank here is done)."""
+        if self.launcher_ended or (self._late is not None and self._late.expired()):
+            return False
+        if self.starter is not None and self.starter not in self.agent.ranks:
+            return True
+        return len(self.agent.ranks) + self.absent + self.agent.duplicates < (self.expected or 1)
+
+    def wait_late(self) -> None:
+        """Every rank here is done, but others are awaited: keep the session LATE_WAIT for them."""
+        if self._late is None:
+            self._late = Deadline(LATE_WAIT)
+            self.loop.after(LATE_WAIT, lambda: None)  # (the loop looks again then)
+
+    def _starter_left(self, pipe: int) -> None:
+        """The starting rank let go of its pipe: it joined first, or it never will (and no one waits for it)."""
+        self.loop.unwatch(pipe)
+        os.close(pipe)
+        if self.starter is not None and self.starter not in self.agent.ranks:
+            self.absent += 1
+        self.starter = None
+
+    def _launcher_gone(self) -> None:
+        assert self._launcher is not None
+        self.loop.unwatch(self._launcher)
+        os.close(self._launcher)
+        self._launcher, self.launcher_ended = None, True
+        self.give_up = self.give_up or not self.agent.ranks
+
+    def _idle(self) -> None:
+        self.give_up = self.give_up or not self.agent.ranks
+
+
+class Keeper:
+    """A node's agent, the ranks it awaits, and who decides for it: the job's command above (``link``, under
+    --hosts) or the node itself. Made by :meth:`open`."""
+
+    def __init__(self, request: KeeperRequest, config: JobConfig, claim: SessionClaim, link: Link | None,
+                 starter_pipe: int) -> None:
+        self.request, self.config = request, config
+        self.closed = False
+        self.began = time.time()  # what MPI leaves on the node since then is the job's (mpsrun.session.leftovers)
+        self.loop = loop = EventLoop()
+        deadline = Deadline(config.timeout)
+        self.upstream = Upstream(link) if link is not None else None
+        self.decision = None if link is not None else Decision(
+            loop, Policy.for_job(config, deadline), stop=self._stop, kill=self._kill, say=self.note, summary=True)
+        top: Top = self.upstream if self.upstream is not None else self.decision  # type: ignore[assignment]
+        one_node = rendezvous("127.0.0.1", free_port(), os.environ)  # for a job of this node only
+        welcoming = Welcoming(settings=json.dumps(config.settings(), sort_keys=True), devices=request.devices,
+                              extra=one_node, notices=True)
+        self.agent = Agent(config, loop, top, claim, deadline, request.name, welcoming=welcoming,
+                           local_size=request.local_size, world_size=request.world_size, closing=self.closing)
+        launcher = ProcessRef(*request.launcher) if request.launcher else None
+        self.arrivals = Arrivals(loop, self.agent, request.local_size, request.starter, starter_pipe, launcher)
+
+    @classmethod
+    def open(cls, request: KeeperRequest, starter_pipe: int) -> Keeper:
+        """Claim the node session's reserved directory and listen in it (the node's other ranks connect and wait);
+        under --hosts join the job's command; start the session (bounded by --timeout)."""
+        config = JobConfig.from_json(request.config)
+        ensure_descriptors(request.local_size or 1)
+        claim = SessionClaim.make(Path(request.base), "node", request.name, config.keep_logs, reserved=True)
+        link = None
+        try:
+            link = _upstream(request) if request.upstream else None
+            keeper = cls(request, config, claim, link, starter_pipe)
+        except BaseException:
+            claim.release()
+            if link is not None:
+                link.close()
+            raise
+        try:
+            keeper.agent.start()
+        except BaseException as exc:  # the node's ranks that wait hear why, and start no keeper of their own
+            code, why = failure_answer(exc)  # heard: whether the rank that started us gets it too
+            turn_away(keeper.agent.listener, Path(request.base),
+                      Refusal(code, why, failed=True, heard=_starter_listens()))
+            with contextlib.suppress(MPSError):
+                keeper.agent.close()
+            raise
+        return keeper
+
+    def _stop(self, sig: int, again: bool) -> None:
+        self.agent.stop(sig, again)
+
+    def _kill(self) -> None:
+        self.agent.kill_now()
+
+    def note(self, text: str) -> None:
+        """Into keeper.log, and through one of the node's ranks to the user."""
+        say(f"mpsrun keeper: {text}")
+        self.agent.say(text)
+
+    def run(self) -> None:
+        if self.upstream is not None:
+            self.loop.watch(self.upstream.link.fd, self._orders)
+        self.agent.run_in()
+        try:
+            with self.loop.signals(FORWARDED_SIGNALS, self._signalled):
+                self.loop.run_until(self._done)
+        finally:
+            self.loop.close()
+            if not self.closed:
+                self._close()
+            self._after_the_launcher()
+
+    def _signalled(self, sig: int) -> None:
+        if sig in PASS_SIGNALS:
+            self.agent.forward(sig)
+        elif self.decision is not None:
+            self.decision.signalled(sig)
+        else:
+            assert self.upstream is not None
+            self.upstream.interrupted(sig, 0)
+
+    def _orders(self) -> None:
+        assert self.upstream is not None
+        messages = self.upstream.link.receive()
+        if messages is None:  # the job's command is gone: the node stops its ranks on its own (exit 3)
+            self.loop.unwatch(self.upstream.link.fd)  # before the close: see Link
+            self.upstream.link.close()
+            self.upstream.ordered(None)
+            self.agent.stop(signal.SIGTERM)
+            return
+        for message in messages:
+            if isinstance(message, Stop):
+                self.upstream.ordered(message)
+                if message.signal == signal.SIGKILL:
+                    self.agent.kill_now()
+                else:
+                    self.agent.stop(message.signal, restart=True)
+
+    def _done(self) -> bool:
+        if self.arrivals.give_up:
+            return True
+        if self.arrivals.awaited() or not self.agent.settled():
+            return False
+        if not self.closed:  # the ranks' verdicts went out while others were awaited, and none came
+            self.agent.top.closing(self._close())
+        return True
+
+    def closing(self) -> list[str] | None:
+        """The node's last rank is out: unless ranks are still awaited (None), end the node's session; what to say
+        of the node's end."""
+        if self.arrivals.awaited():
+            self.arrivals.wait_late()
+            return None
+        return self._close()
+
+    def _close(self) -> list[str]:
+        self.closed = True
+        agent = self.agent
+        agent.doorway.close_door()
+        lines = self._closing_lines()
+        turn_away(agent.listener, Path(self.request.base), Refusal(retry=True))  # come again, to a new keeper
+        # A late rank finds no socket and a live owner: it waits for the directory to go, then starts a keeper.
+        with _warnings_into(lines):  # (a hanging quit, logs kept): our stderr is a log file; a launcher prints its own
+            try:
+                agent.close()
+            except MPSError as exc:
+                lines.append(str(exc))
+        return lines
+
+    def _closing_lines(self) -> list[str]:
+        agent, decision, host = self.agent, self.decision, socket.gethostname()
+        lines: list[str] = []
+        agent.settle_watch()
+        if agent.watch is not None and self.config.verbose:
+            lines.append(verified_line(agent.watch, agent.ranks, f"node {host}: "))
+        failed = decision is None or decision.judge.failed  # a relay cannot know: it says so always
+        if failed and agent.session.enabled and any(s.end and s.end.returncode != 0 for s in agent.ranks.values()):
+            lines += mps_report(agent.session.daemons, {s.process.pid: s.rank for s in agent.ranks.values()
+                                                        if s.process is not None})
+        if decision is not None and accounted(self.config):  # a bare --per-node node: its accounts are said here
+            judge = decision.judge
+            accounts = agent.accounts(judge.first.rank if judge.first is not None else None)
+            table, hints = to_say(accounts, self.config)
+            lines += [f"node {host}: {line}" for line in table] + hints
+            if self.config.report:
+                report = Report.of(self.config.command, (judge.exit_code(), judge.cause, judge.message), self.began,
+                                   accounts, agent.usage, agent.policy.usage_interval)
+                if unwritten := report.save(report_path(self.config.report, per_host=True)):
+                    lines.append(unwritten)
+        return lines
+
+    def _after_the_launcher(self) -> None:
+        """What MPI left on this node, removed; after an abort (a rank lost with its supervisor: MPI_Abort ends every
+        process of the job) also what only the node's launcher held (Hydra's proxy holds its topology file until it
+        exits, and does not remove it when killed), once the launcher is gone (within LINGER_TIMEOUT)."""
+        _, held = leftovers.sweep(self.began)
+        launcher = ProcessRef(*self.request.launcher) if self.request.launcher else None
+        lost = any(s.end is not None and s.end.returncode is None for s in self.agent.ranks.values())
+        if launcher is None or not lost or not any(pids == {launcher.pid} for pids in held.values()):
+            return
+        for state in self.agent.ranks.values():  # a rank that lingers for our end need not wait for this
+            if state.link is not None:
+                state.link.close()
+        poll_until(lambda: (not launcher.alive()) or None, Deadline(LINGER_TIMEOUT))  # not our child: polled
+        leftovers.sweep(self.began)
+
+
+def _upstream(request: KeeperRequest) -> Link:
+    """The link to the job's command (under --hosts), welcomed."""
+    link = connect(str(request.upstream))
+    link.send(Hello("node", request.token, node=socket.gethostname()))
+    if link.expect((Admitted,), Deadline(UPSTREAM_TIMEOUT)) is None:
+        link.close()
+        raise MPSError(f"the job's controller at {request.upstream} did not answer")
+    return link
+
+
+class _Collector(logging.Handler):
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__(logging.WARNING)
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage().removeprefix("mpsrun: "))
+
+
+@contextlib.contextmanager
+def _warnings_into(lines: list[str]) -> Iterator[None]:
+    """The warnings mpsrun logs meanwhile, appended to ``lines`` (which the node's last rank says)."""
+    logger = logging.getLogger("mpsrun")
+    collector = _Collector(lines)
+    logger.addHandler(collector)
+    try:
+        yield
+    finally:
+        logger.removeHandler(collector)
+
+
+def _detach(log_dir: Path) -> None:
+    """Leave the starting rank's pipes: our output goes to the session directory from now on."""
+    target = os.open(log_dir / "keeper.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    for fd in (1, 2):
+        os.dup2(target, fd)
+    os.close(target)
+    stdin = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(stdin, 0)
+    os.close(stdin)
+
+
+def _starter_listens(wait: float = 0.0) -> bool:
+    """Whether the rank that started us still reads our answer (the reading end of our stdout is open), looking for
+    up to ``wait`` seconds."""
+    poller = select.poll()
+    poller.register(sys.stdout.fileno(), select.POLLERR)  # on a pipe's writing end: no reader any more
+    return not poller.poll(int(wait * 1000))
+
+
+def _abandon_when_alone(started: threading.Event) -> None:
+    """The rank waiting for our answer is gone (interrupted, killed: the reading end of our stdout closed)
+    before we are ready: stop starting, as if told to."""
+    while not started.is_set():
+        # Ready is said only after `started` is set, so a reader gone before then was not answered.
+        if not _starter_listens(0.1) and not started.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+
+
+def _answer(message: Admitted | Refusal) -> None:
+    sys.stdout.buffer.write(encode(message))
+    sys.stdout.flush()
+
+
+def _open(request: KeeperRequest, starter_pipe: int) -> Keeper | int:
+    """The keeper, started; or, when it cannot start, its exit code once the starting rank has heard why."""
+    started = threading.Event()
+    threading.Thread(target=_abandon_when_alone, args=(started,), daemon=True).start()
+    try:
+        with Interrupts():  # a stopping signal while the session starts: undo it, say why, exit
+            keeper = Keeper.open(request, starter_pipe)
+    except Exception as exc:  # the starting rank must hear why, whatever it was
+        started.set()
+        code, why = failure_answer(exc)
+        with contextlib.suppress(OSError):  # the starting rank may be gone
+            _answer(Refusal(code, why, failed=True))
+        return code
+    started.set()
+    return keeper
+
+
+def main(argv: list[str] | None = None) -> int:  # (no arguments: the request comes on stdin)
+    request = KeeperRequest.from_json(json.loads(sys.stdin.read()))
+    if os.fork() > 0:
+        exit_now(ExitCode.OK)  # the starting rank waits for this; the keeper lives on in the background
+    # The starting rank holds our stdout's pipe until it has joined: a copy, kept when our output leaves that pipe,
+    # tells the keeper if it went (interrupted, killed) before it could.
+    keeper = _open(request, os.dup(sys.stdout.fileno()))
+    if isinstance(keeper, int):
+        return keeper
+    try:
+        _answer(Admitted())
+    except OSError:  # the rank that started us is gone (interrupted): nobody will come
+        keeper.agent.close()
+        return ExitCode.SETUP
+    _detach(keeper.agent.dirs.root)
+    keeper.run()
+    return ExitCode.OK
+
+
+if __name__ == "__main__":
+    exit_now(main())  # the node's last rank waits for this process to end
