@@ -15,7 +15,7 @@ import statistics
 import time
 
 from mpsrun.config.options import JobConfig
-from mpsrun.job.placement import NodePlan, welcome
+from mpsrun.agent.plan import NodePlan, welcome
 from mpsrun.mps.environment import GpuTarget
 from mpsrun.rank.identity import RankIdentity
 

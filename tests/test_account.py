@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import MPSRUN, PATHS, fake, job_argv, settle, wait_for
 
-from mpsrun.job.account import RankAccount, Report, account_lines, memory_hint, report_path
+from mpsrun.agent.account import RankAccount, Report, account_lines, memory_hint, report_path
 from mpsrun.mps import usage
 
 pytestmark = pytest.mark.mpiexec
@@ -291,7 +291,7 @@ def test_a_per_node_report_comes_when_the_launcher_ended_every_rank(fake_gpu, sh
     """A bare --per-node job in which rank 1's mpsrun is killed (SIGKILL; Hydra then ends every rank): the node
     closes after the launcher has returned, and its FILE.HOST.json comes within seconds, with every rank, rank 1
     lost without a report (as command-line.md says)."""
-    from mpsrun.job.account import report_path
+    from mpsrun.agent.account import report_path
 
     kill = ("import os, signal, time\nif os.environ['RANK'] == '1':\n    time.sleep(1)\n"
             "    os.kill(os.getppid(), signal.SIGKILL)\ntime.sleep(5)")
@@ -306,7 +306,7 @@ def test_a_per_node_report_comes_when_the_launcher_ended_every_rank(fake_gpu, sh
 def test_the_near_limit_hint_gives_a_limit_that_fits():
     """command-line.md: where ranks peaked within 10% of their --mem-limit, 'one line says so, with a limit that
     fits'. The line for ranks near their limit says only 'give them more', with no --mem-limit to give."""
-    from mpsrun.job.account import RankAccount, memory_hint
+    from mpsrun.agent.account import RankAccount, memory_hint
 
     accounts = [RankAccount(r, "h", 1, 0, True, 1018, 1024, None, None, 1.0, 0.5, 0, "exited with code 0")
                 for r in range(3)]

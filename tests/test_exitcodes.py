@@ -33,6 +33,7 @@ TABLE = [
     (Outcome("decided", 5), 5, "a supervisor told its code by the job's controller"),
     (Outcome("decided", None), 3, "a supervisor refused without a code"),
     (Outcome(teardown_failed=True), 3, "a job that succeeded but could not be torn down"),
+    (Outcome("teardown-failed"), 3, "the cause a report gives such a job"),
     (Outcome(late_signal=signal.SIGTERM), 143, "a job that succeeded, stopped while it ended"),
     (Outcome("rank-failed", 7, teardown_failed=True, late_signal=signal.SIGTERM), 7, "the first failure wins"),
     (Outcome("decided", 0, late_signal=signal.SIGINT), 130, "a rank told 0, interrupted while the job ended"),
@@ -77,7 +78,7 @@ def test_a_lost_host_is_named_even_when_its_collateral_came_first():
     one of this host's ranks (lost unreported) may reach the judge first. A rank lost with another host's node
     keeper then takes its place as the summary's first, so the line names that host; a rank that failed with a code
     of its own keeps its place."""
-    from mpsrun.job.outcome import Judge, RankEnd
+    from mpsrun.agent.outcome import Judge, RankEnd
 
     judge = Judge()
     assert judge.rank_ended(RankEnd(0, 101, None, "its supervisor is gone"))

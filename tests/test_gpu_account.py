@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import MPSRUN, PATHS, gpu_job_argv, wait_for
 
-from mpsrun.job.account import report_path
+from mpsrun.agent.account import report_path
 from mpsrun.mps import gpus
 
 pytestmark = pytest.mark.gpu

@@ -19,7 +19,7 @@ import psutil
 import pytest
 from helpers import MPSRUN, descendants, fake, job_argv, mpiexec, settle, wait_for
 
-from mpsrun.job.table import RankTable
+from mpsrun.agent.ranks import Doorway
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import LATE_WAIT
 from mpsrun.runtime.deadline import Deadline
@@ -173,7 +173,7 @@ def test_a_killed_rank_supervisor_is_named_on_every_launcher(fake_gpu, short_tmp
 _STARTER = """
 import os, sys
 from mpsrun.cli import _config
-from mpsrun.node import pernode
+from mpsrun.agent import pernode
 from mpsrun.rank.identity import identity_from_env
 from mpsrun.session.paths import base_directory, make_user_root, user_root
 
@@ -235,13 +235,6 @@ def test_the_keeper_keeps_the_node_for_its_starter(fake_gpu):
     assert not session.exists() and settle(fake_gpu, timeout=LATE_WAIT / 3)
 
 
-class _NoEvents:
-    """A controller that is told nothing worth doing (RankTable's events)."""
-
-    def __getattr__(self, name: str):
-        return lambda *args, **kwargs: None
-
-
 def test_a_rank_connected_but_unheard_when_its_keeper_closes_is_asked_to_come_again(short_tmp):
     """A rank whose connection the keeper accepted, but whose hello it had not yet read when it began to close, is
     told to come again (to a new keeper); it met a closed connection and failed with 'this node's keeper ended
@@ -249,11 +242,11 @@ def test_a_rank_connected_but_unheard_when_its_keeper_closes_is_asked_to_come_ag
     address = f"unix:{short_tmp / 'control'}"
     loop, listener = EventLoop(), Listener(address)
     token = secrets.token_hex(8)
-    table = RankTable(loop, listener, token, _NoEvents(), "host")
+    doorway = Doorway(loop, listener, token, lambda *heard: None, lambda *told: None, lambda *lost: None)
     link = connect(address)
     loop.run_once(10.0)  # accepted
-    link.send(Hello("rank", token, RankIdentity(1, 1).to_json()))
-    table.stop_accepting()
+    link.send(Hello("rank", token, rank=1, local_rank=1))
+    doorway.close_door()
     listener.close()
     loop.close()
     assert link.expect((Welcome, Refusal), Deadline(10.0)) == Refusal(retry=True)
@@ -263,7 +256,7 @@ def _first_keeper(fake_gpu) -> psutil.Process | None:
     """A node keeper process of this fake machine, as soon as one runs (before it has forked, or after)."""
     for proc in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
-            if "from mpsrun.node.keeper import main" in " ".join(proc.info["cmdline"] or []) and \
+            if "from mpsrun.agent.keeper import main" in " ".join(proc.info["cmdline"] or []) and \
                     proc.environ().get("MPSRUN_TMPDIR") == str(fake_gpu.tmpdir):
                 return proc
     return None
@@ -329,9 +322,9 @@ def test_a_keeper_killed_before_it_reads_its_request_is_named(monkeypatch, short
     """A keeper killed before it has read its request (SIGUSR1 at once): the starting rank says the keeper was
     killed by that signal (it failed with 'cannot reach the job's controller: [Errno 32] Broken pipe', writing the
     request to a dead keeper)."""
+    from mpsrun.agent import pernode
     from mpsrun.config.options import JobConfig
     from mpsrun.errors import JoinError
-    from mpsrun.node import pernode
 
     suicide = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGUSR1)"]
     monkeypatch.setattr(pernode, "own_module", lambda module: suicide)

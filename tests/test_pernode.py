@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from helpers import FAKECUDA, wait_ready
 
+from mpsrun.agent.pernode import run_per_node
 from mpsrun.config.commandline import parse_args
 from mpsrun.errors import ConfigError
-from mpsrun.node.pernode import run_per_node
 from mpsrun.rank.identity import RankIdentity, identity_from_env, job_key, slurm_tasks_on_node
 
 

@@ -2,9 +2,7 @@
 
 import pytest
 
-from mpsrun.config.options import JobConfig
-from mpsrun.errors import ConfigError
-from mpsrun.job.placement import (
+from mpsrun.agent.plan import (
     GpuTarget,
     NodePlan,
     RankPlan,
@@ -14,6 +12,8 @@ from mpsrun.job.placement import (
     ranks_per_gpu,
     welcome,
 )
+from mpsrun.config.options import JobConfig
+from mpsrun.errors import ConfigError
 from mpsrun.rank.identity import RankIdentity
 
 MPS_GPUS = [GpuTarget("GPU-a", "/p/a", "/l/a", "/s"), GpuTarget("GPU-b", "/p/b", "/l/b", "/s")]
@@ -106,7 +106,7 @@ def test_mps_clients_get_their_share_of_the_servers_queues(ranks, expected):
     the queues they share, to explain a context that failed for want of them."""
     def queues(**settings: object) -> str | None:
         node = NodePlan.make(config(**settings), 1, ranks)
-        given = welcome(RankIdentity(0, 0, ranks, ranks), node, lambda gpu: MPS_GPUS[gpu], False).welcome
+        given = welcome(RankIdentity(0, 0, ranks, ranks), node, lambda gpu: MPS_GPUS[gpu], False)[0]
         assert (given.gpu_clients, given.gpu_queues) == (ranks, 126)
         assert not any("CUDA_DEVICE_MAX_CONNECTIONS" in group for group in given.defaults)
         return given.env.get("CUDA_DEVICE_MAX_CONNECTIONS")
@@ -118,12 +118,12 @@ def test_the_queues_are_planned_per_server_and_only_under_mps():
     7 each), and which GPU each uses is not known (no clients per GPU are sent); a rank without MPS gets no planned
     queue count."""
     node = NodePlan.make(config(gpu_bind="none", queues="auto"), 2, 16)
-    given = welcome(RankIdentity(3, 3, 16, 16), node, lambda gpu: MPS_GPUS[gpu], False).welcome
+    given = welcome(RankIdentity(3, 3, 16, 16), node, lambda gpu: MPS_GPUS[gpu], False)[0]
     assert given.env["CUDA_DEVICE_MAX_CONNECTIONS"] == "7"
     assert (given.gpu_clients, given.gpu_queues) == (None, None)
     node = NodePlan.make(config(queues=4), 1, 1)
     alone = welcome(RankIdentity(0, 0, 1, 1), node, lambda gpu: GpuTarget("GPU-a"), False)
-    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in alone.welcome.env
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in alone[0].env
 
 
 def test_rank_environment_carries_gpu_limits_and_rank_variables():
@@ -144,10 +144,10 @@ def test_rank_environment_carries_gpu_limits_and_rank_variables():
 
 def test_welcome_tells_the_supervisor_everything():
     """The welcome holds the rank's variables, what mpsrun manages (stale values are dropped), tagging and grace."""
-    admission = welcome(RankIdentity(3, 3, 4, 4), NodePlan.make(config(tag_output=True, grace=2.0), 2, 4),
-                        lambda gpu: MPS_GPUS[gpu], False)
-    answer = admission.welcome
+    answer, plan = welcome(RankIdentity(3, 3, 4, 4), NodePlan.make(config(tag_output=True, grace=2.0), 2, 4),
+                           lambda gpu: MPS_GPUS[gpu], False)
     assert answer.env["CUDA_VISIBLE_DEVICES"] == "GPU-b" and answer.env["RANK"] == "3"
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in answer.managed
     assert answer.tag is True and answer.grace == 2.0
-    assert admission.unlimited_gpu == (1, 2)  # GPU 1, shared by ranks 2 and 3 with no memory limit
+    assert plan is not None and plan.unlimited_sharing and (plan.gpu, plan.sharers) == (1, 2)  # GPU 1, shared by
+    # ranks 2 and 3 with no memory limit

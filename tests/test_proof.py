@@ -11,7 +11,7 @@ import subprocess
 import pytest
 from helpers import PATHS, TESTS, fake, run_job, settle
 
-from mpsrun.job.report import verified_line
+from mpsrun.agent.findings import verified_line
 from mpsrun.mps.replies import connected_clients
 from mpsrun.mps.watch import ClientWatcher, RankWatch
 

@@ -19,7 +19,6 @@ from mpsrun.runtime.protocol import (
     MESSAGES,
     Link,
     Note,
-    Peer,
     Say,
     SignalRanks,
     Verdict,
@@ -49,10 +48,10 @@ def test_every_declared_message_is_sent_somewhere():
 def test_a_message_is_encoded_only_as_declared():
     """encode() refuses a field of the wrong type (a bool for a number, a number for a text, a list of the wrong
     items), and what it writes decodes to the same message."""
-    assert decode(encode(SignalRanks(15, [0, 1]))) == SignalRanks(15, [0, 1])
+    assert decode(encode(Verdict(3, ["a", "b"], True))) == Verdict(3, ["a", "b"], True)
     welcome = Welcome({"A": "1"}, [{"B": "2"}], ["C"], {"D": None}, True, 5, None, False, None, None, 3, 126, ["said"])
     assert decode(encode(welcome)) == welcome
-    for wrong in (SignalRanks("15"), Verdict(0, True), SignalRanks(15, ["0"]), Note(None),  # type: ignore[arg-type]
+    for wrong in (SignalRanks("15"), Verdict(0, True), Verdict(0, [0]), Note(None),  # type: ignore[arg-type]
                   Welcome({"A": 1}, [], [], {}, True, 5, None, False, None, None, None, None, [])):  # type: ignore[dict-item]
         with pytest.raises(ValueError, match="not a"):
             encode(wrong)
@@ -61,7 +60,7 @@ def test_a_message_is_encoded_only_as_declared():
 @pytest.mark.parametrize("line", [
     b"{x", b"[" * 100_000, b'{"type": "hello"}', b'{"type": "exited", "rank": "0", "returncode": 0}',
     b'{"type": "signal", "signal": 9.5}', b"\xff\xfe", b"null", b'"text"', b'{"type": 7}', b"",
-    b'{"type": "signal", "signal": 15, "ranks": [0, "1"]}', b'{"type": "verdict", "rank": 0, "exit_code": true}',
+    b'{"type": "verdict", "exit_code": 0, "lines": ["a", 1]}', b'{"type": "verdict", "exit_code": true}',
     b'{"type": "welcome", "env": {"A": 1}}', b'{"type": "frobnicate"}',
 ])
 def test_what_is_not_a_declared_message_is_dropped(line):
@@ -91,7 +90,7 @@ def test_a_stranger_cannot_send_more_than_a_hello_before_it_is_admitted():
     link.close()
     peer.close()
     link, peer = _pair(HELLO_MAX)
-    link.admit(Peer("rank", rank=0))
+    link.admit()
     message = encode(Note("y" * (HELLO_MAX * 2)))
     peer.sendall(message)
     received: list[object] = []

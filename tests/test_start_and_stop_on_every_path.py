@@ -176,7 +176,7 @@ def test_a_signal_before_a_per_node_rank_joins_is_the_nodes_line(fake_gpu, local
     node's interrupt line, by local rank 0 only, exit 143. It was 'mpsrun: error: interrupted by SIGTERM' from every
     such rank, beside the node's line (test_an_interrupt_in_per_node_start_up_is_one_line, now and then under load).
     The signal is sent from where run_per_node would run."""
-    code = ("import os, signal, sys, time\nimport mpsrun._entry as entry\nimport mpsrun.node.pernode as pernode\n"
+    code = ("import os, signal, sys, time\nimport mpsrun._entry as entry\nimport mpsrun.agent.pernode as pernode\n"
             "def slow(config, environ=None):\n    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(30)\n"
             "pernode.run_per_node = slow\nsys.argv = ['mpsrun', '--per-node', 'true']\nsys.exit(entry.main())\n")
     env = {**os.environ, "PMI_RANK": str(local_rank), "PMI_SIZE": "2", "MPI_LOCALRANKID": str(local_rank),
@@ -235,7 +235,7 @@ def test_a_killed_node_keeper_is_named(fake_gpu, short_tmp, path):
     job = subprocess.Popen(job_argv(path, [], fake("--hold", "60", "--report-dir", str(short_tmp)), ranks=2),
                            stderr=subprocess.PIPE, text=True)
     wait_for(lambda: len(list(short_tmp.glob("*.json"))) >= 2, what="the ranks did not start", proc=job)
-    keeper = next(p for p in psutil.process_iter(["cmdline"]) if "mpsrun.node.keeper" in " ".join(p.info["cmdline"] or [])
+    keeper = next(p for p in psutil.process_iter(["cmdline"]) if "mpsrun.agent.keeper" in " ".join(p.info["cmdline"] or [])
                   and p.environ().get("MPSRUN_FAKE_NVML") == str(fake_gpu.nvml_dir))
     keeper.kill()
     _, err = job.communicate(timeout=120)

@@ -281,7 +281,7 @@ def test_the_server_is_asked_for_once_the_last_rank_has_started():
     """The cue to ask for the servers comes once, when the last of the job's ranks has started (a rank heard twice
     counts once), never at the first rank's start: 48 short ranks took as long to start as the server's wait, and
     the job paid for a server nobody used. Without a wait (None) there is no cue."""
-    from mpsrun.job.jobcontroller import ServerCue
+    from mpsrun.agent.agent import ServerCue
 
     cue = ServerCue(range(3), 0.25)
     assert [cue.started(r) for r in (0, 0, 2)] == [None, None, None]
@@ -413,7 +413,7 @@ def test_a_sigkill_as_the_session_directory_appears_leaves_nothing(fake_gpu, lau
 def test_only_the_jobs_token_admits_a_rank():
     """The controller admits a hello only with the job's token (compared in constant time; OpenSSL's
     compare_digest is imported with the controller, while the daemons start, not at the first hello)."""
-    from mpsrun.job.table import token_matches
+    from mpsrun.agent.ranks import token_matches
     from mpsrun.runtime.protocol import new_token
 
     token = new_token()

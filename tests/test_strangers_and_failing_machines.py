@@ -435,7 +435,7 @@ def test_a_reader_that_leaves_early_ends_the_job_at_once(fake_gpu, path):
 
 def _node_keeper(fake_gpu) -> psutil.Process:
     """The node keeper of this fake machine's job."""
-    return next(p for p in psutil.process_iter(["cmdline"]) if "mpsrun.node.keeper" in " ".join(p.info["cmdline"] or [])
+    return next(p for p in psutil.process_iter(["cmdline"]) if "mpsrun.agent.keeper" in " ".join(p.info["cmdline"] or [])
                 and p.environ().get("MPSRUN_FAKE_NVML") == str(fake_gpu.nvml_dir))
 
 
@@ -582,7 +582,7 @@ def test_a_hosts_controller_listens_on_the_address_its_hosts_reach(fake_gpu):
     """The --hosts controller listens where its hosts reach it, not on every interface: over loopback for
     ``--hosts localhost`` (its per-node ranks are told 127.0.0.1). Only hosts that resolve to nothing (the launcher
     then says why) leave it on every interface. tests/test_two_hosts.py checks the same across two hosts."""
-    from mpsrun.job.channel import listen_address
+    from mpsrun.job.hosts import listen_address
 
     assert listen_address(["localhost"]) == "127.0.0.1"
     assert listen_address(["no-such-host.invalid"]) == listen_address([]) == ""

@@ -54,7 +54,7 @@ from mpsrun.runtime.protocol import (
 from mpsrun.session.claim import SessionClaim
 from mpsrun.session.session import Session
 
-__all__ = ["Agent", "Top", "Welcoming"]
+__all__ = ["Agent", "ServerCue", "Top", "Welcoming"]
 
 log = logging.getLogger("mpsrun")
 
@@ -102,6 +102,23 @@ class Welcoming(NamedTuple):
     notices: bool = False
 
 
+class ServerCue:
+    """When to ask for each MPS server: ``after`` seconds once the last of ``ranks`` has started (None: never, its first
+    client starts it). Not at the first rank's start: a job of many short ranks would still be starting its last ones
+    then, and would pay for a server none of them uses (its start, then its quit before the daemon's)."""
+
+    def __init__(self, ranks: Iterable[int], after: float | None) -> None:
+        self._waiting = set(ranks) if after is not None else set()
+        self._after = after
+
+    def started(self, rank: int) -> float | None:
+        """The delay to ask after, once: when ``rank`` was the last to start; else None."""
+        if not self._waiting:
+            return None
+        self._waiting.discard(rank)
+        return None if self._waiting else self._after
+
+
 class Agent:
     """One node's part of a job. Built, it holds the node's claim (``claim``: its directory, made already) and
     listens in it for ranks that show ``token``; :meth:`start` plans the ranks and starts the daemons; the owner of
@@ -136,11 +153,11 @@ class Agent:
         self.stopping: int | None = None
         self.refusing: tuple[int, str] | None = None  # every rank that comes is refused so (a job that cannot run)
         self.lingering = False  # a rank told its end from now on waits for the agent's process to end
-        self._closing, self._server_after = closing, server_after
+        self._closing = closing
         self._by_link: dict[Link, RankState] = {}
         self._kill_timer: Timer | None = None
         self._detached = False
-        self._unstarted = set(welcoming.ranks or ())  # for the server's cue: the ranks yet to start
+        self._server_cue = ServerCue(welcoming.ranks or (), server_after)
         self._unrecorded: list[ProcessRef] = []  # ranks started this turn of the loop, for the session's record
         self._duplicates = 0
         self._output_lock: str | None = None
@@ -342,9 +359,8 @@ class Agent:
             self._unrecorded.append(state.process)
         if self.stopping is not None:  # started while the job was already stopping
             self._signal(self.stopping, [state])
-        self._unstarted.discard(state.rank)
-        if self._server_after is not None and self.welcoming.ranks is not None and not self._unstarted:
-            self.loop.after(self._server_after, self._ask_servers)
+        if (delay := self._server_cue.started(state.rank)) is not None:
+            self.loop.after(delay, self._ask_servers)
 
     def _record_started(self) -> None:
         self.session.add_ranks(self._unrecorded)
@@ -352,8 +368,7 @@ class Agent:
 
     def _ask_servers(self) -> None:
         """Start each server before its first client needs it, unless the job is stopping or its ranks are over
-        (the daemons may be quitting already). Not at the first rank's start: a job of many short ranks would
-        still be starting its last ones, and would pay for a server none of them used."""
+        (the daemons may be quitting already)."""
         if self.stopping is not None or not self.live():
             return
         for daemon in self.session.daemons:
@@ -380,6 +395,7 @@ class Agent:
                     and state.plan.unlimited_sharing:
                 end = end._replace(reason=shared_memory_hint(self.session, state.plan.gpu, state.plan.sharers or 1))
         state.end = end
+        self.settle_watch()  # its MPS membership as the logs say it by now, for its account
         self.top.rank_ended(self.ended(state))
         self._verdict(state)
 
