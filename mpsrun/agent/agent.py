@@ -60,14 +60,15 @@ log = logging.getLogger("mpsrun")
 
 
 class Top(Protocol):
-    """Who decides above an agent: what its events mean, and each rank's verdict."""
+    """Who decides above an agent (:class:`~mpsrun.agent.decision.Decision`, or under --hosts the link to the job's
+    command): what the agent's events mean, and each rank's verdict."""
 
     def rank_started(self, started: Started) -> None: ...
 
     def rank_ended(self, ended: Ended) -> None: ...
 
     def refused(self, code: int, message: str) -> str:
-        """A rank could not be welcomed: what the refused rank says (a refusal is said once)."""
+        """What a rank refused for ``message`` says (a refusal is said once)."""
 
     def failed(self, code: int, message: str) -> None:
         """The node fails the job for a reason of its own (the watch's finding)."""
@@ -81,17 +82,17 @@ class Top(Protocol):
         """A rank's exit code (its ``own``, or the job's once decided) and what its supervisor says with it."""
 
     def closing(self, lines: list[str]) -> list[str]:
-        """The node's last words: what the last rank's verdict carries of them."""
+        """The node's last words: what its last rank's verdict carries of them."""
 
     def peaks(self, peaks: dict[int, int]) -> None: ...
 
 
 class Welcoming(NamedTuple):
     """How a node welcomes its ranks. ``ranks``: the job's ranks, where this node runs them all (the command's own
-    node: the launcher may not say the sizes); ``callers``: the environment the job was started from, put back where
-    a launcher rewrote it; ``output_lock``: one lock for long tagged lines; ``settings`` and ``devices``: what every
-    rank of a --per-node job must have been started with; ``extra``: variables of the node's own (a one-node
-    --per-node job's rendezvous, given where a rank's world is this node); ``notices``: said by the first rank."""
+    node; the launcher may not say the sizes); ``callers``: the caller's environment, put back where a launcher
+    rewrote it; ``output_lock``: one lock for long tagged lines; ``settings`` and ``devices``: what every rank of a
+    --per-node job must have been started with; ``extra``: variables of a one-node --per-node job (its rendezvous);
+    ``notices``: said by the first rank."""
 
     ranks: range | None = None
     callers: Mapping[str, str | None] | None = None
@@ -161,10 +162,6 @@ class Agent:
         self._unrecorded: list[ProcessRef] = []  # ranks started this turn of the loop, for the session's record
         self._duplicates = 0
         self._output_lock: str | None = None
-
-    @property
-    def token(self) -> str:
-        return self.doorway.token
 
     @property
     def duplicates(self) -> int:

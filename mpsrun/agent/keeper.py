@@ -215,10 +215,10 @@ class Keeper:
         self.closed = False
         self.began = time.time()  # what MPI leaves on the node since then is the job's (mpsrun.session.leftovers)
         self.loop = loop = EventLoop()
-        deadline = Deadline(config.timeout)
+        self.deadline = deadline = Deadline(config.timeout)
         self.upstream = Upstream(link) if link is not None else None
-        self.decision = None if link is not None else Decision(
-            loop, Policy.for_job(config, deadline), stop=self._stop, kill=self._kill, say=self.note, summary=True)
+        self.decision = None if link is not None else Decision(loop, stop=self._stop, kill=self._kill, say=self.note,
+                                                               summary=True)
         top: Top = self.upstream if self.upstream is not None else self.decision  # type: ignore[assignment]
         one_node = rendezvous("127.0.0.1", free_port(), os.environ)  # for a job of this node only
         welcoming = Welcoming(settings=json.dumps(config.settings(), sort_keys=True), devices=request.devices,
@@ -269,6 +269,9 @@ class Keeper:
     def run(self) -> None:
         if self.upstream is not None:
             self.loop.watch(self.upstream.link.fd, self._orders)
+        if self.decision is not None:
+            policy = Policy.for_job(self.config, self.deadline)
+            self.decision.arm(policy.timeout, policy.timeout_total)
         self.agent.run_in()
         try:
             with self.loop.signals(FORWARDED_SIGNALS, self._signalled):

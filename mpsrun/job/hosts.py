@@ -91,13 +91,11 @@ class HostAgents:
         self.links: dict[Link, str] = {}  # each open agent's link, and its host
         self.heard: set[str] = set()  # the hosts whose agents said hello
         self.where: dict[int, tuple[Link, str, int]] = {}  # each started rank's agent, host and pid
+        self.ended: set[int] = set()
         self.peaks: dict[int, int] = {}
+        self.notes: list[str] = []  # what the agents had to say, for the job's end
         self.overdue = False  # the agents' closing is no longer waited for
         self._publish_due = False
-
-    @property
-    def token(self) -> str:
-        return self.doorway.token
 
     @property
     def done(self) -> bool:
@@ -116,10 +114,18 @@ class HostAgents:
 
     def close_soon(self) -> None:
         """Every rank has ended: the agents close their sessions within NODE_CLOSE_WAIT, or are late."""
-        self.loop.after(NODE_CLOSE_WAIT, self.give_up)
+        self.loop.after(NODE_CLOSE_WAIT, self._late)
 
     def give_up(self) -> None:
-        """The agents' closing is waited for no more (they were stopped, or their hosts are gone)."""
+        """The ranks still silent long after their SIGKILL are lost, and their agents (stopped, or their hosts are
+        gone) are waited for no more."""
+        for rank, (_, host, pid) in sorted(self.where.items()):
+            if rank not in self.ended:
+                self.ended.add(rank)
+                self.top.rank_ended(Ended(rank, None, "no word from it after SIGKILL", host=host, pid=pid))
+        self._late()
+
+    def _late(self) -> None:
         self.overdue = True
         self._closed()
 
@@ -145,13 +151,14 @@ class HostAgents:
             self.where[message.rank] = (link, message.host, message.pid)
             top.rank_started(message)
             self._publish_soon()
-        elif isinstance(message, Ended):
+        elif isinstance(message, Ended) and message.rank not in self.ended:
+            self.ended.add(message.rank)
             top.rank_ended(message)
         elif isinstance(message, Found):
             top.failed(ExitCode.SETUP if message.code is None else message.code, message.message) if message.fatal \
                 else top.warned(message.message)
         elif isinstance(message, Note):
-            top.closing([message.text])
+            self.notes.append(message.text)
         elif isinstance(message, Peaks):
             self.peaks.update({int(rank): peak for rank, peak in message.peaks.items() if rank.isdecimal()})
             self._publish_soon()
@@ -164,7 +171,8 @@ class HostAgents:
         lost."""
         node = self.links.pop(link, "")
         for rank, (owner, host, pid) in sorted(self.where.items()):
-            if owner is link:  # (the command takes a rank's first end only)
+            if owner is link and rank not in self.ended:
+                self.ended.add(rank)
                 self.top.rank_ended(Ended(rank, None, "its node keeper is gone", host=host or node, pid=pid))
         if not self.links:
             self._closed()

@@ -1,11 +1,10 @@
-"""Running a job: the ``mpsrun`` command's part. It plans the job, starts its agents, and decides.
+"""Running a job: the ``mpsrun`` command's part. It plans the job, starts its agents, and decides for it.
 
 On one node (``--launcher local`` or ``mpiexec``) the node's agent (:class:`~mpsrun.agent.agent.Agent`) runs in this
 process, in the command's loop, and the ranks' supervisors join it (forked here, or started by mpiexec, which starts
 ahead while the session comes up). Under ``--hosts`` every host's agent is a node keeper there, reporting here over
 TCP (:mod:`mpsrun.job.hosts`). Either way the command decides (:class:`~mpsrun.agent.decision.Decision`): the first
-failure across nodes, one stop to all, one summary line, one exit code, and the report. Nothing here parses command
-lines or exits the interpreter.
+failure across nodes, one stop to all, one summary line, one exit code, the report.
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ from mpsrun.runtime.constants import (
     PASS_SIGNALS,
     STOP_SIGNALS,
     TOKEN_VARIABLE,
+    USAGE_INTERVAL,
 )
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.interrupts import Interrupts, uninterrupted
@@ -68,8 +68,7 @@ def resolve_command(command: tuple[str, ...]) -> str:
 
 
 def make_output_dir(path: str | None) -> None:
-    """``--output-filename``'s directory, made here first: a directory that cannot be made is one line, not one
-    per rank (each rank's supervisor makes its own ``rank.N`` in it)."""
+    """``--output-filename``'s directory, made here first: one line, not one per rank, when it cannot be made."""
     if path is not None:
         try:
             os.makedirs(path, exist_ok=True)
@@ -78,8 +77,7 @@ def make_output_dir(path: str | None) -> None:
 
 
 class Job:
-    """One run of a :class:`JobConfig`; see :func:`run_job`. It is the top of its agents (see
-    :class:`~mpsrun.agent.agent.Top`): their events come here, from this process or from the hosts."""
+    """One run of a :class:`JobConfig`; see :func:`run_job`."""
 
     def __init__(self, config: JobConfig, note: Callable[[str], None]) -> None:
         self.config, self.note = config, note
@@ -89,13 +87,13 @@ class Job:
         self.expected = range(config.ranks)
         self.loop = EventLoop()
         self.launchers = Launchers(self.loop, self._launcher_exited, self._launch_failed)
+        self.decision = Decision(self.loop, stop=self._stop, kill=self._kill, say=note, running=self._running,
+                                 started=self._rank_started, ended=self._rank_ended)
         self.agent: Agent | None = None  # this node's, when the job runs here
-        self.hosts: HostAgents | None = None  # the hosts' agents' links, under --hosts
-        self.decision: Decision | None = None  # once the ranks may start
+        self.hosts: HostAgents | None = None  # the hosts' agents, under --hosts
         self.where: dict[int, tuple[str, int]] = {}  # each started rank's host and pid
-        self.ends: dict[int, Ended] = {}  # each ended rank's end, with its account
-        self.notes: list[str] = []  # what each host's agent had to say (under --hosts), for the job's end
-        self.accounts: list[RankAccount] = []  # every rank's, once the ranks have ended (with -v, a report, a limit)
+        self.ends: dict[int, Ended] = {}  # each rank's end, with its account
+        self.accounts: list[RankAccount] = []  # every rank's, once the ranks have ended (-v, --report, a limit)
         self.abandoned = False  # the job cannot run: see _abandon()
         self._wound_down = False
 
@@ -104,7 +102,6 @@ class Job:
 
     def run(self) -> JobResult:
         """Interrupts before the ranks run undo what was made and raise InterruptionError; during teardown they wait.
-
         The agent's directory comes first (the control socket lives there), then, for the mpiexec launcher, mpiexec
         itself (``Backend.head_start``), then the session: the GPUs, the plan and the daemons."""
         config = self.config
@@ -117,7 +114,6 @@ class Job:
             log.warning("mpsrun: warning: --mpiexec and --mpiexec-arg have no effect with --launcher local")
         with Interrupts() as interrupts, gpus.nvml_kept():  # NVML, once initialised, kept for the job
             claim: SessionClaim | None = None
-            teardown = ""
             try:
                 if backend.owns_daemons:
                     gpus.read_ahead()  # by a child, while the directory, the socket and mpiexec's start are made
@@ -125,66 +121,57 @@ class Job:
                 # owns that host's session), so a job killed outright takes what it started along.
                 claim = SessionClaim.make(session_base(None), "job", keep_logs=config.keep_logs)
                 env = self._open(backend, claim)
-                record = claim.add_launcher if self.hosts is not None else self._agent().session.add_launcher
-                if backend.owns_daemons:
-                    claim = None  # the agent's now: its session releases it
-                self._start(backend, program, env, interrupts, record)
+                record = self.agent.session.add_launcher if self.agent is not None else claim.add_launcher
+                claim = claim if self.agent is None else None  # else the agent's: its session releases it
+                self._start(backend, backend.specs(config, program, env), interrupts, record)
                 self._say_end()
             finally:  # from here on a signal is only remembered, NVML's shutdown at the block's end included
                 interrupts.defer_to_the_end()
                 gpus.drop_read_ahead()
                 teardown = self._close(claim)
-        late = interrupts.received[0] if interrupts.received else self._decided().late_signal
-        return self._result(teardown, late)
+        return self._result(teardown, interrupts.received[0] if interrupts.received else self.decision.late_signal)
 
     def _open(self, backend: Backend, claim: SessionClaim) -> dict[str, str]:
-        """Where the ranks join (this node's agent, or under --hosts the hosts' agents join here): the environment
+        """Where the ranks join (this node's agent; under --hosts the hosts' agents join here), and the environment
         every rank's supervisor starts with."""
         config = self.config
+        hosts = values.host_names(config.hosts, config.hostfile)
         if backend.owns_daemons:
-            self.agent = Agent(config, self.loop, self, claim, self.deadline, new_token(), local_size=config.ranks,
-                               world_size=config.ranks, server_after=backend.server_after,
+            self.agent = Agent(config, self.loop, self.decision, claim, self.deadline, new_token(),
+                               local_size=config.ranks, world_size=config.ranks, server_after=backend.server_after,
                                welcoming=Welcoming(ranks=self.expected, callers=callers_values(os.environ),
                                                    output_lock=backend.name == "local"))
-            address, token = self.agent.listener.address, self.agent.token
+            address, token = self.agent.listener.address, self.agent.doorway.token
         else:
             assert claim.dirs is not None
-            self.hosts = HostAgents(self.loop, values.host_names(config.hosts, config.hostfile), self,
-                                    claim.dirs.usage_file, closed=self._hosts_closed)
-            address, token = self.hosts.listener.address, self.hosts.token
-        names = values.host_names(config.hosts, config.hostfile)
-        first = names[0] if names else "127.0.0.1"  # rank 0's host: MPI launchers fill hosts in order
+            self.hosts = HostAgents(self.loop, hosts, self.decision, claim.dirs.usage_file, self._hosts_closed)
+            address, token = self.hosts.listener.address, self.hosts.doorway.token
+        first = hosts[0] if hosts else "127.0.0.1"  # rank 0's host: MPI launchers fill hosts in order
         return {**os.environ, **rendezvous(first, free_port(), os.environ), CONTROL_VARIABLE: address,
                 TOKEN_VARIABLE: token, JOB_ID_VARIABLE: token[:16]}
 
-    def _agent(self) -> Agent:
-        assert self.agent is not None
-        return self.agent
-
-    def _start(self, backend: Backend, program: str, env: dict[str, str], interrupts: Interrupts,
+    def _start(self, backend: Backend, specs: list[LaunchSpec], interrupts: Interrupts,
                record: Callable[[int], None]) -> None:
-        """Start the launcher (ahead of the session for mpiexec), the session, then the ranks, and run to the end;
-        ``record``: puts the MPI launcher on the record, for the reaper to end should we be killed."""
-        specs = backend.specs(self.config, program, env)
+        """Start the launcher (ahead of the session for mpiexec; ``record`` puts it on the session's record), the
+        session, then the ranks, and run the job to its end."""
         if backend.head_start:
             self._launch_ahead(specs[0], record)
         failure = None
-        if self.agent is not None:
-            try:
-                self._start_session()
-            except MPSError as exc:  # an interrupt too
-                if not self.launchers.started:
-                    raise
-                failure = exc
-        with interrupts.deferred():  # until the loop takes the signals; those meanwhile are pending
-            self.decision = Decision(self.loop, Policy.for_job(self.config, self.deadline), stop=self._stop,
-                                     kill=self._kill, say=self.note, running=self._running)
-        pending = [sig for sig in interrupts.received  # and a signal a finalizer swallowed; not the failure's own
+        try:
+            if self.agent is not None:
+                self._start_session(self.agent)
+        except MPSError as exc:  # an interrupt too
+            if not self.launchers.started:
+                raise
+            failure = exc
+        pending = [sig for sig in interrupts.received  # (and a signal a finalizer swallowed), not the failure's own
                    if not (isinstance(failure, InterruptionError) and sig == failure.signal)]
         if failure is not None:
             self._abandon()
             self._run(pending, None)
             raise failure
+        policy = Policy.for_job(self.config, self.deadline)
+        self.decision.arm(policy.timeout, policy.timeout_total)
 
         def launch() -> None:  # in the loop, which handles signals from here on
             mps = "on" if self.agent is not None and self.agent.watch else "per host" if self.hosts else "off"
@@ -202,15 +189,13 @@ class Job:
         try:
             with uninterrupted():  # a Popen cut short would lose the process
                 started = self.launchers.start(spec)
-        except OSError as exc:  # as the loop says it when a launcher cannot start
+        except OSError as exc:  # as a launcher that cannot start is said in the loop
             raise MPSError(f"cannot start rank(s) {ranges(list(spec.ranks))}: {exc}") from None
         self._elapsed("launcher started")
         record(started.popen.pid)
 
-    def _start_session(self) -> None:
-        """Read the GPUs, plan the ranks and start the daemons, saying what the plan means."""
-        agent = self.agent
-        assert agent is not None
+    def _start_session(self, agent: Agent) -> None:
+        """Read the GPUs, plan the ranks and start the daemons; say what the plan means."""
         agent.start(meanwhile=_import_the_rest)
         for line in agent.notices():
             log.warning(f"mpsrun: {line}")
@@ -230,9 +215,9 @@ class Job:
                 self.loop.after(0, functools.partial(self._signalled, sig))
             if first is not None:
                 self.loop.after(0, lambda: self._guarded(first))
-            if agent is not None:
-                agent.run_in()
-            with gpus.nvml_kept() if agent is not None and (agent.watch or agent.usage) else contextlib.nullcontext():
+                if agent is not None:
+                    agent.run_in()
+            with gpus.nvml_kept() if agent and (agent.watch or agent.usage) else contextlib.nullcontext():
                 self.loop.run_until(self._done)
         self.loop.close()
         self.launchers.kill_leftovers()
@@ -241,7 +226,7 @@ class Job:
         try:
             step()
         except MPSError as exc:
-            self._decided().fail(Cause.SETUP, exc.exit_code, str(exc))
+            self.decision.fail(Cause.SETUP, exc.exit_code, str(exc))
 
     def _abandon(self) -> None:
         """The job cannot run (its set-up failed after its MPI launcher had started): every rank supervisor that
@@ -253,48 +238,15 @@ class Job:
         wait = max(self.config.grace, ABANDON_WAIT)  # SIGTERM while mpiexec starts ranks makes it print a banner
         self.launchers.wind_down(wait if self.config.timeout is None else min(wait, self.deadline.remaining()))
 
-    def _decided(self) -> Decision:
-        assert self.decision is not None
-        return self.decision
+    # -- the ranks ------------------------------------------------------------------------------------------------
 
-    # -- the agents' events (mpsrun.agent.agent.Top) --------------------------------------------------------------
-
-    def rank_started(self, started: Started) -> None:
+    def _rank_started(self, started: Started) -> None:
         self.where[started.rank] = (started.host, started.pid)
 
-    def rank_ended(self, ended: Ended) -> None:
-        if ended.rank in self.ends:  # (a host's agent lost after it told the rank's end)
-            return
+    def _rank_ended(self, ended: Ended) -> None:
         self.ends[ended.rank] = ended
-        self._decided().rank_ended(ended)
         if self._all_ended():
             self._wind_down()
-
-    def refused(self, code: int, message: str) -> str:
-        return self._decided().refused(code, message)
-
-    def failed(self, code: int, message: str) -> None:
-        self._decided().failed(code, message)
-
-    def warned(self, message: str) -> None:
-        self._decided().warned(message)
-
-    def interrupted(self, sig: int, source: int) -> None:
-        if not self.abandoned:
-            self._decided().interrupted(sig, source)
-
-    def verdict(self, own: int, deliverable: bool) -> tuple[int, list[str]]:
-        return self._decided().verdict(own, deliverable) if self.decision is not None else (own, [])
-
-    def closing(self, lines: list[str]) -> list[str]:
-        """A host's agent's last words, said at the job's end."""
-        self.notes += lines
-        return []
-
-    def peaks(self, peaks: dict[int, int]) -> None:
-        """This node's agent publishes its own ranks' peaks."""
-
-    # -- stopping -----------------------------------------------------------------------------------------------
 
     def _running(self) -> bool:
         """Whether ranks of the job still run: --timeout bounds them (and the job's start), and the job's own
@@ -308,30 +260,26 @@ class Job:
         if self.abandoned:  # the job never ran: whatever still starts its refused ranks goes at once
             if sig in STOP_SIGNALS:
                 self.launchers.kill()
-        elif sig in PASS_SIGNALS:
-            self.agent.forward(sig) if self.agent is not None else self.hosts.forward(sig) if self.hosts else None
-        else:
-            self._decided().signalled(sig)
+        elif sig not in PASS_SIGNALS:
+            self.decision.signalled(sig)
+        elif self.agent is not None:
+            self.agent.forward(sig)
+        elif self.hosts is not None:
+            self.hosts.forward(sig)
 
     def _stop(self, sig: int, again: bool) -> None:
         """Start nothing more (the ranks still to be launched, and those no launcher was ever started for, will
-        never start), and stop the ranks; after --grace the launchers get theirs too."""
+        never start) and stop the ranks; after --grace the launchers get theirs too."""
         launched = {rank for started in self.launchers.started for rank in started.spec.ranks}
         pending = self.launchers.cancel()
-        self._never_started(set(pending) | {r for r in self.expected if r not in launched and r not in self.where})
+        self._never_started(set(pending) | {rank for rank in self.expected if rank not in launched | set(self.where)})
         if self.agent is not None:
             self.agent.stop(sig, again)
         elif self.hosts is not None:
-            self.hosts.stop(sig, self._decided().judge.exit_code() if self._decided().judge.failed else None)
-        self.loop.after(self.config.grace, self._grace_over)
-
-    def _grace_over(self) -> None:
-        """An MPI launcher still starting ranks (or hung before them) gets --grace more, then SIGTERM, SIGKILL;
-        the hosts' ranks are killed, and given up KILL_WAIT later."""
-        self.launchers.wind_down(self.config.grace)
-        if self.hosts is not None:
-            self.hosts.stop(signal.SIGKILL, None)
-            self.loop.after(KILL_WAIT, self._given_up)
+            judge = self.decision.judge
+            self.hosts.stop(sig, judge.exit_code() if judge.failed else None)
+            self.loop.after(self.config.grace + KILL_WAIT, self.hosts.give_up)
+        self.loop.after(self.config.grace, lambda: self.launchers.wind_down(self.config.grace))
 
     def _kill(self) -> None:
         """The ranks and whatever still starts them, killed now (a second Ctrl-C)."""
@@ -343,22 +291,13 @@ class Job:
 
     def _never_started(self, ranks: set[int]) -> None:
         for rank in sorted(ranks - set(self.ends)):
-            self.ends[rank] = Ended(rank, None, "never started")
+            self._rank_ended(Ended(rank, None, "never started"))
         if self.agent is not None:
             self.agent.never_started(ranks)
 
-    def _given_up(self) -> None:
-        """Under --hosts: ranks still silent KILL_WAIT after SIGKILL are given up as lost, and their hosts' agents
-        (stopped, or their host is gone) are no longer waited for."""
-        for rank in [r for r in self.where if r not in self.ends]:
-            host, pid = self.where[rank]
-            self.rank_ended(Ended(rank, None, "no word from it after SIGKILL", host=host, pid=pid))
-        if self.hosts is not None:
-            self.hosts.give_up()
-
     def _wind_down(self) -> None:
         """Every rank has ended: the daemons may quit while the launchers get --grace to exit, once every host's
-        agent has closed (its last rank waits for its teardown, and ending the launcher would cut that short)."""
+        agent has closed (its last rank waits for its teardown, which ending the launcher would cut short)."""
         if self._wound_down:
             return
         self._wound_down = True
@@ -380,75 +319,54 @@ class Job:
             return self.launchers.ended
         return self._all_ended() and self.launchers.ended and (self.hosts is None or self.hosts.done)
 
-    # -- the launchers ------------------------------------------------------------------------------------------
+    # -- the launchers --------------------------------------------------------------------------------------------
 
     def _launch_failed(self, spec: LaunchSpec, exc: OSError) -> None:
         """A launcher (a rank's supervisor, or mpiexec) could not be started: the job fails, nothing more starts."""
-        self._decided().fail(Cause.SETUP, ExitCode.SETUP, f"cannot start rank(s) {ranges(list(spec.ranks))}: {exc}")
-        self._never_started({r for r in spec.ranks if r not in self.where})
+        self.decision.fail(Cause.SETUP, ExitCode.SETUP, f"cannot start rank(s) {ranges(list(spec.ranks))}: {exc}")
+        self._never_started({rank for rank in spec.ranks if rank not in self.where})
 
     def _launcher_exited(self, started: Launched, returncode: int) -> None:
         if self.abandoned:
             return
-        self._decided().judge.launcher_ended(started.spec.name, returncode, started.spec.signal_status)
-        if self.hosts is not None and any(r not in self.where for r in started.spec.ranks):
+        self.decision.judge.launcher_ended(started.spec.name, returncode, started.spec.signal_status)
+        if self.hosts is not None and any(rank not in self.where for rank in started.spec.ranks):
             # The hosts' agents relay their ranks' starts: those of ranks that ran may still be on their way.
             self.loop.after(LAUNCHER_REPORT_WAIT, lambda: self._launcher_judged(started, returncode, waited=True))
         else:
             self._launcher_judged(started, returncode, waited=False)
 
     def _launcher_judged(self, started: Launched, returncode: int, waited: bool) -> None:
-        name, ranks = started.spec.name, started.spec.ranks
-        missing = [r for r in ranks if r not in self.where and r not in self.ends]
+        name, ranks, fail = started.spec.name, started.spec.ranks, self.decision.fail
+        missing = [rank for rank in ranks if rank not in self.where and rank not in self.ends]
         silent = unheard(started.spec.hosts, self.hosts.heard if self.hosts is not None else set())
         if silent and len(missing) == len(ranks):  # no rank started: the launcher did not get there
-            self._decided().fail(Cause.SETUP, ExitCode.SETUP, f"{name} {describe_returncode(returncode)} before any "
-                                 f"rank started: no node keeper came from {', '.join(silent)}: it could not reach the "
-                                 "host or start mpsrun there (its own lines say why)")
+            fail(Cause.SETUP, ExitCode.SETUP, f"{name} {describe_returncode(returncode)} before any rank started: no "
+                 f"node keeper came from {', '.join(silent)}: it could not reach the host or start mpsrun there (its "
+                 "own lines say why)")
         elif missing:
-            self._decided().fail(Cause.LAUNCHER_FAILED, returncode, f"{name} {describe_returncode(returncode)} "
-                                 f"before rank(s) {ranges(missing)} started")
+            fail(Cause.LAUNCHER_FAILED, returncode, f"{name} {describe_returncode(returncode)} before rank(s) "
+                 f"{ranges(missing)} started")
         elif returncode != 0 and self._running_of(started):
             self.loop.after(0 if waited else LAUNCHER_REPORT_WAIT, lambda: self._launcher_outlived(started, returncode))
-        if missing:
-            self._never_started(set(missing))
+        self._never_started(set(missing))
 
     def _running_of(self, started: Launched) -> list[int]:
-        return [r for r in started.spec.ranks if r in self.where and r not in self.ends]
+        return [rank for rank in started.spec.ranks if rank in self.where and rank not in self.ends]
 
     def _launcher_outlived(self, started: Launched, returncode: int) -> None:
         """The launcher ended while its ranks ran, and their reports have had time to come: what they said decides
         (a lost rank takes the launcher's status as its own), else the launcher's status does."""
         if running := self._running_of(started):
-            self._decided().fail(Cause.LAUNCHER_FAILED, returncode, f"{started.spec.name} "
-                                 f"{describe_returncode(returncode)} while rank(s) {ranges(running)} ran")
+            self.decision.fail(Cause.LAUNCHER_FAILED, returncode, f"{started.spec.name} "
+                               f"{describe_returncode(returncode)} while rank(s) {ranges(running)} ran")
 
     # -- the job's end --------------------------------------------------------------------------------------------
-
-    def _close(self, claim: SessionClaim | None) -> str:
-        """End the session (this node's agent's, or under --hosts the command's own claim); what failed, if anything
-        (reported, never hiding the job's outcome)."""
-        try:
-            if self.agent is not None:
-                self.agent.close()
-            elif claim is not None and (errors := claim.release()):
-                raise MPSError("session teardown failed: " + "; ".join(map(str, errors)))
-            if self.hosts is not None:
-                self.hosts.close()
-        except MPSError as exc:
-            self.note(str(exc))
-            return str(exc)
-        finally:
-            removed, _ = leftovers.sweep(self.began)  # what an aborted MPI job left on this node, said with -v
-            if removed:
-                log.info(f"mpsrun: removed what MPI left behind: {', '.join(removed)}")
-        self._elapsed("torn down")
-        return ""
 
     def _say_end(self) -> None:
         """What the job's end says before its teardown: the proof of MPS (-v), the first failure and what the MPS logs
         tell of it, the hosts' notes, the accounts."""
-        judge, agent = self._decided().judge, self.agent
+        judge, agent = self.decision.judge, self.agent
         if agent is not None and agent.watch is not None:
             agent.settle_watch()
             log.info(f"mpsrun: {verified_line(agent.watch, self.expected)}")
@@ -457,7 +375,7 @@ class Job:
             rank_of = {pid: rank for rank, (_, pid) in self.where.items()}
             for line in mps_report(agent.session.daemons, rank_of) if agent and agent.session.enabled else []:
                 self.note(line)
-        for line in self.notes:
+        for line in self.hosts.notes if self.hosts is not None else []:
             self.note(line)
         if accounted(self.config):
             first = judge.first.rank if judge.first is not None else None
@@ -469,9 +387,29 @@ class Job:
             for line in hints:
                 self.note(line)
 
+    def _close(self, claim: SessionClaim | None) -> str:
+        """End the session (this node's agent's, or under --hosts the command's own claim); what failed, if anything
+        (reported, never hiding the job's outcome)."""
+        try:
+            if self.hosts is not None:
+                self.hosts.close()
+            if self.agent is not None:
+                self.agent.close()
+            elif claim is not None and (errors := claim.release()):
+                raise MPSError("session teardown failed: " + "; ".join(map(str, errors)))
+        except MPSError as exc:
+            self.note(str(exc))
+            return str(exc)
+        finally:
+            removed, _ = leftovers.sweep(self.began)  # what an aborted MPI job left on this node, said with -v
+            if removed:
+                log.info(f"mpsrun: removed what MPI left behind: {', '.join(removed)}")
+        self._elapsed("torn down")
+        return ""
+
     def _result(self, teardown: str, late: int | None) -> JobResult:
         """How the job ended, with a teardown that failed or a signal while it ended; the report written."""
-        judge = self._decided().judge
+        judge = self.decision.judge
         result = judge.result(teardown, late)
         if late is not None and result.cause == Cause.SIGNAL and not judge.failed:
             self.note(result.message)
@@ -484,15 +422,14 @@ class Job:
         assert self.config.report is not None
         usage = self.agent.usage if self.agent is not None else None
         report = Report.of(self.config.command, (result.exit_code, result.cause, result.message), self.began,
-                           self.accounts, usage, self._decided().policy.usage_interval)
+                           self.accounts, usage, USAGE_INTERVAL)
         if unwritten := report.save(self.config.report):
             self.note(unwritten)
         return unwritten
 
 
 def _import_the_rest() -> None:
-    """What the job needs only once its launcher has started, imported while the daemons come up."""
-    import mpsrun.agent.account
+    """What only a running job needs, imported while the daemons come up."""
     import mpsrun.rank.forked  # noqa: F401
 
 
