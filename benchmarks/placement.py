@@ -14,9 +14,10 @@ import argparse
 import statistics
 import time
 
+from mpsrun.agent.welcome import welcome
 from mpsrun.config.options import JobConfig
-from mpsrun.agent.plan import NodePlan, welcome
 from mpsrun.mps.environment import GpuTarget
+from mpsrun.mps.placement import NodePlan
 from mpsrun.rank.identity import RankIdentity
 
 SETTINGS = {"plain": {}, "auto": {"thread_percentage": "auto", "mem_limit": "auto"}}

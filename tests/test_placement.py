@@ -2,18 +2,11 @@
 
 import pytest
 
-from mpsrun.agent.plan import (
-    GpuTarget,
-    NodePlan,
-    RankPlan,
-    gpu_of_rank,
-    rank_environment,
-    ranks_on_gpus,
-    ranks_per_gpu,
-    welcome,
-)
+from mpsrun.agent.welcome import welcome
 from mpsrun.config.options import JobConfig
 from mpsrun.errors import ConfigError
+from mpsrun.mps.environment import GpuTarget
+from mpsrun.mps.placement import NodePlan, RankPlan, gpu_of_rank, rank_environment, ranks_on_gpus, ranks_per_gpu
 from mpsrun.rank.identity import RankIdentity
 
 MPS_GPUS = [GpuTarget("GPU-a", "/p/a", "/l/a", "/s"), GpuTarget("GPU-b", "/p/b", "/l/b", "/s")]

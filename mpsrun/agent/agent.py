@@ -23,11 +23,12 @@ from typing import NamedTuple, Protocol
 from mpsrun.agent.account import RankAccount
 from mpsrun.agent.findings import shared_memory_hint
 from mpsrun.agent.outcome import Policy, RankEnd, ranges
-from mpsrun.agent.plan import NodePlan, RankPlan, mpi4py_abort, welcome, without_mps
 from mpsrun.agent.ranks import Doorway, RankState
+from mpsrun.agent.welcome import mpi4py_abort, welcome
 from mpsrun.config.options import JobConfig, differing_options
 from mpsrun.errors import ConfigError, DaemonError, DaemonTimeoutError, JobTimeoutError, MPSError
 from mpsrun.exitcodes import ExitCode, Outcome, exit_code
+from mpsrun.mps.placement import NodePlan, RankPlan, without_mps
 from mpsrun.mps.usage import UsageSampler
 from mpsrun.mps.watch import Finding, RankWatch, with_descendants
 from mpsrun.rank.identity import RankIdentity

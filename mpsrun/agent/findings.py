@@ -9,12 +9,12 @@ import contextlib
 from collections.abc import Iterable, Mapping, Sequence
 
 from mpsrun.agent.outcome import ranges
-from mpsrun.agent.plan import RankPlan
-from mpsrun.config.values import AUTO, MemLimit, mib_text
+from mpsrun.config.values import mib_text
 from mpsrun.errors import MPSError
 from mpsrun.mps import gpus
 from mpsrun.mps.daemon import ControlDaemon
 from mpsrun.mps.limits import memory_hint
+from mpsrun.mps.placement import RankPlan
 from mpsrun.mps.replies import diagnose_log, torn_down_clients
 from mpsrun.mps.watch import RankWatch
 from mpsrun.runtime.constants import MPS_CLIENT_LIMIT
@@ -44,7 +44,7 @@ def mps_report(daemons: Sequence[ControlDaemon], rank_of: Mapping[int, int]) -> 
     return lines
 
 
-def placement_line(session: Session, plan: RankPlan, mem_limit: MemLimit) -> str:
+def placement_line(session: Session, plan: RankPlan) -> str:
     """Where a rank runs and with what limits, for -v."""
     if not session.gpus:
         return "no GPU"
@@ -52,7 +52,7 @@ def placement_line(session: Session, plan: RankPlan, mem_limit: MemLimit) -> str
         where = "GPUs " + ",".join(str(g.index) for g in session.gpus)
     else:
         where = f"GPU {session.gpus[plan.gpu].index}"
-    auto = " (auto)" if mem_limit == AUTO else ""
+    auto = " (auto)" if plan.mem_auto else ""
     return where + (f", {plan.thread_percentage}% of SMs" if plan.thread_percentage else "") + (
         f", {mib_text(plan.mem_limit)} pinned memory{auto}" if plan.mem_limit else "")
 

@@ -34,8 +34,8 @@ from mpsrun.agent.decision import Decision, InterruptSources
 from mpsrun.agent.findings import mps_report, verified_line
 from mpsrun.agent.outcome import Policy
 from mpsrun.agent.pernode import KeeperRequest
-from mpsrun.agent.plan import free_port, rendezvous
 from mpsrun.agent.ranks import refuse_newcomer
+from mpsrun.agent.welcome import free_port, rendezvous
 from mpsrun.config.options import JobConfig
 from mpsrun.errors import InterruptionError, MPSError
 from mpsrun.exitcodes import ExitCode

@@ -20,7 +20,7 @@ from mpsrun.runtime.processes import ProcessRef
 from mpsrun.runtime.protocol import Hello, Link, Listener, Message, Refusal
 
 if TYPE_CHECKING:
-    from mpsrun.agent.plan import RankPlan
+    from mpsrun.mps.placement import RankPlan
 
 __all__ = ["Doorway", "RankState", "refuse_newcomer", "token_matches"]
 

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from mpsrun.agent.plan import mpi4py_available
+from mpsrun.agent.welcome import mpi4py_available
 from mpsrun.config import values
 from mpsrun.config.options import JobConfig, option_variables
 from mpsrun.errors import ConfigError

@@ -1,6 +1,6 @@
 """``mpsrun --dry-run``: the job's plan, printed, with nothing started (no daemon, no rank, no directory).
 
-Each rank's variables come from the same :func:`mpsrun.agent.plan.welcome` a running job uses, so what is printed
+Each rank's variables come from the same :func:`mpsrun.agent.welcome.welcome` a running job uses, so what is printed
 is what the ranks would get, with the session's paths and the rendezvous port written as placeholders. Without a
 driver (a login node checking a batch script) the GPUs are the positions ``--gpus`` names, and what depends on them
 (their UUIDs, free memory for ``--mem-limit auto``, their SMs for NCCL's cap) is said to be read when the job starts.
@@ -13,15 +13,16 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from mpsrun.agent.plan import NodePlan, mpi4py_abort, mpi4py_available, rendezvous, welcome
+from mpsrun.agent.welcome import mpi4py_abort, mpi4py_available, rendezvous, welcome
 from mpsrun.config.options import JobConfig
-from mpsrun.config.values import AUTO, mib_text
+from mpsrun.config.values import mib_text
 from mpsrun.errors import ConfigError, MPSError, NoDriverError
 from mpsrun.exitcodes import ExitCode
 from mpsrun.job.mpiexec import find_mpiexec
 from mpsrun.mps import gpus as gpu_info
 from mpsrun.mps.daemon import unavailable_reason
 from mpsrun.mps.environment import GpuTarget
+from mpsrun.mps.placement import NodePlan
 from mpsrun.rank.identity import RankIdentity
 
 __all__ = ["plan_lines", "show"]
@@ -72,7 +73,7 @@ def plan_lines(config: JobConfig) -> list[str]:
     for plan, env in zip(plans, envs, strict=True):
         limits = [f"{plan.thread_percentage}% of SMs" if plan.thread_percentage else "",
                   f"{mib_text(plan.mem_limit)} pinned memory" if plan.mem_limit else
-                  "its share of the GPU's free memory, read when the job starts" if config.mem_limit == AUTO else ""]
+                  "its share of the GPU's free memory, read when the job starts" if plan.mem_auto else ""]
         where = "every job GPU" if config.gpu_bind == "none" else f"GPU {plan.gpu}"
         lines.append(f"rank {plan.rank}: {where}" + "".join(f", {part}" for part in limits if part))
         lines.append("  " + " ".join(f"{k}={v}" for k, v in sorted(env.items()) if k not in common))

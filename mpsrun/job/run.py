@@ -22,7 +22,7 @@ from mpsrun.agent.agent import Agent, Welcoming
 from mpsrun.agent.decision import Decision
 from mpsrun.agent.findings import crowding_warnings, mps_report, placement_line, verified_line
 from mpsrun.agent.outcome import JobResult, Policy, RankEnd, ranges
-from mpsrun.agent.plan import callers_values, free_port, ranks_on_gpus, rendezvous
+from mpsrun.agent.welcome import callers_values, free_port, rendezvous
 from mpsrun.config import values
 from mpsrun.config.options import JobConfig
 from mpsrun.errors import CommandNotExecutableError, CommandNotFoundError, InterruptionError, MPSError
@@ -31,6 +31,7 @@ from mpsrun.job.backends import Backend, choose_backend
 from mpsrun.job.hosts import HostAgents, unheard
 from mpsrun.job.launch import Launched, Launchers, LaunchSpec
 from mpsrun.mps import gpus
+from mpsrun.mps.placement import ranks_on_gpus
 from mpsrun.runtime.constants import (
     ABANDON_WAIT,
     CONTROL_VARIABLE,
@@ -204,7 +205,7 @@ class Job:
             for line in crowding_warnings(ranks_on_gpus(plans)):
                 log.warning(f"mpsrun: {line}")
         for plan in plans:
-            log.info(f"mpsrun: rank {plan.rank}: {placement_line(agent.session, plan, self.config.mem_limit)}")
+            log.info(f"mpsrun: rank {plan.rank}: {placement_line(agent.session, plan)}")
         self._elapsed("daemons ready" if agent.session.enabled else "set up without MPS")
 
     def _run(self, pending: list[int], first: Callable[[], None] | None) -> None:

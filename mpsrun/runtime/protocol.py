@@ -121,7 +121,7 @@ class Peaks(NamedTuple):
 # -- down: an agent's (or the command's) answers and orders ---------------------------------------------------------
 
 class Welcome(NamedTuple):
-    """A rank admitted: its environment and how its supervisor runs it (from :func:`mpsrun.agent.plan.welcome`).
+    """A rank admitted: its environment and how its supervisor runs it (from :func:`mpsrun.agent.welcome.welcome`).
 
     ``env``: mpsrun's own variables; ``defaults``: groups of variables each given only where the caller set none of
     the group; ``managed``: mpsrun's variables to drop from the caller's; ``restore``: what a launcher rewrote

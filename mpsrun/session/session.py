@@ -16,12 +16,14 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from mpsrun.config import values
+from mpsrun.config.options import JobConfig
 from mpsrun.errors import ConfigError, DaemonError, MPSError, MPSUnavailableError, NoDriverError, TeardownError
 from mpsrun.mps import gpus as gpu_info
 from mpsrun.mps.daemon import ControlDaemon, unavailable_reason
 from mpsrun.mps.environment import MANAGED_VARIABLES, GpuTarget, worker_variables
 from mpsrun.mps.gpus import GPU
-from mpsrun.mps.limits import DaemonDefaults, auto_mem_limits
+from mpsrun.mps.limits import DaemonDefaults
+from mpsrun.mps.placement import NodePlan
 from mpsrun.runtime.constants import DAEMON_START_TIMEOUT, DAEMON_STOP_TIMEOUT
 from mpsrun.runtime.processes import ProcessRef
 from mpsrun.session.claim import SessionClaim
@@ -139,7 +141,6 @@ class Session:
             raise ConfigError("export=True needs a single GPU: a process can reach only one MPS daemon; with several "
                               "GPUs give each worker session.env(rank), or use gpu_bind='none'",
                               setting="export", value=True)
-        self._defaults = DaemonDefaults(self.thread_percentage, tuple(self._mem_limits()))
         self._state = "resolved"
         return self
 
@@ -147,16 +148,12 @@ class Session:
         """Each GPU's free memory in bytes when the session looked (empty without MPS: no limit applies)."""
         return [g.memory_free for g in self.gpus] if self.disabled_reason is None else []
 
-    def _mem_limits(self) -> list[int | None]:
-        """The memory limit of each GPU position: ``auto`` splits each GPU's free memory among the workers, spread
-        evenly over the GPUs (a session without MPS, or a GPU list that failed, applies none)."""
-        free = self.free_memory()
-        if not isinstance(self.mem_limit, values.Auto):
-            return [self.mem_limit] * len(self.gpus)
-        if not free:
-            return [None] * len(self.gpus)
-        assert self.workers is not None
-        return auto_mem_limits(free, [-(-self.workers // len(free))] * len(free), self.gpu_bind == "none", "mem_limit")
+    def _planned(self) -> DaemonDefaults:
+        """The daemons' defaults by the plan of the session's workers (worker ``r`` on GPU ``r % len(gpus)``), as a
+        job's ranks are planned: ``auto`` splits each GPU's free memory among its workers."""
+        config = JobConfig(thread_percentage=self.thread_percentage, mem_limit=self.mem_limit, priority=self.priority,
+                           gpu_bind=self.gpu_bind, map_by="round-robin")
+        return NodePlan.make(config, len(self.gpus), self.workers, self.free_memory()).daemon_defaults()
 
     @property
     def dirs(self) -> SessionDirs | None:
@@ -185,8 +182,7 @@ class Session:
             raise MPSError(f"this session is {self._state}; make a new one with mps_session()")
         self._state = "starting"
         self._owner_pid = os.getpid()
-        if defaults is not None:
-            self._defaults = defaults
+        self._defaults = self._planned() if defaults is None else defaults
         try:
             if self._claim is None and self.disabled_reason is None:
                 self._claim = SessionClaim.make(self.base, "api", keep_logs=self.keep_logs)

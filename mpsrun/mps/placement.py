@@ -1,61 +1,25 @@
-"""Placement: which GPU and limits each rank gets, the daemons' defaults, and the one rank environment.
+"""Placement: which GPU and limits each rank gets, and the daemons' defaults: one plan of a node's ranks.
 
-Pure functions, no I/O. Every path (local ranks, ranks under mpiexec, per-node ranks) gets its
-variables from :func:`rank_environment`, through :func:`welcome`; the launcher and node keepers give
-their daemons :func:`daemon_defaults`, from the same rules.
+Pure functions, no I/O. A node's plan is worked out once (:class:`NodePlan`) and read by everything that places
+ranks: the agent's welcome (:func:`mpsrun.agent.welcome.welcome`), ``--dry-run``, ``-v``, and ``mps_session()``'s
+workers (:class:`mpsrun.session.session.Session`).
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mpsrun.config.options import JobConfig
-from mpsrun.config.values import AUTO, Auto, Queues, check_shares
+from mpsrun.config.values import AUTO, Auto, check_shares
 from mpsrun.errors import ConfigError
-from mpsrun.mps.environment import MANAGED_VARIABLES, GpuTarget, worker_variables
-from mpsrun.mps.limits import GPU_CONNECTIONS, DaemonDefaults, auto_mem_limits, client_connections
-from mpsrun.rank.frameworks import TORCHRUN_DEFAULTS, rank_defaults, shared_gpu_defaults, torchrun_layout
+from mpsrun.mps.environment import GpuTarget, worker_variables
+from mpsrun.mps.limits import DaemonDefaults, auto_mem_limits
+from mpsrun.rank.frameworks import torchrun_layout
 from mpsrun.rank.identity import RankIdentity
-from mpsrun.runtime.constants import (
-    CONTROL_VARIABLES,
-    JOB_ID_VARIABLE,
-    LAUNCHER_PREFIXES,
-    LAUNCHER_REWRITES,
-    RENDEZVOUS_VARIABLES,
-    SESSION_DIR_VARIABLE,
-)
-from mpsrun.runtime.protocol import Welcome
 
-__all__ = [
-    "NodePlan",
-    "RankPlan",
-    "callers_values",
-    "free_port",
-    "gpu_of_rank",
-    "mpi4py_abort",
-    "mpi4py_available",
-    "rank_environment",
-    "ranks_on_gpus",
-    "ranks_per_gpu",
-    "rendezvous",
-    "welcome",
-    "without_mps",
-]
-
-
-@functools.cache
-def mpi4py_available() -> bool:
-    """Whether this interpreter has mpi4py (asked once: a search of every path entry)."""
-    return importlib.util.find_spec("mpi4py") is not None
-
-
-def mpi4py_abort(setting: str) -> bool:
-    """Whether Python ranks run under mpi4py's runner: ``--mpi4py-abort`` is on, and mpi4py is installed."""
-    return setting == "on" and mpi4py_available()
+__all__ = ["NodePlan", "RankPlan", "gpu_of_rank", "rank_environment", "ranks_on_gpus", "ranks_per_gpu",
+           "without_mps"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +33,7 @@ class RankPlan:
     priority: int | None = None
     sharers: int | None = None  # the node's ranks on its GPU (under --gpu-bind none: spread evenly), when known
     clients: int | None = None  # the node's ranks its MPS server serves (all of them under --gpu-bind none), when known
+    mem_auto: bool = False  # its memory limit is its share of its GPU's free memory (--mem-limit auto)
 
     @property
     def unlimited_sharing(self) -> bool:
@@ -159,14 +124,15 @@ class NodePlan:
         if plan.refused is not None:
             raise plan.refused
         config = plan.config
+        auto = config.mem_limit == AUTO
         if plan.ngpus < 1:
-            return RankPlan(identity.rank, 0, None, plan.mem_limits[0], config.priority)
+            return RankPlan(identity.rank, 0, None, plan.mem_limits[0], config.priority, mem_auto=auto)
         gpu = 0 if config.gpu_bind == "none" else gpu_of_rank(identity.local_rank, plan.local_size, plan.ngpus,
                                                               config.map_by)
         sharers = plan.sharing[gpu] if plan.sharing else None
         clients = plan.local_size if config.gpu_bind == "none" else sharers
         return RankPlan(identity.rank, gpu, plan._percentage(identity, gpu), plan.mem_limits[gpu], config.priority,
-                        sharers, clients)
+                        sharers, clients, auto)
 
     def ranks(self, count: int) -> list[RankPlan]:
         """Every rank of a one-node job of ``count`` ranks (all local), checked before anything starts."""
@@ -195,20 +161,6 @@ class NodePlan:
         elif spec == AUTO and self.sharing:
             cap = max(_auto_percentage(n) for n in self.sharing if n)
         return DaemonDefaults(cap, self.mem_limits)
-
-
-def free_port() -> int:
-    """A TCP port free on this host now (the kernel's choice), for a rendezvous of the job's ranks."""
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return int(probe.getsockname()[1])
-
-
-def rendezvous(host: str, port: int, environ: Mapping[str, str]) -> dict[str, str]:
-    """torch.distributed's ``env://`` rendezvous, as torchrun gives it: ``MASTER_ADDR``, rank 0's ``host``, and
-    ``MASTER_PORT``, one ``port`` for the whole job. What the caller set (``environ``) is left alone."""
-    found = dict(zip(RENDEZVOUS_VARIABLES, (host.split(":", 1)[0], str(port)), strict=True))
-    return {name: value for name, value in found.items() if name not in environ}
 
 
 def _auto_percentage(sharers: int) -> int:
@@ -261,71 +213,3 @@ def without_mps(config: JobConfig, reason: str, gpus_seen: bool = True) -> list[
         lines.append(f"warning: {', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect without MPS"
                      + ("" if gpus_seen else " and a GPU"))
     return lines
-
-
-def callers_values(caller: Mapping[str, str]) -> dict[str, str | None]:
-    """What a rank takes from the caller's environment whatever its launcher did: every variable but those mpsrun
-    manages and the launchers' own, and PATH and LD_LIBRARY_PATH unset where the caller has none."""
-    own = {*MANAGED_VARIABLES, *CONTROL_VARIABLES, JOB_ID_VARIABLE}
-    values: dict[str, str | None] = {name: None for name in LAUNCHER_REWRITES}
-    values.update((name, value) for name, value in caller.items()
-                  if name not in own and not name.startswith(LAUNCHER_PREFIXES))
-    return values
-
-
-def welcome(identity: RankIdentity, node: NodePlan, target_of: Callable[[int], GpuTarget | None], mpi4py_abort: bool, *,
-            session_dir: str | None = None, output_lock: str | None = None,
-            callers: Mapping[str, str | None] | None = None, extra: Mapping[str, str] | None = None,
-            lines: Sequence[str] = ()) -> tuple[Welcome, RankPlan | None]:
-    """What a rank's supervisor is told when it says hello (the rank's variables and how to run it), and the rank's
-    plan (None where the node has no GPU).
-
-    ``node``: the plan of the rank's node. ``session_dir``: the job's (or node's) private directory, also without
-    MPS (:mod:`mpsrun.shared` keeps its handles there). ``mpi4py_abort``: whether Python ranks run through mpi4py's
-    runner (mpi4py is installed, and not off). ``callers``: :func:`callers_values` of the environment the job was
-    started from, when this process has it (the ``mpsrun`` command, not a node keeper): what an MPI launcher rewrote
-    of it is put back. ``extra``: variables of the node's own (a one-node per-node job's rendezvous); ``lines``: what
-    the rank says once.
-    """
-    config, ngpus = node.config, node.ngpus
-    plan = node.rank(identity)
-    target = target_of(plan.gpu) if ngpus else None
-    env = {**rank_environment(target, plan, identity, _device_number(identity, config, ngpus)), **(extra or {})}
-    if session_dir is not None:
-        env.setdefault(SESSION_DIR_VARIABLE, session_dir)
-    restore: dict[str, str | None] = dict(callers or {})
-    for item in config.exports:  # -x: resolved where the command line was read
-        name, given, value = item.partition("=")
-        restore[name] = value if given else None
-    defaults = [{name: value} for name, value in TORCHRUN_DEFAULTS.items()]  # each alone: one the caller set wins
-    defaults += shared_gpu_defaults(env, plan.sharers, target.multiprocessors if target else None)
-    defaults += rank_defaults(env, identity.rank)
-    clients = plan.clients if "CUDA_MPS_PIPE_DIRECTORY" in env else None  # an MPS client's server's, when known
-    queues = _rank_queues(config.queues, clients, "CUDA_MPS_PIPE_DIRECTORY" in env)
-    if queues is not None:  # asked for on the command line: it wins over the caller's variable
-        env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(queues)
-    gpu_clients = clients if config.gpu_bind == "single" or ngpus == 1 else None
-    sent = Welcome(env=env, defaults=defaults, managed=list(MANAGED_VARIABLES), restore=restore, tag=config.tag_output,
-                   grace=config.grace, timeout=config.timeout, mpi4py_abort=mpi4py_abort, output_lock=output_lock,
-                   output_dir=config.output_filename, gpu_clients=gpu_clients,
-                   gpu_queues=None if gpu_clients is None else GPU_CONNECTIONS, lines=list(lines))
-    return sent, plan if ngpus else None
-
-
-def _rank_queues(queues: Queues, clients: int | None, mps_client: bool) -> int | None:
-    """An MPS rank's hardware work queues: ``--queues`` N, or under ``auto`` as many as a plain process has while
-    its GPU's budget lasts among its server's ``clients`` (None where they are not known: MPS's default). None for
-    a rank that is no MPS client."""
-    if not mps_client:
-        return None
-    if queues == AUTO:
-        return None if clients is None else client_connections(clients)
-    return None if queues is None else int(queues)
-
-
-def _device_number(identity: RankIdentity, config: JobConfig, ngpus: int) -> int | None:
-    """LOCAL_RANK under ``--local-rank device``: a device the rank can use (its one GPU is device 0; seeing every
-    GPU, the rank's place on the node modulo the GPUs); None: LOCAL_RANK is the rank's place on its node."""
-    if config.local_rank != "device":
-        return None
-    return 0 if config.gpu_bind == "single" or ngpus < 1 else identity.local_rank % ngpus
