@@ -2,12 +2,9 @@
 
 It runs inside the ``mpsrun`` command under ``--launcher local`` and ``mpiexec``, and as a process of its own (the
 node keeper, :mod:`mpsrun.agent.keeper`) under ``--per-node`` and on each host under ``--hosts``. It plans the node's
-ranks, opens the node's MPS session, welcomes each rank's supervisor with its environment, watches that the ranks
-are MPS clients, samples their device memory, stops them when told (``terminate_client``, the signal, ``--grace``,
-SIGKILL), gives each its verdict, and closes the session: the one place its claim is released.
-
-What a rank's end, a failure or a signal means is decided above the agent, by its :class:`Top`: the command (in this
-process, or over a link under ``--hosts``), or for a bare ``--per-node`` job the node itself.
+ranks, opens the node's MPS session, welcomes each rank's supervisor with its environment, watches that the ranks are
+MPS clients, samples their device memory, stops them when told, gives each its verdict, and closes the session. What
+its events mean is decided above it, by its :class:`Top`.
 """
 
 from __future__ import annotations
@@ -240,12 +237,6 @@ class Agent:
         if self.watch is not None:
             self.watch.settle({s.process.pid: s.rank for s in self.ranks.values() if s.process is not None})
 
-    def proven(self, rank: int) -> bool | None:
-        """Whether the rank was proven an MPS client (True), seen using its GPU without MPS (False), or neither."""
-        if self.watch is None:
-            return None
-        return True if rank in self.watch.verified else False if rank in self.watch.without_mps else None
-
     def ended(self, state: RankState) -> Ended:
         """A rank's end with its account, as the job's command hears of it."""
         end, plan, session = state.end, state.plan, self.session
@@ -258,8 +249,14 @@ class Agent:
                 share = (device.memory_total >> 20) // (plan.sharers or 1)
         peak = self.usage.peaks.get(state.rank) if self.usage is not None else None
         return Ended(state.rank, end.returncode, end.reason, end.aborting, end.host or self.host, end.pid, gpu,
-                     self.proven(state.rank), peak, plan.mem_limit if plan else None, share,
+                     self._proven(state.rank), peak, plan.mem_limit if plan else None, share,
                      plan.thread_percentage if plan else None, end.wall, end.cpu)
+
+    def _proven(self, rank: int) -> bool | None:
+        """Whether the rank was proven an MPS client (True), seen using its GPU without MPS (False), or neither."""
+        if self.watch is None:
+            return None
+        return True if rank in self.watch.verified else False if rank in self.watch.without_mps else None
 
     def accounts(self, first: int | None = None) -> list[RankAccount]:
         """Every rank's account, by rank (``first``: the rank whose failure decided the job)."""
@@ -267,6 +264,7 @@ class Agent:
                 for rank, state in sorted(self.ranks.items()) if state.end is not None]
 
     def _hello(self, link: Link, hello: Hello) -> None:
+        """Welcome a rank with its environment, or refuse it (the refusal is then its end)."""
         try:
             identity = RankIdentity.checked(hello.rank, hello.local_rank, hello.world_size, hello.local_world_size)
         except ValueError as exc:
@@ -274,10 +272,6 @@ class Agent:
             self.doorway.close(link)
             return
         link.admit()
-        self._admit(link, identity, hello)
-
-    def _admit(self, link: Link, identity: RankIdentity, hello: Hello) -> None:
-        """Welcome a rank with its environment, or refuse it (the refusal is then its end)."""
         known = identity.rank in self.ranks
         refusal = self._refusal(identity)
         if refusal is None:
@@ -437,15 +431,11 @@ class Agent:
 
     def _kill(self) -> None:
         """``--grace`` is over: SIGKILL; a rank that still does not report is given up as lost."""
-        self.kill_now()
+        self.signal(signal.SIGKILL)
         self.loop.after(KILL_WAIT, self._given_up)
 
-    def kill_now(self) -> None:
-        """SIGKILL every rank at once (a second Ctrl-C, or --grace is over)."""
-        self._signal(signal.SIGKILL, self.live())
-
-    def forward(self, sig: int) -> None:
-        """Pass a signal on to every rank (SIGUSR1 and SIGUSR2)."""
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to every live rank: SIGKILL at once (a second Ctrl-C), SIGUSR1 and SIGUSR2 passed on."""
         self._signal(sig, self.live())
 
     def _given_up(self) -> None:
@@ -454,6 +444,8 @@ class Agent:
             self._ended(state, RankEnd(state.rank, pid, None, "no word from it after SIGKILL"))
 
     def _detach_once(self) -> None:
+        """``terminate_client`` for the ranks that are MPS clients: NVIDIA's safe way to stop a client with GPU work
+        in flight (a kill is undefined behaviour for the others)."""
         if self.watch is None or self._detached:
             return
         self._detached = True

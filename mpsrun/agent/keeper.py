@@ -30,11 +30,12 @@ from pathlib import Path
 
 from mpsrun.agent.account import Report, accounted, report_path, to_say
 from mpsrun.agent.agent import Agent, Top, Welcoming
-from mpsrun.agent.decision import Decision, InterruptSources
+from mpsrun.agent.decision import Decision
 from mpsrun.agent.findings import mps_report, verified_line
 from mpsrun.agent.outcome import Policy
 from mpsrun.agent.pernode import KeeperRequest
 from mpsrun.agent.ranks import refuse_newcomer
+from mpsrun.agent.uplink import Upstream, join_command
 from mpsrun.agent.welcome import free_port, rendezvous
 from mpsrun.config.options import JobConfig
 from mpsrun.errors import InterruptionError, MPSError
@@ -45,7 +46,6 @@ from mpsrun.runtime.constants import (
     LATE_WAIT,
     LINGER_TIMEOUT,
     PASS_SIGNALS,
-    UPSTREAM_TIMEOUT,
 )
 from mpsrun.runtime.deadline import Deadline, poll_until
 from mpsrun.runtime.interrupts import Interrupts
@@ -54,25 +54,17 @@ from mpsrun.runtime.output import say
 from mpsrun.runtime.processes import ProcessRef, ensure_descriptors, exit_now, pidfd
 from mpsrun.runtime.protocol import (
     Admitted,
-    Ended,
-    Found,
-    Hello,
-    Interrupted,
     Link,
     Listener,
-    Note,
-    Peaks,
     Refusal,
-    Started,
     Stop,
-    connect,
     encode,
 )
 from mpsrun.session import leftovers
 from mpsrun.session.claim import SessionClaim
 from mpsrun.session.paths import user_root_lock
 
-__all__ = ["Keeper", "Upstream", "failure_answer", "main", "turn_away"]
+__all__ = ["Keeper", "failure_answer", "main", "turn_away"]
 
 log = logging.getLogger("mpsrun")
 
@@ -98,62 +90,6 @@ def turn_away(listener: Listener, base: Path, refusal: Refusal) -> None:
         listener.close()
 
 
-class Upstream:
-    """Under ``--hosts``: the node's events go up ``link`` to the job's command, which decides. ``job_code``: the
-    job's exit code once the command said it; ``orphaned``: the command is gone (the node's ranks then get 3)."""
-
-    def __init__(self, link: Link) -> None:
-        self.link = link
-        self.job_code: int | None = None
-        self.orphaned = False
-        self._interrupts = InterruptSources()
-        self._interrupted = False
-        self._refusals: set[str] = set()
-
-    def rank_started(self, started: Started) -> None:
-        self.link.send(started)
-
-    def rank_ended(self, ended: Ended) -> None:
-        self.link.send(ended)
-
-    def refused(self, code: int, message: str) -> str:
-        """Said once, by the job's command: it is the job's summary line."""
-        if message not in self._refusals:
-            self._refusals.add(message)
-            self.link.send(Found(message.removeprefix("mpsrun: "), True, code))  # "error: ...", as the job says
-        return ""
-
-    def failed(self, code: int, message: str) -> None:
-        self.link.send(Found(message, True, code))
-
-    def warned(self, message: str) -> None:
-        self.link.send(Found(message, False))
-
-    def interrupted(self, sig: int, source: int) -> None:
-        if self._interrupts.news(sig, source, self._interrupted):
-            self._interrupted = True
-            self.link.send(Interrupted(sig))
-
-    def verdict(self, own: int, deliverable: bool) -> tuple[int, list[str]]:
-        return ExitCode.SETUP if self.orphaned else own if self.job_code is None else self.job_code, []
-
-    def closing(self, lines: list[str]) -> list[str]:
-        """The node's last words go up to the job's command, which says them at the job's end."""
-        for line in lines:
-            self.link.send(Note(line))
-        return []
-
-    def peaks(self, peaks: dict[int, int]) -> None:
-        self.link.send(Peaks({str(rank): peak for rank, peak in peaks.items()}))
-
-    def ordered(self, stop: Stop | None) -> None:
-        """The command's stop (None: the command is gone)."""
-        if stop is None:
-            self.orphaned = True
-        elif stop.exit_code is not None:
-            self.job_code = stop.exit_code
-
-
 class Arrivals:
     """Which of the ranks the launcher put on this node have yet to come: the rank that started the keeper (its
     ``pipe`` closes once it has joined, or when it never will), others the launcher announced (``expected``), none
@@ -169,7 +105,10 @@ class Arrivals:
         loop.watch(pipe, lambda: self._starter_left(pipe))
         loop.after(IDLE_TIMEOUT, self._idle)
         self._launcher = pidfd(launcher.pid) if launcher is not None else None
-        if self._launcher is not None and launcher is not None and launcher.alive():  # that very process's pidfd
+        if self._launcher is not None and launcher is not None and not launcher.alive():  # not that very process's
+            os.close(self._launcher)
+            self._launcher = None
+        if self._launcher is not None:
             loop.watch(self._launcher, self._launcher_gone)
 
     def awaited(self) -> bool:
@@ -237,7 +176,7 @@ class Keeper:
         claim = SessionClaim.make(Path(request.base), "node", request.name, config.keep_logs, reserved=True)
         link = None
         try:
-            link = _upstream(request) if request.upstream else None
+            link = join_command(request.upstream, request.token) if request.upstream else None
             keeper = cls(request, config, claim, link, starter_pipe)
         except BaseException:
             claim.release()
@@ -259,7 +198,7 @@ class Keeper:
         self.agent.stop(sig, again)
 
     def _kill(self) -> None:
-        self.agent.kill_now()
+        self.agent.signal(signal.SIGKILL)
 
     def note(self, text: str) -> None:
         """Into keeper.log, and through one of the node's ranks to the user."""
@@ -284,7 +223,7 @@ class Keeper:
 
     def _signalled(self, sig: int) -> None:
         if sig in PASS_SIGNALS:
-            self.agent.forward(sig)
+            self.agent.signal(sig)
         elif self.decision is not None:
             self.decision.signalled(sig)
         else:
@@ -304,7 +243,7 @@ class Keeper:
             if isinstance(message, Stop):
                 self.upstream.ordered(message)
                 if message.signal == signal.SIGKILL:
-                    self.agent.kill_now()
+                    self.agent.signal(signal.SIGKILL)
                 else:
                     self.agent.stop(message.signal, restart=True)
 
@@ -375,16 +314,6 @@ class Keeper:
                 state.link.close()
         poll_until(lambda: (not launcher.alive()) or None, Deadline(LINGER_TIMEOUT))  # not our child: polled
         leftovers.sweep(self.began)
-
-
-def _upstream(request: KeeperRequest) -> Link:
-    """The link to the job's command (under --hosts), welcomed."""
-    link = connect(str(request.upstream))
-    link.send(Hello("node", request.token, node=socket.gethostname()))
-    if link.expect((Admitted,), Deadline(UPSTREAM_TIMEOUT)) is None:
-        link.close()
-        raise MPSError(f"the job's controller at {request.upstream} did not answer")
-    return link
 
 
 class _Collector(logging.Handler):

@@ -264,7 +264,7 @@ class Job:
         elif sig not in PASS_SIGNALS:
             self.decision.signalled(sig)
         elif self.agent is not None:
-            self.agent.forward(sig)
+            self.agent.signal(sig)
         elif self.hosts is not None:
             self.hosts.forward(sig)
 
@@ -285,7 +285,7 @@ class Job:
     def _kill(self) -> None:
         """The ranks and whatever still starts them, killed now (a second Ctrl-C)."""
         if self.agent is not None:
-            self.agent.kill_now()
+            self.agent.signal(signal.SIGKILL)
         elif self.hosts is not None:
             self.hosts.stop(signal.SIGKILL, None)
         self.launchers.kill()
