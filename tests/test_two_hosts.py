@@ -212,13 +212,15 @@ def test_a_host_whose_processes_die_ends_the_job_in_one_line_naming_it(hosts):
     """Every process of the job on h2 killed (as when the host dies; its sshd lives on): the job on h1 ends within
     seconds with the launcher's code (MPICH's Hydra: 255 once its proxy on h2 is gone, 9 when it saw the processes
     SIGKILLed first), mpsrun's one line says a rank on h2 ended without reporting (it said only 'rank 3 ended without
-    reporting first'), and nothing of the job is left on h1. ssh and Hydra print their own lines above it
+    reporting first'; it names the rank's pid on h2 as the other paths name a pid), and nothing of the job is left on
+    h1. ssh and Hydra print their own lines above it
     (docs/multi-node.md). h2 keeps the session directory of its killed keeper and reaper, as a host that died would."""
     code, stderr = kill_host(hosts, started_job(hosts))
     hosts["h2"].clear()
     lines = summary(stderr)
     assert code in (9, 255) and len(lines) == 1, stderr
-    assert re.fullmatch(r"mpsrun: rank [23] \(on h2\) ended without reporting first \(its node keeper is gone\); "
+    assert re.fullmatch(r"mpsrun: rank [23] \(pid \d+ on h2\) ended without reporting first \(its node keeper is "
+                        r"gone\); "
                         rf"mpiexec exited with code {code}", lines[0]), stderr
     time.sleep(1)
     assert not hosts["h1"].processes() and not hosts["h1"].session_dirs(), hosts["h1"].described()
@@ -244,8 +246,8 @@ def test_a_host_cut_off_ends_the_job_in_one_line_naming_it(hosts):
     cleared(hosts)
     lines = summary(stderr.text())
     assert code == 255 and took < 40, (code, took, stderr.text())
-    assert len(lines) == 1 and re.fullmatch(r"mpsrun: rank [23] \(on h2\) ended without reporting first \(its node "
-                                            r"keeper is gone\); mpiexec exited with code 255", lines[0]), lines
+    assert len(lines) == 1 and re.fullmatch(r"mpsrun: rank [23] \(pid \d+ on h2\) ended without reporting first "
+                                            r"\(its node keeper is gone\); mpiexec exited with code 255", lines[0]), lines
     assert not left_on_h1, left_on_h1
 
 
