@@ -10,12 +10,15 @@ variant once, in an order drawn from ``--seed``):
 
 Variants:
 
-- ``hand``: MPS started by hand, as a site's wrapper script does: its own directories,
-  ``nvidia-cuda-mps-control -d``, poll until it answers, start the ranks, wait, ``quit``, wait
-  for the daemon to exit, remove the directories;
+- ``script``: MPS started by a shell script (benchmarks/mps_by_script.sh), as a site's wrapper does it: its own
+  directories, ``nvidia-cuda-mps-control -d``, poll until it answers, start the ranks, wait, ``quit``, wait for the
+  daemon to exit, remove the directories; ``script+mpiexec``: the same with the ranks started by bare ``mpiexec``.
+  The references of mpsrun's start-up: they pay for a shell, as mpsrun pays for an interpreter;
+- ``hand``: the same steps from this process (no shell, no interpreter to start: a floor, not a reference);
 - ``hand+mpiexec``: the same, with the ranks started by bare ``mpiexec`` (how a wrapper runs an
   MPI job; the reference for ``mpsrun --launcher mpiexec``);
 - ``bare mpiexec``: ``mpiexec -n N`` without MPS;
+- ``torchrun``: ``torchrun --standalone --nproc-per-node N`` of the same program (no MPS), where it is installed;
 - ``mpsrun local``, ``mpsrun local --mps off``, ``mpsrun mpiexec``: the ``mpsrun`` command.
 
 ``--tree NAME=DIR`` (repeatable) adds ``mpsrun local [NAME]`` and ``mpsrun mpiexec [NAME]``: the same
@@ -122,6 +125,27 @@ def mpiexec_ranks(n: int, command: list[str]) -> Callable[[dict[str, str]], None
     return run
 
 
+SCRIPT = REPO / "benchmarks" / "mps_by_script.sh"
+
+
+def by_script(how: str) -> Callable[[int, list[str]], Callable[[], None]]:
+    """MPS started by the shell script around ``n`` ranks, started by it (``local``) or by bare mpiexec."""
+    def variant(n: int, command: list[str]) -> Callable[[], None]:
+        mpiexec = mpiexec_argv(n)
+        env = {**os.environ, "MPIEXEC": mpiexec[0], "MPIEXEC_FLAGS": " ".join(mpiexec[1:-2])}
+        return lambda: subprocess.run(["bash", str(SCRIPT), str(n), how, *command], env=env, check=True) and None
+    return variant
+
+
+def torchrun(n: int, command: list[str]) -> Callable[[], None]:
+    """torchrun's launch of ``n`` copies of a Python ``command`` (``python -c CODE``), from a file of that code."""
+    program = Path(tempfile.mkdtemp(prefix="mpsrun-torchrun-")) / "rank.py"
+    atexit.register(shutil.rmtree, program.parent, ignore_errors=True)
+    program.write_text(command[-1] + "\n")
+    argv = ["torchrun", "--standalone", f"--nproc-per-node={n}", str(program)]
+    return lambda: subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) and None
+
+
 def console_script() -> str:
     """The ``mpsrun`` command as pip writes it on install (this tree may be run from source, uninstalled)."""
     bin_dir = tempfile.mkdtemp(prefix="mpsrun-bin-")
@@ -149,6 +173,8 @@ def mpsrun(*args: str, tree: str | None = None) -> Callable[[int, list[str]], Ca
 
 
 VARIANTS: dict[str, Callable[[int, list[str]], Callable[[], None]]] = {
+    "script": by_script("local"),
+    "script+mpiexec": by_script("mpiexec"),
     "hand": lambda n, cmd: lambda: hand(local_ranks(n, cmd)),
     "hand+mpiexec": lambda n, cmd: lambda: hand(mpiexec_ranks(n, cmd)),
     "bare mpiexec": lambda n, cmd: lambda: mpiexec_ranks(n, cmd)(dict(os.environ)),
@@ -156,8 +182,11 @@ VARIANTS: dict[str, Callable[[int, list[str]], Callable[[], None]]] = {
     "mpsrun local --mps off": mpsrun("--launcher", "local", "--mps", "off"),
     "mpsrun mpiexec": mpsrun("--launcher", "mpiexec"),
 }
-REFERENCE = {"mpsrun local": "hand", "mpsrun mpiexec": "bare mpiexec", "mpsrun local --mps off": "hand"}
-REAL_REFERENCE = {"mpsrun local": "hand", "mpsrun mpiexec": "hand+mpiexec"}
+if shutil.which("torchrun"):
+    VARIANTS["torchrun"] = torchrun
+REFERENCE = {"mpsrun local": "script", "mpsrun mpiexec": "bare mpiexec", "mpsrun local --mps off": "script",
+             "script+mpiexec": "bare mpiexec"}
+REAL_REFERENCE = {"mpsrun local": "script", "mpsrun mpiexec": "script+mpiexec"}
 
 
 def measure(jobs: dict[str, Callable[[], None]], repeats: int, rng: random.Random) -> dict[str, list[float]]:
@@ -201,10 +230,10 @@ def main() -> int:
                         help="also run mpsrun from the source tree DIR, as variants named [NAME]")
     args = parser.parse_args()
     for name, _, tree in (item.partition("=") for item in args.tree):
-        for launcher, reference in (("local", "hand"), ("mpiexec", "bare mpiexec")):
+        for launcher, reference in (("local", "script"), ("mpiexec", "bare mpiexec")):
             VARIANTS[f"mpsrun {launcher} [{name}]"] = mpsrun("--launcher", launcher, tree=str(Path(tree).resolve()))
             REFERENCE[f"mpsrun {launcher} [{name}]"] = reference
-            REAL_REFERENCE[f"mpsrun {launcher} [{name}]"] = "hand" if launcher == "local" else "hand+mpiexec"
+            REAL_REFERENCE[f"mpsrun {launcher} [{name}]"] = "script" if launcher == "local" else "script+mpiexec"
     # Bytecode as installed packages have it (pip compiles on install): a source tree may not have it yet, and a
     # machine may forbid writing it (PYTHONDONTWRITEBYTECODE; the GPU machine does), which would make every
     # process compile its imports again. The warm-up round writes what is missing.
@@ -228,7 +257,7 @@ def main() -> int:
         iters = calibrate(8.5)
         command = [*KERNEL_JOB, str(iters), str(args.launches)]
         launched = [name for name in VARIANTS if name.startswith("mpsrun") and "--mps off" not in name]
-        names = ["hand", "hand+mpiexec", *launched]
+        names = ["script", "script+mpiexec", "hand", "hand+mpiexec", *launched]
         real = {name: VARIANTS[name](8, command) for name in names}
         measure(real, 1, rng)  # warm-up: CuPy's kernel cache, not counted
         results["real"] = samples = measure(real, args.repeats, rng)
