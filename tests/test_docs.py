@@ -407,16 +407,18 @@ def test_prose_is_narrow_and_paragraphs_short(page):
 
 
 def test_the_docs_have_no_stray_blank_lines_or_second_version():
-    """The README's prose has no run of blank lines; the CHANGELOG names each version once; docs/benchmarks.md
-    quotes the
-    old summary wording only as the wording of its day."""
+    """The README's prose has no run of blank lines; the CHANGELOG names each version once; docs/benchmarks.md and
+    the lab notebook it came from (benchmarks/results/NOTEBOOK.md) quote the old summary wording only as the wording
+    of its day."""
     prose = re.sub(r"```.*?```", "(code)", (ROOT / "README.md").read_text(), flags=re.S)
     assert "\n\n\n" not in prose
     headings = re.findall(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), re.M)
     assert len(headings) == len(set(headings)) and not {"Unreleased", "unreleased"} & set(headings), headings
-    benchmarks = (ROOT / "docs" / "benchmarks.md").read_text()
-    for quote in re.finditer(r"`[^`]*verified as MPS clients[^`]*`", benchmarks):
-        assert benchmarks[max(0, quote.start() - 40):quote.start()].rstrip().endswith("then read"), quote.group()
+    for page in (ROOT / "docs" / "benchmarks.md", ROOT / "benchmarks" / "results" / "NOTEBOOK.md"):
+        text = page.read_text()
+        for quote in re.finditer(r"`[^`]*verified as MPS clients[^`]*`", text):
+            before = text[max(0, quote.start() - 40):quote.start()]
+            assert before.rstrip().endswith("then read"), (page.name, quote.group())
 
 
 def test_benchmarks_do_not_say_mpsrun_leaves_the_queues_alone():
