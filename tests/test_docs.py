@@ -407,16 +407,18 @@ def test_prose_is_narrow_and_paragraphs_short(page):
 
 
 def test_the_docs_have_no_stray_blank_lines_or_second_version():
-    """The README's prose has no run of blank lines; the CHANGELOG names each version once; docs/benchmarks.md
-    quotes the
-    old summary wording only as the wording of its day."""
+    """The README's prose has no run of blank lines; the CHANGELOG names each version once; docs/benchmarks.md and
+    the lab notebook it came from (benchmarks/results/NOTEBOOK.md) quote the old summary wording only as the wording
+    of its day."""
     prose = re.sub(r"```.*?```", "(code)", (ROOT / "README.md").read_text(), flags=re.S)
     assert "\n\n\n" not in prose
     headings = re.findall(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), re.M)
     assert len(headings) == len(set(headings)) and not {"Unreleased", "unreleased"} & set(headings), headings
-    benchmarks = (ROOT / "docs" / "benchmarks.md").read_text()
-    for quote in re.finditer(r"`[^`]*verified as MPS clients[^`]*`", benchmarks):
-        assert benchmarks[max(0, quote.start() - 40):quote.start()].rstrip().endswith("then read"), quote.group()
+    for page in (ROOT / "docs" / "benchmarks.md", ROOT / "benchmarks" / "results" / "NOTEBOOK.md"):
+        text = page.read_text()
+        for quote in re.finditer(r"`[^`]*verified as MPS clients[^`]*`", text):
+            before = text[max(0, quote.start() - 40):quote.start()]
+            assert before.rstrip().endswith("then read"), (page.name, quote.group())
 
 
 def test_benchmarks_do_not_say_mpsrun_leaves_the_queues_alone():
@@ -424,3 +426,21 @@ def test_benchmarks_do_not_say_mpsrun_leaves_the_queues_alone():
     what mpsrun does since issue 40 (a hostile user found it): no page says so."""
     for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
         assert "mpsrun leaves the variable alone" not in " ".join(page.read_text().split()), page.name
+
+
+def test_the_benchmarks_page_is_short_and_each_section_names_its_card():
+    """docs/benchmarks.md is a results page read in minutes, not a notebook: at most 300 lines, and every ``## ``
+    section holds a table that names the card it was measured on (H100 or H200), with the driver and the date, in the
+    table or in the paragraph right before it (its caption)."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert len(text.splitlines()) <= 300, f"docs/benchmarks.md has {len(text.splitlines())} lines"
+    sections = re.split(r"^## ", re.sub(r"```.*?```", "", text, flags=re.S), flags=re.M)[1:]
+    assert sections
+    for section in sections:
+        title, paragraphs = section.splitlines()[0], re.split(r"\n\s*\n", section)
+        captioned = [paragraphs[i - 1] + "\n" + table for i, table in enumerate(paragraphs)
+                     if i and table.strip().startswith("|")]
+        assert captioned, f"## {title}: no table"
+        assert any(re.search(r"\bH[12]00\b", table) and re.search(r"\b\d{3}\.\d+\.\d+\b", table)
+                   and re.search(r"\b20\d\d-\d\d-\d\d\b", table) for table in captioned), \
+            f"## {title}: no table names its card (H100 or H200), driver and date"
