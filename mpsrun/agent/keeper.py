@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import logging.handlers
 import os
 import select
 import signal
@@ -25,7 +26,6 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from mpsrun.agent.account import Report, accounted, report_path, to_say
@@ -271,12 +271,16 @@ class Keeper:
         lines = self._closing_lines()
         turn_away(agent.listener, Path(self.request.base), Refusal(retry=True))  # come again, to a new keeper
         # A late rank finds no socket and a live owner: it waits for the directory to go, then starts a keeper.
-        with _warnings_into(lines):  # (a hanging quit, logs kept): our stderr is a log file; a launcher prints its own
-            try:
-                agent.close()
-            except MPSError as exc:
-                lines.append(str(exc))
-        return lines
+        warnings = logging.handlers.BufferingHandler(1 << 10)  # (a hanging quit, logs kept): our stderr is a log
+        warnings.setLevel(logging.WARNING)  # file, so the node's last rank says them
+        log.addHandler(warnings)
+        try:
+            agent.close()
+        except MPSError as exc:
+            lines.append(str(exc))
+        finally:
+            log.removeHandler(warnings)
+        return lines + [record.getMessage().removeprefix("mpsrun: ") for record in warnings.buffer]
 
     def _closing_lines(self) -> list[str]:
         agent, decision, host = self.agent, self.decision, socket.gethostname()
@@ -314,27 +318,6 @@ class Keeper:
                 state.link.close()
         poll_until(lambda: (not launcher.alive()) or None, Deadline(LINGER_TIMEOUT))  # not our child: polled
         leftovers.sweep(self.began)
-
-
-class _Collector(logging.Handler):
-    def __init__(self, lines: list[str]) -> None:
-        super().__init__(logging.WARNING)
-        self.lines = lines
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage().removeprefix("mpsrun: "))
-
-
-@contextlib.contextmanager
-def _warnings_into(lines: list[str]) -> Iterator[None]:
-    """The warnings mpsrun logs meanwhile, appended to ``lines`` (which the node's last rank says)."""
-    logger = logging.getLogger("mpsrun")
-    collector = _Collector(lines)
-    logger.addHandler(collector)
-    try:
-        yield
-    finally:
-        logger.removeHandler(collector)
 
 
 def _detach(log_dir: Path) -> None:
