@@ -115,6 +115,9 @@ def test_whatever_the_launcher_changes_of_the_callers_is_put_back(fake_gpu, shor
     wrapper.chmod(0o755)
     monkeypatch.setenv("MY_SETTING", "kept as given")
     monkeypatch.setenv("MY_OTHER", "also kept")
+    # The wrapper's shell exports PWD where the caller has none (a clean environment): the launcher's own, which
+    # stays as HYDRA_EXTRA does. A caller's PWD, as a shell gives it, is the caller's to keep.
+    monkeypatch.setenv("PWD", os.getcwd())
     caller = callers_environment(short_tmp)
     out = subprocess.run([*MPSRUN, "-np", "2", "--launcher", "mpiexec", "--mpiexec", str(wrapper), sys.executable,
                           "-c", DUMP, str(short_tmp)], capture_output=True, text=True, timeout=120)
