@@ -254,7 +254,7 @@ class Job:
 
         config = self.config
         output_lock = None
-        if config.tag_output and backend.name == "local" and session is not None and session.dirs is not None:
+        if backend.name == "local" and session is not None and session.dirs is not None:  # the ranks share our stdout
             session.dirs.output_lock.touch(mode=0o600)
             output_lock = str(session.dirs.output_lock)
         enabled = session is not None and session.enabled

@@ -61,6 +61,9 @@ VERDICT_TIMEOUT = 300.0
 LINGER_TIMEOUT = 60.0
 #: A rank's output still open after its process group is gone (a writer that left the group).
 DRAIN_TIMEOUT = 2.0
+#: A rank's output is passed on in whole lines; to a terminal, a partial line (a prompt, a progress bar) is passed on
+#: once it has waited this long. Well above the time between a print's text and its newline under unbuffered output.
+PARTIAL_LINE_WAIT = 0.5
 #: An MPI launcher that ended while ranks ran: how long their own reports (relayed by node keepers under --hosts)
 #: may still come before the launcher's status is the job's.
 LAUNCHER_REPORT_WAIT = 2.0
