@@ -15,8 +15,6 @@ Standard library only (it starts with ``python -S`` once per rank under an MPI l
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import functools
 import os
 import signal
@@ -32,12 +30,12 @@ from mpsrun.rank.command import exec_failure_code, through_mpi4py
 from mpsrun.rank.environ import rank_env
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.rank.join import Join, refused, report_failure, report_interrupt
+from mpsrun.rank.streams import RankOutput
 from mpsrun.runtime.constants import (
     DRAIN_TIMEOUT,
     FORWARDED_SIGNALS,
     KILL_WAIT,
     LINGER_TIMEOUT,
-    PARTIAL_LINE_WAIT,
     SESSION_DIR_VARIABLE,
     STOP_SIGNALS,
     VERDICT_TIMEOUT,
@@ -45,7 +43,7 @@ from mpsrun.runtime.constants import (
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.interrupts import Interrupts
 from mpsrun.runtime.loop import EventLoop
-from mpsrun.runtime.output import LineWriter, say, unread
+from mpsrun.runtime.output import say
 from mpsrun.runtime.processes import (
     close_all,
     find_program,
@@ -93,16 +91,14 @@ class RankSupervisor:
         self.env = dict(env)
         self.link = link
         self.grace = welcome.grace
-        self.tag = welcome.tag
         self.mpi4py_abort = welcome.mpi4py_abort
-        self.lock = welcome.output_lock
         self.output_dir = welcome.output_dir
         self.queue_budget = welcome.gpu_clients, welcome.gpu_queues  # its GPU's MPS clients and their queues
         self.loop = EventLoop()
         self.process: subprocess.Popen[bytes] | None = None
         self.returncode: int | None = None
-        self.streams: dict[int, LineWriter] = {}  # the read ends of the rank's stdout and stderr, but to files
-        self.prompts: dict[int, float | None] = {}  # streams to a terminal: when their held partial line began
+        self.output = RankOutput(self.loop, self.rank, welcome.tag, self.env.get("WORLD_SIZE") != "1",
+                                 welcome.output_lock)
         self.killing = False
         self.controller_lost = False
         # The job's --timeout, should its controller stop answering (a node keeper stopped by SIGSTOP): by then it
@@ -135,7 +131,7 @@ class RankSupervisor:
                 close_all(files)
             if self.timeout is not None:
                 self.loop.after(self.backstop.remaining(), self._overdue)
-            self.loop.run_until(lambda: self.returncode is not None and not self.streams)
+            self.loop.run_until(lambda: self.returncode is not None and self.output.done)
         assert self.returncode is not None
         if self.reported is not None:  # said before MPI_Abort: the job knows this rank's end already
             self.link.close()  # (kept open until now: see _finish)
@@ -166,17 +162,14 @@ class RankSupervisor:
         """Start the rank: its output to ``files`` (stdout, stderr) when given, else through pipes (or terminals) of
         ours, passed on in whole lines."""
         self._abort_channel()
-        ends: list[tuple[int, int]] = []
         try:
-            for sink in () if files else (1, 2):
-                ends.append(_output_ends(sink))
-            outputs = list(files) or [write_end for _, write_end in ends]
+            outputs = list(files) or self.output.open()
             self.process = subprocess.Popen(
                 self.command, executable=program, env=self.env, close_fds=False, start_new_session=True,
                 stdout=outputs[0], stderr=outputs[1],
                 preexec_fn=functools.partial(_become_rank, os.getpid()))
         except OSError:
-            close_all([fd for pair in ends for fd in pair])
+            self.output.close()
             raise
         # The launcher's descriptors (MPICH's PMI_FD) reach the rank (close_fds=False: Python's own are not
         # inheritable) and stay open here too until this process ends, as a plain rank holds them: Hydra's proxy
@@ -190,9 +183,7 @@ class RankSupervisor:
         else:
             self.loop.watch(exit_fd, lambda: self._on_exit(exit_fd))
         self.loop.watch(self.link.fd, self._on_link)
-        for (read_end, write_end), sink in zip(ends, (1, 2), strict=False):
-            os.close(write_end)
-            self._forward(read_end, sink)
+        self.output.forward()
 
     def _abort_channel(self) -> None:
         """For a Python rank under mpi4py's runner: where the runner says how the rank ends before MPI_Abort."""
@@ -216,48 +207,6 @@ class RankSupervisor:
             kill_group_but_leader(self.process.pid, signal.SIGKILL)
         AbortChannel.answer(conn)
 
-    def _forward(self, fd: int, sink: int) -> None:
-        """Pass the rank's stream ``fd`` on to ``sink`` in whole lines."""
-        os.set_blocking(fd, False)
-        prefix = f"[rank {self.rank}] ".encode() if self.tag else b""
-        self.streams[fd] = LineWriter(sink, prefix, self.env.get("WORLD_SIZE") != "1", self.lock)
-        if not self.tag and os.isatty(sink):  # someone may be reading as the rank writes: a prompt is not held back
-            self.prompts[fd] = None
-        self.loop.watch(fd, lambda: self._copy(fd))
-
-    def _copy(self, fd: int) -> None:
-        writer = self.streams[fd]
-        try:
-            data = os.read(fd, 65536)
-        except BlockingIOError:
-            return
-        except OSError as exc:  # a terminal's end: EIO once the rank's side is closed, its output read
-            if exc.errno != errno.EIO:
-                raise
-            data = b""
-        if not data or not writer.feed(data):
-            self._close_stream(fd)  # end of the stream, or our own output is gone: the rank gets EPIPE
-        elif fd in self.prompts and writer.partial_since != self.prompts[fd]:
-            since = self.prompts[fd] = writer.partial_since
-            if since is not None:
-                self.loop.after(PARTIAL_LINE_WAIT, lambda: self._prompt_due(fd, writer, since))
-
-    def _prompt_due(self, fd: int, writer: LineWriter, since: float) -> None:
-        """A partial line to a terminal has waited PARTIAL_LINE_WAIT: what the rank wrote since is read first (the
-        rest of the line may be there), then what is still partial is written as it is (a prompt, a progress bar)."""
-        if self.streams.get(fd) is writer:
-            self._copy(fd)
-        if self.streams.get(fd) is writer and writer.partial_since == since:
-            writer.flush_partial()
-            self.prompts[fd] = None
-
-    def _close_stream(self, fd: int) -> None:
-        writer = self.streams.pop(fd)
-        self.prompts.pop(fd, None)
-        self.loop.unwatch(fd)
-        writer.finish()
-        os.close(fd)
-
     def _poll_exit(self) -> None:  # kernels without pidfds: a bounded poll interval
         assert self.process is not None
         if os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:  # not reaped
@@ -280,18 +229,7 @@ class RankSupervisor:
         if self.aborting is not None:
             self.loop.unwatch(self.aborting.listener.fileno())
             self.aborting.close()
-        self.loop.after(DRAIN_TIMEOUT, self._close_streams)
-
-    def _close_streams(self) -> None:
-        """DRAIN_TIMEOUT after the rank's end its streams are closed (a process that left its group may hold them
-        open), once what they hold now is passed on: all the rank wrote (its writer may have been slow to take it)."""
-        for fd in list(self.streams):
-            with contextlib.suppress(OSError):
-                os.set_blocking(fd, True)
-                left = unread(fd)
-                while left > 0 and (data := os.read(fd, min(left, 65536))) and self.streams[fd].feed(data):
-                    left -= len(data)
-            self._close_stream(fd)
+        self.loop.after(DRAIN_TIMEOUT, self.output.drain)
 
     def _signal(self, sig: int) -> None:
         if self.process is not None and self.returncode is None:
@@ -374,35 +312,6 @@ class RankSupervisor:
         for line in verdict.lines:
             say_line(line)
         return Outcome("decided", verdict.exit_code) if 0 <= verdict.exit_code <= 255 else own
-
-
-def _output_ends(sink: int) -> tuple[int, int]:
-    """The read and write ends of a rank's stream to ``sink``: a terminal of its own where ``sink`` is one (the rank
-    then buffers and colours its output as on a terminal, as it did when it wrote to ours, and as Open MPI's ranks
-    do), else a pipe."""
-    if os.isatty(sink):
-        with contextlib.suppress(OSError):  # no pseudo-terminals to be had (a container without devpts): a pipe
-            read_end, write_end = os.openpty()
-            try:
-                _like_terminal(write_end, sink)
-            except OSError:
-                close_all([read_end, write_end])
-                raise
-            return read_end, write_end
-    return os.pipe()
-
-
-def _like_terminal(fd: int, terminal: int) -> None:
-    """Make the terminal ``fd`` pass the rank's bytes on as they are (no newline made a carriage return and newline),
-    with the size of ``terminal`` (progress bars fit their width to it)."""
-    import fcntl
-    import termios
-
-    attributes = termios.tcgetattr(fd)
-    attributes[1] &= ~termios.OPOST
-    termios.tcsetattr(fd, termios.TCSANOW, attributes)
-    with contextlib.suppress(OSError):
-        fcntl.ioctl(fd, termios.TIOCSWINSZ, fcntl.ioctl(terminal, termios.TIOCGWINSZ, bytes(8)))
 
 
 def run_rank(command: Sequence[str], identity: RankIdentity, join: Join, token: str) -> int:
