@@ -39,6 +39,7 @@ from mpsrun.runtime.constants import (
     SESSION_DIR_VARIABLE,
     STOP_SIGNALS,
     VERDICT_TIMEOUT,
+    WORLD_VARIABLE,
 )
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.interrupts import Interrupts
@@ -85,13 +86,14 @@ class RankSupervisor:
     """Runs one rank's command to its end under the controller's rules."""
 
     def __init__(self, identity: RankIdentity, command: Sequence[str], env: Mapping[str, str], link: Link,
-                 welcome: Welcome) -> None:
+                 welcome: Welcome, world: str = "mpi") -> None:
         self.rank, self.local_rank = identity.rank, identity.local_rank
         self.command = list(command)
         self.env = dict(env)
         self.link = link
         self.grace = welcome.grace
         self.mpi4py_abort = welcome.mpi4py_abort
+        self.world = world  # who started the rank: "local" (the local launcher) or "mpi" (an MPI launcher)
         self.output_dir = welcome.output_dir
         self.queue_budget = welcome.gpu_clients, welcome.gpu_queues  # its GPU's MPS clients and their queues
         self.loop = EventLoop()
@@ -116,7 +118,9 @@ class RankSupervisor:
         if program is None:
             return self._finish(Outcome("setup", code), f"{self.command[0]}: {reason}")
         if self.mpi4py_abort:
-            self.command = through_mpi4py(self.command, program)
+            command, self.command = self.command, through_mpi4py(self.command, program)
+            if self.command != command:  # for the runner alone, which takes it out
+                self.env[WORLD_VARIABLE] = self.world
         with self.loop.signals(FORWARDED_SIGNALS, self._on_signal):  # a signal from here on reaches the rank
             try:
                 files = self._output_files()
@@ -314,8 +318,9 @@ class RankSupervisor:
         return Outcome("decided", verdict.exit_code) if 0 <= verdict.exit_code <= 255 else own
 
 
-def run_rank(command: Sequence[str], identity: RankIdentity, join: Join, token: str) -> int:
-    """Join the job's controller, then supervise ``command`` as rank ``identity.rank``."""
+def run_rank(command: Sequence[str], identity: RankIdentity, join: Join, token: str, world: str = "mpi") -> int:
+    """Join the job's controller, then supervise ``command`` as rank ``identity.rank`` (``world``: ``local`` when the
+    local launcher started it, each rank an MPI world of its own)."""
     parent = os.getppid()
     set_parent_death_signal(signal.SIGTERM)  # our launcher gone: stop the rank like a SIGTERM
     if os.getppid() != parent:
@@ -338,4 +343,4 @@ def run_rank(command: Sequence[str], identity: RankIdentity, join: Join, token: 
         return refused(link, answer, identity)
     for line in answer.lines:
         say_line(line)
-    return RankSupervisor(identity, command, rank_env(os.environ, answer), link, answer).run()
+    return RankSupervisor(identity, command, rank_env(os.environ, answer), link, answer, world).run()

@@ -32,6 +32,10 @@ CONTROL_VARIABLES = (CONTROL_VARIABLE, TOKEN_VARIABLE, CONFIG_VARIABLE)
 #: A Python rank's socket (a path in the session directory) on which mpsrun's runner tells the rank's supervisor that it
 #: is about to call MPI_Abort (:mod:`mpsrun.rank.pyrun`): the MPI launcher then ends every process of the job at once.
 ABORT_SOCKET_VARIABLE = "MPSRUN_ABORT_SOCKET"
+#: Who started a Python rank, for its runner (:mod:`mpsrun.rank.pyrun`), which says why when rank 0 is alone in its
+#: MPI world: the local launcher (each rank an MPI world of its own), asked for (``local``) or for want of an mpiexec
+#: (``no-mpiexec``), or an MPI launcher (``mpi``).
+WORLD_VARIABLE = "MPSRUN_WORLD"
 #: A UNIX socket's path must fit the kernel's sun_path, 108 bytes with its terminating NUL (Linux).
 SOCKET_PATH_MOST = 108
 #: The job's (or node's) private session directory, in every rank (mpsrun.shared keeps its handles there).
