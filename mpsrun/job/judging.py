@@ -87,8 +87,8 @@ class Judging:
         timeout = policy.timeout_total or policy.timeout
         if not self._timeout_applies():
             return
-        if self.judge.decide("timeout", None, f"timed out after {timeout:g} s"):  # not after a failure, nor twice
-            self.controller.note(f"timeout: the job ran longer than {timeout:g} s; stopping it")  # (late timer: ended)
+        # Not after a failure, nor twice; the summary at the end says it (a line here too said it twice).
+        if self.judge.decide("timeout", None, f"timed out after {timeout:g} s"):
             self.controller.stop(signal.SIGTERM)
 
     def started(self, state: RankState, message: Started) -> None:
