@@ -275,7 +275,9 @@ class RankSupervisor:
     def _finish(self, own: Outcome, reason: str = "", aborting: bool = False) -> int:
         returncode = own.detail if own.cause != "ok" else ExitCode.OK
         wall = self.wall if self.wall is not None or self.began is None else round(time.monotonic() - self.began, 3)
-        self.link.send(Exited(self.rank, returncode, reason, aborting=aborting, wall=wall, cpu=self.cpu))
+        # A program that never started (its exec failed) is named by this process, which ends with its code.
+        pid = None if self.process is not None else os.getpid()
+        self.link.send(Exited(self.rank, returncode, reason, pid, aborting=aborting, wall=wall, cpu=self.cpu))
         # The job's end is not cut short: a signal is noted only, also one that comes as the block ends (a deferral
         # that ended inside the block let the reaper's SIGTERM raise there: a traceback, once under load).
         with Interrupts(deferred=True) as interrupts:
