@@ -48,6 +48,9 @@ def main() -> NoReturn:
     before = len(_pending)
     try:
         code = command(pending=_pending)
+        # Written out here, not at the exit: whether a gone reader is seen must not depend on buffering (block-
+        # buffered, the whole output waited for the exit's flush, where an error goes unseen: exit 0, not 141).
+        sys.stdout.flush()
     except BrokenPipeError:  # our output's reader left (mpsrun doctor --json | head): end as a shell's command does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit has nowhere else to go
         from mpsrun.exitcodes import Outcome, exit_code

@@ -172,6 +172,8 @@ def _main(args: list[str]) -> int:
     except SystemExit as exc:  # --help/--version further along the line
         return int(exc.code or 0)
     _log_to_stderr(logging.DEBUG if config.verbose else logging.ERROR if config.quiet else logging.WARNING)
+    if not config.per_node:  # under --per-node every rank reads the command line: not said by each
+        _warn_unset_exports(config)
     try:
         if config.dry_run:
             from mpsrun.job.dryrun import show
@@ -201,6 +203,13 @@ def _config(args: list[str]) -> JobConfig:
     if handed and os.environ.get(CONTROL_VARIABLE) and args[:2] == ["--per-node", "--"] and len(args) > 2:
         return dataclasses.replace(JobConfig.from_json(json.loads(handed)), command=tuple(args[2:]), per_node=True)
     return parse_args(args, os.environ, __version__)
+
+
+def _warn_unset_exports(config: JobConfig) -> None:
+    """``-x NAME`` of a NAME not set here gives the ranks none, as asked; likely a typing error, so it is said."""
+    for name in (item for item in config.exports if "=" not in item):
+        logging.getLogger("mpsrun").warning(f"mpsrun: warning: -x {name}: {name} is not set here, so the ranks have "
+                                            "none")
 
 
 def _log_to_stderr(level: int) -> None:

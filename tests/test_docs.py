@@ -13,14 +13,16 @@ The convention (docs/development.md points here):
       <!-- not run: listing -->    a file tree or other text shown, not a command
       <!-- not run: benchmark -->  measurements on a GPU machine (benchmarks/, docs/benchmarks.md): hours, not a test
 
-  ``needs`` may name several, separated by commas. An unmarked block runs here, against the fake GPU.
+  ``needs`` may name several, separated by commas. An unmarked block runs as on a laptop: no GPU, no CuPy, the
+  README's venv (mpsrun with NumPy, mpi4py and MPICH's ``mpiexec`` on PATH); what the README and docs show runs
+  there as written. A job script or ``srun`` line runs on the test cluster, against the fake GPU.
 * **```python blocks.** The first line says how the block runs: ``# python NAME.py`` or
   ``# mpsrun OPTIONS python NAME.py``. The block is written to NAME.py in a fresh directory and run so, with the fake
-  GPU (conftest's ``fake_gpu``) and the CuPy and cuda.core doubles (tests/fake_cuda) first on PYTHONPATH (with
-  ``needs: gpu``, on the real GPU without them); it must exit 0 without a traceback.
+  ``# mpsrun OPTIONS python NAME.py``. The block is written to NAME.py in a fresh directory and run so, on the laptop
+  (or with ``needs: gpu`` on the real GPU); it must exit 0 without a traceback.
 * **```sh blocks.** Every line is blank, a comment, or a command. A command is ``mpsrun ...`` or
   ``mpiexec ...`` (after any ``NAME=VALUE`` words, which set the command's environment), or ``srun ...``, which
-  needs slurm. Commands run from the repository's root with the fake GPU, each ``python`` word standing for this
+  needs slurm. Commands run from the repository's root on the laptop, each ``python`` word standing for this
   interpreter, ``mpsrun`` for ``python -m mpsrun`` and ``mpiexec`` for MPICH's (helpers.mpiexec); they must exit 0,
   or N where the line's comment says ``exit N``. ``srun`` gets ``--overcommit`` (the CI cluster has as many CPUs as
   the machine). A block that starts ``#!/bin/bash`` is a job script: it needs slurm and is submitted as written
@@ -46,13 +48,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import FAKE_CUDA, MPSRUN, ROOT, cluster_answers, mpiexec
+from helpers import MPSRUN, ROOT, cluster_answers, mpiexec
 
 from mpsrun.config.commandline import parse_args
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NEEDS = {"gpu", "slurm", "torch", "hosts"}
 NOT_RUN = {"output", "listing", "benchmark"}
+#: First on PYTHONPATH for the laptop: a CuPy that cannot be imported, also where CuPy is installed.
+LAPTOP = ROOT / "tests" / "laptop"
 SUBCOMMANDS = ("bench", "tune", "doctor", "top", "status", "cleanup")
 #: The README's set-up commands (its first two sh blocks), which tests/test_readme.py and CI run.
 SETUP_BLOCKS = 2
@@ -223,8 +227,9 @@ def with_needs(items: list, name_of: Callable[[object], str]) -> list:
 
 @pytest.fixture
 def needs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """What the test's block needs, provided: the fake GPU, or for ``gpu`` the real one (the GPU tier; a private
-    MPSRUN_TMPDIR, checked empty afterwards), a Slurm cluster, PyTorch. Skips where a need cannot be met."""
+    """What the test's block needs, provided: a laptop's machine (no GPU, no CuPy; this venv's bin, with MPICH's
+    mpiexec, on PATH), a Slurm cluster with the fake GPU, or for ``gpu`` the real one (the GPU tier; a private
+    MPSRUN_TMPDIR, checked empty afterwards), PyTorch. Skips where a need cannot be met."""
     wanted = next(iter(request.node.callspec.params.values())).needs
     if "torch" in wanted:
         pytest.importorskip("torch")
@@ -232,8 +237,14 @@ def needs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> It
         if os.environ.get("MPSRUN_REQUIRE_SLURM") == "1":
             pytest.fail("MPSRUN_REQUIRE_SLURM=1 but no Slurm cluster answers (see ci/slurm/start.sh)")
         pytest.skip("no Slurm cluster (ci/slurm/start.sh starts one)")
-    if "gpu" not in wanted:
+    if "slurm" in wanted:
         request.getfixturevalue("fake_gpu")  # it checks that nothing is left behind
+        yield
+        return
+    if "gpu" not in wanted:
+        request.getfixturevalue("no_gpu")
+        monkeypatch.setenv("PATH", os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]))
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(LAPTOP), os.environ["PYTHONPATH"]]))  # no CuPy
         yield
         return
     base = request.getfixturevalue("short_tmp")
@@ -296,13 +307,11 @@ def test_plain_blocks_are_output_or_synopses():
 @pytest.mark.parametrize("block", with_needs(PY_BLOCKS, lambda b: b.where))
 def test_every_python_block_runs_as_written(block, needs, tmp_path):
     """Each Python block runs as written, by the command its first line names (``# python NAME`` or
-    ``# mpsrun ... python NAME``), with the fake GPU and the CuPy double (or, needing a GPU, on the real one)."""
+    ``# mpsrun ... python NAME``), on the laptop (or, needing a GPU, on the real one)."""
     command = block.text.splitlines()[0].removeprefix("# ").split()
     (tmp_path / command[-1]).write_text(block.text)
     runner = [sys.executable] if command[0] == "python" else [*MPSRUN, *command[1:-2], sys.executable]
-    doubles = [] if "gpu" in block.needs else [str(FAKE_CUDA)]  # the real GPU's CuPy, or the double
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*doubles, os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([*runner, command[-1]], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    out = subprocess.run([*runner, command[-1]], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "Traceback" not in out.stderr
 

@@ -74,6 +74,33 @@ def test_the_plan_is_what_a_job_gives(fake_gpu, short_tmp, monkeypatch):
     assert fake_gpu.uuids[0] in out.stdout and "rank 0: GPU 0, " in out.stdout
 
 
+@pytest.mark.parametrize("fake_gpu", [8], indirect=True)
+def test_the_plan_calls_each_gpu_by_its_index(fake_gpu, short_tmp):
+    """``--gpus 0,7`` on 8 GPUs: the plan calls the second GPU 7 (its UUID's), in its header, rank 1's line and its
+    daemon's directory, as the running job does (rank 1's pipe is ``gpu7/pipe``); MPSRUN_GPU stays the rank's GPU
+    among the job's, as the header says. The plan called it GPU 1, with gpu1/pipe, beside GPU 7's UUID."""
+    options = ["-np", "2", "--launcher", "local", "--gpus", "0,7"]
+    out = subprocess.run([*MPSRUN, "--dry-run", *options, *SIM], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"GPU 7 (MPSRUN_GPU=1): {fake_gpu.uuids[7]}," in out.stdout, out.stdout
+    planned = ranks_of(out.stdout)
+    assert planned[1][0] == "GPU 7" and planned[1][1]["CUDA_MPS_PIPE_DIRECTORY"] == "<session>/gpu7/pipe", out.stdout
+    assert planned[1][1]["MPSRUN_GPU"] == "1" and planned[1][1]["CUDA_VISIBLE_DEVICES"] == fake_gpu.uuids[7]
+    job = subprocess.run([*MPSRUN, *options, sys.executable, "-c", DUMP, str(short_tmp)], capture_output=True,
+                         text=True, timeout=120)
+    assert job.returncode == 0, job.stderr
+    real = json.loads((short_tmp / "1").read_text())
+    assert real["CUDA_MPS_PIPE_DIRECTORY"].endswith("/gpu7/pipe") and real["MPSRUN_GPU"] == "1"
+
+
+def test_the_plan_without_a_gpu_names_the_gpus_given(no_gpu):
+    """Without a driver, ``--gpus 0,7`` is GPUs 0 and 7 in the plan (rank 1: GPU 7, ``gpu7/pipe``)."""
+    out = dry("-np", "2", "--gpus", "0,7")
+    assert out.returncode == 0, out.stderr
+    planned = ranks_of(out.stdout)
+    assert planned[1][0] == "GPU 7" and planned[1][1]["CUDA_MPS_PIPE_DIRECTORY"] == "<session>/gpu7/pipe", out.stdout
+
+
 @pytest.mark.parametrize("options", [["--per-node"], ["--hosts", "localhost"]])
 def test_a_dry_run_of_several_nodes_is_refused(no_gpu, options):
     """A dry run plans a job of this host; with --per-node or --hosts it says so in one line, exit 2."""

@@ -115,6 +115,9 @@ def test_whatever_the_launcher_changes_of_the_callers_is_put_back(fake_gpu, shor
     wrapper.chmod(0o755)
     monkeypatch.setenv("MY_SETTING", "kept as given")
     monkeypatch.setenv("MY_OTHER", "also kept")
+    # The wrapper's shell exports PWD where the caller has none (a clean environment): the launcher's own, which
+    # stays as HYDRA_EXTRA does. A caller's PWD, as a shell gives it, is the caller's to keep.
+    monkeypatch.setenv("PWD", os.getcwd())
     caller = callers_environment(short_tmp)
     out = subprocess.run([*MPSRUN, "-np", "2", "--launcher", "mpiexec", "--mpiexec", str(wrapper), sys.executable,
                           "-c", DUMP, str(short_tmp)], capture_output=True, text=True, timeout=120)
@@ -137,8 +140,9 @@ def test_x_refuses_what_mpsrun_sets_and_what_is_no_name(value):
 @pytest.mark.parametrize("path", PATHS)
 def test_x_gives_every_rank_the_callers_variables(path, fake_gpu, monkeypatch):
     """``-x NAME`` gives each rank the value NAME has where the command line is read, ``-x NAME=VALUE`` that
-    value, and ``-x NAME`` of an unset NAME leaves it unset, on every path; under --hosts the remote
-    environment (here an mpiexec -genv) does not win."""
+    value, and ``-x NAME`` of an unset NAME leaves it unset, on every path, with one warning (it was silent;
+    under --per-node, where every rank reads the command line, none); under --hosts the remote environment (here an
+    mpiexec -genv) does not win."""
     monkeypatch.setenv("FIRST_HOUR_CALLER", "the caller's")
     monkeypatch.delenv("FIRST_HOUR_UNSET", raising=False)
     options = ["-x", "FIRST_HOUR_CALLER", "-x", "FIRST_HOUR_GIVEN=a b=c", "-x", "FIRST_HOUR_UNSET"]
@@ -149,3 +153,6 @@ def test_x_gives_every_rank_the_callers_variables(path, fake_gpu, monkeypatch):
     out = run_job(path, options, [sys.executable, "-c", code], ranks=2)
     assert out.returncode == 0, out.stderr
     assert [json.loads(line) for line in out.stdout.splitlines()] == [["the caller's", "a b=c", None]] * 2
+    warned = [line for line in out.stderr.splitlines() if "-x" in line]
+    assert warned == ([] if path == "per-node" else [
+        "mpsrun: warning: -x FIRST_HOUR_UNSET: FIRST_HOUR_UNSET is not set here, so the ranks have none"]), out.stderr

@@ -104,7 +104,8 @@ def test_an_mpi4py_rank_that_fails_stops_the_others(fake_gpu, path, failure, sho
     out = subprocess.run(job_argv(path, ["--grace", "1"], [sys.executable, "-c", source]), capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == code, out.stderr
-    said = [line for line in out.stderr.splitlines() if line.startswith("mpsrun")]
+    # Under the local launcher each rank is an MPI world of its own, which rank 0 says first (test_mpi_world.py).
+    said = [line for line in out.stderr.splitlines() if line.startswith("mpsrun") and "MPI world" not in line]
     assert len(said) == 1 and re.fullmatch(rf"mpsrun: rank 1 \(pid \d+\) exited with code {code} first: "
                                            rf"{re.escape(why)}, then MPI_Abort", said[0]), out.stderr
     assert time.monotonic() - started < 30
@@ -144,6 +145,21 @@ def ended(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+@pytest.mark.parametrize("path", ["local", "mpiexec"])
+def test_standard_input_goes_to_rank_0(fake_gpu, path):
+    """mpsrun's stdin reaches rank 0, as under mpirun, through the local launcher and the default one (MPICH's
+    Hydra); under the local launcher the other ranks read an empty stdin (Hydra never ends theirs: they do not read
+    it here). docs/command-line.md says so (it did not)."""
+    code = ("import os, sys\nif os.environ['RANK'] == '0' or sys.argv[1] == 'local':\n"
+            "    os.write(1, f\"{os.environ['RANK']} read {sys.stdin.read()!r}\\n\".encode())\n")
+    out = subprocess.run(job_argv(path, [], [sys.executable, "-c", code, path], ranks=3), input="hello\n",
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    expected = ["0 read 'hello\\n'"] + (["1 read ''", "2 read ''"] if path == "local" else [])
+    assert sorted(out.stdout.splitlines()) == expected, out.stdout
+    settle(fake_gpu)
 
 
 def test_mpi4py_abort_off_runs_the_command_as_given(fake_gpu, short_tmp):

@@ -8,6 +8,7 @@ had been reused for the next supervisor's pidfd.
 """
 
 import os
+import signal
 import socket
 
 from mpsrun.runtime.loop import EventLoop
@@ -64,3 +65,24 @@ def test_an_ended_link_does_not_wake_the_descriptor_that_reuses_its_number():
         os.close(done_write)
         os.waitpid(child, 0)
         loop.close()
+
+
+def test_a_signal_after_the_loops_last_look_reaches_its_callback():
+    """A signal that comes once the loop has stopped looking, before its signals' block ends (the job's loop over,
+    NVML shutting down), reaches the block's callback as the block ends, once; after the block, the handler from
+    before has it. It was lost: a SIGTERM there left a job to exit 0 (tests/test_startup.py's teardown test, now and
+    then in the suite)."""
+    loop = EventLoop()
+    seen, before = [], []
+    previous = signal.signal(signal.SIGUSR1, lambda number, frame: before.append(number))
+    try:
+        with loop.signals([signal.SIGUSR1], seen.append):
+            loop.run_once(0)
+            os.kill(os.getpid(), signal.SIGUSR1)  # the loop looks no more
+            assert seen == []
+        assert seen == [signal.SIGUSR1] and before == []
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1] and before == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+

@@ -30,6 +30,16 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert SH_BLOCKS[1].strip() in (ROOT / ".ci" / "run").read_text().splitlines()
 
 
+def test_ci_runs_the_tests_in_a_clean_environment():
+    """.ci/run starts itself again under ``env -i`` (HOME, PATH, LANG and CI only) before anything else, so no test
+    leans on the workplace's variables (PYTHONUNBUFFERED=1 there hid a test that failed on users' machines)."""
+    lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    clean = next(i for i, line in enumerate(lines) if line.startswith("exec env -i "))
+    assert clean < lines.index("cd \"$(dirname \"$0\")/..\"") < lines.index(SH_BLOCKS[1].strip())
+    names = {word.split("=")[0] for word in lines[clean].split()[3:] if "=" in word}
+    assert names == {"HOME", "PATH", "LANG", "CI", "CI_CLEAN_ENVIRONMENT"}, names
+
+
 def test_the_main_job_runs(fake_gpu):
     """The main job (mpsrun -np 4 python examples/sim.py) runs to the end and combines the ranks."""
     bin_dir = os.path.dirname(sys.executable)

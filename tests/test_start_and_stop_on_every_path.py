@@ -243,6 +243,23 @@ def test_a_killed_node_keeper_is_named(fake_gpu, short_tmp, path):
     settle(fake_gpu)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_a_program_that_cannot_be_started_is_named_with_a_pid(fake_gpu, short_tmp, path):
+    """A program whose exec fails (its interpreter does not exist: 127; not a program: 126): the summary names the
+    rank with the pid of the process that ends with that code, its supervisor, as every other summary names one
+    ('rank 0 exited with code 127 first' had none)."""
+    for body, code, why in ((b"#!/nonexistent/interpreter\n", 127, "No such file or directory"),
+                            (b"\x00\x01 not a program", 126, "Exec format error")):
+        program = short_tmp / "program"
+        program.write_bytes(body)
+        program.chmod(0o755)
+        out = subprocess.run(job_argv(path, [], [str(program)], ranks=2), capture_output=True, text=True, timeout=120)
+        assert out.returncode == code, out.stderr
+        assert re.search(rf"mpsrun: rank \d \(pid \d+\) exited with code {code} first: {program}: {why}", out.stderr), \
+            out.stderr
+    settle(fake_gpu)
+
+
 def test_first_comes_before_the_reason(fake_gpu):
     """The summary reads 'rank 0 ... exited with code 127 first: /x: ...' (the reason no longer splits it)."""
     out = subprocess.run(job_argv("per-node", [], [str(Path("/nonexistent/x"))], ranks=1), capture_output=True,

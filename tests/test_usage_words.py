@@ -95,10 +95,14 @@ def test_open_mpis_np_spelling_is_taken(fake_gpu):
     (["--nproc_per_node=4"], "torchrun's --nproc_per_node is mpsrun's -np N, the ranks on this node"),
     (["--nnodes", "2"], "for several nodes, use --hosts A,B, or start mpsrun --per-node under srun or mpiexec"),
     (["--grace", "-1"], "must be 0 or more seconds"),
+    (["-N", "4"], "Slurm's -N, nodes, is --hosts A,B, or srun -N M mpsrun --per-node; Open MPI's -N, ranks on this "
+                  "node, is -np N"),
+    (["-N4"], "Open MPI's -N, ranks on this node, is -np N"),
+    (["-c", "4"], "Open MPI's -c is mpsrun's -np N; Slurm's -c, CPUs per rank, is srun's: srun -c C mpsrun --per-node"),
 ])
 def test_other_launchers_habits_get_mpsruns_words(fake_gpu, words, said):
-    """An option of torchrun's (or a negative --grace) is answered with what mpsrun takes instead, not with the
-    closest spelling of an unrelated option."""
+    """An option of torchrun's, Slurm's or Open MPI's (or a negative --grace) is answered with what mpsrun takes
+    instead, not with the closest spelling of an unrelated option (-N and -c had no word at all)."""
     line = one_line(mpsrun(*words, "true"))
     assert said in line and "did you mean --per-node" not in line, line
 

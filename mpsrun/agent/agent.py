@@ -88,7 +88,7 @@ class Top(Protocol):
 class Welcoming(NamedTuple):
     """How a node welcomes its ranks. ``ranks``: the job's ranks, where this node runs them all (the command's own
     node; the launcher may not say the sizes); ``callers``: the caller's environment, put back where a launcher
-    rewrote it; ``output_lock``: one lock for long tagged lines; ``settings`` and ``devices``: what every rank of a
+    rewrote it; ``output_lock``: one lock for the lines of ranks that share our output; ``settings`` and ``devices``: what every rank of a
     --per-node job must have been started with; ``extra``: variables of a one-node --per-node job (its rendezvous);
     ``notices``: said by the first rank."""
 
@@ -191,7 +191,7 @@ class Agent:
             self.watch = RankWatch(session.watcher(), self.policy.mps_required)
         if session.gpus:
             self.usage = UsageSampler([gpu.uuid for gpu in session.gpus], self.policy.keep_samples)
-        if self.welcoming.output_lock and self.config.tag_output:  # long tagged lines take it, one at a time
+        if self.welcoming.output_lock:  # the ranks share our output: each writes its lines under it
             self.dirs.output_lock.touch(mode=0o600)
             self._output_lock = str(self.dirs.output_lock)
 
@@ -337,7 +337,7 @@ class Agent:
             state.process = ProcessRef(message.pid, message.start) if message.start is not None else None
             self._started(state, message)
         elif isinstance(message, Exited):
-            pid = state.process.pid if state.process is not None else None
+            pid = state.process.pid if state.process is not None else message.pid
             self._ended(state, RankEnd(state.rank, pid, message.returncode, message.reason, message.aborting,
                                        message.wall, message.cpu))
         elif isinstance(message, Interrupted):

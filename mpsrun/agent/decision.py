@@ -142,5 +142,4 @@ class Decision:
     def timed_out(self) -> None:
         """--timeout: the job's first failure, unless something failed first or its ranks are over."""
         if self._running() and self.judge.decide(Cause.TIMEOUT, None, f"timed out after {self._timeout:g} s"):
-            self._say(f"timeout: the job ran longer than {self._timeout:g} s; stopping it")
-            self._stop(signal.SIGTERM, False)
+            self._stop(signal.SIGTERM, False)  # (the summary says it: a line here too said it twice)

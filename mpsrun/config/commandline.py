@@ -40,6 +40,9 @@ _FOREIGN = {
     "--standalone": "mpsrun needs no rendezvous options: every rank gets MASTER_ADDR and MASTER_PORT",
     "--npernode": "mpsrun places the ranks on this node's GPUs: -np N",
     "-ppn": "mpsrun places the ranks on this node's GPUs: -np N",
+    "-N": "Slurm's -N, nodes, is --hosts A,B, or srun -N M mpsrun --per-node; Open MPI's -N, ranks on this node, "
+          "is -np N",
+    "-c": "Open MPI's -c is mpsrun's -np N; Slurm's -c, CPUs per rank, is srun's: srun -c C mpsrun --per-node",
 }
 
 
@@ -58,6 +61,8 @@ def _suggestion(message: str, flags: Iterable[str]) -> str:
     unknown = message.partition("unrecognized arguments: ")[2].split()
     for word in unknown[:1]:
         name = word.split("=", 1)[0]
+        if re.fullmatch(r"-[A-Za-z][0-9]+", name):  # a short option glued to its number: -N4
+            name = name[:2]
         if name in _FOREIGN:
             return f" ({_FOREIGN[name]})"
         import difflib  # for a mistyped option only

@@ -29,6 +29,7 @@ from mpsrun.runtime.constants import (
     JOB_ID_VARIABLE,
     RENDEZVOUS_VARIABLES,
     SERVER_AFTER,
+    WORLD_VARIABLE,
 )
 from mpsrun.runtime.processes import python_without_site
 
@@ -62,6 +63,7 @@ class LocalBackend:
 
     def specs(self, config: JobConfig, program: str, env: Mapping[str, str]) -> list[LaunchSpec]:
         n = config.ranks
+        env = {**env, WORLD_VARIABLE: "local" if config.launcher == "local" else "no-mpiexec"}  # why: for pyrun
         return [
             LaunchSpec(f"rank {r}'s supervisor", ("--rank", str(r), "--local-rank", str(r), "--size", str(n),
                                                   "--local-size", str(n), "--", program, *config.command[1:]),

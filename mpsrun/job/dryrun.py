@@ -41,9 +41,16 @@ def _gpus(config: JobConfig) -> tuple[list[gpu_info.GPU], str]:
         return [], exc.message
 
 
+def _names(config: JobConfig, found: Sequence[gpu_info.GPU], count: int) -> list[str]:
+    """What each GPU position is called, as a running job calls it (``-v``, its ``gpuN`` directory): the GPU's index,
+    or without a driver what ``--gpus`` gave (``--gpus 0,7``: GPUs 0 and 7, not 0 and 1)."""
+    return [str(gpu.index) for gpu in found] or [str(g) for g in (config.gpus or range(count))]
+
+
 def _targets(config: JobConfig, found: Sequence[gpu_info.GPU], count: int) -> list[GpuTarget]:
-    """How each GPU position would be reached: its UUID (or its position, without a driver) and daemon paths."""
+    """How each GPU position would be reached: its UUID (or what names it, without a driver) and daemon paths."""
     named = [gpu.uuid for gpu in found] or [f"<uuid-of-GPU-{g}>" for g in (config.gpus or range(count))]
+    names = _names(config, found, count)
     sms = [gpu.multiprocessors for gpu in found] or [None] * count
     groups = [list(range(count))] if config.gpu_bind == "none" else [[position] for position in range(count)]
     targets = []
@@ -51,7 +58,7 @@ def _targets(config: JobConfig, found: Sequence[gpu_info.GPU], count: int) -> li
         visible = ",".join(str(named[p]) for p in group)
         counts = [sms[p] for p in group]
         least = None if None in counts else min(c for c in counts if c is not None)
-        pipe = None if config.mps == "off" else f"{SESSION}/gpu{group[0]}"
+        pipe = None if config.mps == "off" else f"{SESSION}/gpu{names[group[0]]}"
         targets.append(GpuTarget(visible, pipe and f"{pipe}/pipe", pipe and f"{pipe}/log",
                                  None if pipe is None else SESSION, len(group), least))
     return targets
@@ -68,13 +75,14 @@ def plan_lines(config: JobConfig) -> list[str]:
     plans = node.ranks(config.ranks)
     targets = _targets(config, found, count)
     lines = _header(config, found, why, count)
+    names = _names(config, found, count)
     envs = [_variables(node, plan.rank, targets) for plan in plans]
     common = {k: v for k, v in envs[0].items() if all(env.get(k) == v for env in envs[1:])}
     for plan, env in zip(plans, envs, strict=True):
         limits = [f"{plan.thread_percentage}% of SMs" if plan.thread_percentage else "",
                   f"{mib_text(plan.mem_limit)} pinned memory" if plan.mem_limit else
                   "its share of the GPU's free memory, read when the job starts" if plan.mem_auto else ""]
-        where = "every job GPU" if config.gpu_bind == "none" else f"GPU {plan.gpu}"
+        where = "every job GPU" if config.gpu_bind == "none" else f"GPU {names[plan.gpu]}"
         lines.append(f"rank {plan.rank}: {where}" + "".join(f", {part}" for part in limits if part))
         lines.append("  " + " ".join(f"{k}={v}" for k, v in sorted(env.items()) if k not in common))
     lines.append("every rank: " + " ".join(f"{k}={v}" for k, v in sorted(common.items())))
@@ -91,8 +99,8 @@ def _header(config: JobConfig, found: Sequence[gpu_info.GPU], why: str, count: i
     lines = [f"mpsrun --dry-run: {config.ranks} rank(s) of {' '.join(config.command)} on {socket.gethostname()}, "
              f"launcher {launcher}, MPS {mps}"]
     if found:
-        lines += [f"GPU {p}: {g.uuid}, {g.name}, {g.multiprocessors or '?'} SMs, {g.memory_free / 2**30:.1f} GiB free"
-                  for p, g in enumerate(found)]
+        lines += [f"GPU {g.index} (MPSRUN_GPU={p}): {g.uuid}, {g.name}, {g.multiprocessors or '?'} SMs, "
+                  f"{g.memory_free / 2**30:.1f} GiB free" for p, g in enumerate(found)]
     else:
         lines.append(f"GPUs: {count} ({why or 'none listed'}); their UUIDs, free memory and SMs are read when the "
                      "job starts")

@@ -11,17 +11,22 @@ import functools
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mpsrun.runtime.loop import EventLoop
+from mpsrun.runtime.output import unread_output
 from mpsrun.runtime.processes import ProcessRef, descendants, pidfd, set_parent_death_signal
 
 if TYPE_CHECKING:
     from mpsrun.rank.forked import ForkedSupervisor
 
 __all__ = ["LaunchSpec", "Launched", "Launchers"]
+
+#: How often a launcher's wind-down looks whether our output has been read.
+OUTPUT_LOOK = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,13 +148,27 @@ class Launchers:
             process.signal(signal.SIGKILL)
 
     def wind_down(self, grace: float) -> None:
-        """Every rank has ended (or was killed): the launchers get ``grace`` to exit, then SIGTERM, then SIGKILL."""
+        """Every rank has ended (or was killed): the launchers get ``grace`` to exit, then SIGTERM, then ``grace``
+        more, then SIGKILL. Until the SIGTERM the time counts only while our output holds nothing unread: an MPI
+        launcher still passing the ranks' output on to a slow reader (``| less``) is not hung, and stopping it lost
+        that output."""
         if self._winding_down or self.ended:
             return
         self._winding_down = True
         grace = max(grace, 0.5)
-        self.loop.after(grace, lambda: self._signal(signal.SIGTERM))
-        self.loop.after(2 * grace, lambda: self._signal(signal.SIGKILL))
+        self._when_output_read(grace, time.monotonic())
+
+    def _when_output_read(self, grace: float, quiet_since: float) -> None:
+        if self.ended:
+            return
+        now = time.monotonic()
+        if unread_output():
+            quiet_since = now
+        if now - quiet_since < grace:
+            self.loop.after(min(grace, OUTPUT_LOOK), lambda: self._when_output_read(grace, quiet_since))
+            return
+        self._signal(signal.SIGTERM)
+        self.loop.after(grace, lambda: self._signal(signal.SIGKILL))
 
     def kill(self) -> None:
         """SIGKILL every launcher now (a second Ctrl-C), and start nothing more."""

@@ -13,7 +13,7 @@ from mpsrun.exitcodes import ExitCode
 from mpsrun.rank.identity import RankIdentity, identity_from_env
 from mpsrun.rank.join import direct
 from mpsrun.rank.supervisor import run_rank, say_line
-from mpsrun.runtime.constants import CONTROL_VARIABLE, TOKEN_VARIABLE
+from mpsrun.runtime.constants import CONTROL_VARIABLE, TOKEN_VARIABLE, WORLD_VARIABLE
 
 __all__ = ["main"]
 
@@ -45,7 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         say_line(f"python -m mpsrun.rank runs a rank of a job started by mpsrun; it needs {CONTROL_VARIABLE} and a "
                  "command")
         return ExitCode.USAGE
-    if "rank" in options and "local_rank" in options:
+    local = "rank" in options and "local_rank" in options  # the local launcher's, not an MPI launcher's
+    if local:
         identity: RankIdentity | None = RankIdentity(options["rank"], options["local_rank"], options.get("size"),
                                                      options.get("local_size"))
     else:
@@ -54,5 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         say_line("no local-rank variable from the MPI launcher "
                  "(OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, SLURM_LOCALID, ...)")
         return ExitCode.SETUP
-    return run_rank(command, identity, direct(address), token)
+    # The local launcher says why it is the launcher (see mpsrun.rank.pyrun's WorldWatch); any other is an MPI one.
+    world = os.environ.get(WORLD_VARIABLE, "local") if local else "mpi"
+    return run_rank(command, identity, direct(address), token, world)
 

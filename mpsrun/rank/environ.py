@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from mpsrun.runtime.constants import ABORT_SOCKET_VARIABLE, CONTROL_VARIABLES, JOB_ID_VARIABLE
+from mpsrun.runtime.constants import ABORT_SOCKET_VARIABLE, CONTROL_VARIABLES, JOB_ID_VARIABLE, WORLD_VARIABLE
 from mpsrun.runtime.protocol import Welcome
 
 __all__ = ["rank_env"]
@@ -17,7 +17,7 @@ def rank_env(base: Mapping[str, str], welcome: Welcome) -> dict[str, str]:
     """The rank's environment: ours, less what mpsrun manages, with the caller's values of what an MPI launcher
     rewrites put back (``restore``: None for one the caller did not set), plus what the controller gave (``env``;
     each group of ``defaults`` only where the rank's environment has none of its names)."""
-    managed = set(welcome.managed) | set(CONTROL_VARIABLES) | {JOB_ID_VARIABLE, ABORT_SOCKET_VARIABLE}
+    managed = set(welcome.managed) | set(CONTROL_VARIABLES) | {JOB_ID_VARIABLE, ABORT_SOCKET_VARIABLE, WORLD_VARIABLE}
     env = {k: v for k, v in base.items() if k not in managed}
     for name, value in welcome.restore.items():
         if value is None:

@@ -4,7 +4,8 @@ mpi4py's runner (``python -m mpi4py``) calls ``MPI_Abort`` for an uncaught excep
 instead of ``MPI_Finalize``, which waits forever for ranks that never come. Run bare, it also adds its
 own and ``runpy``'s frames to every traceback, and a missing script becomes a 12-line traceback. This
 runner keeps the abort and reports errors as ``python FILE`` does: the program's frames only, and one
-line (exit code 2) for a script that cannot be opened.
+line (exit code 2) for a script that cannot be opened. When the program imports ``mpi4py.MPI`` and rank 0
+finds itself alone in its MPI world while the job has more ranks, it says why, once.
 
 It runs in every Python rank's interpreter: what only a failure needs is imported when one comes.
 """
@@ -17,12 +18,13 @@ import sys
 
 from mpi4py.run import run_command_line, set_abort_status
 
-from mpsrun.runtime.constants import ABORT_SOCKET_VARIABLE
+from mpsrun.runtime.constants import ABORT_SOCKET_VARIABLE, WORLD_VARIABLE
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable
-    from types import TracebackType
+    from collections.abc import Callable, Sequence
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType, TracebackType
 
 #: How long the runner waits for its supervisor to report the rank's end before it calls MPI_Abort.
 ABORT_REPORT_WAIT = 10.0
@@ -98,9 +100,69 @@ def _ending(exc: SystemExit | KeyboardInterrupt) -> tuple[int, str]:
     return ExitCode.FAILED, f"sys.exit({_text(exc.code, repr)[:200]})"
 
 
+class WorldWatch:
+    """On ``sys.meta_path``, it finds no module itself: once the program has imported ``mpi4py.MPI`` (which starts
+    MPI), rank 0 says whether it is alone in its MPI world while ``WORLD_SIZE`` says the job has more ranks (each
+    rank then computes alone: an all-reduce of 2 ranks gave each its own value, and a failing rank's job exited 0).
+    ``world``: who started the rank (:data:`WORLD_VARIABLE`)."""
+
+    def __init__(self, world: str, size: int) -> None:
+        self.world, self.size = world, size
+
+    @classmethod
+    def install(cls, world: str) -> None:
+        """Watch in rank 0 of a job of several ranks (a check per import: one comparison, until MPI is imported)."""
+        size = os.environ.get("WORLD_SIZE", "")
+        if world and os.environ.get("RANK") == "0" and size.isdecimal() and int(size) > 1:
+            sys.meta_path.insert(0, cls(world, int(size)))
+
+    def find_spec(self, name: str, path: Sequence[str] | None = None, target: ModuleType | None = None
+                  ) -> ModuleSpec | None:
+        if name != "mpi4py.MPI":
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec(name)  # as the import would find it (this finder is off the path now)
+        loader = getattr(spec, "loader", None)
+        if loader is not None and hasattr(loader, "exec_module"):
+            run = loader.exec_module
+
+            def exec_then_look(module: ModuleType) -> None:
+                run(module)
+                del loader.exec_module  # the loader's own again
+                self._look(module)
+
+            loader.exec_module = exec_then_look  # on this loader alone: the module's __loader__ stays the real one
+        return spec
+
+    def _look(self, mpi: ModuleType) -> None:
+        try:
+            alone = mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.Get_size() == 1
+            library = mpi.Get_library_version().strip().splitlines()[0][:80] if alone else ""
+        except Exception:  # never the program's failure
+            return
+        if alone:
+            from mpsrun.runtime.output import say
+
+            say(f"mpsrun: rank 0 is alone in its MPI world (1 process, WORLD_SIZE={self.size}): {self._why(library)}")
+
+    def _why(self, library: str) -> str:
+        """The cause, and the way out."""
+        if self.world == "mpi":
+            return (f"mpi4py's MPI ({library}) is not the one whose launcher started the ranks; start them with "
+                    "its mpiexec (--mpiexec PATH), or use an mpi4py built for the launcher's MPI")
+        if self.world == "local":
+            return (f"--launcher local starts each rank as an MPI world of its own; for one world of {self.size} "
+                    "ranks, leave it out")
+        return ("no mpiexec or mpirun is on PATH, so the local launcher started each rank as an MPI world of its "
+                f"own; for one world of {self.size} ranks, put an MPI's mpiexec on PATH (pip install mpich)")
+
+
 def main(args: list[str]) -> int:
     """Runs the program of ``args``; reports its uncaught exception as Python does; returns the exit code."""
     channel = os.environ.pop(ABORT_SOCKET_VARIABLE, "")  # not the program's, nor its children's
+    WorldWatch.install(os.environ.pop(WORLD_VARIABLE, ""))
     try:
         run_command_line(args)
     except (SystemExit, KeyboardInterrupt) as exc:

@@ -4,7 +4,8 @@ The local launcher forks one per rank (with the identity on its command line); u
 ``srun`` each launched process is one, and reads its identity from the launcher's variables. It joins
 its controller (:mod:`mpsrun.rank.join`), which answers with the rank's environment. It then runs COMMAND
 in a process group of its own, passing on every descriptor it inherited (MPICH's ``PMI_FD``, Slurm's
-PMI2), forwards signals, tags output lines, and reports the rank's start and end. When the rank's main
+PMI2), forwards signals, passes the rank's output on in whole lines (tagged under ``--tag-output``), and
+reports the rank's start and end. When the rank's main
 process ends, whatever it left in its group is killed. The controller's verdict then sets this
 process's exit code.
 
@@ -29,6 +30,7 @@ from mpsrun.rank.command import exec_failure_code, through_mpi4py
 from mpsrun.rank.environ import rank_env
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.rank.join import Join, refused, report_failure, report_interrupt
+from mpsrun.rank.streams import RankOutput
 from mpsrun.runtime.constants import (
     DRAIN_TIMEOUT,
     FORWARDED_SIGNALS,
@@ -37,11 +39,12 @@ from mpsrun.runtime.constants import (
     SESSION_DIR_VARIABLE,
     STOP_SIGNALS,
     VERDICT_TIMEOUT,
+    WORLD_VARIABLE,
 )
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.interrupts import Interrupts
 from mpsrun.runtime.loop import EventLoop
-from mpsrun.runtime.output import LineTagger, say
+from mpsrun.runtime.output import say
 from mpsrun.runtime.processes import (
     close_all,
     find_program,
@@ -83,21 +86,21 @@ class RankSupervisor:
     """Runs one rank's command to its end under the controller's rules."""
 
     def __init__(self, identity: RankIdentity, command: Sequence[str], env: Mapping[str, str], link: Link,
-                 welcome: Welcome) -> None:
+                 welcome: Welcome, world: str = "mpi") -> None:
         self.rank, self.local_rank = identity.rank, identity.local_rank
         self.command = list(command)
         self.env = dict(env)
         self.link = link
         self.grace = welcome.grace
-        self.tag = welcome.tag
         self.mpi4py_abort = welcome.mpi4py_abort
-        self.lock = welcome.output_lock
+        self.world = world  # who started the rank: "local" (the local launcher) or "mpi" (an MPI launcher)
         self.output_dir = welcome.output_dir
         self.queue_budget = welcome.gpu_clients, welcome.gpu_queues  # its GPU's MPS clients and their queues
         self.loop = EventLoop()
         self.process: subprocess.Popen[bytes] | None = None
         self.returncode: int | None = None
-        self.streams: dict[int, LineTagger] = {}  # the read ends of the rank's stdout and stderr, when tagged
+        self.output = RankOutput(self.loop, self.rank, welcome.tag, self.env.get("WORLD_SIZE") != "1",
+                                 welcome.output_lock)
         self.killing = False
         self.controller_lost = False
         # The job's --timeout, should its controller stop answering (a node keeper stopped by SIGSTOP): by then it
@@ -115,7 +118,9 @@ class RankSupervisor:
         if program is None:
             return self._finish(Outcome("setup", code), f"{self.command[0]}: {reason}")
         if self.mpi4py_abort:
-            self.command = through_mpi4py(self.command, program)
+            command, self.command = self.command, through_mpi4py(self.command, program)
+            if self.command != command:  # for the runner alone, which takes it out
+                self.env[WORLD_VARIABLE] = self.world
         with self.loop.signals(FORWARDED_SIGNALS, self._on_signal):  # a signal from here on reaches the rank
             try:
                 files = self._output_files()
@@ -130,7 +135,7 @@ class RankSupervisor:
                 close_all(files)
             if self.timeout is not None:
                 self.loop.after(self.backstop.remaining(), self._overdue)
-            self.loop.run_until(lambda: self.returncode is not None and not self.streams)
+            self.loop.run_until(lambda: self.returncode is not None and self.output.done)
         assert self.returncode is not None
         if self.reported is not None:  # said before MPI_Abort: the job knows this rank's end already
             self.link.close()  # (kept open until now: see _finish)
@@ -158,17 +163,17 @@ class RankSupervisor:
         return files
 
     def _spawn(self, program: str, files: Sequence[int]) -> None:
-        """Start the rank: its output to ``files`` (stdout, stderr) when given, else tagged through pipes or ours."""
-        pipes = (os.pipe(), os.pipe()) if self.tag and not files else None
-        outputs: list[int | None] = list(files) or ([pipes[0][1], pipes[1][1]] if pipes else [None, None])
+        """Start the rank: its output to ``files`` (stdout, stderr) when given, else through pipes (or terminals) of
+        ours, passed on in whole lines."""
         self._abort_channel()
         try:
+            outputs = list(files) or self.output.open()
             self.process = subprocess.Popen(
                 self.command, executable=program, env=self.env, close_fds=False, start_new_session=True,
                 stdout=outputs[0], stderr=outputs[1],
                 preexec_fn=functools.partial(_become_rank, os.getpid()))
         except OSError:
-            close_all([fd for pipe in pipes or () for fd in pipe])
+            self.output.close()
             raise
         # The launcher's descriptors (MPICH's PMI_FD) reach the rank (close_fds=False: Python's own are not
         # inheritable) and stay open here too until this process ends, as a plain rank holds them: Hydra's proxy
@@ -182,9 +187,7 @@ class RankSupervisor:
         else:
             self.loop.watch(exit_fd, lambda: self._on_exit(exit_fd))
         self.loop.watch(self.link.fd, self._on_link)
-        for (read_end, write_end), sink in zip(pipes or (), (1, 2), strict=False):
-            os.close(write_end)
-            self._tag(read_end, sink)
+        self.output.forward()
 
     def _abort_channel(self) -> None:
         """For a Python rank under mpi4py's runner: where the runner says how the rank ends before MPI_Abort."""
@@ -208,27 +211,6 @@ class RankSupervisor:
             kill_group_but_leader(self.process.pid, signal.SIGKILL)
         AbortChannel.answer(conn)
 
-    def _tag(self, fd: int, sink: int) -> None:
-        os.set_blocking(fd, False)
-        self.streams[fd] = LineTagger(self.rank, sink, self.lock)
-        self.loop.watch(fd, lambda: self._copy(fd))
-
-    def _copy(self, fd: int) -> None:
-        tagger = self.streams[fd]
-        try:
-            data = os.read(fd, 65536)
-        except BlockingIOError:
-            return
-        if data and tagger.feed(data):
-            return
-        self._close_stream(fd)  # end of the stream, or our own output is gone: the rank gets EPIPE
-
-    def _close_stream(self, fd: int) -> None:
-        tagger = self.streams.pop(fd)
-        self.loop.unwatch(fd)
-        tagger.finish()
-        os.close(fd)
-
     def _poll_exit(self) -> None:  # kernels without pidfds: a bounded poll interval
         assert self.process is not None
         if os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:  # not reaped
@@ -251,11 +233,7 @@ class RankSupervisor:
         if self.aborting is not None:
             self.loop.unwatch(self.aborting.listener.fileno())
             self.aborting.close()
-        self.loop.after(DRAIN_TIMEOUT, self._close_streams)
-
-    def _close_streams(self) -> None:
-        for fd in list(self.streams):
-            self._close_stream(fd)
+        self.loop.after(DRAIN_TIMEOUT, self.output.drain)
 
     def _signal(self, sig: int) -> None:
         if self.process is not None and self.returncode is None:
@@ -297,7 +275,9 @@ class RankSupervisor:
     def _finish(self, own: Outcome, reason: str = "", aborting: bool = False) -> int:
         returncode = ExitCode.OK if own.cause == Cause.OK else ExitCode.SETUP if own.detail is None else own.detail
         wall = self.wall if self.wall is not None or self.began is None else round(time.monotonic() - self.began, 3)
-        self.link.send(Exited(self.rank, returncode, reason, aborting=aborting, wall=wall, cpu=self.cpu))
+        # A program that never started (its exec failed) is named by this process, which ends with its code.
+        pid = None if self.process is not None else os.getpid()
+        self.link.send(Exited(self.rank, returncode, reason, pid, aborting=aborting, wall=wall, cpu=self.cpu))
         # The job's end is not cut short: a signal is noted only, also one that comes as the block ends (a deferral
         # that ended inside the block let the reaper's SIGTERM raise there: a traceback, once under load).
         with Interrupts(deferred=True) as interrupts:
@@ -340,8 +320,9 @@ class RankSupervisor:
         return Outcome(Cause.DECIDED, verdict.exit_code) if exit_status(verdict.exit_code) else own
 
 
-def run_rank(command: Sequence[str], identity: RankIdentity, join: Join, token: str) -> int:
-    """Join the job's controller, then supervise ``command`` as rank ``identity.rank``."""
+def run_rank(command: Sequence[str], identity: RankIdentity, join: Join, token: str, world: str = "mpi") -> int:
+    """Join the job's controller, then supervise ``command`` as rank ``identity.rank`` (``world``: ``local`` when the
+    local launcher started it, each rank an MPI world of its own)."""
     parent = os.getppid()
     set_parent_death_signal(signal.SIGTERM)  # our launcher gone: stop the rank like a SIGTERM
     if os.getppid() != parent:
@@ -364,4 +345,4 @@ def run_rank(command: Sequence[str], identity: RankIdentity, join: Join, token: 
         return refused(link, answer, identity)
     for line in answer.lines:
         say_line(line)
-    return RankSupervisor(identity, command, rank_env(os.environ, answer), link, answer).run()
+    return RankSupervisor(identity, command, rank_env(os.environ, answer), link, answer, world).run()

@@ -32,6 +32,10 @@ CONTROL_VARIABLES = (CONTROL_VARIABLE, TOKEN_VARIABLE, CONFIG_VARIABLE)
 #: A Python rank's socket (a path in the session directory) on which mpsrun's runner tells the rank's supervisor that it
 #: is about to call MPI_Abort (:mod:`mpsrun.rank.pyrun`): the MPI launcher then ends every process of the job at once.
 ABORT_SOCKET_VARIABLE = "MPSRUN_ABORT_SOCKET"
+#: Who started a Python rank, for its runner (:mod:`mpsrun.rank.pyrun`), which says why when rank 0 is alone in its
+#: MPI world: the local launcher (each rank an MPI world of its own), asked for (``local``) or for want of an mpiexec
+#: (``no-mpiexec``), or an MPI launcher (``mpi``).
+WORLD_VARIABLE = "MPSRUN_WORLD"
 #: A UNIX socket's path must fit the kernel's sun_path, 108 bytes with its terminating NUL (Linux).
 SOCKET_PATH_MOST = 108
 #: The job's (or node's) private session directory, in every rank (mpsrun.shared keeps its handles there).
@@ -61,6 +65,9 @@ VERDICT_TIMEOUT = 300.0
 LINGER_TIMEOUT = 60.0
 #: A rank's output still open after its process group is gone (a writer that left the group).
 DRAIN_TIMEOUT = 2.0
+#: A rank's output is passed on in whole lines; to a terminal, a partial line (a prompt, a progress bar) is passed on
+#: once it has waited this long. Well above the time between a print's text and its newline under unbuffered output.
+PARTIAL_LINE_WAIT = 0.5
 #: An MPI launcher that ended while ranks ran: how long their own reports (relayed by node keepers under --hosts)
 #: may still come before the launcher's status is the job's.
 LAUNCHER_REPORT_WAIT = 2.0

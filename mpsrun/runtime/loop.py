@@ -62,34 +62,42 @@ class EventLoop:
     @contextlib.contextmanager
     def signals(self, numbers: Iterable[int], callback: Callable[[int], object]) -> Iterator[None]:
         """Deliver these signals to ``callback`` from the loop while the block runs (a handler only notes a
-        signal: the byte on the wake-up descriptor is the event). Only the main thread receives signals;
-        elsewhere this does nothing."""
+        signal; the byte on the wake-up descriptor wakes the loop). A signal noted after the loop's last look, up to
+        the block's end, is delivered as the block ends (it was lost: a SIGTERM as a job's loop ended, while NVML
+        shut down, left the job to exit 0). Only the main thread receives signals; elsewhere this does nothing."""
         read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        previous = take_signals(catchable(numbers), _noted)
+        noted: list[int] = []  # taken by our handler, not yet delivered
+
+        def note(number: int, frame: FrameType | None) -> None:
+            noted.append(number)
+
+        previous = take_signals(catchable(numbers), note)
         try:
             if previous is None:
                 yield
                 return
             old_wakeup = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-            self.watch(read_end, lambda: self._read_signals(read_end, callback))
+            self.watch(read_end, lambda: self._woken(read_end, noted, callback))
             try:
                 yield
-            finally:
+            finally:  # from here a signal is the old handlers' (one noted before is in ``noted``: never both)
                 signal.set_wakeup_fd(old_wakeup)
                 restore_signals(previous)
                 self.unwatch(read_end)
+            _deliver(noted, callback)
         finally:
             os.close(read_end)
             os.close(write_end)
 
-    @staticmethod
-    def _read_signals(fd: int, callback: Callable[[int], object]) -> None:
-        try:
-            numbers = os.read(fd, 512)
-        except BlockingIOError:
-            return
-        for number in numbers:
-            callback(number)
+    def _woken(self, fd: int, noted: list[int], callback: Callable[[int], object]) -> None:
+        """A signal's wake-up: deliver what the handler noted (it runs a moment after the wake-up is written, in this
+        thread: if it has yet to, on the loop's next turn)."""
+        with contextlib.suppress(BlockingIOError):
+            os.read(fd, 512)
+        if noted:
+            _deliver(noted, callback)
+        else:
+            self.after(0, lambda: _deliver(noted, callback))
 
     def _due(self) -> Timer | None:
         while self._timers and self._timers[0][2].cancelled:
@@ -120,5 +128,6 @@ class EventLoop:
         self._selector.close()
 
 
-def _noted(number: int, frame: FrameType | None) -> None:
-    """Signal handler: nothing to do here, the byte on the wake-up descriptor is the event."""
+def _deliver(noted: list[int], callback: Callable[[int], object]) -> None:
+    while noted:
+        callback(noted.pop(0))

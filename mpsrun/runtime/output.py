@@ -1,22 +1,29 @@
-"""``--tag-output``: a rank's output copied line by line, each line prefixed ``[rank N] ``.
+"""A rank's output passed on in whole lines (``[rank N] ``-prefixed under ``--tag-output``), and mpsrun's own lines.
 
-Lines are written whole, with one write
-each: the kernel keeps a pipe write of up to ``PIPE_BUF`` bytes (and any terminal or file
-write) in one piece, and longer lines take an advisory lock shared by the job's shims. A
-partial line is written when the rank's stream ends (with a newline added), or once it
-grows past ``limit`` bytes (1 MiB: a longer line is written in tagged pieces), so memory
-stays bounded whatever the rank prints.
+Every rank's stdout and stderr reach its supervisor through a pipe (or a terminal of its own), and the supervisor
+writes them on in whole lines, however the rank buffers: a print of unbuffered Python writes its text and its newline
+apart, and a block-buffered rank cuts its lines where its buffer fills. Ranks that share a sink (the local launcher's
+ranks write to mpsrun's stdout) take an advisory lock for each write, so no write, however long, is broken into by
+another's. A partial line is written when the rank's stream ends, once it grows past ``limit`` bytes (1 MiB: a longer
+line is written in pieces), so memory stays bounded whatever the rank prints, or when it is flushed on purpose (a
+prompt on a terminal).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
 import select
+import stat
+import struct
 import sys
+import termios
+import time
+from collections.abc import Iterator
 
-__all__ = ["LineTagger", "printable", "say"]
+__all__ = ["LineWriter", "printable", "say", "unread", "unread_output"]
 
 PIPE_BUF = select.PIPE_BUF
 
@@ -39,52 +46,120 @@ def say(line: str) -> None:
         pass
 
 
-class LineTagger:
-    def __init__(self, rank: int, sink: int, lock_path: str | None = None, limit: int = 1 << 20) -> None:
-        self.prefix = f"[rank {rank}] ".encode()
+def unread(fd: int) -> int:
+    """How many bytes the pipe (or terminal) ``fd`` holds that its reader has not read yet; 0 where that cannot be
+    told."""
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, bytes(4)))[0])
+    except OSError:
+        return 0
+
+
+def unread_output() -> int:
+    """How many bytes our stdout and stderr pipes hold that their readers have not read yet (0 for a terminal or a
+    file): while there are some, whoever writes there may be waiting for a slow reader."""
+    total = 0
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                total += unread(fd)
+    return total
+
+
+class LineWriter:
+    """One output stream of a rank, written to ``sink`` in whole lines.
+
+    ``prefix``: put before every line (``--tag-output``); a tagged partial line is always written as a line of its
+    own. Untagged, the bytes are the rank's: a line past ``limit`` is written in pieces as they are, and a partial
+    last line gets a newline only where ``end_partial`` says so (a job of several ranks: the next line, perhaps
+    another rank's, starts on its own), so a one-rank job's output stays byte for byte its own. ``lock_path``: the
+    advisory lock of the ranks that share ``sink``.
+    """
+
+    def __init__(self, sink: int, prefix: bytes = b"", end_partial: bool = True, lock_path: str | None = None,
+                 limit: int = 1 << 20) -> None:
         self.sink = sink
+        self.prefix = prefix
+        self.end_partial = end_partial
         self.limit = limit
         self.broken = False  # our own output is gone (e.g. `mpsrun ... | head -1`)
+        self.partial_since: float | None = None  # when the partial line now held began (monotonic)
         self._partial = b""
         self._lock = _open_lock(lock_path)
 
     def feed(self, data: bytes) -> bool:
         """Take a chunk of the rank's output; False once our output is broken."""
-        *lines, self._partial = (self._partial + data).split(b"\n")
-        for line in lines:
-            self._write(line)
+        data = self._partial + data if self._partial else data
+        end = data.rfind(b"\n") + 1
+        if end:
+            self._write(self._lines(data[:end]))
+        self._partial = data[end:]
         while len(self._partial) > self.limit and not self.broken:
-            self._write(self._partial[: self.limit])
+            self._write(self._piece(self._partial[: self.limit], bool(self.prefix)))
             self._partial = self._partial[self.limit :]
+        self.partial_since = None if not self._partial else self.partial_since or time.monotonic()
         return not self.broken
+
+    def flush_partial(self) -> None:
+        """Write the partial line held now as it is, without ending it (an untagged prompt that waits for its answer:
+        the rest of its line comes unprefixed)."""
+        if self._partial:
+            self._write(self._partial)
+            self._partial = b""
+        self.partial_since = None
 
     def finish(self) -> None:
         """The stream ended: write what is left of an unterminated line."""
         if self._partial:
-            self._write(self._partial)
+            self._write(self._piece(self._partial, bool(self.prefix) or self.end_partial))
             self._partial = b""
+        self.partial_since = None
         if self._lock is not None:
             os.close(self._lock)
             self._lock = None
 
-    def _write(self, line: bytes) -> None:
+    def _lines(self, whole: bytes) -> bytes:
+        """Whole lines (``whole`` ends with a newline), each prefixed."""
+        if not self.prefix:
+            return whole
+        return self.prefix + whole[:-1].replace(b"\n", b"\n" + self.prefix) + b"\n"
+
+    def _piece(self, partial: bytes, ended: bool) -> bytes:
+        """A partial line, written as the stream ends or in pieces past ``limit``: ``ended`` with a newline."""
+        return self.prefix + partial + b"\n" if ended else partial
+
+    def _write(self, records: bytes) -> None:
+        """Write ``records`` in pieces of whole lines of at most PIPE_BUF bytes (a longer line alone): the kernel
+        keeps such a write to a pipe in one piece, so a reader that takes what the pipe holds (MPICH's Hydra reads
+        64 KiB, a pipe's size) never gets part of a line."""
         if self.broken:
             return
-        record = self.prefix + line + b"\n"
-        locked = self._lock is not None and len(record) > PIPE_BUF
         try:
-            if locked:
-                fcntl.flock(self._lock, fcntl.LOCK_EX)  # type: ignore[arg-type]
-            view = memoryview(record)
-            while view:
-                view = view[os.write(self.sink, view) :]
+            if self._lock is not None:
+                fcntl.flock(self._lock, fcntl.LOCK_EX)
+            for piece in _pieces(records):
+                while piece:
+                    piece = piece[os.write(self.sink, piece) :]
         except OSError as exc:
             if exc.errno not in (errno.EPIPE, errno.EBADF):
                 raise
             self.broken = True
         finally:
-            if locked:
-                fcntl.flock(self._lock, fcntl.LOCK_UN)  # type: ignore[arg-type]
+            if self._lock is not None:
+                fcntl.flock(self._lock, fcntl.LOCK_UN)
+
+
+def _pieces(records: bytes) -> Iterator[memoryview]:
+    """``records`` cut after a newline into pieces of at most PIPE_BUF bytes where its lines allow."""
+    view, start = memoryview(records), 0
+    while len(records) - start > PIPE_BUF:
+        cut = records.rfind(b"\n", start, start + PIPE_BUF) + 1
+        if cut <= start:  # a line longer than PIPE_BUF: alone
+            cut = records.find(b"\n", start + PIPE_BUF) + 1 or len(records)
+        yield view[start:cut]
+        start = cut
+    if start < len(records):
+        yield view[start:]
 
 
 def _open_lock(path: str | None) -> int | None:

@@ -61,12 +61,14 @@ class Started(NamedTuple):
 
 
 class Exited(NamedTuple):
-    """A rank's program ended (its supervisor's word): its returncode, why where the supervisor can tell, whether it
-    called MPI_Abort, and its seconds running and of CPU."""
+    """A rank's program ended (its supervisor's word): its returncode, why where the supervisor can tell, the
+    supervisor's pid for a program that never started (the process that ends with its code), whether it called
+    MPI_Abort, and its seconds running and of CPU."""
 
     rank: int
     returncode: int
     reason: str = ""
+    pid: int | None = None
     aborting: bool = False
     wall: float | None = None
     cpu: float | None = None
