@@ -28,6 +28,7 @@ from pathlib import Path
 from mpsrun.errors import ConfigError, MPSError, UnsafeDirectoryError
 from mpsrun.runtime.constants import LOCK_TIMEOUT, TMPDIR_VARIABLE
 from mpsrun.runtime.deadline import Deadline, poll_until
+from mpsrun.runtime.files import read_file
 
 __all__ = [
     "RESERVATION",
@@ -279,7 +280,7 @@ def drop_reservation(base: Path, name: str, token: str) -> None:
     died first, or refused)."""
     path = user_root(base) / name
     with contextlib.suppress(OSError):
-        if (path / RESERVATION).read_text() == token:
+        if read_file(path / RESERVATION, len(token)) == token.encode():  # a rank may have planted a FIFO there
             shutil.rmtree(path)
 
 

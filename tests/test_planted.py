@@ -1,0 +1,128 @@
+"""What a rank can plant (issue 49): every rank knows MPSRUN_SESSION_DIR, so it can make FIFOs, links to /dev/zero,
+device nodes and files of any size anywhere in its user's session root. Whatever it plants, no later command of the
+user waits past its deadline, reads without bound, or ends in a traceback. With the fake GPU; every command runs with
+a timeout and under a memory limit, so a regression fails here instead of hanging the suite."""
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import MPSRUN, mpiexec, settle
+
+pytestmark = pytest.mark.mpiexec
+
+_MPS_SESSION = "from mpsrun import mps_session\nwith mps_session(gpu=0):\n    pass\n"
+
+#: Each command a user runs after a rank planted something, with what it must exit with.
+COMMANDS = {
+    "job": ([*MPSRUN, "--timeout", "10", "-np", "1", "--launcher", "local", "true"], 0),
+    "mps_session": ([sys.executable, "-c", _MPS_SESSION], 0),
+    "status": ([*MPSRUN, "status"], 0),
+    "status --json": ([*MPSRUN, "status", "--json"], 0),
+    "top --once": ([*MPSRUN, "top", "--once"], 0),
+    "top --json": ([*MPSRUN, "top", "--json"], 0),
+    "cleanup": ([*MPSRUN, "cleanup"], 0),
+}
+
+
+def limited_memory() -> None:
+    """In the child: a read without bound fails at 2 GiB instead of eating the machine's memory."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+
+def bounded(argv: list[str], timeout: float = 30, **kwargs) -> subprocess.CompletedProcess:
+    """``argv`` to its end, or the test fails (it would have hung): its output as text."""
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, preexec_fn=limited_memory,
+                              **kwargs)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{' '.join(argv)[-200:]} still ran after {timeout} s", pytrace=False)
+
+
+def plant(where: Path, name: str) -> list[str]:
+    """At ``where/name``: a FIFO in ``fifo/``, a link to /dev/zero in ``link/`` and, where this user may make one,
+    a device node (/dev/zero's) in ``node/``; the directories made, as a rank makes them (the FIFO is met first)."""
+    kinds = ["fifo", "link", "node"]
+    where.mkdir(mode=0o700, exist_ok=True)
+    for kind in kinds:
+        (where / kind).mkdir(mode=0o700)
+    os.mkfifo(where / "fifo" / name)
+    os.symlink("/dev/zero", where / "link" / name)
+    try:
+        os.mknod(where / "node" / name, stat.S_IFCHR | 0o600, os.makedev(1, 5))
+    except OSError:  # not root, or a file system mounted nodev
+        shutil.rmtree(where / "node")
+        kinds.remove("node")
+    return kinds
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_record_planted_under_the_session_root_stops_no_command(fake_gpu, command):
+    """A FIFO, a link to /dev/zero and a device node, each as session.json of a directory under the user's session
+    root (where a rank makes them in one line): every later command (a job, mps_session(), status, top, cleanup) ends
+    with its own exit code, no traceback and no runaway read. SessionRecord.read opened the FIFO and waited for ever
+    (the job before its --timeout existed, and cleanup, the remedy, too), and read /dev/zero until memory ran out."""
+    root = fake_gpu.tmpdir / f"mpsrun-{os.getuid()}"
+    kinds = plant(root, "session.json")
+    try:
+        argv, code = COMMANDS[command]
+        out = bounded(argv)
+        listed = json.loads(out.stdout) if command == "status --json" else None
+    finally:
+        for kind in kinds:
+            shutil.rmtree(root / kind)
+    assert out.returncode == code and "Traceback" not in out.stderr, (out.returncode, out.stderr[-2000:])
+    if listed is not None:  # each named once, as a session that cannot be read
+        assert sorted(s["session"] for s in listed if s["problem"]) == sorted(kinds), listed
+        assert all("not a regular file" in s["problem"] for s in listed), listed
+    settle(fake_gpu)
+
+
+def test_a_fifo_planted_at_the_records_old_temporary_name_stops_no_job(fake_gpu, short_tmp):
+    """A FIFO at $MPSRUN_SESSION_DIR/session.json.tmp, the fixed name the record was written through, planted before
+    the ranks start (here by the job's mpiexec, a wrapper that plants it and then runs the real one; a rank of a large
+    job does the same): the record's next write (the ranks' start) must not wait on it. mpsrun blocked in the FIFO's
+    open, past --timeout and SIGTERM; the job must end as it would have (exit 0), its directory removed."""
+    wrapper = short_tmp / "mpiexec"
+    wrapper.write_text(f"#!{sys.executable}\nimport os, sys\n"
+                       "os.mkfifo(os.path.join(os.path.dirname(os.environ['MPSRUN_CONTROL'].partition(':')[2]), 'session.json.tmp'))\n"
+                       f"os.execv({mpiexec()!r}, [{mpiexec()!r}, *sys.argv[1:]])\n")
+    wrapper.chmod(0o700)
+    out = bounded([*MPSRUN, "--timeout", "20", "-np", "2", "--launcher", "mpiexec", "--mpiexec", str(wrapper),
+                   "true"], timeout=60)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, (out.returncode, out.stderr[-2000:])
+    settle(fake_gpu)
+
+
+def test_a_file_larger_than_its_bound_is_not_read(tmp_path):
+    """read_file reads a regular file whole up to its bound, and refuses a larger one (EFBIG) rather than read a part
+    or all of it: a rank can make its session's record as large as the disk allows."""
+    from mpsrun.runtime.files import read_file
+
+    (tmp_path / "small").write_bytes(b"x" * 10)
+    (tmp_path / "large").write_bytes(b"x" * 11)
+    with pytest.raises(OSError, match="larger than 10 bytes"):
+        read_file(tmp_path / "large", 10)
+    assert read_file(tmp_path / "small", 10) == b"x" * 10
+
+
+def test_a_write_replaces_what_was_planted_at_its_name(tmp_path):
+    """replace_file puts a new file at a name where a FIFO or a link was planted, never opening the FIFO (which would
+    wait for a reader) nor writing through the link, and leaves no temporary file beside it."""
+    from mpsrun.runtime.files import replace_file
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "elsewhere").write_text("kept")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "link")
+    for name in ("fifo", "link"):
+        replace_file(tmp_path / name, b"new")
+        assert (tmp_path / name).read_bytes() == b"new" and not (tmp_path / name).is_symlink()
+    assert (tmp_path / "elsewhere").read_text() == "kept" and sorted(os.listdir(tmp_path)) == ["elsewhere", "fifo",
+                                                                                               "link"]
