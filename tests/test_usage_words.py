@@ -62,6 +62,28 @@ def test_a_host_file_that_is_not_a_file_is_refused(fake_gpu, short_tmp):
                                                                         "true"))
 
 
+@pytest.mark.parametrize("given", ["option", "variable"])
+def test_a_host_file_that_is_a_device_is_refused(fake_gpu, given):
+    """--hostfile /dev/zero (or MPSRUN_HOSTFILE=/dev/zero with --dry-run) is refused as a FIFO is, one line and exit 2,
+    within a memory limit: mpsrun read the device without end (the OOM killer, or a MemoryError traceback)."""
+    def limited() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    argv = ["--hostfile", "/dev/zero", "-np", "1", "true"] if given == "option" else ["--dry-run", "-np", "1", "true"]
+    env = {**os.environ, "MPSRUN_HOSTFILE": "/dev/zero"} if given == "variable" else None
+    assert "host file '/dev/zero' is not a regular file" in one_line(mpsrun(*argv, timeout=60, env=env,
+                                                                            preexec_fn=limited))
+
+
+def test_a_host_file_larger_than_any_is_refused(fake_gpu, short_tmp):
+    """A host file of more than 16 MiB (no list of hosts is) is refused in one line, exit 2, without being read."""
+    with open(short_tmp / "hosts", "wb") as hosts:
+        hosts.truncate((16 << 20) + 1)
+    assert "larger than 16777216 bytes" in one_line(mpsrun("-np", "1", "--hostfile", short_tmp / "hosts", "true"))
+
+
 def test_open_mpis_host_file_form_is_refused_for_mpich(fake_gpu, short_tmp, monkeypatch):
     """`host slots=N`, Open MPI's host file form, given to MPICH's mpiexec is refused before it starts, exit 2 (Hydra
     printed nine lines of 'token slots not supported' and exited 255)."""

@@ -24,12 +24,13 @@ LOG_READ_LIMIT = 1 << 26
 _FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-def _open_regular(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
-    """A descriptor of the regular file at ``path`` and its status. A link, FIFO or device is refused before it is
-    opened (opening some devices does something), and again after (it may have been swapped in between)."""
-    if not stat.S_ISREG(os.lstat(path).st_mode):
+def _open_regular(path: str | os.PathLike[str], follow: bool = False) -> tuple[int, os.stat_result]:
+    """A descriptor of the regular file at ``path`` and its status. A FIFO or device (and, unless ``follow``, a link)
+    is refused before it is opened (opening some devices does something), and again after (it may have been swapped
+    in between)."""
+    if not stat.S_ISREG(os.stat(path, follow_symlinks=follow).st_mode):
         raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
-    fd = os.open(path, _FLAGS)
+    fd = os.open(path, _FLAGS & ~os.O_NOFOLLOW if follow else _FLAGS)
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
         os.close(fd)
@@ -47,11 +48,12 @@ def read_log(path: str | os.PathLike[str], *, start: int | None = None, last: in
         return log.read(last)
 
 
-def read_file(path: str | os.PathLike[str], limit: int) -> bytes:
-    """The whole of a regular file of at most ``limit`` bytes.
+def read_file(path: str | os.PathLike[str], limit: int, follow: bool = False) -> bytes:
+    """The whole of a regular file of at most ``limit`` bytes (through a symlink only if ``follow``: a file the user
+    named).
 
     Raises ``OSError`` when the file is missing, is a symlink, is not a regular file or is larger."""
-    fd, info = _open_regular(path)
+    fd, info = _open_regular(path, follow)
     with os.fdopen(fd, "rb") as stream:
         data = stream.read(limit + 1)  # the size may have grown since fstat
     if info.st_size > limit or len(data) > limit:
