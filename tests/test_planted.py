@@ -126,3 +126,53 @@ def test_a_write_replaces_what_was_planted_at_its_name(tmp_path):
         assert (tmp_path / name).read_bytes() == b"new" and not (tmp_path / name).is_symlink()
     assert (tmp_path / "elsewhere").read_text() == "kept" and sorted(os.listdir(tmp_path)) == ["elsewhere", "fifo",
                                                                                                "link"]
+
+
+def stale_record(fake_gpu, name: str, daemons: list[int] = (), ranks: list[int] = (), argv: list[str] = ()) -> Path:
+    """A session directory ``name`` whose record, as a rank can write one, has an owner that is gone and names the
+    processes ``daemons`` and ``ranks`` (pids) as its daemons and rank groups."""
+    from mpsrun.runtime.processes import ProcessRef
+
+    session = fake_gpu.tmpdir / f"mpsrun-{os.getuid()}" / name
+    session.parent.mkdir(mode=0o700, exist_ok=True)
+    session.mkdir(mode=0o700)
+    record = {"kind": "job", "owner": {"pid": 1 << 30, "start": 1}, "uid": os.getuid(), "started": 0, "argv": argv,
+              "daemons": [{"gpu": fake_gpu.uuids[0], "process": ProcessRef.of(pid)._asdict(),
+                           "pipe_dir": str(session / "gpu0" / "pipe"), "log_dir": str(session / "gpu0" / "log")}
+                          for pid in daemons],
+              "ranks": [ProcessRef.of(pid)._asdict() for pid in ranks]}
+    (session / "session.json").write_text(json.dumps(record))
+    return session
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="a process of another user is made as root")
+def test_cleanup_never_stops_another_users_process_a_record_names(fake_gpu):
+    """A stale record (a rank can write one) naming another user's processes as its daemon and its rank group:
+    cleanup removes the session, stops neither process, and says `0 daemon(s) stopped`. Run as root, it SIGTERMed
+    the other user's process group and said `1 daemon(s) stopped` (it counted every live daemon it tried)."""
+    def as_another_user() -> None:
+        os.setgid(65533)
+        os.setuid(65533)
+
+    others = [subprocess.Popen(["sleep", "60"], preexec_fn=as_another_user, start_new_session=True) for _ in range(2)]
+    try:
+        stale_record(fake_gpu, "sother", daemons=[others[0].pid], ranks=[others[1].pid])
+        out = bounded([*MPSRUN, "cleanup"])
+        alive = [process.poll() is None for process in others]
+    finally:
+        for process in others:
+            process.kill()
+            process.wait()
+    assert out.returncode == 0 and out.stdout.startswith("sother: removed (owner"), out
+    assert "0 daemon(s) stopped" in out.stdout and alive == [True, True], (out.stdout, alive)
+    settle(fake_gpu)
+
+
+def test_cleanup_prints_a_planted_sessions_name_escaped(fake_gpu):
+    """A stale session directory whose name holds an escape sequence (a rank can make one in its user's session
+    root): cleanup removes it and names it escaped, never raw."""
+    stale_record(fake_gpu, "s\x1b]0;PWNED\x07")
+    out = bounded([*MPSRUN, "cleanup"])
+    assert out.returncode == 0 and out.stdout.startswith("'s\\x1b]0;PWNED\\x07': removed"), out
+    assert "\x1b" not in out.stdout and "\x07" not in out.stdout
+    settle(fake_gpu)

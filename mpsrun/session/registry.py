@@ -26,6 +26,8 @@ from mpsrun.exitcodes import ExitCode
 from mpsrun.mps.daemon import CONTROL_EXECUTABLE, find_control_executable
 from mpsrun.runtime.constants import SESSION_DIR_VARIABLE
 from mpsrun.runtime.deadline import Deadline, poll_until
+from mpsrun.runtime.output import printable
+from mpsrun.runtime.processes import ProcessRef
 from mpsrun.session.paths import RESERVATION, base_directory, user_root, user_root_lock
 from mpsrun.session.record import SessionRecord
 
@@ -115,17 +117,27 @@ def list_sessions(base: Path | None = None) -> list[SessionState]:
     return [read_state(entry) for entry in entries if entry.is_dir() or entry.is_symlink()]
 
 
+def _ours(process: ProcessRef) -> bool:
+    """Whether ``process`` runs, as this user: a record (which a rank can write) may name anyone's process, and root
+    could signal it."""
+    try:
+        return process.alive() and os.stat(f"/proc/{process.pid}").st_uid == os.getuid()
+    except OSError:
+        return False
+
+
 def _stop_daemons(record: SessionRecord) -> int:
+    """Stop the record's daemons that are this user's; how many of them stopped."""
     try:
         executable = find_control_executable()
     except MPSUnavailableError:
         executable = CONTROL_EXECUTABLE
     stopped = 0
     for entry in record.daemons:
-        if entry.process.alive():
+        if _ours(entry.process):
             with contextlib.suppress(DaemonError):
                 entry.daemon(executable).stop(timeout=5.0, grace=2.0)
-            stopped += 1
+            stopped += not entry.process.alive()
     return stopped
 
 
@@ -164,7 +176,8 @@ def reap(root: Path, force: bool = False, keep_logs: bool | None = None, lock_ti
             return None
         stopped = _stop_daemons(record) if record is not None else 0
         for group in (*record.ranks, *record.launchers) if record is not None else ():
-            group.signal_group(signal.SIGKILL)
+            if _ours(group):
+                group.signal_group(signal.SIGKILL)
         keep = record.keep_logs if keep_logs is None and record is not None else bool(keep_logs)
         if not keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -229,7 +242,8 @@ def _print_status(states: Sequence[SessionState]) -> None:
         daemons = "; ".join(f"{d.process.pid} {'up' if d.process.alive() else 'gone'}" for d in record.daemons) \
             if record else state.problem
         kind = record.kind if record else "?"
-        print(f"{state.session_id:<11} {kind:<5} {owner:<14} {_age(state.age):>7}  {daemons or '-':<28} {state.root}")
+        print(f"{printable(state.session_id):<11} {kind:<5} {owner:<14} {_age(state.age):>7}  "
+              f"{printable(daemons) or '-':<28} {printable(str(state.root))}")
     stale = sum(state.stale and not state.kept for state in states)
     if stale:
         print(f"{stale} stale session(s): run `mpsrun cleanup`")
@@ -261,7 +275,7 @@ def main(argv: Sequence[str], command: str) -> int:
             print(f"mpsrun cleanup: error: {exc}", file=sys.stderr)
             return exc.exit_code
         for session, what in done:
-            print(f"{session}: {what}")
+            print(f"{printable(session)}: {printable(what)}")
         if not done:
             print("mpsrun cleanup: nothing to clean up")
         return ExitCode.OK
