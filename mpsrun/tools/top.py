@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeGuard
 
 import psutil
 
@@ -35,10 +36,14 @@ from mpsrun.errors import MPSError
 from mpsrun.exitcodes import ExitCode
 from mpsrun.job.account import cell
 from mpsrun.mps import gpus as gpu_info
-from mpsrun.runtime.files import read_log
+from mpsrun.runtime.files import read_file
+from mpsrun.runtime.output import printable
 from mpsrun.runtime.processes import ProcessRef
 from mpsrun.session.paths import SessionDirs
 from mpsrun.session.registry import SessionState, list_sessions
+
+if TYPE_CHECKING:  # imported where the live view starts: a pipe or --once needs no curses
+    import curses
 
 __all__ = ["GpuRow", "RankRow", "Snapshot", "Top", "main", "render"]
 
@@ -50,6 +55,15 @@ USAGE_READ_LIMIT = 1 << 22
 
 #: The first look of a process's CPU use measures from this long before the snapshot (psutil needs two).
 CPU_WINDOW = 0.5
+
+#: The most digits of a number read from a rank's environment or usage.json (MAX_RANKS has seven).
+_NUMBER_DIGITS = 7
+
+#: The widest cell of the ranks' table, and the most of a job's command line shown (in characters).
+_CELL_MOST, _COMMAND_MOST = 32, 100
+
+#: How many generations up from a GPU process its rank is looked for (a rank's program, its children, theirs ...).
+_MOST_GENERATIONS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,35 +137,45 @@ class Top:
         return [s for s in list_sessions(self.base) if s.record is not None and s.record.kind in ("job", "node")
                 and s.owner_alive and self.job in (None, s.session_id, str(s.record.owner.pid))]
 
+    def prime(self) -> None:
+        """Start each running rank's CPU measurement (psutil needs two looks at a process), without a snapshot: what
+        ``--once`` does before its one snapshot."""
+        for state in self.jobs():
+            for ref in state.record.ranks if state.record is not None else ():
+                self._process(ref)
+
     def snapshot(self) -> Snapshot:
+        """One look. It reads each shown rank's process and each GPU process's parents, never the machine's whole
+        process table: its cost grows with the ranks shown, not with the processes of the machine."""
         states = self.jobs()
         gpus = _gpus()
         contexts = _contexts(gpus)
-        ranks = [row for state in states for row in self._ranks(state, gpus, contexts)]
+        live = {state.session_id: [process for ref in state.record.ranks if (process := self._process(ref))]
+                for state in states if state.record is not None}
+        by_rank = _contexts_by_rank(contexts, {process.pid for processes in live.values() for process in processes})
+        here = socket.gethostname()
+        ranks = [row for state in states
+                 for row in self._ranks(state, live.get(state.session_id, []), gpus, by_rank, here)]
         self._forget({(row.pid, row.job, row.rank) for row in ranks})
         jobs = [JobRow(s.session_id, s.record.kind, s.record.owner.pid, list(s.record.argv), round(s.age, 1))
                 for s in states if s.record is not None]
         return Snapshot(round(time.time(), 3), jobs, sorted(ranks, key=_order), _gpu_rows(gpus, contexts))
 
-    def _ranks(self, state: SessionState, gpus: list[gpu_info.GPU], contexts: Contexts) -> Iterator[RankRow]:
-        assert state.record is not None
+    def _ranks(self, state: SessionState, processes: list[psutil.Process], gpus: list[gpu_info.GPU],
+               by_rank: dict[int, list[tuple[int, bool]]], here: str) -> Iterator[RankRow]:
         published = _published(state.root)
-        here = socket.gethostname()
         yield from (row for row in published.values() if row.host != here)
         peaks = {rank: row.peak for rank, row in published.items() if row.host == here and row.peak is not None}
-        for ref in state.record.ranks:
-            process = self._process(ref)
-            if process is None:
-                continue
+        for process in processes:
             with contextlib.suppress(psutil.Error):
-                yield self._row(state.session_id, process, gpus, contexts, peaks)
+                yield self._row(state.session_id, process, gpus, by_rank.get(process.pid, []), peaks, here)
 
     def _forget(self, shown: set[tuple[int, str, int | None]]) -> None:
         """Drop what is kept of processes and ranks no longer shown (a live view runs for days)."""
         pids = {pid for pid, _, _ in shown}
+        ranks = {(job, rank) for _, job, rank in shown}
         self._processes = {key: process for key, process in self._processes.items() if key[0] in pids}
-        self._peaks = {key: peak for key, peak in self._peaks.items() if (key[0], key[1]) in
-                       {(job, rank) for _, job, rank in shown}}
+        self._peaks = {key: peak for key, peak in self._peaks.items() if key in ranks}
 
     def _process(self, ref: ProcessRef) -> psutil.Process | None:
         """The live process the record names (a reused pid is another's)."""
@@ -165,34 +189,69 @@ class Top:
                 self._processes[key] = process
         return self._processes.get(key)
 
-    def _row(self, job: str, process: psutil.Process, gpus: list[gpu_info.GPU], contexts: Contexts,
-             peaks: dict[int, int]) -> RankRow:
+    def _row(self, job: str, process: psutil.Process, gpus: list[gpu_info.GPU], seen: list[tuple[int, bool]],
+             peaks: dict[int, int], here: str) -> RankRow:
+        """``seen``: the CUDA contexts of the rank's process and its descendants (device memory in MiB, MPS)."""
         env = process.environ()
         rank = _number(env.get("RANK"))
-        tree = {process.pid, *(child.pid for child in process.children(recursive=True))}
-        seen = [context for on_gpu in contexts.values() for pid, context in on_gpu.items() if pid in tree]
         memory = sum(used for used, _ in seen) if seen else None
         peak = max(filter(None, (memory, peaks.get(rank) if rank is not None else None,
                                  self._peaks.get((job, rank)) if rank is not None else None)), default=None)
         if rank is not None and peak is not None:
             self._peaks[(job, rank)] = peak
         limit = env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "").partition("=")[2] or None
-        return RankRow(job, rank, socket.gethostname(), process.pid, _gpu_index(env.get("CUDA_VISIBLE_DEVICES"), gpus),
-                       any(mps for _, mps in seen) if seen else None, memory, peak, limit,
-                       _number(env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")), round(process.cpu_percent(), 1),
-                       process.memory_info().rss >> 20, process.status(), round(time.time() - process.create_time(), 1))
+        with process.oneshot():  # /proc/PID/stat read once for CPU, state and start
+            return RankRow(job, rank, here, process.pid, _gpu_index(env.get("CUDA_VISIBLE_DEVICES"), gpus),
+                           any(mps for _, mps in seen) if seen else None, memory, peak, limit,
+                           _number(env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")), round(process.cpu_percent(), 1),
+                           process.memory_info().rss >> 20, process.status(),
+                           round(time.time() - process.create_time(), 1))
 
 
 def _order(row: RankRow) -> tuple[str, int, int]:
     return row.job, row.rank if row.rank is not None else -1, row.pid
 
 
-def _number(text: str | None) -> int | None:
-    """A whole number from a rank's environment; None for anything else (a rank may set what it likes)."""
-    try:
-        return int(text) if text is not None else None
-    except ValueError:
+def _number(text: object) -> int | None:
+    """A whole number as mpsrun writes one (in a rank's environment, in usage.json): ASCII digits only, at most
+    seven (the most ranks a job has); None for anything else (a rank may set what it likes: '1_0', '٣', 4,000
+    digits)."""
+    if not isinstance(text, str) or not 0 < len(text) <= _NUMBER_DIGITS or not (text.isascii() and text.isdigit()):
         return None
+    return int(text)
+
+
+def _whole(value: object) -> TypeGuard[int]:
+    """A JSON number that is a pid or a count of MiB (not a float, not a bool, not of a thousand digits)."""
+    return type(value) is int and 0 <= value < 1 << 63
+
+
+def _contexts_by_rank(contexts: Contexts, rank_pids: set[int]) -> dict[int, list[tuple[int, bool]]]:
+    """The CUDA contexts of each rank (by its process's pid): of the rank's process, or of one of its descendants,
+    found by walking up each GPU process's parents, a few reads each."""
+    parents: dict[int, int] = {}
+    found: dict[int, list[tuple[int, bool]]] = {}
+    for on_gpu in contexts.values():
+        for pid, context in on_gpu.items():
+            here = pid
+            for _ in range(_MOST_GENERATIONS):
+                if here in rank_pids:
+                    found.setdefault(here, []).append(context)
+                    break
+                if here <= 1:
+                    break
+                if here not in parents:
+                    parents[here] = _parent(here)
+                here = parents[here]
+    return found
+
+
+def _parent(pid: int) -> int:
+    """The parent of process ``pid``; 0 once it is gone."""
+    try:
+        return psutil.Process(pid).ppid()
+    except psutil.Error:
+        return 0
 
 
 def _gpus() -> list[gpu_info.GPU]:
@@ -234,15 +293,21 @@ def _gpu_rows(gpus: list[gpu_info.GPU], contexts: Contexts) -> list[GpuRow]:
 def _published(root: Path) -> dict[int, RankRow]:
     """What a job's controller published (``usage.json``): each rank's host, pid and peak device memory so far, as
     rows of their own (under ``--hosts`` the ranks of the other hosts are shown from it). A rank can write there too:
-    the file is read as logs are (no symlink, no FIFO, a bounded size), and anything not of the shape is left out."""
+    the file is read as logs are (no symlink, no FIFO, a bounded size), and an entry not of the shape is left out."""
     try:
-        data = json.loads(read_log(SessionDirs(root).usage_file, start=0, last=USAGE_READ_LIMIT))
-        return {int(rank): RankRow(root.name, int(rank), str(item["host"]), int(item["pid"]), None, None, None,
-                                   None if item.get("peak") is None else int(item["peak"]), None, None, None, None,
-                                   "remote", None)
-                for rank, item in data.items()}
-    except (OSError, ValueError, AttributeError, TypeError, KeyError, RecursionError, OverflowError):
+        data = json.loads(read_file(SessionDirs(root).usage_file, USAGE_READ_LIMIT))
+    except (OSError, ValueError, RecursionError):
         return {}
+    rows = {}
+    for key, item in data.items() if isinstance(data, dict) else ():
+        rank = _number(key)
+        if rank is None or not isinstance(item, dict):
+            continue
+        host, pid, peak = item.get("host"), item.get("pid"), item.get("peak")
+        if isinstance(host, str) and _whole(pid) and (peak is None or _whole(peak)):
+            rows[rank] = RankRow(root.name, rank, host, pid, None, None, None, peak, None, None, None, None, "remote",
+                                 None)
+    return rows
 
 
 def _time(seconds: float | None) -> str:
@@ -259,50 +324,73 @@ def _table(header: Sequence[str], rows: list[list[str]]) -> list[str]:
             for row in [list(header), *rows]]
 
 
+def _text(value: object, most: int = _CELL_MOST) -> str:
+    """What a rank, a record or the machine says, for a terminal: escaped where it holds a control character or an
+    escape sequence (never raw), and cut at ``most`` characters (a value of thousands would stretch every row)."""
+    text = printable(cell(value) if not isinstance(value, str) else value)
+    return text if len(text) <= most else text[: most - 3] + "..."
+
+
 def render(snapshot: Snapshot) -> list[str]:
-    """The snapshot as lines: the jobs, a table of ranks, a table of GPUs."""
+    """The snapshot as lines, every one printable (no control character, no escape sequence): the jobs, a table of
+    ranks, a table of GPUs (or a line saying that NVML sees none)."""
     stamp = time.strftime("%H:%M:%S", time.localtime(snapshot.time))
     lines = [f"mpsrun top - {stamp} - {len(snapshot.jobs)} job(s), {len(snapshot.ranks)} rank(s) on "
-             f"{socket.gethostname()}"]
-    lines += [f"  job {job.session} ({job.kind}, pid {job.owner}, {_time(job.age)}): {' '.join(job.command)[:100]}"
-              for job in snapshot.jobs]
-    ranks = [[r.job, cell(r.rank), r.host, str(r.pid), cell(r.gpu), cell(r.mps), cell(r.memory), cell(r.peak),
-              cell(r.limit), cell(r.threads), cell(None if r.cpu is None else round(r.cpu)), cell(r.resident),
-              r.state, _time(r.running)]
+             f"{_text(socket.gethostname())}"]
+    lines += [f"  job {_text(job.session)} ({_text(job.kind)}, pid {job.owner}, {_time(job.age)}): "
+              f"{_text(' '.join(printable(word) for word in job.command), _COMMAND_MOST)}" for job in snapshot.jobs]
+    ranks = [[_text(r.job), _text(r.rank), _text(r.host), str(r.pid), _text(r.gpu), _text(r.mps), _text(r.memory),
+              _text(r.peak), _text(r.limit), _text(r.threads), _text(None if r.cpu is None else round(r.cpu)),
+              _text(r.resident), _text(r.state), _time(r.running)]
              for r in snapshot.ranks]
     lines += ["", *_table(("JOB", "RANK", "HOST", "PID", "GPU", "MPS", "MEM MiB", "PEAK", "LIMIT", "SM %", "CPU %",
                            "RSS MiB", "STATE", "TIME"), ranks)]
-    gpus = [[str(g.index), cell(g.sm), f"{g.used}/{g.total}", str(g.clients)] for g in snapshot.gpus]
-    lines += ["", *_table(("GPU", "SM %", "MEM MiB", "MPS CLIENTS"), gpus)]
-    return lines
+    if not snapshot.gpus:
+        return [*lines, "", "GPU: none that NVML can see"]
+    gpus = [[str(g.index), _text(g.sm), f"{g.used}/{g.total}", str(g.clients)] for g in snapshot.gpus]
+    return [*lines, "", *_table(("GPU", "SM %", "MEM MiB", "MPS CLIENTS"), gpus)]
 
 
 def _live(top: Top, interval: float) -> bool:
     """Refresh in the terminal until ``q`` or Ctrl-C; False where curses cannot draw on it (no terminfo for its
-    ``TERM``, or no curses in this Python)."""
+    ``TERM``, or no curses in this Python). Once it draws, it never falls back to printing: a line or a terminal
+    curses cannot draw all of is drawn in part."""
     try:
         import curses
     except ImportError:
         return False
+    drawn = False
 
     def show(screen: curses.window) -> None:
+        nonlocal drawn
+        drawn = True
         with contextlib.suppress(curses.error):  # a terminal that cannot hide its cursor
             curses.curs_set(0)
         screen.timeout(int(interval * 1000))
         while True:
-            screen.erase()
-            height, width = screen.getmaxyx()
-            for row, line in enumerate([*render(top.snapshot()), "", "q: quit"][: height - 1]):
-                screen.addnstr(row, 0, line, width - 1)
-            screen.refresh()
+            _draw(screen, [*render(top.snapshot()), "", "q: quit"])
             if screen.getch() in (ord("q"), ord("Q")):
                 return
 
     try:
         curses.wrapper(show)
     except curses.error:
-        return False
+        return drawn
     return True
+
+
+def _draw(screen: curses.window, lines: list[str]) -> None:
+    """``lines`` (printable: render made them so) on the screen, each cut at its width and as many as its height
+    holds; what curses cannot draw (the last cell of a tiny terminal, a wide character at the edge) is left out."""
+    import curses
+
+    screen.erase()
+    height, width = screen.getmaxyx()
+    for row, line in enumerate(lines[: max(height - 1, 0)]):
+        with contextlib.suppress(curses.error):
+            screen.addnstr(row, 0, line, max(width - 1, 0))
+    with contextlib.suppress(curses.error):
+        screen.refresh()
 
 
 def _snapshots(top: Top, interval: float) -> None:
@@ -346,7 +434,7 @@ def main(argv: Sequence[str]) -> int:
         if args.once and not top.jobs():
             print(f"mpsrun top: no running mpsrun job of yours on {socket.gethostname()}")
         elif args.once or args.json:
-            top.snapshot()  # the first look starts each process's CPU measurement
+            top.prime()  # starts each rank's CPU measurement
             time.sleep(CPU_WINDOW)
             snapshot = top.snapshot()
             print(json.dumps(asdict(snapshot), indent=1) if args.json else "\n".join(render(snapshot)))
