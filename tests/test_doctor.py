@@ -114,5 +114,5 @@ def test_what_the_machine_and_the_environment_say_is_printed_escaped(fake_gpu, m
     monkeypatch.setenv("MPSRUN_ODD", "\x1b[2J\x9b")
     out = doctor()
     assert out.returncode == 0, out.stdout
-    assert not any(ord(c) < 32 and c != "\n" or 0x7f <= ord(c) < 0xa0 for c in out.stdout), out.stdout
+    assert not any((ord(c) < 32 and c != "\n") or 0x7f <= ord(c) < 0xa0 for c in out.stdout), out.stdout
     assert "\\x1b]52;c;cHduZWQ=\\x07" in out.stdout and "MPSRUN_ODD=\\x1b[2J\\x9b" in out.stdout

@@ -361,18 +361,19 @@ _CONTROLS = re.compile(rb"[\x00-\x09\x0b-\x1f\x7f\x9b]")
 
 
 @contextlib.contextmanager
-def planted_job(fake_gpu, name: str, argv: list[str], ranks: list[dict[str, str]],
+def planted_job(base: Path, name: str, argv: list[str], ranks: list[dict[str, str]],
                 usage: dict | None = None) -> Iterator[list[subprocess.Popen]]:
-    """A session directory ``name`` planted as a rank can plant one (it knows its user's session root): a record
-    whose owner is this test (alive) and whose ranks are ``sleep`` processes with ``ranks``' environments, and
-    ``usage``, as usage.json. Removed, the processes ended, at the end."""
+    """A session directory ``name`` under ``base`` planted as a rank can plant one (it knows its user's session
+    root): a record whose owner is this test (alive) and whose ranks are sleeping processes with ``ranks``'
+    environments, and ``usage``, as usage.json. Removed, the processes ended, at the end."""
     from mpsrun.runtime.processes import ProcessRef
 
-    root = fake_gpu.tmpdir / f"mpsrun-{os.getuid()}"
+    root = base / f"mpsrun-{os.getuid()}"
     root.mkdir(mode=0o700, exist_ok=True)
     session = root / name
     session.mkdir(mode=0o700)
-    processes = [subprocess.Popen(["sleep", "60"], env={**os.environ, **env}) for env in ranks]
+    processes = [subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(60)"], env={**os.environ, **env})
+                 for env in ranks]
     try:
         refs = [ProcessRef.of(p.pid)._asdict() for p in processes]
         record = {"kind": "job", "owner": ProcessRef.of(os.getpid())._asdict(), "uid": os.getuid(),
@@ -403,7 +404,7 @@ def test_what_ranks_and_records_say_reaches_the_terminal_escaped(fake_gpu):
              for odd in _ODD_RANKS]
     usage = {"7": {"host": "evil\x1b]52;c;cHduZWQ=\x07", "pid": 1, "peak": 1},
              "8": {"host": "two\nlines", "pid": 2, "peak": None}}
-    with planted_job(fake_gpu, name, ["mpsrun", f"-x{_ESCAPES}", "python"], ranks, usage):
+    with planted_job(fake_gpu.tmpdir, name, ["mpsrun", f"-x{_ESCAPES}", "python"], ranks, usage):
         once = _top("--once")
         snapshot = _snapshot()
         status = subprocess.run([*MPSRUN, "status"], capture_output=True, timeout=60)
@@ -427,7 +428,7 @@ def test_the_live_view_draws_what_it_cannot_fit_escaped_and_q_leaves_it(fake_gpu
         pytest.skip(f"no curses or no terminfo for xterm in this Python: {probe.stderr.decode()[-200:]}")
     usage = {str(rank): {"host": f"evil{rank}\n\x1b]52;c;cHduZWQ=\x07" * 3, "pid": rank, "peak": 1}
              for rank in range(20)}
-    with planted_job(fake_gpu, "sevil", ["mpsrun"], [], usage), _top_in_a_terminal("xterm", rows=8) as (
+    with planted_job(fake_gpu.tmpdir, "sevil", ["mpsrun"], [], usage), _top_in_a_terminal("xterm", rows=8) as (
             controller, proc):
         shown = _read_until(controller, b"evil2")  # the last row 8 rows hold (of 20)
         os.write(controller, b"q")
@@ -437,3 +438,28 @@ def test_the_live_view_draws_what_it_cannot_fit_escaped_and_q_leaves_it(fake_gpu
             pytest.fail(f"q did not leave top; it showed {shown[-600:]!r}")
         shown += _read_until(controller, b"\x1b[?1049l")
     assert b"\x1b]52" not in shown and b"evil0\\n" in shown and code == 0, shown[-2000:]
+
+
+def test_top_without_a_gpu_says_so_in_a_line(no_gpu):
+    """On a machine without a GPU (a job runs there without MPS), top --once shows the job's rank and says in one line
+    that NVML sees no GPU; it printed the GPU table's header over no row."""
+    with planted_job(no_gpu, "snogpu", ["mpsrun", "true"], [{"RANK": "0"}]):
+        out = _top("--once")
+    assert out.returncode == 0 and "1 rank(s)" in out.stdout, out
+    assert out.stdout.splitlines()[-1] == "GPU: none that NVML can see" and "MPS CLIENTS" not in out.stdout, out.stdout
+
+
+def test_a_look_scans_no_process_table(fake_gpu, monkeypatch):
+    """A snapshot reads each shown rank's process and each GPU process's parents, never the machine's whole process
+    table: psutil's process_iter and children() (which scans it) are not called. Each row called children(recursive=
+    True), a scan of every process of the machine per rank (151 s for 1,000 ranks among 2,000 processes)."""
+    import psutil
+
+    from mpsrun.tools import top
+
+    scans = []
+    monkeypatch.setattr(psutil, "process_iter", lambda *a, **k: scans.append("process_iter") or iter(()))
+    monkeypatch.setattr(psutil.Process, "children", lambda *a, **k: scans.append("children") or [])
+    with planted_job(fake_gpu.tmpdir, "sscan", ["mpsrun"], [{"RANK": str(rank)} for rank in range(3)]):
+        snapshot = top.Top().snapshot()
+    assert [row.rank for row in snapshot.ranks] == [0, 1, 2] and scans == [], scans
