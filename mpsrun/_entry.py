@@ -48,11 +48,21 @@ def main() -> NoReturn:
     before = len(_pending)
     try:
         code = command(pending=_pending)
+        # Written out here, not at the exit: whether a gone reader is seen must not depend on buffering (block-
+        # buffered, the whole output waited for the exit's flush, where an error goes unseen: exit 0, not 141).
+        sys.stdout.flush()
     except BrokenPipeError:  # our output's reader left (mpsrun doctor --json | head): end as a shell's command does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit has nowhere else to go
         from mpsrun.exitcodes import Outcome, exit_code
 
         code = exit_code(Outcome("signal", signal.SIGPIPE))
+    except OSError as exc:  # what the machine refused that no step said better (mpsrun status > /dev/full)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is left unwritten goes nowhere
+        from mpsrun.exitcodes import ExitCode
+        from mpsrun.runtime.output import printable, say
+
+        say(f"mpsrun: error: {exc.strerror or exc}" + (f": {printable(str(exc.filename))}" if exc.filename else ""))
+        code = ExitCode.SETUP
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # from here on a signal comes as if after our exit
     if code == 0 and len(_pending) > before:  # after the job's own handling gave the signals back to _note
         from mpsrun.exitcodes import Outcome, exit_code, signal_name

@@ -168,6 +168,21 @@ def test_output_into_a_closed_pipe_ends_quietly(no_gpu, words):
     assert "Traceback" not in out.stderr and out.returncode == 141, (out.returncode, out.stderr)
 
 
+@pytest.mark.parametrize("buffered", [False, True], ids=["unbuffered", "buffered"])
+@pytest.mark.parametrize("words", [["top", "--once"], ["top", "--json"], ["status"], ["status", "--json"], ["doctor"],
+                                   ["cleanup"]])
+def test_output_onto_a_full_device_is_one_line_and_exit_3(fake_gpu, words, buffered):
+    """stdout on /dev/full (every write: ENOSPC), as an unbuffered (PYTHONUNBUFFERED) or block-buffered Python writes
+    it: the subcommand says so in one line, exit 3, as what the machine refuses is on a job's path. It ended in an
+    OSError traceback (exit 1), or, block-buffered, exited 0 with its output lost unsaid."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED" or not buffered}
+    with open("/dev/full", "w") as full:
+        out = subprocess.run([sys.executable, "-m", "mpsrun", *words], stdout=full, stderr=subprocess.PIPE, text=True,
+                             timeout=120, env=env)
+    assert out.returncode == 3 and out.stderr == "mpsrun: error: No space left on device\n", (out.returncode,
+                                                                                                out.stderr[-2000:])
+
+
 def test_a_mistyped_option_gets_a_suggestion():
     """An unknown option near a known one is answered with the known one, exit 2."""
     out = mpsrun("--tag-ouput", "-np", "1", "true")
