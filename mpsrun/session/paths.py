@@ -134,29 +134,11 @@ def _checked(fd: int, check: Callable[[], None]) -> int:
 
 
 def _check_writable(fd: int, base: Path) -> None:
-    """A base this user may make directories in: one whose permissions forbid it is the user's to change (exit 2);
-    one whose permissions allow it but that cannot hold a directory (/proc/self, a read-only file system) is the
-    machine's refusal (exit 3)."""
-    if os.access(f"/proc/self/fd/{fd}", os.W_OK | os.X_OK):
-        return
-    if _permitted(os.fstat(fd)):
-        raise MPSError(f"cannot make a session directory under {base}: it cannot hold one; set MPSRUN_TMPDIR to a "
-                       "directory on a writable file system")
-    raise ConfigError(f"cannot create session directories in {base}: not writable; set MPSRUN_TMPDIR to a "
-                      "writable directory", setting="tmpdir", value=str(base))
-
-
-def _permitted(info: os.stat_result) -> bool:
-    """Whether the permission bits of a directory let this user make entries in it (root: always)."""
-    if os.getuid() == 0:
-        return True
-    if info.st_uid == os.getuid():
-        wanted = stat.S_IWUSR | stat.S_IXUSR
-    elif info.st_gid in (os.getgid(), *os.getgroups()):
-        wanted = stat.S_IWGRP | stat.S_IXGRP
-    else:
-        wanted = stat.S_IWOTH | stat.S_IXOTH
-    return info.st_mode & wanted == wanted
+    """A base where this user can make directories. One where none can be made (its permissions, /proc/self, a
+    read-only file system) is what the machine refuses, exit 3 as every such refusal; a missing one is exit 2."""
+    if not os.access(f"/proc/self/fd/{fd}", os.W_OK | os.X_OK):
+        raise MPSError(f"cannot make a session directory under {base}: not writable; set MPSRUN_TMPDIR to a "
+                       "writable directory")
 
 
 _MAX_LINKS = 40  # as the kernel counts them: more is a loop
