@@ -153,8 +153,16 @@ class Job:
         result = controller.result(teardown_failure, late)
         if late is not None and result.cause == "signal" and not controller.judging.judge.failed:
             self.note(result.message)
-        if self.config.report and (unwritten := self._write_report(controller, result)) and not teardown_failure:
-            result = controller.result(unwritten, late)  # the job's end failed, as a teardown that fails does
+        if self.config.report:
+            with Interrupts(deferred=True) as writing:  # a signal meanwhile is one while the job ends
+                unwritten = self._write_report(controller, result)
+            if late is None and writing.received:
+                late = writing.received[0]
+                result = controller.result(teardown_failure, late)
+                if result.cause == "signal" and not controller.judging.judge.failed:
+                    self.note(result.message)
+            if unwritten and not teardown_failure:
+                result = controller.result(unwritten, late)  # the job's end failed, as a teardown that fails does
         return result
 
     def _write_report(self, controller: JobController, result: JobResult) -> str:

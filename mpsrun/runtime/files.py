@@ -13,13 +13,17 @@ import contextlib
 import errno
 import json
 import os
+import select
 import stat
 from pathlib import Path
 
-__all__ = ["LOG_READ_LIMIT", "publish", "read_file", "read_log", "replace_file"]
+__all__ = ["LOG_READ_LIMIT", "WRITE_PATIENCE", "publish", "read_file", "read_log", "replace_file", "write_into"]
 
 #: The most bytes one read returns: far more than any log mpsrun reads holds in a job.
 LOG_READ_LIMIT = 1 << 26
+
+#: Seconds a write into a FIFO may wait for its reader to take more (a reader that stopped reading is an error).
+WRITE_PATIENCE = 2.0
 
 _FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -86,3 +90,27 @@ def publish(path: Path, data: object) -> None:
     half of it). A directory that is going away only costs the file."""
     with contextlib.suppress(OSError):
         replace_file(path, json.dumps(data).encode())
+
+
+def write_into(path: str, data: bytes, patience: float = WRITE_PATIENCE) -> None:
+    """Write ``data`` into the FIFO or device at ``path`` as it stands, never waiting for ever: a FIFO that no one
+    has open, or whose reader takes nothing for ``patience`` seconds (a pipe holds 64 KiB), is an ``OSError``."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a FIFO with no reader
+            raise OSError(exc.errno, "a FIFO that no one reads", path) from None
+        raise
+    try:
+        writable = select.poll()
+        writable.register(fd, select.POLLOUT)
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(fd, view) :]
+            except BlockingIOError:
+                if not writable.poll(patience * 1000):
+                    raise OSError(errno.ETIMEDOUT, f"a FIFO whose reader took nothing for {patience:g} s",
+                                  path) from None
+    finally:
+        os.close(fd)
