@@ -176,3 +176,76 @@ def test_cleanup_prints_a_planted_sessions_name_escaped(fake_gpu):
     assert out.returncode == 0 and out.stdout.startswith("'s\\x1b]0;PWNED\\x07': removed"), out
     assert "\x1b" not in out.stdout and "\x07" not in out.stdout
     settle(fake_gpu)
+
+
+def test_directories_without_a_record_cost_one_scan_of_the_processes(fake_gpu, monkeypatch):
+    """Directories without a record, older than a session takes to be made, are stale unless a process of the user
+    uses them (its MPS pipe directory or MPSRUN_SESSION_DIR lies in one). Listing them scans the process table once,
+    not once per directory and question (a rank can make thousands: 300 took status 28 s, a job 36 s past its
+    --timeout 5), and a path that merely begins with a directory's name (sab, for sa) does not keep it."""
+    import psutil
+
+    from mpsrun.session import registry
+
+    root = fake_gpu.tmpdir / f"mpsrun-{os.getuid()}"
+    root.mkdir(mode=0o700)
+    for name in ("sa", "sab"):
+        (root / name).mkdir(mode=0o700)
+        os.utime(root / name, (1, 1))
+    user = subprocess.Popen(["sleep", "60"], env={**os.environ, "MPSRUN_SESSION_DIR": str(root / "sab")})
+    scans = []
+    real = psutil.process_iter
+    monkeypatch.setattr(psutil, "process_iter", lambda *a, **k: scans.append(1) or real(*a, **k))
+    try:
+        states = {state.session_id: state for state in registry.list_sessions(fake_gpu.tmpdir)}
+        stale = {name: (state.stale, state.stale, state.kept) for name, state in states.items()}
+    finally:
+        user.kill()
+        user.wait()
+        for name in ("sa", "sab"):
+            (root / name).rmdir()
+    assert stale == {"sa": (True, True, False), "sab": (False, False, False)} and len(scans) == 1, (stale, scans)
+
+
+def _pretending(session: Path, answers: bool) -> subprocess.Popen:
+    """A process of this user that a planted record names as a daemon: ``answers``: with the record's pipe directory
+    in its environment (as mpsrun starts a daemon), ignoring SIGTERM (as a daemon that will not stop)."""
+    code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)\n"
+    env = {**os.environ, **({"CUDA_MPS_PIPE_DIRECTORY": str(session / "gpu0" / "pipe")} if answers else {})}
+    return subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True)
+
+
+@pytest.mark.parametrize("named", ["any process", "a daemon that will not stop"])
+def test_records_naming_processes_as_daemons_do_not_hold_a_job_past_its_timeout(fake_gpu, named):
+    """Five stale records (a rank can write them) naming a live process of the user as their daemon: a new job
+    spends at most a second on what earlier runs left before it starts, so it ends well within --timeout (exit 0),
+    and a process that was never a daemon of the record (no such pipe directory in its environment) is not signalled.
+    Each such record cost the job a quit's timeout and two graces (20 took 3 minutes under --timeout 5), and the job's
+    start signalled whatever process the record named."""
+    sessions = [stale_record(fake_gpu, f"sdaemon{i}") for i in range(5)]
+    processes = [_pretending(session, named != "any process") for session in sessions]
+    try:
+        for session, process in zip(sessions, processes, strict=True):
+            stale_record_daemon(session, process.pid)
+        out = bounded([*MPSRUN, "--timeout", "20", "-np", "1", "--launcher", "local", "true"], timeout=60)
+        untouched = [process.poll() is None for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+        for session in sessions:
+            shutil.rmtree(session, ignore_errors=True)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    if named == "any process":
+        assert all(untouched), untouched
+    settle(fake_gpu)
+
+
+def stale_record_daemon(session: Path, pid: int) -> None:
+    """Name process ``pid`` as the daemon of the stale record at ``session``."""
+    from mpsrun.runtime.processes import ProcessRef
+
+    record = json.loads((session / "session.json").read_text())
+    record["daemons"] = [{"gpu": "GPU-0", "process": ProcessRef.of(pid)._asdict(),
+                          "pipe_dir": str(session / "gpu0" / "pipe"), "log_dir": str(session / "gpu0" / "log")}]
+    (session / "session.json").write_text(json.dumps(record))
