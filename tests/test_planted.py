@@ -249,3 +249,13 @@ def stale_record_daemon(session: Path, pid: int) -> None:
     record["daemons"] = [{"gpu": "GPU-0", "process": ProcessRef.of(pid)._asdict(),
                           "pipe_dir": str(session / "gpu0" / "pipe"), "log_dir": str(session / "gpu0" / "log")}]
     (session / "session.json").write_text(json.dumps(record))
+
+
+def test_a_fifo_planted_as_the_output_lock_keeps_no_supervisor_waiting(short_tmp):
+    """A rank can replace its session's output.lock (which the local launcher's supervisors open as they start their
+    ranks) with a FIFO: a supervisor opens it without waiting for a writer. Supervisors that started after rank 0
+    planted one (-np 150) waited in the open for ever, and the job ran into its --timeout, 15 s past it."""
+    os.mkfifo(short_tmp / "output.lock")
+    code = "import sys\nfrom mpsrun.runtime.output import _open_lock\nprint(_open_lock(sys.argv[1]) is not None)\n"
+    out = bounded([sys.executable, "-c", code, str(short_tmp / "output.lock")], timeout=30)
+    assert out.returncode == 0 and out.stdout == "True\n", out
