@@ -153,17 +153,20 @@ class Job:
         result = controller.result(teardown_failure, late)
         if late is not None and result.cause == "signal" and not controller.judging.judge.failed:
             self.note(result.message)
-        if self.config.report:
-            with Interrupts(deferred=True) as writing:  # a signal meanwhile is one while the job ends
-                unwritten = self._write_report(controller, result)
-            if late is None and writing.received:
-                late = writing.received[0]
-                result = controller.result(teardown_failure, late)
-                if result.cause == "signal" and not controller.judging.judge.failed:
-                    self.note(result.message)
-            if unwritten and not teardown_failure:
-                result = controller.result(unwritten, late)  # the job's end failed, as a teardown that fails does
-        return result
+        return self._reported(controller, result, teardown_failure, late) if self.config.report else result
+
+    def _reported(self, controller: JobController, result: JobResult, teardown_failure: str,
+                  late: int | None) -> JobResult:
+        """The job's result once its report is written: a report that could not be written fails the job's end, as a
+        teardown that fails does; a signal meanwhile is one while the job ends."""
+        with Interrupts(deferred=True) as writing:
+            unwritten = self._write_report(controller, result)
+        if late is None and writing.received:
+            late = writing.received[0]
+            result = controller.result(teardown_failure, late)
+            if result.cause == "signal" and not controller.judging.judge.failed:
+                self.note(result.message)
+        return controller.result(unwritten, late) if unwritten and not teardown_failure else result
 
     def _write_report(self, controller: JobController, result: JobResult) -> str:
         """``--report``: every rank's account and the memory samples; what failed, if the file could not be written."""

@@ -134,11 +134,9 @@ def _checked(fd: int, check: Callable[[], None]) -> int:
 
 
 def _check_writable(fd: int, base: Path) -> None:
-    """A base where this user can make directories. One where none can be made (its permissions, /proc/self, a
-    read-only file system) is what the machine refuses, exit 3 as every such refusal; a missing one is exit 2."""
+    """One where no directory can be made (permissions, /proc/self) is the machine's refusal, exit 3."""
     if not os.access(f"/proc/self/fd/{fd}", os.W_OK | os.X_OK):
-        raise MPSError(f"cannot make a session directory under {base}: not writable; set MPSRUN_TMPDIR to a "
-                       "writable directory")
+        raise MPSError(f"cannot make a session directory under {base}: not writable; set MPSRUN_TMPDIR elsewhere")
 
 
 _MAX_LINKS = 40  # as the kernel counts them: more is a loop
