@@ -375,6 +375,9 @@ def planted_job(base: Path, name: str, argv: list[str], ranks: list[dict[str, st
     processes = [subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(60)"], env={**os.environ, **env})
                  for env in ranks]
     try:
+        # Popen returns once exec has begun; the new image's environment is readable a moment later
+        wait_for(lambda: all(Path(f"/proc/{p.pid}/environ").read_bytes() for p in processes), timeout=30,
+                 what="the planted ranks' environments")
         refs = [ProcessRef.of(p.pid)._asdict() for p in processes]
         record = {"kind": "job", "owner": ProcessRef.of(os.getpid())._asdict(), "uid": os.getuid(),
                   "started": time.time(), "ranks": refs, "argv": argv}
