@@ -77,6 +77,12 @@ def test_a_host_file_that_is_a_device_is_refused(fake_gpu, given):
                                                                             preexec_fn=limited))
 
 
+def test_an_empty_host_file_is_refused(fake_gpu, short_tmp):
+    """An empty host file (a regular one: /dev/null is a device, refused as such) names no host: one line, exit 2."""
+    (short_tmp / "hosts").write_text("# no host yet\n")
+    assert "names no host" in one_line(mpsrun("-np", "1", "--hostfile", short_tmp / "hosts", "true"))
+
+
 def test_a_host_file_larger_than_any_is_refused(fake_gpu, short_tmp):
     """A host file of more than 16 MiB (no list of hosts is) is refused in one line, exit 2, without being read."""
     with open(short_tmp / "hosts", "wb") as hosts:

@@ -309,7 +309,8 @@ def hostfile_lines(path: str, setting: str = "--hostfile") -> list[str]:
             raise ConfigError(f"host file {path!r} is a pipe, which can be read only once; give a file",
                               setting=setting, value=path)
         if not stat.S_ISREG(mode):  # a device: /dev/zero never ends
-            raise ConfigError(f"host file {path!r} is not a regular file; give a file", setting=setting, value=path)
+            what = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+            raise ConfigError(f"host file {path!r} is {what}; give a file", setting=setting, value=path)
         lines = [line.split("#", 1)[0].strip() for line in read_file(path, HOSTFILE_LIMIT, follow=True).decode()
                  .splitlines()]
     except (OSError, UnicodeDecodeError) as exc:
