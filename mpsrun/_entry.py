@@ -56,6 +56,13 @@ def main() -> NoReturn:
         from mpsrun.exitcodes import Outcome, exit_code
 
         code = exit_code(Outcome("signal", signal.SIGPIPE))
+    except OSError as exc:  # what the machine refused that no step said better (mpsrun status > /dev/full)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is left unwritten goes nowhere
+        from mpsrun.exitcodes import ExitCode
+        from mpsrun.runtime.output import printable, say
+
+        say(f"mpsrun: error: {exc.strerror or exc}" + (f": {printable(str(exc.filename))}" if exc.filename else ""))
+        code = ExitCode.SETUP
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # from here on a signal comes as if after our exit
     if code == 0 and len(_pending) > before:  # after the job's own handling gave the signals back to _note
         from mpsrun.exitcodes import Outcome, exit_code, signal_name

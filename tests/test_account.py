@@ -5,6 +5,8 @@ far apart. On every path with the fake GPU, whose NVML lists each client's memor
 import contextlib
 import json
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
@@ -220,6 +222,36 @@ def test_a_report_to_a_fifo_reaches_its_reader(fake_gpu, short_tmp):
     assert still_fifo, "the FIFO was replaced by a regular file"
     assert out.returncode == 0 and json.loads(received.read_text())["exit_code"] == 0, (out.stderr,
                                                                                       received.read_text())
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("signalled", [False, True], ids=["waited", "sigterm"])
+def test_a_report_into_a_fifo_whose_reader_reads_nothing_ends_the_job(fake_gpu, short_tmp, signalled):
+    """--report FIFO whose reader holds it open and reads nothing, and a report larger than a pipe holds (64 KiB: a
+    long command line here, 300 ranks in the issue): command-line.md says a FIFO no one reads is exit 3, not a wait.
+    The job ends with one line and exit 3 within seconds; a SIGTERM meanwhile is one while the job ends (said so, in a
+    line of its own). mpsrun waited for ever, and SIGTERM then ended it with 'error: interrupted by SIGTERM'."""
+    fifo = short_tmp / "report.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader that never reads
+    try:
+        job = subprocess.Popen([*MPSRUN, "-np", "1", "--launcher", "local", "--report", str(fifo), "true", "x" * 100000],
+                               stderr=subprocess.PIPE, text=True)
+        if signalled:  # once the report is being written: the pipe has something in it
+            wait_for(lambda: select.select([reader], [], [], 0.1)[0], timeout=60, what="the report's start", proc=job)
+            job.send_signal(signal.SIGTERM)
+        try:
+            _, err = job.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            job.communicate()
+            pytest.fail("mpsrun still wrote into a FIFO no one read after 60 s")
+    finally:
+        os.close(reader)
+    lines = err.splitlines()
+    assert job.returncode == 3 and lines[0] == f"mpsrun: cannot write the report {fifo}: a FIFO whose reader took " \
+        "nothing for 2 s", err
+    assert lines[1:] == (["mpsrun: interrupted by SIGTERM while ending the job"] if signalled else []), err
     settle(fake_gpu)
 
 

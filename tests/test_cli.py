@@ -103,8 +103,8 @@ BAD_COMMAND_LINES = [
     (["--mps", "maybe", "python"], "invalid choice"),
     (["-v", "-q", "python"], "cannot be used together"),
     (["--hostfile", "/nonexistent", "python"], "cannot read host file '/nonexistent'"),
-    (["--hostfile", "/dev/null", "python"], "names no host"),
-    (["--hostfile", "/", "python"], "Is a directory"),
+    (["--hostfile", "/dev/null", "python"], "is not a regular file"),  # a device, as /dev/zero, which never ends
+    (["--hostfile", "/", "python"], "is a directory"),
     (["--launcher", "local", "--mpiexec", "/nonexistent", "python"], "is not an executable"),
     (["-np"], "expected one argument"),
 ]

@@ -104,3 +104,15 @@ def test_a_driver_whose_nvml_cannot_list_mps_clients_is_warned_of(fake_gpu, monk
     assert out.returncode == 0
     assert "warning: GPU 0: this driver's NVML cannot list MPS clients" in out.stdout, out.stdout
     assert json.loads(doctor("--json").stdout)["gpus"][0]["nvml_lists_mps_clients"] is False
+
+
+def test_what_the_machine_and_the_environment_say_is_printed_escaped(fake_gpu, monkeypatch):
+    """A GPU name and an MPSRUN_* setting that hold escape sequences (OSC 52 writes the terminal's clipboard): doctor's
+    table shows them escaped, never raw (it printed both as they were)."""
+    fake_gpu.gpus[0]["name"] = "Fake\x1b]52;c;cHduZWQ=\x07"
+    (fake_gpu.nvml_dir / "gpus.json").write_text(json.dumps(fake_gpu.gpus))
+    monkeypatch.setenv("MPSRUN_ODD", "\x1b[2J\x9b")
+    out = doctor()
+    assert out.returncode == 0, out.stdout
+    assert not any((ord(c) < 32 and c != "\n") or 0x7f <= ord(c) < 0xa0 for c in out.stdout), out.stdout
+    assert "\\x1b]52;c;cHduZWQ=\\x07" in out.stdout and "MPSRUN_ODD=\\x1b[2J\\x9b" in out.stdout

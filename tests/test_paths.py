@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mpsrun.errors import ConfigError, UnsafeDirectoryError
+from mpsrun.errors import ConfigError, MPSError, UnsafeDirectoryError
 from mpsrun.session.paths import SOCKET_PATH_MAX, SessionDirs, base_directory, check_private_dir, longest_socket_path
 
 
@@ -44,15 +44,17 @@ def test_too_long_base_is_refused_with_advice(short_tmp):
 
 
 def test_missing_or_unwritable_base_is_refused(short_tmp):
-    """A base that does not exist or cannot be written raises ConfigError before anything is made."""
+    """A base that does not exist raises ConfigError (exit 2), one that cannot be written MPSError (exit 3, as
+    /proc/self: a base where no directory can be made), before anything is made."""
     with pytest.raises(ConfigError, match="does not exist"):
         SessionDirs.create(short_tmp / "nope", [0])
     locked = short_tmp / "ro"
     locked.mkdir(mode=0o500)
     if os.access(locked, os.W_OK):
         pytest.skip("running as root: permissions do not stop us")
-    with pytest.raises(ConfigError, match="not writable"):
+    with pytest.raises(MPSError, match="not writable") as refused:
         SessionDirs.create(locked, [0])
+    assert refused.value.exit_code == 3 and not isinstance(refused.value, ConfigError)
 
 
 @pytest.mark.parametrize("setup", ["symlink", "group_writable", "file"])

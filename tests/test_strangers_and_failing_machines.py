@@ -184,15 +184,18 @@ def test_a_full_session_base_is_one_line_and_exit_3(fake_gpu, full_tmpfs, monkey
 
 
 @pytest.mark.mpiexec
+@pytest.mark.parametrize("base", ["/proc", "/proc/self"])
 @pytest.mark.parametrize("path", PATHS)
-def test_a_session_base_that_is_no_place_for_directories_is_one_line_and_exit_3(fake_gpu, monkeypatch, path):
-    """MPSRUN_TMPDIR=/proc: one "mpsrun: error:" line and exit 3 on every path, not a FileNotFoundError traceback
-    (per-node and --hosts said 'No such file or directory: mpsrun-0' once per rank; --hosts left out "error:")."""
-    monkeypatch.setenv("MPSRUN_TMPDIR", "/proc")
+def test_a_session_base_that_is_no_place_for_directories_is_one_line_and_exit_3(fake_gpu, monkeypatch, path, base):
+    """MPSRUN_TMPDIR=/proc or /proc/self: one "mpsrun: error:" line and exit 3 on every path, not a FileNotFoundError
+    traceback (per-node and --hosts said 'No such file or directory: mpsrun-0' once per rank; --hosts left out
+    "error:"); /proc/self, whose permissions allow no one to write, was exit 2, as a directory the user may not write
+    is."""
+    monkeypatch.setenv("MPSRUN_TMPDIR", base)
     out = subprocess.run(job_argv(path, [], ["true"], ranks=2), capture_output=True, text=True, timeout=60)
     lines = [line for line in out.stderr.splitlines() if line.startswith("mpsrun")]
     assert out.returncode == 3 and len(lines) == 1, out.stderr
-    assert lines[0].startswith("mpsrun: error: cannot make a session directory under /proc"), out.stderr
+    assert lines[0].startswith(f"mpsrun: error: cannot make a session directory under {base}"), out.stderr
 
 
 def _open_files(limit: int):

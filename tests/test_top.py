@@ -3,12 +3,17 @@ sessions' records, the ranks' environments, psutil and NVML; it never changes a 
 lists each client's memory as the H100's did."""
 
 import contextlib
+import fcntl
 import json
 import os
+import re
 import select
+import shutil
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -258,10 +263,12 @@ def test_top_interval_that_is_not_a_finite_number_is_a_usage_error(fake_gpu, int
 
 
 @contextlib.contextmanager
-def _top_in_a_terminal(term: str) -> Iterator[tuple[int, subprocess.Popen]]:
-    """``mpsrun top`` in a pseudo-terminal of type ``term``: the terminal's other end, and top's process (killed at
-    the end should it still run: our own child)."""
+def _top_in_a_terminal(term: str, rows: int = 0) -> Iterator[tuple[int, subprocess.Popen]]:
+    """``mpsrun top`` in a pseudo-terminal of type ``term`` (of ``rows`` rows and 100 columns, if given): the
+    terminal's other end, and top's process (killed at the end should it still run: our own child)."""
     controller, terminal = os.openpty()
+    if rows:
+        fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", rows, 100, 0, 0))
     proc = subprocess.Popen([*MPSRUN, "top", "--interval", "0.2"], stdin=terminal, stdout=terminal, stderr=terminal,
                             env={**os.environ, "TERM": term}, start_new_session=True)
     os.close(terminal)
@@ -329,3 +336,133 @@ def test_a_long_running_view_forgets_the_ranks_of_ended_jobs(fake_gpu, short_tmp
     view.snapshot()
     assert kept == (3, 3) and (view._processes, view._peaks) == ({}, {})
     settle(fake_gpu)
+
+
+def test_a_rank_whose_gpu_work_is_in_a_child_is_charged_its_memory(fake_gpu, short_tmp):
+    """A rank whose CUDA context belongs to a child process (a rank that forks its workers): top charges the child's
+    device memory to the rank, as the job's own account does (found from the GPU process up, not by scanning the
+    machine's processes)."""
+    program = fake("--in-child", "--hold", "60")  # the child holds the fake's 12 MiB and its context
+    job = subprocess.Popen(job_argv("local", [], program, ranks=2), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        snapshot = _ranks_seen(2)
+    finally:
+        job.send_signal(signal.SIGINT)
+        out, err = job.communicate(timeout=120)
+    assert job.returncode == 130, err
+    assert [(r["rank"], r["memory"], r["mps"]) for r in snapshot["ranks"]] == [(0, 12 + CONTEXT_MIB, True),
+                                                                             (1, 12 + CONTEXT_MIB, True)]
+    settle(fake_gpu)
+
+
+#: Bytes a terminal acts on: ESC (CSI, OSC: the title, the clipboard), BEL, and every other C0 control but newline.
+_CONTROLS = re.compile(rb"[\x00-\x09\x0b-\x1f\x7f\x9b]")
+
+
+@contextlib.contextmanager
+def planted_job(base: Path, name: str, argv: list[str], ranks: list[dict[str, str]],
+                usage: dict | None = None) -> Iterator[list[subprocess.Popen]]:
+    """A session directory ``name`` under ``base`` planted as a rank can plant one (it knows its user's session
+    root): a record whose owner is this test (alive) and whose ranks are sleeping processes with ``ranks``'
+    environments, and ``usage``, as usage.json. Removed, the processes ended, at the end."""
+    from mpsrun.runtime.processes import ProcessRef
+
+    root = base / f"mpsrun-{os.getuid()}"
+    root.mkdir(mode=0o700, exist_ok=True)
+    session = root / name
+    session.mkdir(mode=0o700)
+    processes = [subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(60)"], env={**os.environ, **env})
+                 for env in ranks]
+    try:
+        # Popen returns once exec has begun; the new image's environment is readable a moment later
+        wait_for(lambda: all(Path(f"/proc/{p.pid}/environ").read_bytes() for p in processes), timeout=30,
+                 what="the planted ranks' environments")
+        refs = [ProcessRef.of(p.pid)._asdict() for p in processes]
+        record = {"kind": "job", "owner": ProcessRef.of(os.getpid())._asdict(), "uid": os.getuid(),
+                  "started": time.time(), "ranks": refs, "argv": argv}
+        (session / "session.json").write_text(json.dumps(record))
+        if usage is not None:
+            (session / "usage.json").write_text(json.dumps(usage))
+        yield processes
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+        shutil.rmtree(session)
+
+
+_ESCAPES = "\x1b]0;PWNED\x07\x1b[2J"
+_ODD_RANKS = ["1_0", "\u0663", "9" * 4000, " 1", "+1", "-1", _ESCAPES]
+
+
+def test_what_ranks_and_records_say_reaches_the_terminal_escaped(fake_gpu):
+    """A session directory named with an escape sequence, its record's argv, a rank's RANK, memory limit and GPU, and
+    usage.json's hosts (OSC 52 writes the clipboard; a newline breaks the table), all set by a rank: top --once, top
+    --json and status print none of them raw, top shows each escaped (LIMIT, HOST, the job's line), and reads RANK as
+    mpsrun writes it, ASCII digits only, so 1_0, the Arabic-Indic three and a 4,000-digit value are no rank number.
+    top printed them raw, read 1_0 as 10 and ٣ as 3, and a 4,000-digit rank stretched every row."""
+    name = "s\x1b[31mRED"
+    ranks = [{"RANK": odd, "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={_ESCAPES}", "CUDA_VISIBLE_DEVICES": _ESCAPES}
+             for odd in _ODD_RANKS]
+    usage = {"7": {"host": "evil\x1b]52;c;cHduZWQ=\x07", "pid": 1, "peak": 1},
+             "8": {"host": "two\nlines", "pid": 2, "peak": None}}
+    with planted_job(fake_gpu.tmpdir, name, ["mpsrun", f"-x{_ESCAPES}", "python"], ranks, usage):
+        once = _top("--once")
+        snapshot = _snapshot()
+        status = subprocess.run([*MPSRUN, "status"], capture_output=True, timeout=60)
+    assert once.returncode == 0 and status.returncode == 0, (once.stderr, status.stderr)
+    for shown in (once.stdout.encode(), status.stdout):
+        assert not _CONTROLS.search(shown), shown[-2000:]
+    assert "\\x1b]52;c;cHduZWQ=\\x07" in once.stdout and "two\\nlines" in once.stdout and "\\x1b[31mRED" in once.stdout
+    assert "-x\\x1b]0;PWNED" in once.stdout and "\\x1b]0;PWNED" in once.stdout.split("LIMIT")[1]
+    assert max(len(line) for line in once.stdout.splitlines()) < 400, once.stdout
+    assert [r["rank"] for r in snapshot["ranks"] if r["state"] != "remote"] == [None] * len(_ODD_RANKS)
+    assert b"\\x1b[31mRED" in status.stdout
+
+
+def test_the_live_view_draws_what_it_cannot_fit_escaped_and_q_leaves_it(fake_gpu):
+    """In a terminal of 8 rows, a host with a newline and an OSC 52 sequence in usage.json (a rank writes it): the live
+    view draws it escaped, never raw, and q still leaves it (exit 0). curses raised on the newline; top then fell back
+    to printing its tables raw, and q no longer worked."""
+    probe = subprocess.run([sys.executable, "-c", "import curses, os; curses.setupterm('xterm', os.open('/dev/null', 1))"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no curses or no terminfo for xterm in this Python: {probe.stderr.decode()[-200:]}")
+    usage = {str(rank): {"host": f"evil{rank}\n\x1b]52;c;cHduZWQ=\x07" * 3, "pid": rank, "peak": 1}
+             for rank in range(20)}
+    with planted_job(fake_gpu.tmpdir, "sevil", ["mpsrun"], [], usage), _top_in_a_terminal("xterm", rows=8) as (
+            controller, proc):
+        shown = _read_until(controller, b"evil2")  # the last row 8 rows hold (of 20)
+        os.write(controller, b"q")
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"q did not leave top; it showed {shown[-600:]!r}")
+        shown += _read_until(controller, b"\x1b[?1049l")
+    assert b"\x1b]52" not in shown and b"evil0\\n" in shown and code == 0, shown[-2000:]
+
+
+def test_top_without_a_gpu_says_so_in_a_line(no_gpu):
+    """On a machine without a GPU (a job runs there without MPS), top --once shows the job's rank and says in one line
+    that NVML sees no GPU; it printed the GPU table's header over no row."""
+    with planted_job(no_gpu, "snogpu", ["mpsrun", "true"], [{"RANK": "0"}]):
+        out = _top("--once")
+    assert out.returncode == 0 and "1 rank(s)" in out.stdout, out
+    assert out.stdout.splitlines()[-1] == "GPU: none that NVML can see" and "MPS CLIENTS" not in out.stdout, out.stdout
+
+
+def test_a_look_scans_no_process_table(fake_gpu, monkeypatch):
+    """A snapshot reads each shown rank's process and each GPU process's parents, never the machine's whole process
+    table: psutil's process_iter and children() (which scans it) are not called. Each row called children(recursive=
+    True), a scan of every process of the machine per rank (151 s for 1,000 ranks among 2,000 processes)."""
+    import psutil
+
+    from mpsrun.tools import top
+
+    scans = []
+    monkeypatch.setattr(psutil, "process_iter", lambda *a, **k: scans.append("process_iter") or iter(()))
+    monkeypatch.setattr(psutil.Process, "children", lambda *a, **k: scans.append("children") or [])
+    with planted_job(fake_gpu.tmpdir, "sscan", ["mpsrun"], [{"RANK": str(rank)} for rank in range(3)]):
+        snapshot = top.Top().snapshot()
+    assert [row.rank for row in snapshot.ranks] == [0, 1, 2] and scans == [], scans

@@ -62,6 +62,34 @@ def test_a_host_file_that_is_not_a_file_is_refused(fake_gpu, short_tmp):
                                                                         "true"))
 
 
+@pytest.mark.parametrize("given", ["option", "variable"])
+def test_a_host_file_that_is_a_device_is_refused(fake_gpu, given):
+    """--hostfile /dev/zero (or MPSRUN_HOSTFILE=/dev/zero with --dry-run) is refused as a FIFO is, one line and exit 2,
+    within a memory limit: mpsrun read the device without end (the OOM killer, or a MemoryError traceback)."""
+    def limited() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    argv = ["--hostfile", "/dev/zero", "-np", "1", "true"] if given == "option" else ["--dry-run", "-np", "1", "true"]
+    env = {**os.environ, "MPSRUN_HOSTFILE": "/dev/zero"} if given == "variable" else None
+    assert "host file '/dev/zero' is not a regular file" in one_line(mpsrun(*argv, timeout=60, env=env,
+                                                                            preexec_fn=limited))
+
+
+def test_an_empty_host_file_is_refused(fake_gpu, short_tmp):
+    """An empty host file (a regular one: /dev/null is a device, refused as such) names no host: one line, exit 2."""
+    (short_tmp / "hosts").write_text("# no host yet\n")
+    assert "names no host" in one_line(mpsrun("-np", "1", "--hostfile", short_tmp / "hosts", "true"))
+
+
+def test_a_host_file_larger_than_any_is_refused(fake_gpu, short_tmp):
+    """A host file of more than 16 MiB (no list of hosts is) is refused in one line, exit 2, without being read."""
+    with open(short_tmp / "hosts", "wb") as hosts:
+        hosts.truncate((16 << 20) + 1)
+    assert "larger than 16777216 bytes" in one_line(mpsrun("-np", "1", "--hostfile", short_tmp / "hosts", "true"))
+
+
 def test_open_mpis_host_file_form_is_refused_for_mpich(fake_gpu, short_tmp, monkeypatch):
     """`host slots=N`, Open MPI's host file form, given to MPICH's mpiexec is refused before it starts, exit 2 (Hydra
     printed nine lines of 'token slots not supported' and exited 255)."""
@@ -148,6 +176,21 @@ def test_output_into_a_closed_pipe_ends_quietly(no_gpu, words):
                          timeout=60)
     os.close(write)
     assert "Traceback" not in out.stderr and out.returncode == 141, (out.returncode, out.stderr)
+
+
+@pytest.mark.parametrize("buffered", [False, True], ids=["unbuffered", "buffered"])
+@pytest.mark.parametrize("words", [["top", "--once"], ["top", "--json"], ["status"], ["status", "--json"], ["doctor"],
+                                   ["cleanup"]])
+def test_output_onto_a_full_device_is_one_line_and_exit_3(fake_gpu, words, buffered):
+    """stdout on /dev/full (every write: ENOSPC), as an unbuffered (PYTHONUNBUFFERED) or block-buffered Python writes
+    it: the subcommand says so in one line, exit 3, as what the machine refuses is on a job's path. It ended in an
+    OSError traceback (exit 1), or, block-buffered, exited 0 with its output lost unsaid."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED" or not buffered}
+    with open("/dev/full", "w") as full:
+        out = subprocess.run([sys.executable, "-m", "mpsrun", *words], stdout=full, stderr=subprocess.PIPE, text=True,
+                             timeout=120, env=env)
+    assert out.returncode == 3 and out.stderr == "mpsrun: error: No space left on device\n", (out.returncode,
+                                                                                                out.stderr[-2000:])
 
 
 def test_a_mistyped_option_gets_a_suggestion():

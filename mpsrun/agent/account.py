@@ -8,7 +8,6 @@ and memory limit are far apart.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import socket
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING
 from mpsrun.agent.outcome import ranges
 from mpsrun.config.values import mib_text
 from mpsrun.mps.usage import Sample, UsageSampler
+from mpsrun.runtime.files import write_into
 from mpsrun.runtime.output import printable
 from mpsrun.runtime.protocol import Ended
 
@@ -188,21 +188,9 @@ class Report:
         data["samples"] = [{"time": s.time, "memory": {str(r): m for r, m in s.memory.items()}} for s in self.samples]
         text = json.dumps(data, indent=1) + "\n"
         if os.path.exists(path) and not os.path.isfile(path):
-            _write_into(path, text.encode())
+            write_into(path, text.encode())
         else:
             _replace(os.path.realpath(path), text)
-
-
-def _write_into(path: str, data: bytes) -> None:
-    try:
-        handle = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ENXIO:  # a FIFO with no reader
-            raise OSError(exc.errno, "a FIFO that no one reads", path) from None
-        raise
-    with os.fdopen(handle, "wb") as out:
-        os.set_blocking(handle, True)
-        out.write(data)
 
 
 def _replace(path: str, text: str) -> None:

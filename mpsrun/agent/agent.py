@@ -88,9 +88,9 @@ class Top(Protocol):
 class Welcoming(NamedTuple):
     """How a node welcomes its ranks. ``ranks``: the job's ranks, where this node runs them all (the command's own
     node; the launcher may not say the sizes); ``callers``: the caller's environment, put back where a launcher
-    rewrote it; ``output_lock``: one lock for the lines of ranks that share our output; ``settings`` and ``devices``: what every rank of a
-    --per-node job must have been started with; ``extra``: variables of a one-node --per-node job (its rendezvous);
-    ``notices``: said by the first rank."""
+    rewrote it; ``output_lock``: one lock for the lines of ranks that share our output; ``settings`` and
+    ``devices``: what every rank of a --per-node job must have been started with; ``extra``: variables of a one-node
+    --per-node job (its rendezvous); ``notices``: said by the first rank."""
 
     ranks: range | None = None
     callers: Mapping[str, str | None] | None = None

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 
 from mpsrun.errors import ConfigError
 from mpsrun.runtime.constants import MOST_QUEUES
+from mpsrun.runtime.files import read_file
 from mpsrun.runtime.output import printable
 
 __all__ = [
@@ -65,6 +66,10 @@ LAUNCHERS = ("auto", "local", "mpiexec")
 MAP_POLICIES = ("block", "round-robin")
 LOCAL_RANKS = ("node", "device")
 MAX_RANKS = 1 << 20
+#: The largest host file read (16 MiB: a line for each of tens of thousands of hosts, comments and all).
+HOSTFILE_LIMIT = 1 << 24
+
+
 class Auto(str, enum.Enum):
     """``auto``: a value each node works out once its GPUs and ranks are known. Equal to the text ``"auto"`` (a
     configuration that went through JSON compares the same)."""
@@ -303,8 +308,11 @@ def hostfile_lines(path: str, setting: str = "--hostfile") -> list[str]:
         if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):  # a pipe is read once, and mpsrun reads the file more than once
             raise ConfigError(f"host file {path!r} is a pipe, which can be read only once; give a file",
                               setting=setting, value=path)
-        with open(path) as hostfile:
-            lines = [line.split("#", 1)[0].strip() for line in hostfile]
+        if not stat.S_ISREG(mode):  # a device: /dev/zero never ends
+            what = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+            raise ConfigError(f"host file {path!r} is {what}; give a file", setting=setting, value=path)
+        lines = [line.split("#", 1)[0].strip() for line in read_file(path, HOSTFILE_LIMIT, follow=True).decode()
+                 .splitlines()]
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read host file {path!r}: {getattr(exc, 'strerror', None) or exc}",
                           setting=setting, value=path) from None

@@ -409,14 +409,17 @@ class Job:
         return ""
 
     def _result(self, teardown: str, late: int | None) -> JobResult:
-        """How the job ended, with a teardown that failed or a signal while it ended; the report written."""
-        judge = self.decision.judge
+        """How the job ended, with a teardown that failed or a signal while it ended; the report written (a signal
+        meanwhile is one while the job ends; a report that cannot be written fails the job's end, as a teardown)."""
+        judge, unwritten = self.decision.judge, ""
+        if self.config.report:
+            with Interrupts(deferred=True) as writing:
+                unwritten = self._write_report(judge.result(teardown, late))
+            late = late if late is not None or not writing.received else writing.received[0]
         result = judge.result(teardown, late)
         if late is not None and result.cause == Cause.SIGNAL and not judge.failed:
             self.note(result.message)
-        if self.config.report and (unwritten := self._write_report(result)) and not teardown:
-            result = judge.result(unwritten, late)  # the job's end failed, as a teardown that fails does
-        return result
+        return judge.result(unwritten, late) if unwritten and not teardown else result
 
     def _write_report(self, result: JobResult) -> str:
         """``--report``: every rank's account and the memory samples; what failed, if the file could not be written."""

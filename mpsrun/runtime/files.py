@@ -1,9 +1,10 @@
-"""Files other processes write or read: a rank's CUDA and NCCL logs, an MPS daemon's log, what ``mpsrun top`` reads.
+"""Files other processes write or read: session records, ``usage.json``, host files, a rank's CUDA and NCCL logs,
+an MPS daemon's log.
 
 A rank can reach every one of them (it is told the paths), so a program may plant a FIFO, which would
 block an ``open`` for ever, or a symlink to ``/dev/zero``, which never ends. These reads never follow a
 symlink, never block on opening, take regular files only and stop at a size; a write goes to a new file of
-a random name, renamed over the target (a rename replaces a planted symlink, never follows it).
+a random name, renamed over the target (a rename replaces a planted symlink or FIFO, never follows or opens it).
 """
 
 from __future__ import annotations
@@ -12,43 +13,104 @@ import contextlib
 import errno
 import json
 import os
+import select
 import stat
 from pathlib import Path
 
-__all__ = ["LOG_READ_LIMIT", "publish", "read_log"]
+__all__ = ["LOG_READ_LIMIT", "WRITE_PATIENCE", "publish", "read_file", "read_log", "replace_file", "write_into"]
 
 #: The most bytes one read returns: far more than any log mpsrun reads holds in a job.
 LOG_READ_LIMIT = 1 << 26
 
+#: Seconds a write into a FIFO may wait for its reader to take more (a reader that stopped reading is an error).
+WRITE_PATIENCE = 2.0
+
 _FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _open_regular(path: str | os.PathLike[str], follow: bool = False) -> tuple[int, os.stat_result]:
+    """A descriptor of the regular file at ``path`` and its status. A FIFO or device (and, unless ``follow``, a link)
+    is refused before it is opened (opening some devices does something), and again after (it may have been swapped
+    in between)."""
+    if not stat.S_ISREG(os.stat(path, follow_symlinks=follow).st_mode):
+        raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+    fd = os.open(path, _FLAGS & ~os.O_NOFOLLOW if follow else _FLAGS)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+    return fd, info
 
 
 def read_log(path: str | os.PathLike[str], *, start: int | None = None, last: int = LOG_READ_LIMIT) -> bytes:
     """At most ``last`` bytes of a regular file: from offset ``start``, else its last ``last`` bytes.
 
     Raises ``OSError`` when the file is missing, is a symlink or is not a regular file."""
-    fd = os.open(path, _FLAGS)
+    fd, info = _open_regular(path)
     with os.fdopen(fd, "rb") as log:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
         log.seek(max(0, info.st_size - last) if start is None else start)
         return log.read(last)
+
+
+def read_file(path: str | os.PathLike[str], limit: int, follow: bool = False) -> bytes:
+    """The whole of a regular file of at most ``limit`` bytes (through a symlink only if ``follow``: a file the user
+    named).
+
+    Raises ``OSError`` when the file is missing, is a symlink, is not a regular file or is larger."""
+    fd, info = _open_regular(path, follow)
+    with os.fdopen(fd, "rb") as stream:
+        data = stream.read(limit + 1)  # the size may have grown since fstat
+    if info.st_size > limit or len(data) > limit:
+        raise OSError(errno.EFBIG, f"larger than {limit} bytes", os.fspath(path))
+    return data
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole or not at all: into a new file of a random name beside it (mode 0600), renamed
+    over it. Raises ``OSError`` (no space left, the directory gone), leaving nothing behind."""
+    while True:  # as tempfile.mkstemp makes its file, without importing it (random, shutil) on every job's path
+        temporary = path.with_name(f".{path.name}.{os.urandom(6).hex()}")
+        try:
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            continue
+        break
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
 
 
 def publish(path: Path, data: object) -> None:
     """Write ``data`` as JSON to ``path`` whole, or not at all, for readers such as ``mpsrun top`` (which never see
     half of it). A directory that is going away only costs the file."""
-    import tempfile  # (random, shutil and more): only once a job has a peak to publish
+    with contextlib.suppress(OSError):
+        replace_file(path, json.dumps(data).encode())
 
+
+def write_into(path: str, data: bytes, patience: float = WRITE_PATIENCE) -> None:
+    """Write ``data`` into the FIFO or device at ``path`` as it stands, never waiting for ever: a FIFO that no one
+    has open, or whose reader takes nothing for ``patience`` seconds (a pipe holds 64 KiB), is an ``OSError``."""
     try:
-        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    except OSError:
-        return
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a FIFO with no reader
+            raise OSError(exc.errno, "a FIFO that no one reads", path) from None
+        raise
     try:
-        with os.fdopen(handle, "w") as out:
-            json.dump(data, out)
-        os.replace(temporary, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
+        writable = select.poll()
+        writable.register(fd, select.POLLOUT)
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(fd, view) :]
+            except BlockingIOError:
+                if not writable.poll(patience * 1000):
+                    raise OSError(errno.ETIMEDOUT, f"a FIFO whose reader took nothing for {patience:g} s",
+                                  path) from None
+    finally:
+        os.close(fd)

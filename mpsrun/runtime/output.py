@@ -166,6 +166,6 @@ def _open_lock(path: str | None) -> int | None:
     if path is None:
         return None
     try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)  # a rank's FIFO: no wait
     except OSError:
         return None

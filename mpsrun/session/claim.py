@@ -17,7 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mpsrun.errors import MPSError
+from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.interrupts import uninterrupted
+from mpsrun.runtime.output import printable
 from mpsrun.runtime.processes import ProcessRef
 from mpsrun.session.paths import SessionDirs, new_session_name, user_root
 from mpsrun.session.reaper import Reaper
@@ -27,15 +29,21 @@ __all__ = ["SessionClaim"]
 
 log = logging.getLogger("mpsrun")
 
+#: Seconds a new session spends at most on what killed earlier runs left (a stale daemon answers quit in
+#: milliseconds).
+STALE_REMOVAL_BUDGET = 1.0
+
 
 def _remove_stale(base: Path) -> None:
-    """Best effort, never waiting: stop and remove what a killed earlier run of this user left."""
+    """Best effort, never waiting long: stop and remove what a killed earlier run of this user left, within
+    STALE_REMOVAL_BUDGET (a rank can plant records by the thousand; what is left waits for ``mpsrun cleanup``)."""
     with contextlib.suppress(Exception):
         if any(os.scandir(user_root(base))):  # nothing there, nothing to read (nor to import)
             from mpsrun.session import registry
 
-            for session_id, what in registry.cleanup(base, lock_timeout=0, remove_kept=False):
-                log.info("mpsrun: stale session %s %s", session_id, what)
+            for session_id, what in registry.cleanup(base, lock_timeout=0, remove_kept=False,
+                                                     deadline=Deadline(STALE_REMOVAL_BUDGET)):
+                log.info("mpsrun: stale session %s %s", printable(session_id), what)
 
 
 def _undo(dirs: SessionDirs | None, reaper: Reaper | None) -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 from mpsrun.errors import ConfigError, MPSError, UnsafeDirectoryError
 from mpsrun.runtime.constants import LOCK_TIMEOUT, TMPDIR_VARIABLE
 from mpsrun.runtime.deadline import Deadline, poll_until
+from mpsrun.runtime.files import read_file
 
 __all__ = [
     "RESERVATION",
@@ -133,9 +134,9 @@ def _checked(fd: int, check: Callable[[], None]) -> int:
 
 
 def _check_writable(fd: int, base: Path) -> None:
+    """One where no directory can be made (permissions, /proc/self) is the machine's refusal, exit 3."""
     if not os.access(f"/proc/self/fd/{fd}", os.W_OK | os.X_OK):
-        raise ConfigError(f"cannot create session directories in {base}: not writable; set MPSRUN_TMPDIR to a "
-                          "writable directory", setting="tmpdir", value=str(base))
+        raise MPSError(f"cannot make a session directory under {base}: not writable; set MPSRUN_TMPDIR elsewhere")
 
 
 _MAX_LINKS = 40  # as the kernel counts them: more is a loop
@@ -279,7 +280,7 @@ def drop_reservation(base: Path, name: str, token: str) -> None:
     died first, or refused)."""
     path = user_root(base) / name
     with contextlib.suppress(OSError):
-        if (path / RESERVATION).read_text() == token:
+        if read_file(path / RESERVATION, len(token)) == token.encode():  # a rank may have planted a FIFO there
             shutil.rmtree(path)
 
 

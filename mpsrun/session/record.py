@@ -20,11 +20,15 @@ from mpsrun.errors import RecordError
 
 if TYPE_CHECKING:  # the daemon's module (subprocess and all) is not needed to read or write a record
     from mpsrun.mps.daemon import ControlDaemon
+from mpsrun.runtime.files import read_file, replace_file
+from mpsrun.runtime.output import printable
 from mpsrun.runtime.processes import ProcessRef
 
-__all__ = ["KINDS", "DaemonRecord", "SessionRecord"]
+__all__ = ["KINDS", "RECORD_READ_LIMIT", "DaemonRecord", "SessionRecord"]
 
 KINDS = ("api", "job", "node")
+#: The largest record read: one names a session's daemons and local rank groups (a few hundred bytes each).
+RECORD_READ_LIMIT = 1 << 24
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,17 +118,17 @@ class SessionRecord:
 
     @classmethod
     def read(cls, path: Path) -> SessionRecord:
+        """The record at ``path``, read as a file a rank may have planted is (no link, FIFO or device; a bound)."""
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(read_file(path, RECORD_READ_LIMIT))
         except (OSError, ValueError, RecursionError) as exc:  # nested deeper than Python parses: not a record
-            raise RecordError(f"cannot read {path}: {exc}") from None
+            raise RecordError(f"cannot read {printable(str(path))}: {_reason(exc)}") from None
         return cls.from_json(data)
 
     def write(self, path: Path) -> None:
-        """Replace the record atomically (a reader never sees half of one)."""
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_json()))
-        tmp.replace(path)
+        """Replace the record atomically (a reader never sees half of one), through a new file of a random name: a
+        rank can plant a FIFO at any name it can guess."""
+        replace_file(path, json.dumps(self.to_json()).encode())
 
     def with_daemon(self, daemon: DaemonRecord) -> SessionRecord:
         return replace(self, daemons=(*self.daemons, daemon))
@@ -137,6 +141,13 @@ class SessionRecord:
 
     def with_launcher(self, launcher: ProcessRef) -> SessionRecord:
         return replace(self, launchers=(*self.launchers, launcher))
+
+
+def _reason(exc: BaseException) -> str:
+    """Why a record could not be read, in words: an OSError's without its file name (said already)."""
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    return printable(str(exc)[:200])
 
 
 def _typed(value: Any, kind: type | tuple[type, ...]) -> Any:

@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mpsrun.config.commandline import OneLineParser
@@ -26,13 +26,50 @@ from mpsrun.exitcodes import ExitCode
 from mpsrun.mps.daemon import CONTROL_EXECUTABLE, find_control_executable
 from mpsrun.runtime.constants import SESSION_DIR_VARIABLE
 from mpsrun.runtime.deadline import Deadline, poll_until
+from mpsrun.runtime.output import printable
+from mpsrun.runtime.processes import ProcessRef
 from mpsrun.session.paths import RESERVATION, base_directory, user_root, user_root_lock
-from mpsrun.session.record import SessionRecord
+from mpsrun.session.record import DaemonRecord, SessionRecord
 
-__all__ = ["SessionState", "cleanup", "list_sessions", "main", "reap"]
+__all__ = ["SessionState", "SessionUsers", "cleanup", "list_sessions", "main", "reap"]
 
 #: A directory without a record is a session still being made for this long.
 _GRACE_WITHOUT_RECORD = 60.0
+
+
+class SessionUsers:
+    """This user's live processes by the session directory they use (their MPS pipe directory, or their
+    MPSRUN_SESSION_DIR, lies in it): what proves that nothing of a session without a record still runs. The process
+    table is scanned once, when first asked, for every directory of one listing: a rank can make thousands of
+    directories without a record."""
+
+    def __init__(self) -> None:
+        self._used: dict[str, set[int]] | None = None
+
+    def of(self, root: Path) -> list[int]:
+        """The processes that use ``root``: it is, or holds, a directory they name."""
+        if self._used is None:
+            self._used = _scan_users()
+        prefix = f"{root}/"
+        return sorted({pid for path, pids in self._used.items() if path == str(root) or path.startswith(prefix)
+                       for pid in pids})
+
+
+def _scan_users() -> dict[str, set[int]]:
+    import psutil  # rarely needed: not imported on every job's path
+
+    used: dict[str, set[int]] = {}
+    for proc in psutil.process_iter(["pid", "uids"]):
+        try:
+            if proc.info["uids"].real != os.getuid() or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            env = proc.environ()
+        except (psutil.Error, AttributeError):
+            continue
+        for name in ("CUDA_MPS_PIPE_DIRECTORY", SESSION_DIR_VARIABLE):
+            if env.get(name):
+                used.setdefault(os.path.normpath(env[name]), set()).add(proc.pid)
+    return used
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +77,7 @@ class SessionState:
     root: Path
     record: SessionRecord | None
     problem: str = ""  # why there is no record
+    users: SessionUsers = field(default_factory=SessionUsers, compare=False, repr=False)
 
     @property
     def session_id(self) -> str:
@@ -53,7 +91,7 @@ class SessionState:
             with contextlib.suppress(OSError):
                 if time.time() - self.root.stat().st_mtime < _GRACE_WITHOUT_RECORD:
                     return True
-            return bool(processes_using(self.root))
+            return bool(self.users.of(self.root))
         return self.record.owner.alive()
 
     @property
@@ -76,31 +114,16 @@ class SessionState:
         return 0.0
 
 
-def read_state(root: Path) -> SessionState:
+def read_state(root: Path, users: SessionUsers | None = None) -> SessionState:
+    """The session at ``root``; ``users``: the scan of the processes that use session directories, shared by the
+    directories of one listing."""
+    users = users or SessionUsers()
     if root.is_symlink():
-        return SessionState(root, None, "a symbolic link, not a session directory")
+        return SessionState(root, None, "a symbolic link, not a session directory", users)
     try:
-        return SessionState(root, SessionRecord.read(root / "session.json"))
+        return SessionState(root, SessionRecord.read(root / "session.json"), users=users)
     except RecordError as exc:
-        return SessionState(root, None, f"unreadable record: {exc}")
-
-
-def processes_using(root: Path) -> list[int]:
-    """This user's live processes whose MPS pipe directory (or session) lies in ``root``: with no readable record,
-    what proves that nothing of the session still runs."""
-    import psutil  # rarely needed: not imported on every job's path
-
-    found = []
-    for proc in psutil.process_iter(["pid", "uids"]):
-        try:
-            if proc.info["uids"].real != os.getuid() or proc.status() == psutil.STATUS_ZOMBIE:
-                continue
-            env = proc.environ()
-        except (psutil.Error, AttributeError):
-            continue
-        if any(str(root) in env.get(name, "") for name in ("CUDA_MPS_PIPE_DIRECTORY", SESSION_DIR_VARIABLE)):
-            found.append(proc.pid)
-    return found
+        return SessionState(root, None, f"unreadable record: {exc}", users)
 
 
 def list_sessions(base: Path | None = None) -> list[SessionState]:
@@ -112,20 +135,44 @@ def list_sessions(base: Path | None = None) -> list[SessionState]:
         entries = sorted(root.iterdir())
     except OSError:  # e.g. a base directory we may not enter: then we have no sessions there
         return []
-    return [read_state(entry) for entry in entries if entry.is_dir() or entry.is_symlink()]
+    users = SessionUsers()
+    return [read_state(entry, users) for entry in entries if entry.is_dir() or entry.is_symlink()]
 
 
-def _stop_daemons(record: SessionRecord) -> int:
+def _ours(process: ProcessRef) -> bool:
+    """Whether ``process`` runs, as this user: a record (which a rank can write) may name anyone's process, and root
+    could signal it."""
+    try:
+        return process.alive() and os.stat(f"/proc/{process.pid}").st_uid == os.getuid()
+    except OSError:
+        return False
+
+
+def _serving(entry: DaemonRecord) -> bool:
+    """Whether the record's daemon runs, as this user, for the record's pipe directory (mpsrun starts each daemon
+    with it in its environment): a record may name any process, and each would cost a quit's timeout."""
+    if not _ours(entry.process):
+        return False
+    try:
+        with open(f"/proc/{entry.process.pid}/environ", "rb") as stream:
+            variables = stream.read().split(b"\0")
+    except OSError:
+        return False
+    return b"CUDA_MPS_PIPE_DIRECTORY=" + os.fsencode(entry.pipe_dir) in variables
+
+
+def _stop_daemons(record: SessionRecord, deadline: Deadline) -> int:
+    """Stop the record's daemons that are this user's, within ``deadline``; how many of them stopped."""
     try:
         executable = find_control_executable()
     except MPSUnavailableError:
         executable = CONTROL_EXECUTABLE
     stopped = 0
     for entry in record.daemons:
-        if entry.process.alive():
+        if _serving(entry):
             with contextlib.suppress(DaemonError):
-                entry.daemon(executable).stop(timeout=5.0, grace=2.0)
-            stopped += 1
+                entry.daemon(executable).stop(timeout=deadline.cap(5.0), grace=deadline.cap(2.0))
+            stopped += not entry.process.alive()
     return stopped
 
 
@@ -138,13 +185,15 @@ def _owned_by(state: SessionState, pid: int) -> bool:
 
 
 def reap(root: Path, force: bool = False, keep_logs: bool | None = None, lock_timeout: float = 60.0,
-         locked: bool = False, owner: int | None = None) -> str | None:
+         locked: bool = False, owner: int | None = None, users: SessionUsers | None = None,
+         deadline: Deadline | None = None) -> str | None:
     """End what a session whose owner is gone left behind, and remove it; what was done, or None.
 
     A live owner's session is left alone unless ``force``; with ``owner``, so is a session that is no
     longer that process's. Runs under the user's lock (taken here unless the caller holds it:
     ``locked``), so the reaper, ``cleanup``, node keepers and new sessions never work on one
-    directory at once.
+    directory at once. ``users``: a listing's scan of the processes that use session directories; ``deadline``:
+    what the daemons' stop may take at most (a stop cut short still signals them).
     """
     lock = contextlib.nullcontext() if locked else user_root_lock(root.parent.parent, lock_timeout)
     with lock:
@@ -153,7 +202,7 @@ def reap(root: Path, force: bool = False, keep_logs: bool | None = None, lock_ti
             return "removed (a symbolic link)"
         if not root.is_dir():
             return None
-        state = read_state(root)
+        state = read_state(root, users)
         if owner is not None and not _owned_by(state, owner):
             return None
         record = state.record
@@ -162,9 +211,10 @@ def reap(root: Path, force: bool = False, keep_logs: bool | None = None, lock_ti
         forced = state.owner_alive
         if forced and not force:
             return None
-        stopped = _stop_daemons(record) if record is not None else 0
+        stopped = _stop_daemons(record, deadline or Deadline(None)) if record is not None else 0
         for group in (*record.ranks, *record.launchers) if record is not None else ():
-            group.signal_group(signal.SIGKILL)
+            if _ours(group):
+                group.signal_group(signal.SIGKILL)
         keep = record.keep_logs if keep_logs is None and record is not None else bool(keep_logs)
         if not keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -173,20 +223,25 @@ def reap(root: Path, force: bool = False, keep_logs: bool | None = None, lock_ti
 
 
 def cleanup(base: Path | None = None, force: Sequence[str] = (), dry_run: bool = False,
-            lock_timeout: float = 60.0, remove_kept: bool = True) -> list[tuple[str, str]]:
+            lock_timeout: float = 60.0, remove_kept: bool = True,
+            deadline: Deadline | None = None) -> list[tuple[str, str]]:
     """Stop and remove stale sessions (and those named in ``force``); return (session, what was done).
 
-    Kept logs are removed only when asked (``mpsrun cleanup``), never by a new session.
+    Kept logs are removed only when asked (``mpsrun cleanup``), never by a new session. With ``deadline``, what is
+    left when it passes is left for later.
     """
     done = []
     for state in list_sessions(base):
+        if deadline is not None and deadline.expired():
+            break
         named = state.session_id in force
         if (not state.stale and not named) or (state.kept and not remove_kept):
             continue
         if dry_run:
             done.append((state.session_id, "would remove"))
             continue
-        what = reap(state.root, force=named, keep_logs=False, lock_timeout=lock_timeout)
+        what = reap(state.root, force=named, keep_logs=False, lock_timeout=lock_timeout, users=state.users,
+                    deadline=deadline)
         if what is not None:
             done.append((state.session_id, what))
     return done
@@ -229,7 +284,8 @@ def _print_status(states: Sequence[SessionState]) -> None:
         daemons = "; ".join(f"{d.process.pid} {'up' if d.process.alive() else 'gone'}" for d in record.daemons) \
             if record else state.problem
         kind = record.kind if record else "?"
-        print(f"{state.session_id:<11} {kind:<5} {owner:<14} {_age(state.age):>7}  {daemons or '-':<28} {state.root}")
+        print(f"{printable(state.session_id):<11} {kind:<5} {owner:<14} {_age(state.age):>7}  "
+              f"{printable(daemons) or '-':<28} {printable(str(state.root))}")
     stale = sum(state.stale and not state.kept for state in states)
     if stale:
         print(f"{stale} stale session(s): run `mpsrun cleanup`")
@@ -261,7 +317,7 @@ def main(argv: Sequence[str], command: str) -> int:
             print(f"mpsrun cleanup: error: {exc}", file=sys.stderr)
             return exc.exit_code
         for session, what in done:
-            print(f"{session}: {what}")
+            print(f"{printable(session)}: {printable(what)}")
         if not done:
             print("mpsrun cleanup: nothing to clean up")
         return ExitCode.OK

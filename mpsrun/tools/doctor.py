@@ -23,6 +23,7 @@ from mpsrun.errors import GPUError, MPSUnavailableError, NoDriverError
 from mpsrun.job import mpiexec as mpi
 from mpsrun.mps import gpus as gpu_info
 from mpsrun.mps.daemon import find_control_executable
+from mpsrun.runtime.output import printable
 
 __all__ = ["gather", "main", "render"]
 
@@ -225,8 +226,8 @@ def render(report: dict[str, Any]) -> str:
         if report["usable"]
         else "mpsrun doctor: MPS cannot be used here: " + "; ".join(report["problems"])
     )
-    lines = [verdict, *(f"{name:<{width}}  {value}" for name, value in rows)]
-    lines += [f"warning: {w}" for w in report["warnings"]]
+    lines = [printable(verdict), *(f"{name:<{width}}  {printable(value)}" for name, value in rows)]
+    lines += [f"warning: {printable(w)}" for w in report["warnings"]]
     return "\n".join(lines)
 
 

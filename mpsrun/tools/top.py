@@ -11,7 +11,8 @@ them to the server, so SM activity is the GPU's.
 
 Live in a terminal (curses; ``q`` or Ctrl-C leaves), refreshed every second; ``--once`` prints one table,
 ``--json`` one snapshot; without a terminal it prints a table every interval. ``JOB``: a session's name or
-its owner's pid (``mpsrun status`` lists them).
+its owner's pid (``mpsrun status`` lists them). One look is :mod:`mpsrun.tools.topsnapshot`'s; this module shows it,
+every line printable (what a rank sets is escaped, never raw), and runs the command.
 """
 
 from __future__ import annotations
@@ -24,225 +25,24 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
-
-import psutil
+from typing import TYPE_CHECKING
 
 from mpsrun.agent.account import cell
 from mpsrun.config.commandline import OneLineParser
-from mpsrun.errors import MPSError
 from mpsrun.exitcodes import ExitCode
-from mpsrun.mps import gpus as gpu_info
-from mpsrun.runtime.files import read_log
-from mpsrun.runtime.processes import ProcessRef
-from mpsrun.session.paths import SessionDirs
-from mpsrun.session.registry import SessionState, list_sessions
+from mpsrun.runtime.output import printable
+from mpsrun.tools.topsnapshot import CPU_WINDOW, GpuRow, JobRow, RankRow, Snapshot, Top
 
-__all__ = ["GpuRow", "RankRow", "Snapshot", "Top", "main", "render"]
+if TYPE_CHECKING:  # imported where the live view starts: a pipe or --once needs no curses
+    import curses
 
-#: Per GPU (by UUID): each process with a context there, its device memory (MiB) and whether it is an MPS client.
-Contexts = dict[str, dict[int, tuple[int, bool]]]
+__all__ = ["GpuRow", "JobRow", "RankRow", "Snapshot", "Top", "main", "render"]
 
-#: The most of a session's usage.json that is read (a job of thousands of ranks writes well under this).
-USAGE_READ_LIMIT = 1 << 22
-
-#: The first look of a process's CPU use measures from this long before the snapshot (psutil needs two).
-CPU_WINDOW = 0.5
-
-
-@dataclass(frozen=True, slots=True)
-class RankRow:
-    """One rank now. ``mps``: an MPS client (None: no CUDA context seen); memory in MiB (``memory``: device memory
-    now, over the rank's processes; ``peak``: the most its job's controller or this view saw); ``limit``: its
-    pinned-memory limit as MPS was given it; ``running``: seconds since it started. A rank on another host of a
-    ``--hosts`` job, as its controller here heard of it, has its host, pid and peak only."""
-
-    job: str
-    rank: int | None
-    host: str
-    pid: int
-    gpu: int | None
-    mps: bool | None
-    memory: int | None
-    peak: int | None
-    limit: str | None
-    threads: int | None
-    cpu: float | None
-    resident: int | None
-    state: str
-    running: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class GpuRow:
-    """One GPU: its SM activity (percent, None where NVML cannot say), device memory used and total (MiB) and the
-    MPS clients on it (of every user and program)."""
-
-    index: int
-    uuid: str
-    sm: int | None
-    used: int
-    total: int
-    clients: int
-
-
-@dataclass(frozen=True, slots=True)
-class JobRow:
-    """One running job (or a node's part of one): its session, kind, owner, command and age in seconds."""
-
-    session: str
-    kind: str
-    owner: int
-    command: list[str]
-    age: float
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    """One look (``time``: seconds since the epoch): the running jobs, their ranks, the GPUs."""
-
-    time: float
-    jobs: list[JobRow]
-    ranks: list[RankRow]
-    gpus: list[GpuRow]
-
-
-class Top:
-    """Looks at this user's jobs; keeps each process between looks (CPU use is measured from one look to the next)
-    and the peaks it has seen. ``job``: one session's name or its owner's pid."""
-
-    def __init__(self, base: Path | None = None, job: str | None = None) -> None:
-        self.base, self.job = base, job
-        self._processes: dict[tuple[int, int | None], psutil.Process] = {}
-        self._peaks: dict[tuple[str, int], int] = {}
-
-    def jobs(self) -> list[SessionState]:
-        """The running jobs (their owner alive), or the one asked for."""
-        return [s for s in list_sessions(self.base) if s.record is not None and s.record.kind in ("job", "node")
-                and s.owner_alive and self.job in (None, s.session_id, str(s.record.owner.pid))]
-
-    def snapshot(self) -> Snapshot:
-        states = self.jobs()
-        gpus = _gpus()
-        contexts = _contexts(gpus)
-        ranks = [row for state in states for row in self._ranks(state, gpus, contexts)]
-        self._forget({(row.pid, row.job, row.rank) for row in ranks})
-        jobs = [JobRow(s.session_id, s.record.kind, s.record.owner.pid, list(s.record.argv), round(s.age, 1))
-                for s in states if s.record is not None]
-        return Snapshot(round(time.time(), 3), jobs, sorted(ranks, key=_order), _gpu_rows(gpus, contexts))
-
-    def _ranks(self, state: SessionState, gpus: list[gpu_info.GPU], contexts: Contexts) -> Iterator[RankRow]:
-        assert state.record is not None
-        published = _published(state.root)
-        here = socket.gethostname()
-        yield from (row for row in published.values() if row.host != here)
-        peaks = {rank: row.peak for rank, row in published.items() if row.host == here and row.peak is not None}
-        for ref in state.record.ranks:
-            process = self._process(ref)
-            if process is None:
-                continue
-            with contextlib.suppress(psutil.Error):
-                yield self._row(state.session_id, process, gpus, contexts, peaks)
-
-    def _forget(self, shown: set[tuple[int, str, int | None]]) -> None:
-        """Drop what is kept of processes and ranks no longer shown (a live view runs for days)."""
-        pids = {pid for pid, _, _ in shown}
-        self._processes = {key: process for key, process in self._processes.items() if key[0] in pids}
-        self._peaks = {key: peak for key, peak in self._peaks.items() if (key[0], key[1]) in
-                       {(job, rank) for _, job, rank in shown}}
-
-    def _process(self, ref: ProcessRef) -> psutil.Process | None:
-        """The live process the record names (a reused pid is another's)."""
-        if not ref.alive():
-            return None
-        key = (ref.pid, ref.start)
-        if key not in self._processes:
-            with contextlib.suppress(psutil.Error):
-                process = psutil.Process(ref.pid)
-                process.cpu_percent()  # the first call starts the measurement
-                self._processes[key] = process
-        return self._processes.get(key)
-
-    def _row(self, job: str, process: psutil.Process, gpus: list[gpu_info.GPU], contexts: Contexts,
-             peaks: dict[int, int]) -> RankRow:
-        env = process.environ()
-        rank = _number(env.get("RANK"))
-        tree = {process.pid, *(child.pid for child in process.children(recursive=True))}
-        seen = [context for on_gpu in contexts.values() for pid, context in on_gpu.items() if pid in tree]
-        memory = sum(used for used, _ in seen) if seen else None
-        peak = max(filter(None, (memory, peaks.get(rank) if rank is not None else None,
-                                 self._peaks.get((job, rank)) if rank is not None else None)), default=None)
-        if rank is not None and peak is not None:
-            self._peaks[(job, rank)] = peak
-        limit = env.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "").partition("=")[2] or None
-        return RankRow(job, rank, socket.gethostname(), process.pid, _gpu_index(env.get("CUDA_VISIBLE_DEVICES"), gpus),
-                       any(mps for _, mps in seen) if seen else None, memory, peak, limit,
-                       _number(env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")), round(process.cpu_percent(), 1),
-                       process.memory_info().rss >> 20, process.status(), round(time.time() - process.create_time(), 1))
-
-
-def _order(row: RankRow) -> tuple[str, int, int]:
-    return row.job, row.rank if row.rank is not None else -1, row.pid
-
-
-def _number(text: str | None) -> int | None:
-    """A whole number from a rank's environment; None for anything else (a rank may set what it likes)."""
-    try:
-        return int(text) if text is not None else None
-    except ValueError:
-        return None
-
-
-def _gpus() -> list[gpu_info.GPU]:
-    with contextlib.suppress(MPSError):
-        return gpu_info.list_gpus()
-    return []
-
-
-def _contexts(gpus: list[gpu_info.GPU]) -> Contexts:
-    """Per GPU, every process with a CUDA context on it: its device memory there (MiB) and whether it is an MPS
-    client."""
-    found: Contexts = {}
-    for gpu in gpus:
-        with contextlib.suppress(MPSError):
-            memory = gpu_info.process_memory(gpu.uuid)
-            found[gpu.uuid] = {pid: (memory.get(pid, 0) >> 20, is_mps)
-                               for pid, is_mps in gpu_info.compute_processes(gpu.uuid).items()}
-    return found
-
-
-def _gpu_index(visible: str | None, gpus: list[gpu_info.GPU]) -> int | None:
-    """The index of the one GPU a rank sees (by the UUID mpsrun gave it); None for several or none."""
-    if not visible or "," in visible:
-        return None
-    return next((gpu.index for gpu in gpus if visible in (gpu.uuid, str(gpu.index))), None)
-
-
-def _gpu_rows(gpus: list[gpu_info.GPU], contexts: Contexts) -> list[GpuRow]:
-    rows = []
-    for gpu in gpus:
-        with contextlib.suppress(MPSError):
-            used = gpu.memory_total - gpu_info.memory_free(gpu.uuid)
-            clients = sum(is_mps for _, is_mps in contexts.get(gpu.uuid, {}).values())
-            rows.append(GpuRow(gpu.index, gpu.uuid, gpu_info.utilization(gpu.uuid), used >> 20, gpu.memory_total >> 20,
-                               clients))
-    return rows
-
-
-def _published(root: Path) -> dict[int, RankRow]:
-    """What a job's controller published (``usage.json``): each rank's host, pid and peak device memory so far, as
-    rows of their own (under ``--hosts`` the ranks of the other hosts are shown from it). A rank can write there too:
-    the file is read as logs are (no symlink, no FIFO, a bounded size), and anything not of the shape is left out."""
-    try:
-        data = json.loads(read_log(SessionDirs(root).usage_file, start=0, last=USAGE_READ_LIMIT))
-        return {int(rank): RankRow(root.name, int(rank), str(item["host"]), int(item["pid"]), None, None, None,
-                                   None if item.get("peak") is None else int(item["peak"]), None, None, None, None,
-                                   "remote", None)
-                for rank, item in data.items()}
-    except (OSError, ValueError, AttributeError, TypeError, KeyError, RecursionError, OverflowError):
-        return {}
+#: The widest cell of the ranks' table, and the most of a job's command line shown (in characters).
+_CELL_MOST, _COMMAND_MOST = 32, 100
 
 
 def _time(seconds: float | None) -> str:
@@ -259,50 +59,73 @@ def _table(header: Sequence[str], rows: list[list[str]]) -> list[str]:
             for row in [list(header), *rows]]
 
 
+def _text(value: object, most: int = _CELL_MOST) -> str:
+    """What a rank, a record or the machine says, for a terminal: escaped where it holds a control character or an
+    escape sequence (never raw), and cut at ``most`` characters (a value of thousands would stretch every row)."""
+    text = printable(cell(value) if not isinstance(value, str) else value)
+    return text if len(text) <= most else text[: most - 3] + "..."
+
+
 def render(snapshot: Snapshot) -> list[str]:
-    """The snapshot as lines: the jobs, a table of ranks, a table of GPUs."""
+    """The snapshot as lines, every one printable (no control character, no escape sequence): the jobs, a table of
+    ranks, a table of GPUs (or a line saying that NVML sees none)."""
     stamp = time.strftime("%H:%M:%S", time.localtime(snapshot.time))
     lines = [f"mpsrun top - {stamp} - {len(snapshot.jobs)} job(s), {len(snapshot.ranks)} rank(s) on "
-             f"{socket.gethostname()}"]
-    lines += [f"  job {job.session} ({job.kind}, pid {job.owner}, {_time(job.age)}): {' '.join(job.command)[:100]}"
-              for job in snapshot.jobs]
-    ranks = [[r.job, cell(r.rank), r.host, str(r.pid), cell(r.gpu), cell(r.mps), cell(r.memory), cell(r.peak),
-              cell(r.limit), cell(r.threads), cell(None if r.cpu is None else round(r.cpu)), cell(r.resident),
-              r.state, _time(r.running)]
+             f"{_text(socket.gethostname())}"]
+    lines += [f"  job {_text(job.session)} ({_text(job.kind)}, pid {job.owner}, {_time(job.age)}): "
+              f"{_text(' '.join(printable(word) for word in job.command), _COMMAND_MOST)}" for job in snapshot.jobs]
+    ranks = [[_text(r.job), _text(r.rank), _text(r.host), str(r.pid), _text(r.gpu), _text(r.mps), _text(r.memory),
+              _text(r.peak), _text(r.limit), _text(r.threads), _text(None if r.cpu is None else round(r.cpu)),
+              _text(r.resident), _text(r.state), _time(r.running)]
              for r in snapshot.ranks]
     lines += ["", *_table(("JOB", "RANK", "HOST", "PID", "GPU", "MPS", "MEM MiB", "PEAK", "LIMIT", "SM %", "CPU %",
                            "RSS MiB", "STATE", "TIME"), ranks)]
-    gpus = [[str(g.index), cell(g.sm), f"{g.used}/{g.total}", str(g.clients)] for g in snapshot.gpus]
-    lines += ["", *_table(("GPU", "SM %", "MEM MiB", "MPS CLIENTS"), gpus)]
-    return lines
+    if not snapshot.gpus:
+        return [*lines, "", "GPU: none that NVML can see"]
+    gpus = [[str(g.index), _text(g.sm), f"{g.used}/{g.total}", str(g.clients)] for g in snapshot.gpus]
+    return [*lines, "", *_table(("GPU", "SM %", "MEM MiB", "MPS CLIENTS"), gpus)]
 
 
 def _live(top: Top, interval: float) -> bool:
     """Refresh in the terminal until ``q`` or Ctrl-C; False where curses cannot draw on it (no terminfo for its
-    ``TERM``, or no curses in this Python)."""
+    ``TERM``, or no curses in this Python). Once it draws, it never falls back to printing: a line or a terminal
+    curses cannot draw all of is drawn in part."""
     try:
         import curses
     except ImportError:
         return False
+    drawn = False
 
     def show(screen: curses.window) -> None:
+        nonlocal drawn
+        drawn = True
         with contextlib.suppress(curses.error):  # a terminal that cannot hide its cursor
             curses.curs_set(0)
         screen.timeout(int(interval * 1000))
         while True:
-            screen.erase()
-            height, width = screen.getmaxyx()
-            for row, line in enumerate([*render(top.snapshot()), "", "q: quit"][: height - 1]):
-                screen.addnstr(row, 0, line, width - 1)
-            screen.refresh()
+            _draw(screen, [*render(top.snapshot()), "", "q: quit"])
             if screen.getch() in (ord("q"), ord("Q")):
                 return
 
     try:
         curses.wrapper(show)
     except curses.error:
-        return False
+        return drawn
     return True
+
+
+def _draw(screen: curses.window, lines: list[str]) -> None:
+    """``lines`` (printable: render made them so) on the screen, each cut at its width and as many as its height
+    holds; what curses cannot draw (the last cell of a tiny terminal, a wide character at the edge) is left out."""
+    import curses
+
+    screen.erase()
+    height, width = screen.getmaxyx()
+    for row, line in enumerate(lines[: max(height - 1, 0)]):
+        with contextlib.suppress(curses.error):
+            screen.addnstr(row, 0, line, max(width - 1, 0))
+    with contextlib.suppress(curses.error):
+        screen.refresh()
 
 
 def _snapshots(top: Top, interval: float) -> None:
@@ -346,7 +169,7 @@ def main(argv: Sequence[str]) -> int:
         if args.once and not top.jobs():
             print(f"mpsrun top: no running mpsrun job of yours on {socket.gethostname()}")
         elif args.once or args.json:
-            top.snapshot()  # the first look starts each process's CPU measurement
+            top.prime()  # starts each rank's CPU measurement
             time.sleep(CPU_WINDOW)
             snapshot = top.snapshot()
             print(json.dumps(asdict(snapshot), indent=1) if args.json else "\n".join(render(snapshot)))

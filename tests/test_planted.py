@@ -1,0 +1,261 @@
+"""What a rank can plant (issue 49): every rank knows MPSRUN_SESSION_DIR, so it can make FIFOs, links to /dev/zero,
+device nodes and files of any size anywhere in its user's session root. Whatever it plants, no later command of the
+user waits past its deadline, reads without bound, or ends in a traceback. With the fake GPU; every command runs with
+a timeout and under a memory limit, so a regression fails here instead of hanging the suite."""
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import MPSRUN, mpiexec, settle
+
+pytestmark = pytest.mark.mpiexec
+
+_MPS_SESSION = "from mpsrun import mps_session\nwith mps_session(gpu=0):\n    pass\n"
+
+#: Each command a user runs after a rank planted something, with what it must exit with.
+COMMANDS = {
+    "job": ([*MPSRUN, "--timeout", "10", "-np", "1", "--launcher", "local", "true"], 0),
+    "mps_session": ([sys.executable, "-c", _MPS_SESSION], 0),
+    "status": ([*MPSRUN, "status"], 0),
+    "status --json": ([*MPSRUN, "status", "--json"], 0),
+    "top --once": ([*MPSRUN, "top", "--once"], 0),
+    "top --json": ([*MPSRUN, "top", "--json"], 0),
+    "cleanup": ([*MPSRUN, "cleanup"], 0),
+}
+
+
+def limited_memory() -> None:
+    """In the child: a read without bound fails at 2 GiB instead of eating the machine's memory."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+
+def bounded(argv: list[str], timeout: float = 30, **kwargs) -> subprocess.CompletedProcess:
+    """``argv`` to its end, or the test fails (it would have hung): its output as text."""
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, preexec_fn=limited_memory,
+                              **kwargs)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{' '.join(argv)[-200:]} still ran after {timeout} s", pytrace=False)
+
+
+def plant(where: Path, name: str) -> list[str]:
+    """At ``where/name``: a FIFO in ``fifo/``, a link to /dev/zero in ``link/`` and, where this user may make one,
+    a device node (/dev/zero's) in ``node/``; the directories made, as a rank makes them (the FIFO is met first)."""
+    kinds = ["fifo", "link", "node"]
+    where.mkdir(mode=0o700, exist_ok=True)
+    for kind in kinds:
+        (where / kind).mkdir(mode=0o700)
+    os.mkfifo(where / "fifo" / name)
+    os.symlink("/dev/zero", where / "link" / name)
+    try:
+        os.mknod(where / "node" / name, stat.S_IFCHR | 0o600, os.makedev(1, 5))
+    except OSError:  # not root, or a file system mounted nodev
+        shutil.rmtree(where / "node")
+        kinds.remove("node")
+    return kinds
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_record_planted_under_the_session_root_stops_no_command(fake_gpu, command):
+    """A FIFO, a link to /dev/zero and a device node, each as session.json of a directory under the user's session
+    root (where a rank makes them in one line): every later command (a job, mps_session(), status, top, cleanup) ends
+    with its own exit code, no traceback and no runaway read. SessionRecord.read opened the FIFO and waited for ever
+    (the job before its --timeout existed, and cleanup, the remedy, too), and read /dev/zero until memory ran out."""
+    root = fake_gpu.tmpdir / f"mpsrun-{os.getuid()}"
+    kinds = plant(root, "session.json")
+    try:
+        argv, code = COMMANDS[command]
+        out = bounded(argv)
+        listed = json.loads(out.stdout) if command == "status --json" else None
+    finally:
+        for kind in kinds:
+            shutil.rmtree(root / kind)
+    assert out.returncode == code and "Traceback" not in out.stderr, (out.returncode, out.stderr[-2000:])
+    if listed is not None:  # each named once, as a session that cannot be read
+        assert sorted(s["session"] for s in listed if s["problem"]) == sorted(kinds), listed
+        assert all("not a regular file" in s["problem"] for s in listed), listed
+    settle(fake_gpu)
+
+
+def test_a_fifo_planted_at_the_records_old_temporary_name_stops_no_job(fake_gpu, short_tmp):
+    """A FIFO at $MPSRUN_SESSION_DIR/session.json.tmp, the fixed name the record was written through, planted before
+    the ranks start (here by the job's mpiexec, a wrapper that plants it and then runs the real one; a rank of a large
+    job does the same): the record's next write (the ranks' start) must not wait on it. mpsrun blocked in the FIFO's
+    open, past --timeout and SIGTERM; the job must end as it would have (exit 0), its directory removed."""
+    wrapper = short_tmp / "mpiexec"
+    wrapper.write_text(f"#!{sys.executable}\nimport os, sys\n"
+                       "os.mkfifo(os.path.join(os.path.dirname(os.environ['MPSRUN_CONTROL'].partition(':')[2]), 'session.json.tmp'))\n"
+                       f"os.execv({mpiexec()!r}, [{mpiexec()!r}, *sys.argv[1:]])\n")
+    wrapper.chmod(0o700)
+    out = bounded([*MPSRUN, "--timeout", "20", "-np", "2", "--launcher", "mpiexec", "--mpiexec", str(wrapper),
+                   "true"], timeout=60)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, (out.returncode, out.stderr[-2000:])
+    settle(fake_gpu)
+
+
+def test_a_file_larger_than_its_bound_is_not_read(tmp_path):
+    """read_file reads a regular file whole up to its bound, and refuses a larger one (EFBIG) rather than read a part
+    or all of it: a rank can make its session's record as large as the disk allows."""
+    from mpsrun.runtime.files import read_file
+
+    (tmp_path / "small").write_bytes(b"x" * 10)
+    (tmp_path / "large").write_bytes(b"x" * 11)
+    with pytest.raises(OSError, match="larger than 10 bytes"):
+        read_file(tmp_path / "large", 10)
+    assert read_file(tmp_path / "small", 10) == b"x" * 10
+
+
+def test_a_write_replaces_what_was_planted_at_its_name(tmp_path):
+    """replace_file puts a new file at a name where a FIFO or a link was planted, never opening the FIFO (which would
+    wait for a reader) nor writing through the link, and leaves no temporary file beside it."""
+    from mpsrun.runtime.files import replace_file
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "elsewhere").write_text("kept")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "link")
+    for name in ("fifo", "link"):
+        replace_file(tmp_path / name, b"new")
+        assert (tmp_path / name).read_bytes() == b"new" and not (tmp_path / name).is_symlink()
+    assert (tmp_path / "elsewhere").read_text() == "kept" and sorted(os.listdir(tmp_path)) == ["elsewhere", "fifo",
+                                                                                               "link"]
+
+
+def stale_record(fake_gpu, name: str, daemons: list[int] = (), ranks: list[int] = (), argv: list[str] = ()) -> Path:
+    """A session directory ``name`` whose record, as a rank can write one, has an owner that is gone and names the
+    processes ``daemons`` and ``ranks`` (pids) as its daemons and rank groups."""
+    from mpsrun.runtime.processes import ProcessRef
+
+    session = fake_gpu.tmpdir / f"mpsrun-{os.getuid()}" / name
+    session.parent.mkdir(mode=0o700, exist_ok=True)
+    session.mkdir(mode=0o700)
+    record = {"kind": "job", "owner": {"pid": 1 << 30, "start": 1}, "uid": os.getuid(), "started": 0, "argv": argv,
+              "daemons": [{"gpu": fake_gpu.uuids[0], "process": ProcessRef.of(pid)._asdict(),
+                           "pipe_dir": str(session / "gpu0" / "pipe"), "log_dir": str(session / "gpu0" / "log")}
+                          for pid in daemons],
+              "ranks": [ProcessRef.of(pid)._asdict() for pid in ranks]}
+    (session / "session.json").write_text(json.dumps(record))
+    return session
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="a process of another user is made as root")
+def test_cleanup_never_stops_another_users_process_a_record_names(fake_gpu):
+    """A stale record (a rank can write one) naming another user's processes as its daemon and its rank group:
+    cleanup removes the session, stops neither process, and says `0 daemon(s) stopped`. Run as root, it SIGTERMed
+    the other user's process group and said `1 daemon(s) stopped` (it counted every live daemon it tried)."""
+    def as_another_user() -> None:
+        os.setgid(65533)
+        os.setuid(65533)
+
+    others = [subprocess.Popen(["sleep", "60"], preexec_fn=as_another_user, start_new_session=True) for _ in range(2)]
+    try:
+        stale_record(fake_gpu, "sother", daemons=[others[0].pid], ranks=[others[1].pid])
+        out = bounded([*MPSRUN, "cleanup"])
+        alive = [process.poll() is None for process in others]
+    finally:
+        for process in others:
+            process.kill()
+            process.wait()
+    assert out.returncode == 0 and out.stdout.startswith("sother: removed (owner"), out
+    assert "0 daemon(s) stopped" in out.stdout and alive == [True, True], (out.stdout, alive)
+    settle(fake_gpu)
+
+
+def test_cleanup_prints_a_planted_sessions_name_escaped(fake_gpu):
+    """A stale session directory whose name holds an escape sequence (a rank can make one in its user's session
+    root): cleanup removes it and names it escaped, never raw."""
+    stale_record(fake_gpu, "s\x1b]0;PWNED\x07")
+    out = bounded([*MPSRUN, "cleanup"])
+    assert out.returncode == 0 and out.stdout.startswith("'s\\x1b]0;PWNED\\x07': removed"), out
+    assert "\x1b" not in out.stdout and "\x07" not in out.stdout
+    settle(fake_gpu)
+
+
+def test_directories_without_a_record_cost_one_scan_of_the_processes(fake_gpu, monkeypatch):
+    """Directories without a record, older than a session takes to be made, are stale unless a process of the user
+    uses them (its MPS pipe directory or MPSRUN_SESSION_DIR lies in one). Listing them scans the process table once,
+    not once per directory and question (a rank can make thousands: 300 took status 28 s, a job 36 s past its
+    --timeout 5), and a path that merely begins with a directory's name (sab, for sa) does not keep it."""
+    import psutil
+
+    from mpsrun.session import registry
+
+    root = fake_gpu.tmpdir / f"mpsrun-{os.getuid()}"
+    root.mkdir(mode=0o700)
+    for name in ("sa", "sab"):
+        (root / name).mkdir(mode=0o700)
+        os.utime(root / name, (1, 1))
+    user = subprocess.Popen(["sleep", "60"], env={**os.environ, "MPSRUN_SESSION_DIR": str(root / "sab")})
+    scans = []
+    real = psutil.process_iter
+    monkeypatch.setattr(psutil, "process_iter", lambda *a, **k: scans.append(1) or real(*a, **k))
+    try:
+        states = {state.session_id: state for state in registry.list_sessions(fake_gpu.tmpdir)}
+        stale = {name: (state.stale, state.stale, state.kept) for name, state in states.items()}
+    finally:
+        user.kill()
+        user.wait()
+        for name in ("sa", "sab"):
+            (root / name).rmdir()
+    assert stale == {"sa": (True, True, False), "sab": (False, False, False)} and len(scans) == 1, (stale, scans)
+
+
+def _pretending(session: Path, answers: bool) -> subprocess.Popen:
+    """A process of this user that a planted record names as a daemon: ``answers``: with the record's pipe directory
+    in its environment (as mpsrun starts a daemon), ignoring SIGTERM (as a daemon that will not stop)."""
+    code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)\n"
+    env = {**os.environ, **({"CUDA_MPS_PIPE_DIRECTORY": str(session / "gpu0" / "pipe")} if answers else {})}
+    return subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True)
+
+
+@pytest.mark.parametrize("named", ["any process", "a daemon that will not stop"])
+def test_records_naming_processes_as_daemons_do_not_hold_a_job_past_its_timeout(fake_gpu, named):
+    """Five stale records (a rank can write them) naming a live process of the user as their daemon: a new job
+    spends at most a second on what earlier runs left before it starts, so it ends well within --timeout (exit 0),
+    and a process that was never a daemon of the record (no such pipe directory in its environment) is not signalled.
+    Each such record cost the job a quit's timeout and two graces (20 took 3 minutes under --timeout 5), and the job's
+    start signalled whatever process the record named."""
+    sessions = [stale_record(fake_gpu, f"sdaemon{i}") for i in range(5)]
+    processes = [_pretending(session, named != "any process") for session in sessions]
+    try:
+        for session, process in zip(sessions, processes, strict=True):
+            stale_record_daemon(session, process.pid)
+        out = bounded([*MPSRUN, "--timeout", "20", "-np", "1", "--launcher", "local", "true"], timeout=60)
+        untouched = [process.poll() is None for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+        for session in sessions:
+            shutil.rmtree(session, ignore_errors=True)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    if named == "any process":
+        assert all(untouched), untouched
+    settle(fake_gpu)
+
+
+def stale_record_daemon(session: Path, pid: int) -> None:
+    """Name process ``pid`` as the daemon of the stale record at ``session``."""
+    from mpsrun.runtime.processes import ProcessRef
+
+    record = json.loads((session / "session.json").read_text())
+    record["daemons"] = [{"gpu": "GPU-0", "process": ProcessRef.of(pid)._asdict(),
+                          "pipe_dir": str(session / "gpu0" / "pipe"), "log_dir": str(session / "gpu0" / "log")}]
+    (session / "session.json").write_text(json.dumps(record))
+
+
+def test_a_fifo_planted_as_the_output_lock_keeps_no_supervisor_waiting(short_tmp):
+    """A rank can replace its session's output.lock (which the local launcher's supervisors open as they start their
+    ranks) with a FIFO: a supervisor opens it without waiting for a writer. Supervisors that started after rank 0
+    planted one (-np 150) waited in the open for ever, and the job ran into its --timeout, 15 s past it."""
+    os.mkfifo(short_tmp / "output.lock")
+    code = "import sys\nfrom mpsrun.runtime.output import _open_lock\nprint(_open_lock(sys.argv[1]) is not None)\n"
+    out = bounded([sys.executable, "-c", code, str(short_tmp / "output.lock")], timeout=30)
+    assert out.returncode == 0 and out.stdout == "True\n", out
