@@ -15,19 +15,14 @@ import logging
 import signal
 import socket
 from collections.abc import Callable, Iterable, Mapping
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from mpsrun.agent.account import RankAccount
-from mpsrun.agent.findings import shared_memory_hint
 from mpsrun.agent.outcome import Policy, RankEnd, ranges
 from mpsrun.agent.ranks import Doorway, RankState
-from mpsrun.agent.welcome import mpi4py_abort, welcome
 from mpsrun.config.options import JobConfig, differing_options
 from mpsrun.errors import ConfigError, DaemonError, DaemonTimeoutError, JobTimeoutError, MPSError
 from mpsrun.exitcodes import ExitCode, Outcome, exit_code
 from mpsrun.mps.placement import NodePlan, RankPlan, without_mps
-from mpsrun.mps.usage import UsageSampler
-from mpsrun.mps.watch import Finding, RankWatch, with_descendants
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import DAEMON_START_TIMEOUT, KILL_WAIT
 from mpsrun.runtime.deadline import Deadline
@@ -51,6 +46,15 @@ from mpsrun.runtime.protocol import (
 )
 from mpsrun.session.claim import SessionClaim
 from mpsrun.session.session import Session
+
+if TYPE_CHECKING:  # imported as the daemons start (the command's AFTER_START), or where first needed
+    from mpsrun.agent.account import RankAccount
+    from mpsrun.mps.usage import UsageSampler
+    from mpsrun.mps.watch import Finding, RankWatch
+
+#: What a started agent uses: imported while the daemons come up, not before them on every job's path.
+AFTER_START = ("hmac", "mpsrun.agent.account", "mpsrun.agent.findings", "mpsrun.agent.welcome", "mpsrun.mps.usage",
+               "mpsrun.mps.watch")
 
 __all__ = ["Agent", "ServerCue", "Top", "Welcoming"]
 
@@ -119,17 +123,18 @@ class ServerCue:
 
 
 class Agent:
-    """One node's part of a job. Built, it holds the node's claim (``claim``: its directory, made already) and
-    listens in it for ranks that show ``token``; :meth:`start` plans the ranks and starts the daemons; the owner of
-    ``loop`` runs it; :meth:`close` ends the session. ``local_size`` and ``world_size``: the node's and the job's
-    ranks, where known; ``deadline``: the job's ``--timeout``; ``closing``: under --per-node, the node's end before
-    its last rank's verdict (None while ranks are still awaited; the last rank then waits for the agent's process to
-    end); ``server_after``: when to ask for each MPS server after the last rank started (None: its first client
-    starts it)."""
+    """One node's part of a job. Built, it holds the node's claim (``claim``: its directory, made already) and the
+    ``listener`` in it, where ranks that show ``token`` join; :meth:`start` plans the ranks and starts the daemons;
+    the owner of ``loop`` runs it; :meth:`close` ends the session. ``local_size`` and ``world_size``: the node's and
+    the job's ranks, where known; ``deadline``: the job's ``--timeout``; ``closing``: under --per-node, the node's end
+    before its last rank's verdict (None while ranks are still awaited; the last rank then waits for the agent's
+    process to end); ``server_after``: when to ask for each MPS server after the last rank started (None: its first
+    client starts it)."""
 
-    def __init__(self, config: JobConfig, loop: EventLoop, top: Top, claim: SessionClaim, deadline: Deadline,
-                 token: str, *, welcoming: Welcoming, local_size: int | None, world_size: int | None,
-                 server_after: float | None = None, closing: Callable[[], list[str] | None] | None = None) -> None:
+    def __init__(self, config: JobConfig, loop: EventLoop, top: Top, claim: SessionClaim, listener: Listener,
+                 token: str, deadline: Deadline, *, welcoming: Welcoming, local_size: int | None,
+                 world_size: int | None, server_after: float | None = None,
+                 closing: Callable[[], list[str] | None] | None = None) -> None:
         self.config, self.loop, self.top, self.deadline = config, loop, top, deadline
         self.welcoming, self.local_size, self.world_size = welcoming, local_size, world_size
         self.host = socket.gethostname()
@@ -137,12 +142,7 @@ class Agent:
                                keep_logs=config.keep_logs, export=False, gpu_bind=config.gpu_bind,
                                start_timeout=max(0.1, deadline.cap(DAEMON_START_TIMEOUT)), claim=claim)
         assert claim.dirs is not None
-        self.dirs = claim.dirs
-        try:
-            self.listener = Listener(f"unix:{self.dirs.control_socket}")
-        except BaseException:
-            self.session.close()
-            raise
+        self.dirs, self.listener = claim.dirs, listener
         self.doorway = Doorway(loop, self.listener, token, self._hello, self._message, self._lost)
         self.ranks: dict[int, RankState] = {}
         self.plan: NodePlan | None = None
@@ -187,6 +187,9 @@ class Agent:
                                       f"({exc})", timeout=self.config.timeout or 0.0) from None
             raise
         self.policy = Policy.for_job(self.config, self.deadline)  # with what the start left of --timeout
+        from mpsrun.mps.usage import UsageSampler
+        from mpsrun.mps.watch import RankWatch
+
         if session.enabled:
             self.watch = RankWatch(session.watcher(), self.policy.mps_required)
         if session.gpus:
@@ -260,6 +263,8 @@ class Agent:
 
     def accounts(self, first: int | None = None) -> list[RankAccount]:
         """Every rank's account, by rank (``first``: the rank whose failure decided the job)."""
+        from mpsrun.agent.account import RankAccount
+
         return [RankAccount.of(self.ended(state), state.end.what(rank == first))
                 for rank, state in sorted(self.ranks.items()) if state.end is not None]
 
@@ -325,6 +330,8 @@ class Agent:
                                          local_world_size=identity.local_world_size or n)
         one_node = identity.world_size is not None and identity.world_size == self.local_size
         notices = self.notices() if rules.notices and not self.ranks and not self.config.quiet else []
+        from mpsrun.agent.welcome import mpi4py_abort, welcome
+
         return welcome(identity, plan, self.session.target, mpi4py_abort(self.config.mpi4py_abort),
                        session_dir=str(self.dirs.root), output_lock=self._output_lock, callers=rules.callers,
                        extra=rules.extra if one_node else None, lines=notices)
@@ -385,6 +392,8 @@ class Agent:
                 self._finding(finding)
             if end.returncode is not None and not end.reason and state.plan is not None \
                     and state.plan.unlimited_sharing:
+                from mpsrun.agent.findings import shared_memory_hint
+
                 end = end._replace(reason=shared_memory_hint(self.session, state.plan.gpu, state.plan.sharers or 1))
         state.end = end
         self.settle_watch()  # its MPS membership as the logs say it by now, for its account
@@ -449,6 +458,8 @@ class Agent:
         if self.watch is None or self._detached:
             return
         self._detached = True
+        from mpsrun.mps.watch import with_descendants
+
         try:
             if detached := self.session.detach_clients(list(with_descendants(self.pids()))):
                 log.info(f"mpsrun: detached {len(detached)} rank process(es) from MPS before stopping them: their "
@@ -489,6 +500,8 @@ class Agent:
         session's directory, for ``mpsrun top``."""
         if self.usage is None or self.stopping is not None or not self.doorway.open:
             return
+        from mpsrun.mps.watch import with_descendants
+
         pids = self.pids()
         if pids and self.usage.sample(with_descendants(pids)):
             peaks = self.usage.peaks

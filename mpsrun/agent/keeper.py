@@ -148,8 +148,8 @@ class Keeper:
     """A node's agent, the ranks it awaits, and who decides for it: the job's command above (``link``, under
     --hosts) or the node itself. Made by :meth:`open`."""
 
-    def __init__(self, request: KeeperRequest, config: JobConfig, claim: SessionClaim, link: Link | None,
-                 starter_pipe: int) -> None:
+    def __init__(self, request: KeeperRequest, config: JobConfig, claim: SessionClaim, listener: Listener,
+                 link: Link | None, starter_pipe: int) -> None:
         self.request, self.config = request, config
         self.closed = False
         self.began = time.time()  # what MPI leaves on the node since then is the job's (mpsrun.session.leftovers)
@@ -162,7 +162,7 @@ class Keeper:
         one_node = rendezvous("127.0.0.1", free_port(), os.environ)  # for a job of this node only
         welcoming = Welcoming(settings=json.dumps(config.settings(), sort_keys=True), devices=request.devices,
                               extra=one_node, notices=True)
-        self.agent = Agent(config, loop, top, claim, deadline, request.name, welcoming=welcoming,
+        self.agent = Agent(config, loop, top, claim, listener, request.name, deadline, welcoming=welcoming,
                            local_size=request.local_size, world_size=request.world_size, closing=self.closing)
         launcher = ProcessRef(*request.launcher) if request.launcher else None
         self.arrivals = Arrivals(loop, self.agent, request.local_size, request.starter, starter_pipe, launcher)
@@ -174,23 +174,27 @@ class Keeper:
         config = JobConfig.from_json(request.config)
         ensure_descriptors(request.local_size or 1)
         claim = SessionClaim.make(Path(request.base), "node", request.name, config.keep_logs, reserved=True)
-        link = None
+        assert claim.dirs is not None
         try:
-            link = join_command(request.upstream, request.token) if request.upstream else None
-            keeper = cls(request, config, claim, link, starter_pipe)
+            listener = Listener(f"unix:{claim.dirs.control_socket}")  # the node's other ranks connect and wait
         except BaseException:
             claim.release()
-            if link is not None:
-                link.close()
             raise
+        keeper = link = None
         try:
+            link = join_command(request.upstream, request.token) if request.upstream else None
+            keeper = cls(request, config, claim, listener, link, starter_pipe)
             keeper.agent.start()
         except BaseException as exc:  # the node's ranks that wait hear why, and start no keeper of their own
             code, why = failure_answer(exc)  # heard: whether the rank that started us gets it too
-            turn_away(keeper.agent.listener, Path(request.base),
-                      Refusal(code, why, failed=True, heard=_starter_listens()))
-            with contextlib.suppress(MPSError):
-                keeper.agent.close()
+            turn_away(listener, Path(request.base), Refusal(code, why, failed=True, heard=_starter_listens()))
+            if keeper is not None:
+                with contextlib.suppress(MPSError):
+                    keeper.agent.close()
+            else:
+                if link is not None:
+                    link.close()
+                claim.release()
             raise
         return keeper
 

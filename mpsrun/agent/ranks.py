@@ -7,7 +7,6 @@ may send long lines. A :class:`RankState` is one rank as its agent knows it.
 from __future__ import annotations
 
 import contextlib
-import hmac
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -27,6 +26,8 @@ __all__ = ["Doorway", "RankState", "refuse_newcomer", "token_matches"]
 
 def token_matches(offered: object, token: str) -> bool:
     """The token a peer offered is the job's (compared in constant time)."""
+    import hmac  # (OpenSSL's): imported as the daemons start, not before them on every job's path
+
     return isinstance(offered, str) and hmac.compare_digest(offered.encode(), token.encode())
 
 

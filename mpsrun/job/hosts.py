@@ -34,7 +34,6 @@ from mpsrun.runtime.protocol import (
     SignalRanks,
     Started,
     Stop,
-    new_token,
 )
 
 __all__ = ["HostAgents", "listen_address", "unheard"]
@@ -78,16 +77,15 @@ def _loopback(host: str) -> bool:
 
 
 class HostAgents:
-    """The agents of ``hosts``, joining on a TCP listener guarded by the job's token; their events go to ``top``
+    """The hosts' agents, joining on ``listener`` (TCP) with the job's ``token``; their events go to ``top``
     (which also hears :meth:`closed` when the last link ends); each rank's host, pid and peak device memory are
     published in ``usage_file`` for ``mpsrun top`` on this host; ``closed``: the last agent has closed, or they are
     given up."""
 
-    def __init__(self, loop: EventLoop, hosts: Sequence[str], top: Top, usage_file: Path,
+    def __init__(self, loop: EventLoop, listener: Listener, token: str, top: Top, usage_file: Path,
                  closed: Callable[[], None]) -> None:
-        self.loop, self.top, self.usage_file, self._closed = loop, top, usage_file, closed
-        self.listener = Listener(f"tcp:{listen_address(hosts)}")
-        self.doorway = Doorway(loop, self.listener, new_token(), self._hello, self._message, self._lost)
+        self.loop, self.listener, self.top, self.usage_file, self._closed = loop, listener, top, usage_file, closed
+        self.doorway = Doorway(loop, listener, token, self._hello, self._message, self._lost)
         self.links: dict[Link, str] = {}  # each open agent's link, and its host
         self.heard: set[str] = set()  # the hosts whose agents said hello
         self.where: dict[int, tuple[Link, str, int]] = {}  # each started rank's agent, host and pid
@@ -101,6 +99,10 @@ class HostAgents:
     def done(self) -> bool:
         """Every agent has closed (its session is gone), or is late."""
         return not self.links or self.overdue
+
+    def unheard(self, hosts: Sequence[str]) -> list[str]:
+        """Of ``hosts``, those from which no agent came."""
+        return unheard(hosts, self.heard)
 
     def stop(self, sig: int, exit_code: int | None) -> None:
         """Every agent stops its ranks with ``sig``; ``exit_code``: the job's, once it failed."""

@@ -11,27 +11,23 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 import os
 import signal
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from mpsrun.agent.account import RankAccount, Report, accounted, to_say
-from mpsrun.agent.agent import Agent, Welcoming
 from mpsrun.agent.decision import Decision
-from mpsrun.agent.findings import crowding_warnings, mps_report, placement_line, verified_line
 from mpsrun.agent.outcome import JobResult, Policy, RankEnd, ranges
-from mpsrun.agent.welcome import callers_values, free_port, rendezvous
 from mpsrun.config import values
 from mpsrun.config.options import JobConfig
 from mpsrun.errors import CommandNotExecutableError, CommandNotFoundError, InterruptionError, MPSError
 from mpsrun.exitcodes import Cause, ExitCode, describe_returncode
 from mpsrun.job.backends import Backend, choose_backend
-from mpsrun.job.hosts import HostAgents, unheard
 from mpsrun.job.launch import Launched, Launchers, LaunchSpec
 from mpsrun.mps import gpus
-from mpsrun.mps.placement import ranks_on_gpus
 from mpsrun.runtime.constants import (
     ABANDON_WAIT,
     CONTROL_VARIABLE,
@@ -49,10 +45,15 @@ from mpsrun.runtime.interrupts import Interrupts, uninterrupted
 from mpsrun.runtime.loop import EventLoop
 from mpsrun.runtime.output import say
 from mpsrun.runtime.processes import ensure_descriptors, find_program
-from mpsrun.runtime.protocol import Ended, Started, new_token
+from mpsrun.runtime.protocol import Ended, Listener, Started, new_token
 from mpsrun.session import leftovers
 from mpsrun.session.claim import SessionClaim
 from mpsrun.session.paths import session_base
+
+if TYPE_CHECKING:  # imported once mpiexec has started ahead, as the daemons start, or only for --hosts
+    from mpsrun.agent.account import RankAccount
+    from mpsrun.agent.agent import Agent
+    from mpsrun.job.hosts import HostAgents
 
 __all__ = ["run_job"]
 
@@ -87,6 +88,7 @@ class Job:
         self.deadline = Deadline(config.timeout)  # --timeout bounds the whole job, start-up included
         self.expected = range(config.ranks)
         self.loop = EventLoop()
+        self.token = new_token()  # what every rank's supervisor (or host's agent) shows when it joins
         self.launchers = Launchers(self.loop, self._launcher_exited, self._launch_failed)
         self.decision = Decision(self.loop, stop=self._stop, kill=self._kill, say=note, running=self._running,
                                  started=self._rank_started, ended=self._rank_ended)
@@ -115,48 +117,66 @@ class Job:
             log.warning("mpsrun: warning: --mpiexec and --mpiexec-arg have no effect with --launcher local")
         with Interrupts() as interrupts, gpus.nvml_kept():  # NVML, once initialised, kept for the job
             claim: SessionClaim | None = None
+            listener: Listener | None = None
             try:
                 if backend.owns_daemons:
                     gpus.read_ahead()  # by a child, while the directory, the socket and mpiexec's start are made
                 # Every job has a record and a reaper (under --hosts for its mpiexec alone: each host's node keeper
                 # owns that host's session), so a job killed outright takes what it started along.
                 claim = SessionClaim.make(session_base(None), "job", keep_logs=config.keep_logs)
-                env = self._open(backend, claim)
-                record = self.agent.session.add_launcher if self.agent is not None else claim.add_launcher
-                claim = claim if self.agent is None else None  # else the agent's: its session releases it
-                self._start(backend, backend.specs(config, program, env), interrupts, record)
+                listener = self._listen(backend, claim)
+                specs = backend.specs(config, program, self._environment(listener))
+                if backend.head_start:
+                    self._launch_ahead(specs[0], claim.add_launcher)
+                self._open(backend, claim, listener)
+                listener, claim = None, claim if self.agent is None else None  # the agent's (its session's), else
+                self._start(backend, specs, interrupts)  # listener: the hosts' agents'
                 self._say_end()
             finally:  # from here on a signal is only remembered, NVML's shutdown at the block's end included
                 interrupts.defer_to_the_end()
                 gpus.drop_read_ahead()
-                teardown = self._close(claim)
+                teardown = self._close(claim, listener)
         return self._result(teardown, interrupts.received[0] if interrupts.received else self.decision.late_signal)
 
-    def _open(self, backend: Backend, claim: SessionClaim) -> dict[str, str]:
-        """Where the ranks join (this node's agent; under --hosts the hosts' agents join here), and the environment
-        every rank's supervisor starts with."""
-        config = self.config
-        hosts = values.host_names(config.hosts, config.hostfile)
+    def _listen(self, backend: Backend, claim: SessionClaim) -> Listener:
+        """Where the ranks join: this node's agent's socket in the session's directory, or under --hosts a TCP port
+        the hosts' agents reach, on this host's address toward them."""
         if backend.owns_daemons:
-            self.agent = Agent(config, self.loop, self.decision, claim, self.deadline, new_token(),
+            assert claim.dirs is not None
+            return Listener(f"unix:{claim.dirs.control_socket}")
+        from mpsrun.job.hosts import listen_address
+
+        return Listener(f"tcp:{listen_address(values.host_names(self.config.hosts, self.config.hostfile))}")
+
+    def _environment(self, listener: Listener) -> dict[str, str]:
+        """What every rank's supervisor starts with: the caller's environment, where to join, the job's token, and
+        torch.distributed's rendezvous (rank 0's host: MPI launchers fill hosts in order)."""
+        from mpsrun.agent.welcome import free_port, rendezvous
+
+        hosts = values.host_names(self.config.hosts, self.config.hostfile)
+        return {**os.environ, **rendezvous(hosts[0] if hosts else "127.0.0.1", free_port(), os.environ),
+                CONTROL_VARIABLE: listener.address, TOKEN_VARIABLE: self.token, JOB_ID_VARIABLE: self.token[:16]}
+
+    def _open(self, backend: Backend, claim: SessionClaim, listener: Listener) -> None:
+        """This node's agent, given the claim and the listener; or under --hosts the hosts' agents' side here."""
+        config = self.config
+        if backend.owns_daemons:
+            from mpsrun.agent.agent import Agent, Welcoming
+            from mpsrun.agent.welcome import callers_values
+
+            self.agent = Agent(config, self.loop, self.decision, claim, listener, self.token, self.deadline,
                                local_size=config.ranks, world_size=config.ranks, server_after=backend.server_after,
                                welcoming=Welcoming(ranks=self.expected, callers=callers_values(os.environ),
                                                    output_lock=backend.name == "local"))
-            address, token = self.agent.listener.address, self.agent.doorway.token
         else:
-            assert claim.dirs is not None
-            self.hosts = HostAgents(self.loop, hosts, self.decision, claim.dirs.usage_file, self._hosts_closed)
-            address, token = self.hosts.listener.address, self.hosts.doorway.token
-        first = hosts[0] if hosts else "127.0.0.1"  # rank 0's host: MPI launchers fill hosts in order
-        return {**os.environ, **rendezvous(first, free_port(), os.environ), CONTROL_VARIABLE: address,
-                TOKEN_VARIABLE: token, JOB_ID_VARIABLE: token[:16]}
+            from mpsrun.job.hosts import HostAgents
 
-    def _start(self, backend: Backend, specs: list[LaunchSpec], interrupts: Interrupts,
-               record: Callable[[int], None]) -> None:
-        """Start the launcher (ahead of the session for mpiexec; ``record`` puts it on the session's record), the
-        session, then the ranks, and run the job to its end."""
-        if backend.head_start:
-            self._launch_ahead(specs[0], record)
+            assert claim.dirs is not None
+            self.hosts = HostAgents(self.loop, listener, self.token, self.decision, claim.dirs.usage_file,
+                                    self._hosts_closed)
+
+    def _start(self, backend: Backend, specs: list[LaunchSpec], interrupts: Interrupts) -> None:
+        """Start the session, then the ranks (unless mpiexec started ahead), and run the job to its end."""
         failure = None
         try:
             if self.agent is not None:
@@ -198,6 +218,9 @@ class Job:
     def _start_session(self, agent: Agent) -> None:
         """Read the GPUs, plan the ranks and start the daemons; say what the plan means."""
         agent.start(meanwhile=_import_the_rest)
+        from mpsrun.agent.findings import crowding_warnings, placement_line
+        from mpsrun.mps.placement import ranks_on_gpus
+
         for line in agent.notices():
             log.warning(f"mpsrun: {line}")
         plans = agent.plan.ranks(self.config.ranks) if agent.plan is not None else []
@@ -340,7 +363,7 @@ class Job:
     def _launcher_judged(self, started: Launched, returncode: int, waited: bool) -> None:
         name, ranks, fail = started.spec.name, started.spec.ranks, self.decision.fail
         missing = [rank for rank in ranks if rank not in self.where and rank not in self.ends]
-        silent = unheard(started.spec.hosts, self.hosts.heard if self.hosts is not None else set())
+        silent = self.hosts.unheard(started.spec.hosts) if self.hosts is not None else []
         if silent and len(missing) == len(ranks):  # no rank started: the launcher did not get there
             fail(Cause.SETUP, ExitCode.SETUP, f"{name} {describe_returncode(returncode)} before any rank started: no "
                  f"node keeper came from {', '.join(silent)}: it could not reach the host or start mpsrun there (its "
@@ -367,6 +390,9 @@ class Job:
     def _say_end(self) -> None:
         """What the job's end says before its teardown: the proof of MPS (-v), the first failure and what the MPS logs
         tell of it, the hosts' notes, the accounts."""
+        from mpsrun.agent.account import RankAccount, accounted, to_say
+        from mpsrun.agent.findings import mps_report, verified_line
+
         judge, agent = self.decision.judge, self.agent
         if agent is not None and agent.watch is not None:
             agent.settle_watch()
@@ -388,9 +414,11 @@ class Job:
             for line in hints:
                 self.note(line)
 
-    def _close(self, claim: SessionClaim | None) -> str:
+    def _close(self, claim: SessionClaim | None, listener: Listener | None) -> str:
         """End the session (this node's agent's, or under --hosts the command's own claim); what failed, if anything
-        (reported, never hiding the job's outcome)."""
+        (reported, never hiding the job's outcome). ``listener``: one no agent took (the job failed before)."""
+        if listener is not None:
+            listener.close()
         try:
             if self.hosts is not None:
                 self.hosts.close()
@@ -423,6 +451,8 @@ class Job:
 
     def _write_report(self, result: JobResult) -> str:
         """``--report``: every rank's account and the memory samples; what failed, if the file could not be written."""
+        from mpsrun.agent.account import Report
+
         assert self.config.report is not None
         usage = self.agent.usage if self.agent is not None else None
         report = Report.of(self.config.command, (result.exit_code, result.cause, result.message), self.began,
@@ -434,7 +464,10 @@ class Job:
 
 def _import_the_rest() -> None:
     """What only a running job needs, imported while the daemons come up."""
-    import mpsrun.rank.forked  # noqa: F401
+    from mpsrun.agent.agent import AFTER_START
+
+    for name in (*AFTER_START, "mpsrun.rank.forked"):
+        importlib.import_module(name)
 
 
 def _stderr_note(text: str) -> None:
