@@ -387,3 +387,30 @@ def test_a_long_tagged_line_stays_one_line(fake_gpu):
     assert out.returncode == 0, out.stderr
     assert sorted(len(line) for line in out.stdout.splitlines()) == [200009, 200009]
     settle(fake_gpu)
+
+
+#: One rank's ``mpsrun --per-node`` run by a parent that keeps the launcher's descriptors (PMI_FD), and says how that
+#: mpsrun ended; the MPI launcher then sees this parent's status.
+PER_NODE_RANK = ("import os, subprocess, sys\n"
+                 "code = subprocess.run([sys.executable, '-m', 'mpsrun', '--per-node', *sys.argv[1:]],"
+                 " close_fds=False).returncode\n"
+                 "print('ENDED', os.environ['PMI_RANK'], code, file=sys.stderr, flush=True)\nsys.exit(code)\n")
+#: After an MPI barrier rank 2 is killed by ``sys.argv[1]`` (a signal's number); the others wait to be stopped.
+KILLED_AFTER_MPI = ("import os, sys, time\nfrom mpi4py import MPI\nMPI.COMM_WORLD.Barrier()\n"
+                    "if os.environ['RANK'] == '2':\n    time.sleep(0.3)\n    os.kill(os.getpid(), int(sys.argv[1]))\n"
+                    "time.sleep(30)\n")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGSEGV, signal.SIGKILL])
+def test_a_per_node_rank_killed_after_mpi_init_ends_with_128_plus_s(fake_gpu, sig):
+    """Under ``mpiexec -n 4 mpsrun --per-node`` a rank killed by signal S after an mpi4py barrier: its mpsrun exits
+    128+S and says so, as on the other paths. The launcher's own status is the launcher's: MPICH's Hydra SIGKILLs the
+    job's other processes once one exits without MPI_Finalize, and reports 9 (docs/command-line.md, Exit status)."""
+    pytest.importorskip("mpi4py")
+    out = subprocess.run([mpiexec(), "-n", "4", sys.executable, "-c", PER_NODE_RANK, "--mps", "off", sys.executable,
+                          "-c", KILLED_AFTER_MPI, str(int(sig))], capture_output=True, text=True, timeout=120)
+    ended = dict(line.split()[1:] for line in out.stderr.splitlines() if line.startswith("ENDED"))
+    assert ended.get("2") == str(128 + sig), out.stderr
+    assert f"rank 2 (pid" in out.stderr and f"was killed by signal {int(sig)} ({sig.name}) first" in out.stderr, \
+        out.stderr
+    settle(fake_gpu)
