@@ -39,10 +39,10 @@ settings.load_profile("mpsrun")
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """Workers for ``-n auto`` (pyproject.toml's addopts). 6, also on 2 cores: most tests wait on the processes they
+    """Workers for ``-n auto`` (pyproject.toml's addopts). 8, also on 2 cores: most tests wait on the processes they
     start. None (in-process, one test at a time) where a real GPU answers: the GPU tier's tests share that GPU and
     measure it (its memory, its SMs), so two at once would disturb each other."""
-    return 0 if real_gpu_available()[0] else 6
+    return 0 if real_gpu_available()[0] else 8
 
 
 def pytest_configure(config: pytest.Config) -> None:
