@@ -411,6 +411,6 @@ def test_a_per_node_rank_killed_after_mpi_init_ends_with_128_plus_s(fake_gpu, si
                           "-c", KILLED_AFTER_MPI, str(int(sig))], capture_output=True, text=True, timeout=120)
     ended = dict(line.split()[1:] for line in out.stderr.splitlines() if line.startswith("ENDED"))
     assert ended.get("2") == str(128 + sig), out.stderr
-    assert f"rank 2 (pid" in out.stderr and f"was killed by signal {int(sig)} ({sig.name}) first" in out.stderr, \
+    assert "rank 2 (pid" in out.stderr and f"was killed by signal {int(sig)} ({sig.name}) first" in out.stderr, \
         out.stderr
     settle(fake_gpu)

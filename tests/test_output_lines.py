@@ -79,11 +79,30 @@ def test_four_ranks_lines_are_never_mixed(fake_gpu, short_tmp, path, how, monkey
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("how", ["unbuffered", "buffered", "tagged"])
-def test_four_ranks_lines_are_never_mixed_on_the_gpu_machine(cupy_job, how, monkeypatch):
-    """The same on the GPU machine, with real MPS, under the local launcher (5,625 of 8,000 lines mixed before,
-    unbuffered). Through Open MPI 4.1 the launcher's own forwarding cuts lines where it reads 4 KiB of a rank's
-    terminal at a time (docs/command-line.md, where a path differs): not a promise mpsrun can keep there."""
-    four_ranks_print(gpu_job_argv, "local", how, cupy_job["ready"], monkeypatch)
+@pytest.mark.parametrize("path", ["local", "mpiexec"])
+def test_four_ranks_lines_are_never_mixed_on_the_gpu_machine(cupy_job, path, how, monkeypatch):
+    """The same on the GPU machine, with real MPS and Open MPI, on the paths where mpsrun holds the job's output
+    (before, unbuffered: 5,625 of 8,000 lines mixed under the local launcher, 4,607 under mpiexec; then, with whole
+    lines from each supervisor, Open MPI 4.1's forwarding still cut 14). Under --per-node and --hosts the launcher
+    forwards the lines (docs/command-line.md, where a path differs)."""
+    four_ranks_print(gpu_job_argv, path, how, cupy_job["ready"], monkeypatch)
+
+
+@pytest.mark.parametrize("path", ["local", "mpiexec"])
+def test_each_supervisor_writes_to_the_jobs_own_output(fake_gpu, tmp_path, path):
+    """Where the job's ranks run on mpsrun's own node, each rank's supervisor writes the rank's lines straight to
+    mpsrun's stdout and stderr (under an MPI launcher they come with the welcome), not through the launcher's
+    forwarding, which cuts lines of different ranks into each other: a rank sees its parent's stdout and stderr be
+    the files mpsrun's are."""
+    code = ("import os\nfor fd in (1, 2):\n    print(os.environ['RANK'], fd, "
+            "os.readlink(f'/proc/{os.getppid()}/fd/{fd}'), flush=True)\n")
+    out, err = tmp_path / "out", tmp_path / "err"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        subprocess.run(job_argv(path, [], [sys.executable, "-c", code], ranks=2), stdout=stdout, stderr=stderr,
+                       timeout=120, check=True)
+    seen = sorted(out.read_text().splitlines())
+    assert seen == [f"{rank} {fd} {out if fd == 1 else err}" for rank in (0, 1) for fd in (1, 2)], (seen, err.read_text())
+    settle(fake_gpu)
 
 
 def test_lines_longer_than_a_pipe_write_stay_whole_in_the_local_launcher(fake_gpu, short_tmp, monkeypatch):
@@ -178,7 +197,8 @@ def test_a_partial_last_line(fake_gpu):
     settle(fake_gpu)
 
 
-def test_a_rank_writing_to_a_terminal_sees_one(fake_gpu, short_tmp):
+@pytest.mark.parametrize("path", ["local", "mpiexec"])
+def test_a_rank_writing_to_a_terminal_sees_one(fake_gpu, short_tmp, path):
     """mpsrun's stdout a terminal: each rank's stdout is a terminal too (Python then writes line by line, as it did
     when the ranks wrote to ours) and its stderr a pipe, as ours is; its newlines stay newlines, and a prompt
     without its newline appears while the rank waits for its answer."""
@@ -188,7 +208,7 @@ def test_a_rank_writing_to_a_terminal_sees_one(fake_gpu, short_tmp):
             f"while not os.path.exists({str(answer)!r}): time.sleep(0.01)\nprint('done')\n")
     reader, terminal = os.openpty()
     tty.setraw(terminal)  # our terminal's own newline translation aside: only the rank's is looked at
-    job = subprocess.Popen(job_argv("local", [], [sys.executable, "-c", code], ranks=1), stdout=terminal,
+    job = subprocess.Popen(job_argv(path, [], [sys.executable, "-c", code], ranks=1), stdout=terminal,
                            stderr=subprocess.PIPE)
     os.close(terminal)
     seen = bytearray()

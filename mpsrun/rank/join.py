@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Callable
 
 from mpsrun.errors import InterruptionError, JoinError, MPSError
@@ -38,10 +39,25 @@ def direct(address: str) -> Join:
 
     def join(hello: Hello) -> tuple[Link, Welcome | Refusal | None]:
         link = connect(address)
+        link.descriptors = []
         answer = greet(link, hello)
+        passed, link.descriptors = link.descriptors or [], None
+        if isinstance(answer, Welcome) and len(passed) == 2:
+            _share_output(passed)
+        for fd in passed:
+            os.close(fd)
         return link, None if isinstance(answer, Refusal) and answer.retry else answer
 
     return join
+
+
+def _share_output(outputs: list[int]) -> None:
+    """The job's own stdout and stderr, which came with the welcome, become ours: the rank's lines go there whole,
+    not through an MPI launcher's forwarding, which cuts lines of different ranks into each other."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, ours in zip(outputs, (1, 2), strict=True):
+        os.dup2(fd, ours)
 
 
 def report_failure(exc: MPSError, local_rank: int | None) -> None:

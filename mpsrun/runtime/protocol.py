@@ -17,7 +17,7 @@ import os
 import socket
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, get_args, get_origin
 
 from mpsrun.exitcodes import ExitCode
@@ -271,6 +271,9 @@ class Link:
         self.admitted = False  # the peer has shown the job's token
         self._line_max = line_max
         self._buffer = b""
+        # Descriptors that came with the messages (over a Unix socket), kept where the owner takes them; else closed
+        # on arrival: nobody else's are held open here.
+        self.descriptors: list[int] | None = None
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -284,11 +287,14 @@ class Link:
         self.admitted = True
         self._line_max = LINE_MAX
 
-    def send(self, message: Message) -> bool:
+    def send(self, message: Message, descriptors: Sequence[int] = ()) -> bool:
+        """``descriptors``: open files the peer gets with the message (over a Unix socket)."""
         data = encode(message)
         if not self.usable:
             return False
         try:
+            if descriptors:  # they travel with the first bytes
+                data = data[socket.send_fds(self.sock, [data], list(descriptors)):]
             self.sock.sendall(data)
         except OSError:
             self.broken = True
@@ -301,7 +307,7 @@ class Link:
         if self.closed or self.ended:
             return None
         try:
-            data = self.sock.recv(65536)
+            data = self._recv()
         except (TimeoutError, BlockingIOError, InterruptedError):
             return []
         except OSError:
@@ -314,6 +320,17 @@ class Link:
             self.ended = True  # not one of ours: it is dropped as if it had gone
             return None
         return [message for line in lines if (message := decode(line)) is not None]
+
+    def _recv(self) -> bytes:
+        if self.sock.family != socket.AF_UNIX:
+            return self.sock.recv(65536)
+        data, descriptors, _, _ = socket.recv_fds(self.sock, 65536, 2)
+        if self.descriptors is not None:
+            self.descriptors += descriptors
+        else:
+            for fd in descriptors:
+                os.close(fd)
+        return data
 
     def expect(self, kinds: tuple[type[Message], ...], deadline: Deadline,
                others: Callable[[Message], object] | None = None) -> Message | None:
