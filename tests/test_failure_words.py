@@ -382,8 +382,9 @@ def test_a_device_ordinal_error_is_not_hidden_behind_a_queue_guess(path, fake_gp
 def test_more_ranks_than_a_server_takes_are_not_told_to_set_zero_queues(fake_gpu, clean):
     """127 ranks on one GPU with the queues mpsrun plans (1 each): the server refuses the 49th client, and the summary
     does not blame the queues nor advise 'set at most 0' (it counts at most the 48 clients a server takes); the MPS
-    log's line names the cause."""
-    out = run_job("local", ["--mps", "on"], fake("--hold", "20"), ranks=127, timeout=300)
+    log's line names the cause. Each client holds long enough for all to overlap on a loaded machine (the refusal
+    then stops the others at once): with 20 s, under load, the first ones ended before the 49th came."""
+    out = run_job("local", ["--mps", "on"], fake("--hold", "120"), ranks=127, timeout=300)
     said = _mpsrun_said(out)
     assert out.returncode != 0 and "maximum number of clients (48) reached" in said, said
     assert "set at most 0" not in said and "unset CUDA_DEVICE_MAX_CONNECTIONS" not in said, said
