@@ -14,12 +14,13 @@ import socket
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mpsrun.agent.outcome import ranges
 from mpsrun.config.values import mib_text
 from mpsrun.mps.usage import Sample, UsageSampler
-from mpsrun.runtime.files import write_into
+from mpsrun.runtime.files import replace_file, write_into
 from mpsrun.runtime.output import printable
 from mpsrun.runtime.protocol import Ended
 
@@ -190,20 +191,4 @@ class Report:
         if os.path.exists(path) and not os.path.isfile(path):
             write_into(path, text.encode())
         else:
-            _replace(os.path.realpath(path), text)
-
-
-def _replace(path: str, text: str) -> None:
-    import tempfile  # only for a report: not on every job's path
-
-    handle, temporary = tempfile.mkstemp(prefix=".mpsrun-report-", dir=os.path.dirname(path))
-    mask = os.umask(0)  # the file as the user's other files are (mkstemp makes it 0600)
-    os.umask(mask)
-    try:
-        os.fchmod(handle, 0o666 & ~mask)
-        with os.fdopen(handle, "w") as out:
-            out.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
+            replace_file(Path(os.path.realpath(path)), text.encode(), mode=0o666)  # as the user's other files are

@@ -65,13 +65,13 @@ def read_file(path: str | os.PathLike[str], limit: int, follow: bool = False) ->
     return data
 
 
-def replace_file(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` whole or not at all: into a new file of a random name beside it (mode 0600), renamed
-    over it. Raises ``OSError`` (no space left, the directory gone), leaving nothing behind."""
+def replace_file(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Write ``data`` to ``path`` whole or not at all: into a new file of a random name beside it (``mode`` less the
+    umask), renamed over it. Raises ``OSError`` (no space left, the directory gone), leaving nothing behind."""
     while True:  # as tempfile.mkstemp makes its file, without importing it (random, shutil) on every job's path
         temporary = path.with_name(f".{path.name}.{os.urandom(6).hex()}")
         try:
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         except FileExistsError:
             continue
         break
