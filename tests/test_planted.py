@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import MPSRUN, mpiexec, settle
+from helpers import MPSRUN, job_argv, mpiexec, settle
 
 pytestmark = pytest.mark.mpiexec
 
@@ -259,3 +259,48 @@ def test_a_fifo_planted_as_the_output_lock_keeps_no_supervisor_waiting(short_tmp
     code = "import sys\nfrom mpsrun.runtime.output import _open_lock\nprint(_open_lock(sys.argv[1]) is not None)\n"
     out = bounded([sys.executable, "-c", code, str(short_tmp / "output.lock")], timeout=30)
     assert out.returncode == 0 and out.stdout == "True\n", out
+
+
+_DEEP_TREE = ("import os\nfd = os.open(os.environ['MPSRUN_SESSION_DIR'], os.O_RDONLY)\nfor _ in range(3000):\n"
+              "    os.mkdir('d', dir_fd=fd)\n    deeper = os.open('d', os.O_RDONLY, dir_fd=fd)\n"
+              "    os.close(fd)\n    fd = deeper\n")
+
+
+@pytest.mark.parametrize("launcher", ["local", "mpiexec"])
+def test_a_deep_directory_tree_planted_in_the_session_is_removed(fake_gpu, launcher):
+    """A rank makes a directory tree 3000 levels deep in $MPSRUN_SESSION_DIR (a loop of mkdir, one line): the job
+    still ends with the rank's code (0), with no traceback, and its directory is removed. shutil.rmtree recursed once
+    per level: the teardown ended in a RecursionError traceback, exit 1, and left the renamed directory
+    (`sXXXX-goneYYYY`) behind, which `mpsrun cleanup` then said there was nothing to clean up of."""
+    try:
+        out = bounded(job_argv(launcher, ["--timeout", "30"], [sys.executable, "-c", _DEEP_TREE], ranks=1), timeout=60)
+        assert out.returncode == 0 and "Traceback" not in out.stderr, (out.returncode, out.stderr[-1500:])
+        settle(fake_gpu)
+        assert not fake_gpu.session_dirs(), fake_gpu.session_dirs()
+    finally:  # what a failure left: rm, which removes a tree of any depth (the fixture's rmtree recurses too)
+        for left in fake_gpu.session_dirs():
+            subprocess.run(["rm", "-rf", "--", str(left)], check=False)
+
+
+@pytest.mark.parametrize("launcher", ["local", "mpiexec"])
+def test_a_full_device_as_standard_output_is_one_line(fake_gpu, launcher):
+    """mpsrun's stdout is /dev/full (every write: ENOSPC): as with a closed pipe, no supervisor ends in a traceback,
+    and what is said is at most one summary line. Under the mpiexec launcher each supervisor printed an OSError
+    traceback (exit 1); under the local launcher each said `a rank's supervisor could not run` and the summary
+    followed (exit 3, three lines for two ranks)."""
+    with open("/dev/full", "wb") as full:
+        out = subprocess.run(job_argv(launcher, ["--timeout", "30"], [sys.executable, "-c", "print('x')"], ranks=2),
+                             stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
+    assert "Traceback" not in out.stderr and len(out.stderr.splitlines()) <= 1, (out.returncode, out.stderr[-1500:])
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("launcher", ["local", "mpiexec"])
+def test_a_command_not_found_is_named_escaped(fake_gpu, launcher):
+    """A command whose name holds an escape sequence and a newline is not found: exit 127 and one line on stderr
+    with the name escaped (as cleanup and top print what a rank controls). The name was printed raw: the terminal
+    took the escape, and the message ran over two lines."""
+    out = bounded(job_argv(launcher, ["--timeout", "30"], ["\x1b[31mno\nsuch\x07"], ranks=2))
+    assert out.returncode == 127, (out.returncode, out.stderr)
+    assert "\x1b" not in out.stderr and "\x07" not in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
+    settle(fake_gpu)

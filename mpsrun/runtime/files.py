@@ -5,6 +5,7 @@ A rank can reach every one of them (it is told the paths), so a program may plan
 block an ``open`` for ever, or a symlink to ``/dev/zero``, which never ends. These reads never follow a
 symlink, never block on opening, take regular files only and stop at a size; a write goes to a new file of
 a random name, renamed over the target (a rename replaces a planted symlink or FIFO, never follows or opens it).
+A directory is removed as ``rm -rf`` does, whatever a rank planted in it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import select
 import stat
 from pathlib import Path
 
-__all__ = ["LOG_READ_LIMIT", "WRITE_PATIENCE", "publish", "read_file", "read_log", "replace_file", "write_into"]
+__all__ = ["LOG_READ_LIMIT", "WRITE_PATIENCE", "publish", "read_file", "read_log", "remove_tree", "replace_file",
+           "write_into"]
 
 #: The most bytes one read returns: far more than any log mpsrun reads holds in a job.
 LOG_READ_LIMIT = 1 << 26
@@ -114,3 +116,56 @@ def write_into(path: str, data: bytes, patience: float = WRITE_PATIENCE) -> None
                                   path) from None
     finally:
         os.close(fd)
+
+
+_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def remove_tree(path: str | os.PathLike[str]) -> None:
+    """Remove the directory ``path`` and all below it, a link only unlinked, never followed; nothing there is no error.
+
+    A rank can plant a tree thousands of levels deep, past Python's recursion (``shutil.rmtree`` recurses per level)
+    and the descriptors one process may hold: each directory's subdirectories are moved up into the top one before
+    it is emptied and removed, so a tree of any depth takes two descriptors. Raises ``OSError`` for what cannot go."""
+    try:
+        top = os.open(path, _DIRECTORY)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        os.unlink(path)  # a link, or a file where the directory was
+        return
+    try:
+        while names := os.listdir(top):
+            for name in names:
+                _remove_entry(top, name)
+    finally:
+        os.close(top)
+    os.rmdir(path)
+
+
+def _remove_entry(top: int, name: str) -> None:
+    """Remove ``name`` in ``top``: a file or link at once; a directory once its subdirectories are moved up into
+    ``top`` (which removes them in their turn) and its files unlinked."""
+    with contextlib.suppress(FileNotFoundError):
+        try:
+            os.unlink(name, dir_fd=top)
+            return
+        except IsADirectoryError:
+            pass
+        try:
+            fd = os.open(name, _DIRECTORY, dir_fd=top)
+        except PermissionError:  # a rank made it unreadable (its own directory: the rank could undo it too)
+            os.chmod(name, 0o700, dir_fd=top)
+            fd = os.open(name, _DIRECTORY, dir_fd=top)
+        try:
+            for entry in os.listdir(fd):
+                with contextlib.suppress(FileNotFoundError):
+                    try:
+                        os.unlink(entry, dir_fd=fd)
+                    except IsADirectoryError:
+                        os.rename(entry, f".{os.urandom(8).hex()}", src_dir_fd=fd, dst_dir_fd=top)
+        finally:
+            os.close(fd)
+        os.rmdir(name, dir_fd=top)

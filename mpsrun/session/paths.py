@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import shutil
 import stat
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from pathlib import Path
 from mpsrun.errors import ConfigError, MPSError, UnsafeDirectoryError
 from mpsrun.runtime.constants import LOCK_TIMEOUT, TMPDIR_VARIABLE
 from mpsrun.runtime.deadline import Deadline, poll_until
-from mpsrun.runtime.files import read_file
+from mpsrun.runtime.files import read_file, remove_tree
 
 __all__ = [
     "RESERVATION",
@@ -281,7 +280,7 @@ def drop_reservation(base: Path, name: str, token: str) -> None:
     path = user_root(base) / name
     with contextlib.suppress(OSError):
         if read_file(path / RESERVATION, len(token)) == token.encode():  # a rank may have planted a FIFO there
-            shutil.rmtree(path)
+            remove_tree(path)
 
 
 def validate_base(base: Path) -> None:
@@ -395,6 +394,4 @@ class SessionDirs:
         doomed = self.root.with_name(f"{self.root.name}-gone{os.urandom(3).hex()}")
         with contextlib.suppress(FileNotFoundError):
             os.rename(self.root, doomed)
-            shutil.rmtree(doomed, ignore_errors=True)  # descriptor-based on Linux: it never follows a link
-            if doomed.exists():
-                shutil.rmtree(doomed)  # a second try raises, with the reason
+            remove_tree(doomed)  # raises with the reason

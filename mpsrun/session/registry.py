@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import sys
 import time
@@ -26,6 +25,7 @@ from mpsrun.exitcodes import ExitCode
 from mpsrun.mps.daemon import CONTROL_EXECUTABLE, find_control_executable
 from mpsrun.runtime.constants import SESSION_DIR_VARIABLE
 from mpsrun.runtime.deadline import Deadline, poll_until
+from mpsrun.runtime.files import remove_tree
 from mpsrun.runtime.output import printable
 from mpsrun.runtime.processes import ProcessRef
 from mpsrun.session.paths import RESERVATION, base_directory, user_root, user_root_lock
@@ -217,7 +217,8 @@ def reap(root: Path, force: bool = False, keep_logs: bool | None = None, lock_ti
                 group.signal_group(signal.SIGKILL)
         keep = record.keep_logs if keep_logs is None and record is not None else bool(keep_logs)
         if not keep:
-            shutil.rmtree(root, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                remove_tree(root)
     whose = f"owner {record.owner.pid}" if record is not None else f"no record ({state.problem})"
     return f"{'kept' if keep else 'removed'} ({'forced, ' if forced else ''}{whose}, {stopped} daemon(s) stopped)"
 
