@@ -23,7 +23,7 @@ from mpsrun.errors import ConfigError, InterruptionError, MPSError
 from mpsrun.exitcodes import ExitCode
 from mpsrun.runtime.constants import CONFIG_VARIABLE, CONTROL_VARIABLE
 from mpsrun.runtime.interrupts import Interrupts
-from mpsrun.runtime.output import say
+from mpsrun.runtime.output import escaped, say
 
 __all__ = ["main"]
 
@@ -212,10 +212,18 @@ def _warn_unset_exports(config: JobConfig) -> None:
                                             "none")
 
 
+class _Lines(logging.Formatter):
+    """Each record one line, escaped as :func:`~mpsrun.runtime.output.say` writes (host and GPU names, a rank's
+    words)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return escaped(super().format(record))
+
+
 def _log_to_stderr(level: int) -> None:
     """The command's own warnings (and with -v its progress) as plain lines on stderr, one write each."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.setFormatter(_Lines("%(message)s"))
     logger = logging.getLogger("mpsrun")
     logger.addHandler(handler)
     logger.setLevel(level)

@@ -283,15 +283,17 @@ def test_a_deep_directory_tree_planted_in_the_session_is_removed(fake_gpu, launc
 
 
 @pytest.mark.parametrize("launcher", ["local", "mpiexec"])
-def test_a_full_device_as_standard_output_is_one_line(fake_gpu, launcher):
-    """mpsrun's stdout is /dev/full (every write: ENOSPC): as with a closed pipe, no supervisor ends in a traceback,
-    and what is said is at most one summary line. Under the mpiexec launcher each supervisor printed an OSError
-    traceback (exit 1); under the local launcher each said `a rank's supervisor could not run` and the summary
-    followed (exit 3, three lines for two ranks)."""
+def test_a_full_device_as_standard_output_is_said_once_per_rank(fake_gpu, launcher):
+    """mpsrun's stdout is /dev/full (every write: ENOSPC): no traceback; each rank whose output could not be passed
+    on is named once with the cause (the rest of its output is dropped, and it would get EPIPE writing more), and the
+    job's code is its ranks' (0). Under the mpiexec launcher each supervisor printed an OSError traceback (exit 1);
+    under the local launcher each said `a rank's supervisor could not run` and a summary followed (exit 3)."""
     with open("/dev/full", "wb") as full:
         out = subprocess.run(job_argv(launcher, ["--timeout", "30"], [sys.executable, "-c", "print('x')"], ranks=2),
                              stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
-    assert "Traceback" not in out.stderr and len(out.stderr.splitlines()) <= 1, (out.returncode, out.stderr[-1500:])
+    said = sorted(out.stderr.splitlines())
+    assert out.returncode == 0 and said == [f"mpsrun: rank {rank}: its output could not be passed on (No space left "
+                                            "on device); the rest is dropped" for rank in (0, 1)], out.stderr[-1500:]
     settle(fake_gpu)
 
 
@@ -303,4 +305,18 @@ def test_a_command_not_found_is_named_escaped(fake_gpu, launcher):
     out = bounded(job_argv(launcher, ["--timeout", "30"], ["\x1b[31mno\nsuch\x07"], ranks=2))
     assert out.returncode == 127, (out.returncode, out.stderr)
     assert "\x1b" not in out.stderr and "\x07" not in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("launcher", ["local", "mpiexec"])
+def test_a_ranks_exception_text_reaches_the_summary_escaped(fake_gpu, launcher):
+    """A Python rank using mpi4py dies of an exception whose text holds escape sequences (a colour, a window title, a bell) and a
+    newline: mpsrun's summary names it with each control character escaped, on one line. The summary printed the
+    rank's text raw (the terminal took the escapes); only the rank's own traceback, its output, still holds them."""
+    code = "from mpi4py import MPI\nraise ValueError('\\x1b[31mRED\\x1b]0;T\\x07\\nnext')"
+    out = bounded(job_argv(launcher, ["--timeout", "30"], [sys.executable, "-c", code], ranks=2))
+    ours = [line for line in out.stderr.splitlines() if line.startswith("mpsrun:")]
+    summary = [line for line in ours if "first" in line]
+    assert out.returncode == 1 and len(summary) == 1 and "\\x1b[31mRED" in summary[0], out.stderr
+    assert all(line.isprintable() for line in ours), ours
     settle(fake_gpu)

@@ -18,6 +18,7 @@ from mpsrun.config import values
 from mpsrun.config.options import JobConfig, Option, options
 from mpsrun.errors import ConfigError
 from mpsrun.exitcodes import ExitCode
+from mpsrun.runtime.output import escaped
 
 __all__ = ["EXCLUSIVE", "OneLineParser", "build_parser", "parse_args", "parse_options", "split_argv", "to_argv"]
 
@@ -51,8 +52,8 @@ class OneLineParser(argparse.ArgumentParser):
     main command's is, and exit status 2."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(ExitCode.USAGE, f"{self.prog}: error: {message}{_suggestion(message, self._option_string_actions)} "
-                     f"(see {self.prog} --help)\n")
+        hint = _suggestion(message, self._option_string_actions)
+        self.exit(ExitCode.USAGE, escaped(f"{self.prog}: error: {message}{hint} (see {self.prog} --help)") + "\n")
 
 
 def _suggestion(message: str, flags: Iterable[str]) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 from collections.abc import Sequence
 
 from mpsrun.agent.welcome import mpi4py_abort, mpi4py_available, rendezvous, welcome
@@ -24,6 +23,7 @@ from mpsrun.mps.daemon import unavailable_reason
 from mpsrun.mps.environment import GpuTarget
 from mpsrun.mps.placement import NodePlan
 from mpsrun.rank.identity import RankIdentity
+from mpsrun.runtime.output import escaped, say
 
 __all__ = ["plan_lines", "show"]
 
@@ -131,7 +131,7 @@ def show(config: JobConfig) -> int:
     try:
         lines = plan_lines(config)
     except MPSError as exc:
-        print(f"mpsrun: error: {exc}", file=sys.stderr)
+        say(f"mpsrun: error: {exc}")
         return exc.exit_code
-    print("\n".join(lines))
+    print("\n".join(map(escaped, lines)))
     return ExitCode.OK

@@ -18,7 +18,7 @@ import termios
 
 from mpsrun.runtime.constants import PARTIAL_LINE_WAIT
 from mpsrun.runtime.loop import EventLoop
-from mpsrun.runtime.output import LineWriter, unread
+from mpsrun.runtime.output import LineWriter, say, unread
 from mpsrun.runtime.processes import close_all
 
 __all__ = ["RankOutput"]
@@ -35,7 +35,7 @@ class RankOutput:
     def __init__(self, loop: EventLoop, rank: int, tag: bool, several: bool, lock: str | None) -> None:
         self.loop = loop
         self.prefix = f"[rank {rank}] ".encode() if tag else b""
-        self.several, self.lock = several, lock
+        self.rank, self.several, self.lock = rank, several, lock
         self.ends: list[tuple[int, int]] = []  # (read end, write end) per sink, until forward()
         self.streams: dict[int, LineWriter] = {}  # by read end, until each is closed
         self.prompts: dict[int, float | None] = {}  # streams to a terminal: when their held partial line began
@@ -89,6 +89,9 @@ class RankOutput:
             data = b""
         if not data or not writer.feed(data):
             self._close(fd)  # end of the stream, or our own output is gone: the rank gets EPIPE
+            if writer.failure is not None:
+                say(f"mpsrun: rank {self.rank}: its output could not be passed on ({writer.failure}); the rest is "
+                    "dropped")
         elif fd in self.prompts and writer.partial_since != self.prompts[fd]:
             since = self.prompts[fd] = writer.partial_since
             if since is not None:

@@ -34,13 +34,19 @@ def printable(text: str) -> str:
     return text if text.isprintable() else repr(text)
 
 
+def escaped(text: str) -> str:
+    """``text`` with each control character written as its escape (``\\x1b``, ``\\n``): what a rank, a record or the
+    machine put in a line of ours reaches the terminal as text, and the line stays one line."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def say(line: str) -> None:
-    """Write a line of ours to stderr in one write (print writes the newline apart: with unbuffered output the
-    lines of several processes then run into each other); nothing if stderr is gone."""
+    """Write a line of ours to stderr, escaped, in one write (print writes the newline apart: with unbuffered output
+    the lines of several processes then run into each other); nothing if stderr is gone."""
     if sys.stderr is None:  # started with stderr closed
         return
     try:
-        sys.stderr.write(line + "\n")
+        sys.stderr.write(escaped(line) + "\n")
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
@@ -82,7 +88,8 @@ class LineWriter:
         self.prefix = prefix
         self.end_partial = end_partial
         self.limit = limit
-        self.broken = False  # our own output is gone (e.g. `mpsrun ... | head -1`)
+        self.broken = False  # our own output is gone (e.g. `mpsrun ... | head -1`), or cannot take more
+        self.failure: str | None = None  # why, where that is not its reader's going (a full disk, a hung-up terminal)
         self.partial_since: float | None = None  # when the partial line now held began (monotonic)
         self._partial = b""
         self._lock = _open_lock(lock_path)
@@ -140,9 +147,9 @@ class LineWriter:
             for piece in _pieces(records):
                 while piece:
                     piece = piece[os.write(self.sink, piece) :]
-        except OSError as exc:
+        except OSError as exc:  # what follows is dropped: the rank gets EPIPE, as when writing there itself
             if exc.errno not in (errno.EPIPE, errno.EBADF):
-                raise
+                self.failure = exc.strerror or str(exc)
             self.broken = True
         finally:
             if self._lock is not None:
