@@ -320,3 +320,35 @@ def test_a_ranks_exception_text_reaches_the_summary_escaped(fake_gpu, launcher):
     assert out.returncode == 1 and len(summary) == 1 and "\\x1b[31mRED" in summary[0], out.stderr
     assert all(line.isprintable() for line in ours), ours
     settle(fake_gpu)
+
+
+_FORGER = """import glob, os, socket, sys, time
+here, flags = os.environ['MPSRUN_SESSION_DIR'], sys.argv[1]
+if os.environ['RANK'] == '0':
+    deadline = time.monotonic() + 30
+    while not (found := glob.glob(os.path.join(here, 'abort.1.*'))) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with socket.socket(socket.AF_UNIX) as forged:
+        try:  # the supervisor may drop the connection at once
+            forged.connect(found[0])
+            forged.sendall(b'7 forged word\\n')
+            time.sleep(0.5)
+        except OSError:
+            pass
+    open(os.path.join(flags, 'sent'), 'w').close()
+else:
+    while not os.path.exists(os.path.join(flags, 'sent')):
+        time.sleep(0.01)
+"""
+
+
+@pytest.mark.parametrize("launcher", ["local", "mpiexec"])
+def test_a_rank_cannot_speak_for_another_ranks_end(fake_gpu, short_tmp, launcher):
+    """Rank 0 connects to the socket where rank 1's runner would say how rank 1 ends before an MPI_Abort (it lies in
+    the session directory, which every rank can reach) and says 'exit 7': rank 1's supervisor only hears its own
+    rank's processes, so the job ends with its ranks' code, 0, and the forged word is nowhere. Before, the job exited
+    7 naming rank 1 with the forged words (and a silent connection held rank 1's supervisor for 10 s)."""
+    out = bounded(job_argv(launcher, ["--timeout", "60"], [sys.executable, "-c", _FORGER, str(short_tmp)], ranks=2),
+                  timeout=90)
+    assert out.returncode == 0 and "forged" not in out.stderr, (out.returncode, out.stderr[-1500:])
+    settle(fake_gpu)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import struct
 
 from mpsrun.runtime.constants import ABORT_SOCKET_VARIABLE, KILL_WAIT, SOCKET_PATH_MOST
 
@@ -45,12 +46,17 @@ class AbortChannel:
         """What the rank's runner needs to find the socket."""
         return {ABORT_SOCKET_VARIABLE: self.path}
 
-    def notice(self) -> tuple[int | None, str, socket.socket | None]:
+    def notice(self, group: int | None) -> tuple[int | None, str, socket.socket | None] | None:
         """The runner's word (call when the socket is readable): the rank's exit code and why, and the connection to
-        answer on once the job has heard it (:meth:`answer`). The socket is closed: one word is all there is."""
+        answer on once the job has heard it (:meth:`answer`). The socket is closed: one word is all there is. None
+        for a connection from outside the rank's process ``group`` (another rank, a stranger: the session directory
+        is theirs to reach), which is dropped unheard while the socket goes on listening."""
         code, reason, conn = None, "", None
         with contextlib.suppress(OSError):
             conn, _ = self.listener.accept()
+            if not _in_group(conn, group):
+                conn.close()
+                return None
             conn.settimeout(KILL_WAIT)
             number, _, reason = conn.recv(4096).decode(errors="replace").strip().partition(" ")
             code = int(number) if number.isdecimal() else None
@@ -68,3 +74,12 @@ class AbortChannel:
         self.listener.close()
         with contextlib.suppress(OSError):
             os.unlink(self.path)
+
+
+def _in_group(conn: socket.socket, group: int | None) -> bool:
+    """Whether the process at the other end of ``conn`` is one of the rank's (its process group's)."""
+    pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+    try:
+        return group is not None and os.getpgid(pid) == group
+    except OSError:
+        return False

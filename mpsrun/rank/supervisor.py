@@ -202,8 +202,11 @@ class RankSupervisor:
         """The rank's runner is about to call MPI_Abort: report the rank's end now, say the job's verdict, and let the
         runner go on (it waits for the word); when the rank then ends, this process exits as the verdict says."""
         assert self.aborting is not None
+        word = self.aborting.notice(self.process.pid if self.process is not None else None)
+        if word is None:  # not from the rank's own processes
+            return
         self.loop.unwatch(self.aborting.listener.fileno())
-        code, reason, conn = self.aborting.notice()
+        code, reason, conn = word
         if code is not None and self.returncode is None and self.reported is None:
             self.loop.unwatch(self.link.fd)
             self.reported = self._finish(Outcome("rank-failed", code), reason, aborting=True)
