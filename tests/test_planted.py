@@ -5,6 +5,7 @@ a timeout and under a memory limit, so a regression fails here instead of hangin
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -351,4 +352,19 @@ def test_a_rank_cannot_speak_for_another_ranks_end(fake_gpu, short_tmp, launcher
     out = bounded(job_argv(launcher, ["--timeout", "60"], [sys.executable, "-c", _FORGER, str(short_tmp)], ranks=2),
                   timeout=90)
     assert out.returncode == 0 and "forged" not in out.stderr, (out.returncode, out.stderr[-1500:])
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("launcher", ["local", "mpiexec"])
+def test_a_removed_daemon_socket_is_not_waited_on(fake_gpu, launcher):
+    """A rank removes its MPS control daemon's socket (the pipe directory is the rank's to reach): the job still
+    ends with its ranks' code, and the daemon, which `quit` cannot reach, is ended at once and said so in one line.
+    Before, its teardown waited out the whole quit timeout (10 s) for a `quit` that had failed at once, and said the
+    daemon 'did not quit in 10 s'."""
+    code = "import os\nos.unlink(os.path.join(os.environ['CUDA_MPS_PIPE_DIRECTORY'], 'control'))\n"
+    out = bounded(job_argv(launcher, ["--timeout", "60", "--mps", "on"], [sys.executable, "-c", code], ranks=1),
+                  timeout=90)
+    quits = [line for line in out.stderr.splitlines() if "quit" in line]
+    assert out.returncode == 0 and len(quits) == 1 and re.search(r"MPS control daemon \d+ did not take quit \(.+\); "
+                                                                 "terminated", quits[0]), out.stderr[-1500:]
     settle(fake_gpu)

@@ -193,26 +193,30 @@ class ControlDaemon:
             raise DaemonStartError(f"MPS control daemon exited{'' if code is None else f' with code {code}'} {doing}"
                                    + (f"; last log line: {tail.splitlines()[-1]}" if tail else ""), log_tail=tail)
 
-    def stop(self, timeout: float = 10.0, grace: float = 2.0) -> bool:
-        """Stop the daemon and its servers: ``quit``, then signals to its process group. True when ``quit`` was
-        sent and did not end it within ``timeout`` (the caller says so).
+    def stop(self, timeout: float = 10.0, grace: float = 2.0) -> str | None:
+        """Stop the daemon and its servers: ``quit``, then signals to its process group. Why it was ended by signal,
+        where ``quit`` was sent and did not end it (the caller says so); None otherwise.
 
         ``quit`` blocks while clients are alive, so it gets a deadline; after that (or at once, for a daemon
-        not yet listening or no longer answering) its process group gets SIGTERM, then SIGKILL. Then every server
-        we saw is checked to be gone (by pid and start time; never by name).
+        not yet listening or no longer answering, or one whose control socket a rank removed) its process group gets
+        SIGTERM, then SIGKILL. Then every server we saw is checked to be gone (by pid and start time; never by name).
         """
         if self.process is None:
-            return False
-        deadline, forced = Deadline(timeout), False
+            return None
+        deadline, forced = Deadline(timeout), None
         if self.alive and (self.silent or not self.answered) and self._popen is not None:
             self._end_group(grace)  # its silence was said where it was met: quit would only wait it out again
         elif self.alive:
             self._remember_servers()
             try:
                 self.command("quit", timeout=max(0.1, deadline.remaining()))
-            except DaemonError as exc:
+            except DaemonTimeoutError:
+                pass
+            except DaemonError as exc:  # not reached at all: nothing to wait for
                 log.debug("quit failed: %s", exc)
-            if forced := not self._wait_exit(deadline.remaining()):
+                deadline, forced = Deadline(0), f"did not take quit ({exc.reply or exc})"
+            if not self._wait_exit(deadline.remaining()):
+                forced = forced or f"did not quit in {timeout:g} s"
                 self._end_group(grace)
         self._reap_servers(grace)
         return forced

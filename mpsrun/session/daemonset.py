@@ -156,7 +156,7 @@ class DaemonSet:
     def _stop_each(self, timeout: float) -> list[BaseException]:
         """Stop every daemon at once: each may wait out its own quit (one after another, two hanging quits took twice
         as long). One line names those that quit did not end."""
-        results: dict[int, bool | BaseException] = {}
+        results: dict[int, str | BaseException | None] = {}
 
         def stop(daemon: ControlDaemon) -> None:
             try:
@@ -172,8 +172,10 @@ class DaemonSet:
             stop(self.daemons[0])
         for helper in helpers:
             helper.join()
-        forced = [str(daemon.pid) for daemon in self.daemons if results.get(id(daemon)) is True]
-        if forced:
-            log.warning("mpsrun: MPS control daemon%s %s did not quit in %g s; terminated", "s" * (len(forced) > 1),
-                        ", ".join(forced), timeout)
+        forced: dict[str, list[str]] = {}  # the daemons ended by signal, by why
+        for daemon in self.daemons:
+            if isinstance(why := results.get(id(daemon)), str):
+                forced.setdefault(why, []).append(str(daemon.pid))
+        for why, pids in forced.items():
+            log.warning("mpsrun: MPS control daemon%s %s %s; terminated", "s" * (len(pids) > 1), ", ".join(pids), why)
         return [result for result in results.values() if isinstance(result, BaseException)]
