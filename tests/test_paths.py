@@ -89,16 +89,16 @@ def test_removing_a_session_leaves_a_new_one_of_its_name_alone(short_tmp, monkey
     from mpsrun.session import paths
 
     old = SessionDirs.create(short_tmp, [0], name="jnode")
-    real_rmtree, came = paths.shutil.rmtree, []
+    real_remove, came = paths.remove_tree, []
 
-    def rmtree_then_a_late_rank_comes(path, *args, **kwargs):
-        real_rmtree(path, *args, **kwargs)
+    def remove_then_a_late_rank_comes(path):
+        real_remove(path)
         if not old.root.exists() and not came:
             came.append(True)
             old.root.mkdir()
             (old.root / "reservation").write_text("theirs")
 
-    monkeypatch.setattr(paths.shutil, "rmtree", rmtree_then_a_late_rank_comes)
+    monkeypatch.setattr(paths, "remove_tree", remove_then_a_late_rank_comes)
     old.remove()
     assert (old.root / "reservation").read_text() == "theirs"
     assert [p.name for p in old.root.parent.iterdir()] == ["jnode"]
