@@ -17,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 
+from mpsrun.job.mpiexec import detect_flavour
+
 TOGETHER = ("import os, sys, time\nr = os.environ.get('RANK') or os.environ.get('OMPI_COMM_WORLD_RANK') or "
             "os.environ.get('PMI_RANK')\nopen(os.path.join(sys.argv[1], r), 'w').close()\n"
             "while len(os.listdir(sys.argv[1])) < 4:\n    time.sleep(0.001)\n")
@@ -26,8 +28,7 @@ LINE = re.compile(r"rank \d+ line \d+(?: x*)?")
 
 def mpiexec() -> list[str]:
     exe = shutil.which("mpiexec") or "mpiexec"
-    version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.lower()
-    root = ["--allow-run-as-root", "--oversubscribe"] if "open mpi" in version and os.geteuid() == 0 else []
+    root = ["--allow-run-as-root", "--oversubscribe"] if detect_flavour(exe) == "openmpi" and os.geteuid() == 0 else []
     return [exe, *root, "-n", "4"]
 
 
