@@ -126,3 +126,28 @@ def test_the_supervisor_comes_from_mpsrun_not_from_the_working_directory(tmp_pat
     assert "foreign" not in out.stderr and "project" not in out.stderr
     assert "needs MPSRUN_CONTROL" in out.stderr  # mpsrun's own supervisor, refusing to run without a job
     assert out.returncode == 2
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_descriptors_that_come_with_a_message_are_kept_only_where_asked(keep):
+    """Open files sent with a message over a Unix socket: a link that keeps descriptors hands them over once
+    (``take_descriptors``), and closes any that come after; any other link closes them on arrival, so a stranger on
+    the agent's socket cannot make mpsrun hold its files open."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX)
+    read_end, write_end = os.pipe()
+    link = Link(ours, keep_descriptors=keep)
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        assert Link(theirs).send(Note("hello"), (read_end, write_end))
+        assert [type(m) for m in link.receive() or []] == [Note]
+        taken = link.take_descriptors()
+        assert len(taken) == (2 if keep else 0) and len(os.listdir("/proc/self/fd")) == before + len(taken)
+        for fd in taken:
+            os.close(fd)
+        assert Link(theirs).send(Note("again"), (read_end,)) and link.receive() is not None
+        assert len(os.listdir("/proc/self/fd")) == before and link.take_descriptors() == []
+    finally:
+        for fd in (read_end, write_end):
+            os.close(fd)
+        link.close()
+        theirs.close()

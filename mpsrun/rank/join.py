@@ -38,10 +38,9 @@ def direct(address: str) -> Join:
     """Join the controller at ``address`` (the launcher's)."""
 
     def join(hello: Hello) -> tuple[Link, Welcome | Refusal | None]:
-        link = connect(address)
-        link.descriptors = []
+        link = connect(address, keep_descriptors=True)
         answer = greet(link, hello)
-        passed, link.descriptors = link.descriptors or [], None
+        passed = link.take_descriptors()
         if isinstance(answer, Welcome) and len(passed) == 2:
             _share_output(passed)
         for fd in passed:

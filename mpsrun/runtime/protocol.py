@@ -261,9 +261,12 @@ class Link:
     owner has stopped waiting on it and calls :meth:`close`: closed first, the descriptor's number could be reused
     while a forked child still held the socket, and an event loop would take the old socket's events for the new
     descriptor's (the kernel drops a registration only once no process holds it).
+
+    Open files may come with a message over a Unix socket (a rank's supervisor gets the job's stdout and stderr with
+    its welcome): with ``keep_descriptors`` they are kept until :meth:`take_descriptors`, else closed on arrival.
     """
 
-    def __init__(self, sock: socket.socket, line_max: int = LINE_MAX) -> None:
+    def __init__(self, sock: socket.socket, line_max: int = LINE_MAX, keep_descriptors: bool = False) -> None:
         self.sock = sock
         self.fd = sock.fileno()  # kept after close, to stop waiting on it
         self.closed = self.broken = False
@@ -271,9 +274,9 @@ class Link:
         self.admitted = False  # the peer has shown the job's token
         self._line_max = line_max
         self._buffer = b""
-        # Descriptors that came with the messages (over a Unix socket), kept where the owner takes them; else closed
-        # on arrival: nobody else's are held open here.
-        self.descriptors: list[int] | None = None
+        # Descriptors that came with the messages (over a Unix socket), until taken; None: closed on arrival, so
+        # nobody else's are held open here.
+        self._descriptors: list[int] | None = [] if keep_descriptors else None
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -321,12 +324,17 @@ class Link:
             return None
         return [message for line in lines if (message := decode(line)) is not None]
 
+    def take_descriptors(self) -> list[int]:
+        """The descriptors that came so far, now the caller's to close; any later ones are closed on arrival."""
+        taken, self._descriptors = self._descriptors or [], None
+        return taken
+
     def _recv(self) -> bytes:
         if self.sock.family != socket.AF_UNIX:
             return self.sock.recv(65536)
         data, descriptors, _, _ = socket.recv_fds(self.sock, 65536, 2)
-        if self.descriptors is not None:
-            self.descriptors += descriptors
+        if self._descriptors is not None:
+            self._descriptors += descriptors
         else:
             for fd in descriptors:
                 os.close(fd)
@@ -414,8 +422,8 @@ def _connect_unix(path: str, deadline: Deadline) -> socket.socket:
     raise AssertionError("unreachable")  # pragma: no cover - backoff() never ends
 
 
-def connect(address: str, timeout: float = CONNECT_TIMEOUT) -> Link:
-    """Connect to ``unix:PATH`` or ``tcp:HOST:PORT``; raises OSError."""
+def connect(address: str, timeout: float = CONNECT_TIMEOUT, keep_descriptors: bool = False) -> Link:
+    """Connect to ``unix:PATH`` or ``tcp:HOST:PORT``; raises OSError. ``keep_descriptors``: see :class:`Link`."""
     if address.startswith("unix:"):
         sock = _connect_unix(address[5:], Deadline(timeout))
     elif address.startswith("tcp:"):
@@ -427,4 +435,4 @@ def connect(address: str, timeout: float = CONNECT_TIMEOUT) -> Link:
     else:
         raise OSError(f"not a controller address: {address!r}")
     sock.settimeout(None)
-    return Link(sock)
+    return Link(sock, keep_descriptors=keep_descriptors)
