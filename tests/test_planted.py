@@ -3,6 +3,7 @@ device nodes and files of any size anywhere in its user's session root. Whatever
 user waits past its deadline, reads without bound, or ends in a traceback. With the fake GPU; every command runs with
 a timeout and under a memory limit, so a regression fails here instead of hanging the suite."""
 
+import contextlib
 import json
 import os
 import re
@@ -368,3 +369,54 @@ def test_a_removed_daemon_socket_is_not_waited_on(fake_gpu, launcher):
     assert out.returncode == 0 and len(quits) == 1 and re.search(r"MPS control daemon \d+ did not take quit \(.+\); "
                                                                  "terminated", quits[0]), out.stderr[-1500:]
     settle(fake_gpu)
+
+
+_REMOVE = "import sys\nfrom mpsrun.runtime.files import remove_tree\nremove_tree(sys.argv[1])\n"
+
+
+def _without_mode_override(argv: list[str]) -> list[str]:
+    """``argv`` as an ordinary user runs it: root without the capabilities that override file modes."""
+    if os.getuid() != 0:
+        return argv
+    if shutil.which("setpriv") is None:
+        pytest.skip("root without setpriv: cannot drop CAP_DAC_OVERRIDE")
+    return ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-all", *argv]
+
+
+def test_a_read_only_directory_in_a_session_is_removed(tmp_path: Path):
+    """A directory a rank made read-only (mode 0555, as Go's module cache and `cp -a` of a read-only tree make them),
+    holding a file and a subdirectory, is removed with the rest of the session by an ordinary user: nothing is left
+    and nothing is raised. The teardown failed with 'Permission denied' (exit 3) and left the directory (found by the
+    second hostile pass)."""
+    session = tmp_path / "s"
+    (session / "ro" / "sub").mkdir(parents=True)
+    (session / "ro" / "f").write_text("x")
+    (session / "ro").chmod(0o555)
+    session.chmod(0o555)  # and the session's own directory
+    try:
+        done = subprocess.run(_without_mode_override([sys.executable, "-c", _REMOVE, str(session)]),
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and not session.exists(), done.stderr
+    finally:
+        for directory in (session, session / "ro"):
+            with contextlib.suppress(OSError):
+                directory.chmod(0o755)
+
+
+@pytest.mark.skipif(os.getuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
+def test_a_bind_mount_in_a_session_is_not_entered(tmp_path: Path):
+    """A directory outside the session bind-mounted onto one inside it (a root rank, in mpsrun's own mount namespace)
+    is never entered: the removal fails on it with one reason and nothing outside the session is touched. It was
+    entered and a file outside deleted (found by the second hostile pass). Run in a private mount namespace of the
+    test's own, which ends with it."""
+    outside, session = tmp_path / "outside", tmp_path / "s"
+    outside.mkdir()
+    (outside / "sentinel").write_text("keep")
+    (session / "b").mkdir(parents=True)
+    code = ("import subprocess, sys\nsubprocess.run(['mount', '--bind', sys.argv[1], sys.argv[2] + '/b'], check=True)\n"
+            "from mpsrun.runtime.files import remove_tree\ntry:\n    remove_tree(sys.argv[2])\nexcept OSError as exc:\n"
+            "    print(exc)\n")
+    done = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", code, str(outside),
+                           str(session)], capture_output=True, text=True, timeout=60)
+    assert (outside / "sentinel").read_text() == "keep", done
+    assert "a mount point, not entered" in done.stdout, done

@@ -122,7 +122,8 @@ _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def remove_tree(path: str | os.PathLike[str]) -> None:
-    """Remove the directory ``path`` and all below it, a link only unlinked, never followed; nothing there is no error.
+    """Remove the directory ``path`` and all below it, a link only unlinked, never followed, a mount point never
+    entered; nothing there is no error.
 
     A rank can plant a tree thousands of levels deep, past Python's recursion (``shutil.rmtree`` recurses per level)
     and the descriptors one process may hold: each directory's subdirectories are moved up into the top one before
@@ -137,6 +138,7 @@ def remove_tree(path: str | os.PathLike[str]) -> None:
         os.unlink(path)  # a link, or a file where the directory was
         return
     try:
+        _make_ours(top)
         while names := os.listdir(top):
             for name in names:
                 _remove_entry(top, name)
@@ -147,19 +149,28 @@ def remove_tree(path: str | os.PathLike[str]) -> None:
 
 def _remove_entry(top: int, name: str) -> None:
     """Remove ``name`` in ``top``: a file or link at once; a directory once its subdirectories are moved up into
-    ``top`` (which removes them in their turn) and its files unlinked."""
+    ``top`` (which removes them in their turn) and its files unlinked. It is renamed first: a mount point refuses
+    that, and is never entered (a bind mount of another directory would lose that directory's files)."""
     with contextlib.suppress(FileNotFoundError):
         try:
             os.unlink(name, dir_fd=top)
             return
         except IsADirectoryError:
             pass
+        here = f".{os.urandom(8).hex()}"
         try:
-            fd = os.open(name, _DIRECTORY, dir_fd=top)
+            os.rename(name, here, src_dir_fd=top, dst_dir_fd=top)
+        except OSError as exc:
+            if exc.errno == errno.EBUSY:
+                raise OSError(exc.errno, "a mount point, not entered", name) from None
+            raise
+        try:
+            fd = os.open(here, _DIRECTORY, dir_fd=top)
         except PermissionError:  # a rank made it unreadable (its own directory: the rank could undo it too)
-            os.chmod(name, 0o700, dir_fd=top)
-            fd = os.open(name, _DIRECTORY, dir_fd=top)
+            os.chmod(here, 0o700, dir_fd=top)
+            fd = os.open(here, _DIRECTORY, dir_fd=top)
         try:
+            _make_ours(fd)
             for entry in os.listdir(fd):
                 with contextlib.suppress(FileNotFoundError):
                     try:
@@ -168,4 +179,11 @@ def _remove_entry(top: int, name: str) -> None:
                         os.rename(entry, f".{os.urandom(8).hex()}", src_dir_fd=fd, dst_dir_fd=top)
         finally:
             os.close(fd)
-        os.rmdir(name, dir_fd=top)
+        os.rmdir(here, dir_fd=top)
+
+
+def _make_ours(directory: int) -> None:
+    """A directory a rank made read-only (as Go's module cache and ``cp -a`` of a read-only tree make them) becomes
+    writable, so its entries can go; one not the user's is left as it is."""
+    with contextlib.suppress(OSError):
+        os.fchmod(directory, 0o700)
