@@ -204,3 +204,12 @@ def test_command_line_wins_over_a_bad_variable():
     assert parse_args(["-np", "3", "prog"], environ={"MPSRUN_NP": "abc"}).nranks == 3
     with pytest.raises(ConfigError, match="MPSRUN_MPIEXEC_ARG"):
         parse_args(["prog"], environ={"MPSRUN_MPIEXEC_ARG": "--foo 'bar"})
+
+
+@pytest.mark.parametrize("flag", ["--grace", "--timeout", "-x", "--gpus", "-np"])
+def test_an_option_followed_by_the_end_of_options_lacks_its_value(flag):
+    """``mpsrun --grace -- true``: ``--`` ends the options, so --grace has no value (a usage error, exit 2). It was
+    taken as the value, which argparse turned into an empty list: the job then failed to encode its ranks' welcome
+    and ended in a traceback (found by the suite's property test of any command line)."""
+    with pytest.raises(ConfigError, match="expected one argument"):
+        parse_args([flag, "--", "true"], {})

@@ -108,7 +108,7 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         if _GLUED_NP.fullmatch(word):  # -np4 is -np 4 (argparse would read -n "p4")
             word = f"-np={word[3:]}"
         name = word.split("=", 1)[0]
-        if name in takes_value and "=" not in word and index + 1 < len(argv):
+        if name in takes_value and "=" not in word and index + 1 < len(argv) and argv[index + 1] != "--":
             value = argv[index + 1]
             # --opt=value lets a value start with "-" (argparse would take it for an option).
             words.extend([f"{word}={value}"] if word.startswith("--") else [word, value])
