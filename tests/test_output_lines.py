@@ -281,3 +281,25 @@ def test_our_gone_reader_is_noted_not_raised(tmp_path: Path):
     writer = LineWriter(write_end)
     assert writer.feed(b"line\n") is False and writer.broken
     os.close(write_end)
+
+
+@pytest.mark.parametrize("path", ["local", "mpiexec"])
+def test_a_non_blocking_output_gets_all_the_lines(fake_gpu, path):
+    """mpsrun's stdout a pipe left non-blocking (its flags belong to the pipe, shared with whoever set them) and read
+    slowly: every line still arrives and nothing is said of lost output. The supervisors, which now write to
+    mpsrun's own stdout, took a full pipe's EAGAIN for an output that cannot be written and dropped the rest."""
+    code = "import os\nr = os.environ['RANK']\nfor i in range(20000):\n    print('rank', r, 'line', i)\n"
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    job = subprocess.Popen(job_argv(path, [], [sys.executable, "-c", code], ranks=2), stdout=write_end,
+                           stderr=subprocess.PIPE)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as reader:
+        got = bytearray()
+        while chunk := reader.read1(4096):  # type: ignore[attr-defined]
+            got.extend(chunk)
+            time.sleep(0.01)
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == 0 and not err, err
+    assert lines_of_each_rank(got.decode(), 2) == {r: list(range(20000)) for r in range(2)}
+    settle(fake_gpu)

@@ -43,7 +43,7 @@ from mpsrun.runtime.constants import (
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.interrupts import Interrupts, uninterrupted
 from mpsrun.runtime.loop import EventLoop
-from mpsrun.runtime.output import printable, say
+from mpsrun.runtime.output import say
 from mpsrun.runtime.processes import ensure_descriptors, find_program
 from mpsrun.runtime.protocol import Ended, Listener, Started, new_token
 from mpsrun.session import leftovers
@@ -65,7 +65,7 @@ def resolve_command(command: tuple[str, ...]) -> str:
     program, code, reason = find_program(command[0], None)
     if program is None:
         error = CommandNotFoundError if code == ExitCode.NOT_FOUND else CommandNotExecutableError
-        raise error(f"{printable(command[0])}: {reason}", command=command[0])
+        raise error(f"{command[0]}: {reason}", command=command[0])
     return program
 
 

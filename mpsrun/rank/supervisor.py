@@ -44,7 +44,7 @@ from mpsrun.runtime.constants import (
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.interrupts import Interrupts
 from mpsrun.runtime.loop import EventLoop
-from mpsrun.runtime.output import printable, say
+from mpsrun.runtime.output import say
 from mpsrun.runtime.processes import (
     close_all,
     find_program,
@@ -116,7 +116,7 @@ class RankSupervisor:
     def run(self) -> int:
         program, code, reason = find_program(self.command[0], self.env.get("PATH"))
         if program is None:
-            return self._finish(Outcome("setup", code), f"{printable(self.command[0])}: {reason}")
+            return self._finish(Outcome("setup", code), f"{self.command[0]}: {reason}")
         if self.mpi4py_abort:
             command, self.command = self.command, through_mpi4py(self.command, program)
             if self.command != command:  # for the runner alone, which takes it out
@@ -130,8 +130,7 @@ class RankSupervisor:
             try:
                 self._spawn(program, files)
             except OSError as exc:
-                return self._finish(Outcome("setup", exec_failure_code(exc)),
-                                    f"{printable(self.command[0])}: {exc.strerror}")
+                return self._finish(Outcome("setup", exec_failure_code(exc)), f"{self.command[0]}: {exc.strerror}")
             finally:
                 close_all(files)
             if self.timeout is not None:

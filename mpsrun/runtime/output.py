@@ -146,7 +146,10 @@ class LineWriter:
                 fcntl.flock(self._lock, fcntl.LOCK_EX)
             for piece in _pieces(records):
                 while piece:
-                    piece = piece[os.write(self.sink, piece) :]
+                    try:
+                        piece = piece[os.write(self.sink, piece) :]
+                    except BlockingIOError:  # an output left non-blocking (a pipe's flags are shared): wait as a
+                        select.select([], [self.sink], [])  # blocking write does
         except OSError as exc:  # what follows is dropped: the rank gets EPIPE, as when writing there itself
             if exc.errno not in (errno.EPIPE, errno.EBADF):
                 self.failure = exc.strerror or str(exc)
