@@ -79,12 +79,13 @@ def test_four_ranks_lines_are_never_mixed(fake_gpu, short_tmp, path, how, monkey
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("how", ["unbuffered", "buffered", "tagged"])
-@pytest.mark.parametrize("path", ["local", "mpiexec"])
+@pytest.mark.parametrize("path", ["local", "mpiexec", "hosts"])
 def test_four_ranks_lines_are_never_mixed_on_the_gpu_machine(cupy_job, path, how, monkeypatch):
-    """The same on the GPU machine, with real MPS and Open MPI, on the paths where mpsrun holds the job's output
-    (before, unbuffered: 5,625 of 8,000 lines mixed under the local launcher, 4,607 under mpiexec; then, with whole
-    lines from each supervisor, Open MPI 4.1's forwarding still cut 14). Under --per-node and --hosts the launcher
-    forwards the lines (docs/command-line.md, where a path differs)."""
+    """The same on the GPU machine, with real MPS and Open MPI, on the paths where mpsrun holds the output of a
+    node's ranks (before, unbuffered: 5,625 of 8,000 lines mixed under the local launcher, 4,607 under mpiexec;
+    then, with whole lines from each supervisor, Open MPI 4.1's forwarding still cut 14 under mpiexec, and 0-8 a
+    round under --hosts). Under --per-node the user's launcher forwards each rank's output (docs/command-line.md,
+    where a path differs)."""
     four_ranks_print(gpu_job_argv, path, how, cupy_job["ready"], monkeypatch)
 
 
@@ -102,6 +103,22 @@ def test_each_supervisor_writes_to_the_jobs_own_output(fake_gpu, tmp_path, path)
                        timeout=120, check=True)
     seen = sorted(out.read_text().splitlines())
     assert seen == [f"{rank} {fd} {out if fd == 1 else err}" for rank in (0, 1) for fd in (1, 2)], (seen, err.read_text())
+    settle(fake_gpu)
+
+
+def test_the_ranks_of_a_host_write_to_one_output_under_hosts(fake_gpu, tmp_path):
+    """Under --hosts the MPI launcher that mpsrun starts forwards each process's output in pieces, which cut lines
+    of ranks that write at once. So a host's ranks write to one stdout and one stderr, those of the rank that
+    started the host's keeper, each line under one lock: every rank's supervisor has the same two pipes (before,
+    each had its own)."""
+    code = ("import os\nfor fd in (1, 2):\n    print(os.environ['RANK'], fd, "
+            "os.readlink(f'/proc/{os.getppid()}/fd/{fd}'), flush=True)\n")
+    out = subprocess.run(job_argv("hosts", [], [sys.executable, "-c", code], ranks=3), capture_output=True,
+                         text=True, timeout=120, check=True)
+    seen = [line.split() for line in out.stdout.splitlines()]
+    assert sorted((int(rank), int(fd)) for rank, fd, _ in seen) == [(r, fd) for r in range(3) for fd in (1, 2)]
+    for fd in ("1", "2"):
+        assert len({target for _, which, target in seen if which == fd}) == 1, seen
     settle(fake_gpu)
 
 

@@ -92,14 +92,14 @@ class Top(Protocol):
 class Welcoming(NamedTuple):
     """How a node welcomes its ranks. ``ranks``: the job's ranks, where this node runs them all (the command's own
     node; the launcher may not say the sizes); ``callers``: the caller's environment, put back where a launcher
-    rewrote it; ``shares_output``: the ranks write to our stdout and stderr, each line under one lock (the ranks
-    of an MPI launcher get them with their welcome: its forwarding cuts lines of different ranks); ``settings`` and
+    rewrote it; ``output``: the stdout and stderr (descriptors of ours) that the ranks write to, each line under one
+    lock; they come with each welcome (an MPI launcher's forwarding cuts lines of different ranks); ``settings`` and
     ``devices``: what every rank of a --per-node job must have been started with; ``extra``: variables of a one-node
     --per-node job (its rendezvous); ``notices``: said by the first rank."""
 
     ranks: range | None = None
     callers: Mapping[str, str | None] | None = None
-    shares_output: bool = False
+    output: tuple[int, int] | None = None
     settings: str | None = None
     devices: str | None = None
     extra: Mapping[str, str] | None = None
@@ -195,7 +195,7 @@ class Agent:
             self.watch = RankWatch(session.watcher(), self.policy.mps_required)
         if session.gpus:
             self.usage = UsageSampler([gpu.uuid for gpu in session.gpus], self.policy.keep_samples)
-        if self.welcoming.shares_output:  # each rank writes its lines under it
+        if self.welcoming.output is not None:  # each rank writes its lines under it
             self.dirs.output_lock.touch(mode=0o600)
             self._output_lock = str(self.dirs.output_lock)
 
@@ -283,7 +283,7 @@ class Agent:
         if refusal is None:
             try:
                 sent, plan = self._welcome(identity, hello)
-                link.send(sent, (1, 2) if self.welcoming.shares_output else ())
+                link.send(sent, self.welcoming.output or ())
                 self.ranks[identity.rank] = self._by_link[link] = RankState(identity.rank, link, plan=plan)
                 return
             except MPSError as exc:

@@ -27,7 +27,7 @@ from mpsrun.config.options import JobConfig
 from mpsrun.errors import ConfigError, InterruptionError, JoinError, MPSError
 from mpsrun.exitcodes import ExitCode, describe_returncode
 from mpsrun.rank.identity import RankIdentity, identity_from_env, job_key
-from mpsrun.rank.join import greet, report_failure
+from mpsrun.rank.join import greet, report_failure, take_output
 from mpsrun.rank.supervisor import run_rank
 from mpsrun.runtime.constants import CONTROL_VARIABLE, KEEPER_START_TIMEOUT, NODE_ID_VARIABLE, TOKEN_VARIABLE
 from mpsrun.runtime.deadline import Deadline, poll_until
@@ -52,8 +52,9 @@ JOIN_ATTEMPTS = 3  # a keeper may close just as a late rank arrives; the rank th
 class KeeperRequest(NamedTuple):
     """What the rank that starts a keeper tells it: the node session's name and base, the job's configuration (as
     the rank read it), how many ranks the launcher put on the node and in the job, the CUDA_VISIBLE_DEVICES every
-    local rank must share, under ``--hosts`` the job's command and token, the starting rank's number, and its parent
-    (pid, start time): the node's launcher."""
+    local rank must share, under ``--hosts`` the job's command and token and the starting rank's stdout and stderr
+    (their descriptors in the keeper: see :func:`_start_keeper`), the starting rank's number, and its parent (pid,
+    start time): the node's launcher."""
 
     name: str
     base: str
@@ -65,10 +66,12 @@ class KeeperRequest(NamedTuple):
     token: str = ""
     starter: int | None = None
     launcher: tuple[int, int] | None = None
+    output: tuple[int, int] | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> KeeperRequest:
-        return cls(**data)
+        output = data.get("output")
+        return cls(**{**data, "output": None if output is None else (output[0], output[1])})
 
 
 def node_session_name(env: Mapping[str, str]) -> str:
@@ -80,13 +83,24 @@ def _start_keeper(base: Path, name: str, config: JobConfig, identity: RankIdenti
     """Start the node keeper in the directory reserved for it and wait until it answers or says why it cannot.
 
     Returns the keeper's answering pipe, still open: the keeper knows by its closing that this rank will not come,
-    so it is closed only once this rank has joined (or when this process ends)."""
+    so it is closed only once this rank has joined (or when this process ends).
+
+    Under ``--hosts`` the keeper gets our stdout and stderr (where the MPI launcher that mpsrun started forwards this
+    rank's output), and the node's ranks write there, each line under one lock: the launcher forwards each
+    process's output in pieces, cutting lines of ranks that write at once. Under a bare ``--per-node`` the launcher is
+    the user's, and so is each rank's output (its tags and its files per rank)."""
+    upstream = os.environ.get(CONTROL_VARIABLE)
+    output = (os.dup(1), os.dup(2)) if upstream else None
     request = KeeperRequest(name=name, base=str(base), config=config.to_json(), local_size=identity.local_world_size,
                             world_size=identity.world_size, devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-                            upstream=os.environ.get(CONTROL_VARIABLE), token=os.environ.get(TOKEN_VARIABLE, ""),
-                            starter=identity.rank, launcher=ProcessRef.of(os.getppid()))
-    keeper = subprocess.Popen(own_module("mpsrun.agent.keeper"), stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+                            upstream=upstream, token=os.environ.get(TOKEN_VARIABLE, ""), starter=identity.rank,
+                            launcher=ProcessRef.of(os.getppid()), output=output)
+    try:
+        keeper = subprocess.Popen(own_module("mpsrun.agent.keeper"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, start_new_session=True, pass_fds=output or ())
+    finally:
+        for fd in output or ():
+            os.close(fd)
     assert keeper.stdin is not None and keeper.stdout is not None
     with contextlib.suppress(BrokenPipeError), keeper.stdin:  # a keeper killed at once: its status, below, says so
         keeper.stdin.write(json.dumps(request._asdict()).encode())
@@ -146,7 +160,7 @@ def _connect_or_reserve(base: Path, name: str, address: str) -> Link | str:
     def attempt() -> Link | str | None:
         with user_root_lock(base):
             with contextlib.suppress(OSError):
-                return connect(address)
+                return connect(address, keep_descriptors=True)
             return _reserve(base, name)
 
     found = cast("Link | str | None", poll_until(attempt, Deadline(KEEPER_START_TIMEOUT)))  # mypy solves no unions
@@ -169,7 +183,7 @@ def _join_node(base: Path, name: str, config: JobConfig, identity: RankIdentity)
             drop_reservation(base, name, found)
         raise
     try:
-        return connect(address), pipe
+        return connect(address, keep_descriptors=True), pipe
     except BaseException:
         pipe.close()
         raise
@@ -210,6 +224,7 @@ def run_per_node(config: JobConfig, environ: Mapping[str, str] | None = None) ->
             link, pipe = _join_node(base, name, config, joining)
             with pipe or contextlib.nullcontext():  # we started the keeper: held until it has answered us
                 answer = greet(link, hello._replace(settings=json.dumps(config.settings(), sort_keys=True)))
+            take_output(link, answer)
             if isinstance(answer, Welcome) or (answer is not None and not answer.retry and not answer.failed):
                 return link, answer
             link.close()

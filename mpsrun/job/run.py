@@ -167,7 +167,7 @@ class Job:
             self.agent = Agent(config, self.loop, self.decision, claim, listener, self.token, self.deadline,
                                local_size=config.ranks, world_size=config.ranks, server_after=backend.server_after,
                                welcoming=Welcoming(ranks=self.expected, callers=callers_values(os.environ),
-                                                   shares_output=True))
+                                                   output=(1, 2)))
         else:
             from mpsrun.job.hosts import HostAgents
 

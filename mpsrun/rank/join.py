@@ -19,7 +19,7 @@ from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.output import say
 from mpsrun.runtime.protocol import Admitted, Found, Hello, Link, Refusal, Welcome, connect
 
-__all__ = ["Join", "direct", "greet", "refused", "report_failure", "report_interrupt"]
+__all__ = ["Join", "direct", "greet", "refused", "report_failure", "report_interrupt", "take_output"]
 
 #: Joins a controller with a hello: the link, and the controller's answer (welcome or refusal; None if it went).
 Join = Callable[[Hello], "tuple[Link, Welcome | Refusal | None]"]
@@ -40,23 +40,24 @@ def direct(address: str) -> Join:
     def join(hello: Hello) -> tuple[Link, Welcome | Refusal | None]:
         link = connect(address, keep_descriptors=True)
         answer = greet(link, hello)
-        passed = link.take_descriptors()
-        if isinstance(answer, Welcome) and len(passed) == 2:
-            _share_output(passed)
-        for fd in passed:
-            os.close(fd)
+        take_output(link, answer)
         return link, None if isinstance(answer, Refusal) and answer.retry else answer
 
     return join
 
 
-def _share_output(outputs: list[int]) -> None:
-    """The job's own stdout and stderr, which came with the welcome, become ours: the rank's lines go there whole,
-    not through an MPI launcher's forwarding, which cuts lines of different ranks into each other."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    for fd, ours in zip(outputs, (1, 2), strict=True):
-        os.dup2(fd, ours)
+def take_output(link: Link, answer: Welcome | Refusal | None) -> None:
+    """The stdout and stderr that came with a welcome (the job's own, or under --hosts the host's) become ours: the
+    rank's lines go there whole, not through an MPI launcher's forwarding, which cuts lines of different ranks into
+    each other. Descriptors that came otherwise are closed."""
+    passed = link.take_descriptors()
+    if isinstance(answer, Welcome) and len(passed) == 2:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, ours in zip(passed, (1, 2), strict=True):
+            os.dup2(fd, ours)
+    for fd in passed:
+        os.close(fd)
 
 
 def report_failure(exc: MPSError, local_rank: int | None) -> None:
