@@ -8,7 +8,6 @@ Options end at the first word that is not an option (or its value), at ``--``, o
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -201,7 +200,7 @@ def _config(args: list[str]) -> JobConfig:
     handed the job's, as data (:class:`~mpsrun.job.backends.HostsBackend`), and reads no option again."""
     handed = os.environ.get(CONFIG_VARIABLE)
     if handed and os.environ.get(CONTROL_VARIABLE) and args[:2] == ["--per-node", "--"] and len(args) > 2:
-        return dataclasses.replace(JobConfig.from_json(json.loads(handed)), command=tuple(args[2:]), per_node=True)
+        return JobConfig.from_json(json.loads(handed))._replace(command=tuple(args[2:]), per_node=True)
     return parse_args(args, os.environ, __version__)
 
 

@@ -13,9 +13,8 @@ import os
 import socket
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from mpsrun.agent.outcome import ranges
 from mpsrun.config.values import mib_text
@@ -36,8 +35,7 @@ NEAR_LIMIT, MOSTLY_UNUSED = 0.9, 0.25
 ROOM, ROUND_MIB = 1.25, 256
 
 
-@dataclass(frozen=True, slots=True)
-class RankAccount:
+class RankAccount(NamedTuple):
     """One rank's account. ``gpu``: its GPU's index on its host (None: it saw every GPU of its session, or none);
     ``mps``: proven an MPS client (None: not known, without MPS or on another host); memory in MiB (``memory_peak``
     None: never sampled, a rank that ended before the first look or a GPU NVML does not count); ``memory_share``:
@@ -151,8 +149,7 @@ def _version() -> str | None:
         return None
 
 
-@dataclass(frozen=True, slots=True)
-class Report:
+class Report(NamedTuple):
     """What ``--report FILE`` writes: the job's end, every rank's account, and the memory samples."""
 
     command: list[str]
@@ -185,7 +182,7 @@ class Report:
         """Write the report as JSON to ``path``: through a symlink, to its target; into a FIFO or a device as it
         stands (a FIFO no one reads is an error, not a wait); a file whole or not at all (a new file beside it,
         renamed over it)."""
-        data = {"mpsrun": _version(), **asdict(self)}
+        data = {"mpsrun": _version(), **self._asdict(), "ranks": [account._asdict() for account in self.ranks]}
         data["samples"] = [{"time": s.time, "memory": {str(r): m for r, m in s.memory.items()}} for s in self.samples]
         text = json.dumps(data, indent=1) + "\n"
         if os.path.exists(path) and not os.path.isfile(path):

@@ -7,7 +7,6 @@ so a job gives the same exit code and the same summary however its ranks were st
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from mpsrun.exitcodes import Cause, ExitCode, Outcome, describe_returncode, exit_code, killed_by, signal_name
@@ -32,8 +31,7 @@ def ranges(values: Sequence[int]) -> str:
     return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in parts) or "none"
 
 
-@dataclass(frozen=True, slots=True)
-class Policy:
+class Policy(NamedTuple):
     """The rules a controller applies: how long a rank gets to end when stopped, the job's time, what fails it."""
     grace: float  # --grace
     timeout: float | None = None  # seconds left of the job's --timeout when the ranks start

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mpsrun.agent.outcome import RankEnd
@@ -41,17 +40,16 @@ def refuse_newcomer(link: Link, refusal: Refusal) -> None:
     link.close()
 
 
-@dataclass(slots=True, eq=False)
 class RankState:
     """One rank as its agent knows it: the link it joined over, its process, its plan (where it runs and its limits,
     None without GPUs), its end, and whether it has had its verdict."""
 
-    rank: int
-    link: Link | None = None
-    process: ProcessRef | None = None
-    plan: RankPlan | None = None
-    end: RankEnd | None = None
-    verdict_sent: bool = False
+    __slots__ = ("end", "link", "plan", "process", "rank", "verdict_sent")
+
+    def __init__(self, rank: int, link: Link | None = None, plan: RankPlan | None = None, end: RankEnd | None = None,
+                 verdict_sent: bool = False) -> None:
+        self.rank, self.link, self.plan, self.end, self.verdict_sent = rank, link, plan, end, verdict_sent
+        self.process: ProcessRef | None = None
 
 
 class Doorway:

@@ -13,8 +13,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from mpsrun.runtime.loop import EventLoop
 from mpsrun.runtime.output import unread_output
@@ -29,8 +28,7 @@ __all__ = ["LaunchSpec", "Launched", "Launchers"]
 OUTPUT_LOOK = 0.1
 
 
-@dataclass(frozen=True, slots=True)
-class LaunchSpec:
+class LaunchSpec(NamedTuple):
     """A process to start, and the ranks it is responsible for."""
 
     name: str

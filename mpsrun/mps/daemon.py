@@ -22,7 +22,6 @@ import shutil
 import signal
 import subprocess
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from mpsrun.config.values import mib_text
@@ -71,7 +70,6 @@ def unavailable_reason(mode: str) -> str | None:
     return None
 
 
-@dataclass(slots=True, eq=False)
 class ControlDaemon:
     """One private MPS control daemon serving one GPU (or, under ``--gpu-bind none``, several).
 
@@ -80,17 +78,18 @@ class ControlDaemon:
     order, whatever the caller's own device numbering.
     """
 
-    devices: str
-    pipe_dir: Path
-    log_dir: Path
-    executable: str = CONTROL_EXECUTABLE
-    base_env: Mapping[str, str] | None = None
-    command_timeout: float = 10.0
-    process: ProcessRef | None = None
-    _popen: subprocess.Popen[bytes] | None = field(default=None, init=False)
-    _servers: dict[int, ProcessRef] = field(default_factory=dict, init=False)
-    answered: bool = field(default=False, init=False)  # it has answered a command: it can take `quit`
-    silent: str = field(default="", init=False)  # then it left one unanswered (said so): no more commands are sent
+    __slots__ = ("_popen", "_servers", "answered", "base_env", "command_timeout", "devices", "executable", "log_dir",
+                 "pipe_dir", "process", "silent")
+
+    def __init__(self, devices: str, pipe_dir: Path, log_dir: Path, executable: str = CONTROL_EXECUTABLE,
+                 base_env: Mapping[str, str] | None = None, command_timeout: float = 10.0,
+                 process: ProcessRef | None = None) -> None:
+        self.devices, self.pipe_dir, self.log_dir, self.executable = devices, pipe_dir, log_dir, executable
+        self.base_env, self.command_timeout, self.process = base_env, command_timeout, process
+        self._popen: subprocess.Popen[bytes] | None = None
+        self._servers: dict[int, ProcessRef] = {}
+        self.answered = False  # it has answered a command: it can take `quit`
+        self.silent = ""  # then it left one unanswered (said so): no more commands are sent
 
     @property
     def env(self) -> dict[str, str]:

@@ -6,7 +6,7 @@ node keepers' ranks and ``mps_session().env()`` all get their MPS variables from
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from mpsrun.config.values import mib_text
 from mpsrun.runtime.constants import SESSION_DIR_VARIABLE
@@ -24,8 +24,7 @@ MANAGED_VARIABLES = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class GpuTarget:
+class GpuTarget(NamedTuple):
     """The GPUs a worker reaches: ``visible`` (its GPU's UUID, or under ``gpu_bind="none"`` every session GPU's,
     comma-separated), how many (``devices``) and the SMs of the smallest (``multiprocessors``, where known) and,
     under MPS, the directories of the daemon that serves them."""

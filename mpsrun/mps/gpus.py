@@ -12,8 +12,7 @@ import os
 import signal
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from mpsrun.config.values import GpuList
 from mpsrun.errors import ConfigError, GPUError, GPUNotFoundError, NoDriverError
@@ -46,11 +45,10 @@ _CORES_PER_SM = {(7, 0): 64, (7, 2): 64, (7, 5): 64, (8, 0): 64, (8, 6): 128, (8
                  (10, 0): 128, (12, 0): 128}
 
 
-@dataclass(frozen=True, slots=True)
-class GPU:
+class GPU(NamedTuple):
     """One physical GPU as NVML reports it. ``index`` is NVML's (PCI bus) order."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # NVML's name; it shadows tuple.index, which nothing calls
     uuid: str
     name: str
     memory_total: int
@@ -60,8 +58,7 @@ class GPU:
     multiprocessors: int | None = None  # SMs, where NVML says (for NCCL's block cap on a shared GPU)
 
 
-@dataclass(frozen=True, slots=True)
-class DriverInfo:
+class DriverInfo(NamedTuple):
     """The driver version and the newest CUDA version it supports (e.g. ``"13.0"``)."""
 
     driver_version: str
@@ -224,7 +221,7 @@ def _answer_in_child(pipe: int, parent: int) -> NoReturn:
         for fd in (1, 2):  # nor does whoever reads the job's output until its end
             os.dup2(quiet, fd)
         kept_until_exit()  # the child ends with os._exit: no shutdown
-        data = json.dumps([asdict(gpu) for gpu in _query()]).encode()
+        data = json.dumps([gpu._asdict() for gpu in _query()]).encode()
         with open(pipe, "wb") as out:
             out.write(data)
         code = ExitCode.OK

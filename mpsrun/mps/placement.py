@@ -8,7 +8,7 @@ workers (:class:`mpsrun.session.session.Session`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from mpsrun.config.options import JobConfig
 from mpsrun.config.values import AUTO, Auto, check_shares
@@ -22,8 +22,7 @@ __all__ = ["NodePlan", "RankPlan", "gpu_of_rank", "rank_environment", "ranks_on_
            "without_mps"]
 
 
-@dataclass(frozen=True, slots=True)
-class RankPlan:
+class RankPlan(NamedTuple):
     """Where one rank runs: its GPU (position in the session's list) and its limits."""
 
     rank: int
@@ -83,8 +82,7 @@ def _mem_limits(config: JobConfig, local_size: int | None, ngpus: int, free: Seq
     return auto_mem_limits(free, _sharing(config, local_size, len(free), "--mem-limit"), config.gpu_bind == "none")
 
 
-@dataclass(frozen=True, slots=True)
-class NodePlan:
+class NodePlan(NamedTuple):
     """One node's placement, worked out once for all its ranks: how many of them share each GPU position, and each
     position's memory limit. Every rank's plan and the daemons' defaults read it, so planning a node is linear in
     its ranks. ``local_size``: the node's ranks, when the launcher says (``auto`` and ``--map-by block`` need it:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from mpsrun.errors import GPUError
 from mpsrun.mps import gpus as gpu_info
@@ -24,8 +24,7 @@ log = logging.getLogger("mpsrun")
 SAMPLES_KEPT = 4096
 
 
-@dataclass(frozen=True, slots=True)
-class Sample:
+class Sample(NamedTuple):
     """The ranks' device memory (MiB) at one moment (``time``: seconds since the epoch)."""
 
     time: float

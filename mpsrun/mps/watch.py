@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from mpsrun.errors import DaemonError, GPUError, NotMPSClientError
 from mpsrun.mps import gpus as gpu_info
@@ -30,8 +30,7 @@ __all__ = ["ClientWatcher", "ConnectionLog", "Finding", "LogNews", "Look", "Rank
 log = logging.getLogger("mpsrun")
 
 
-@dataclass(frozen=True, slots=True)
-class Look:
+class Look(NamedTuple):
     """One look at every GPU: who is a client, who holds a plain context (by GPU position), dead daemons."""
 
     clients: frozenset[int]
@@ -83,8 +82,7 @@ class ClientWatcher:
         return sorted(look.clients)
 
 
-@dataclass(frozen=True, slots=True)
-class LogNews:
+class LogNews(NamedTuple):
     """What a daemon's log said since the last read: servers started, clients connected (pids, in order)."""
 
     servers: tuple[int, ...] = ()
@@ -109,8 +107,7 @@ class ConnectionLog:
         return LogNews(tuple(started_servers(lines)), tuple(connected_clients(lines)))
 
 
-@dataclass(frozen=True, slots=True)
-class Finding:
+class Finding(NamedTuple):
     """Something the watch (or a host's node keeper) saw; ``fatal`` ends the job, with ``code`` (default 3)."""
 
     message: str

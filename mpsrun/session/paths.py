@@ -21,8 +21,8 @@ import fcntl
 import os
 import stat
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from mpsrun.errors import ConfigError, MPSError, UnsafeDirectoryError
 from mpsrun.runtime.constants import LOCK_TIMEOUT, TMPDIR_VARIABLE
@@ -313,8 +313,7 @@ def _try_lock(fd: int) -> bool | None:
     return None
 
 
-@dataclass(slots=True)
-class SessionDirs:
+class SessionDirs(NamedTuple):
     """Every path of one session. Create with :meth:`create`; remove with :meth:`remove`."""
 
     root: Path

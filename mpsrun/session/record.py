@@ -12,9 +12,8 @@ import json
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from mpsrun.errors import RecordError
 
@@ -31,8 +30,7 @@ KINDS = ("api", "job", "node")
 RECORD_READ_LIMIT = 1 << 24
 
 
-@dataclass(frozen=True, slots=True)
-class DaemonRecord:
+class DaemonRecord(NamedTuple):
     """A daemon as a session's record names it, for whoever outlives its owner (the reaper, ``mpsrun cleanup``)."""
 
     gpu: str
@@ -63,8 +61,7 @@ class DaemonRecord:
         return cls(data["gpu"], ProcessRef.from_json(data.get("process")), data["pipe_dir"], data["log_dir"])
 
 
-@dataclass(frozen=True, slots=True)
-class SessionRecord:
+class SessionRecord(NamedTuple):
     kind: str
     owner: ProcessRef
     uid: int
@@ -131,16 +128,16 @@ class SessionRecord:
         replace_file(path, json.dumps(self.to_json()).encode())
 
     def with_daemon(self, daemon: DaemonRecord) -> SessionRecord:
-        return replace(self, daemons=(*self.daemons, daemon))
+        return self._replace(daemons=(*self.daemons, daemon))
 
     def with_gpus(self, gpus: tuple[str, ...]) -> SessionRecord:
-        return replace(self, gpus=gpus)
+        return self._replace(gpus=gpus)
 
     def with_ranks(self, ranks: Sequence[ProcessRef]) -> SessionRecord:
-        return replace(self, ranks=(*self.ranks, *ranks))
+        return self._replace(ranks=(*self.ranks, *ranks))
 
     def with_launcher(self, launcher: ProcessRef) -> SessionRecord:
-        return replace(self, launchers=(*self.launchers, launcher))
+        return self._replace(launchers=(*self.launchers, launcher))
 
 
 def _reason(exc: BaseException) -> str:

@@ -16,8 +16,8 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from mpsrun.config.commandline import OneLineParser
 from mpsrun.errors import DaemonError, MPSError, MPSUnavailableError, RecordError
@@ -72,12 +72,13 @@ def _scan_users() -> dict[str, set[int]]:
     return used
 
 
-@dataclass(frozen=True, slots=True)
-class SessionState:
+class SessionState(NamedTuple):
+    """A session directory as found: its record (None: ``problem`` says why), and who uses the sessions."""
+
     root: Path
     record: SessionRecord | None
+    users: SessionUsers
     problem: str = ""  # why there is no record
-    users: SessionUsers = field(default_factory=SessionUsers, compare=False, repr=False)
 
     @property
     def session_id(self) -> str:
@@ -119,11 +120,11 @@ def read_state(root: Path, users: SessionUsers | None = None) -> SessionState:
     directories of one listing."""
     users = users or SessionUsers()
     if root.is_symlink():
-        return SessionState(root, None, "a symbolic link, not a session directory", users)
+        return SessionState(root, None, users, "a symbolic link, not a session directory")
     try:
-        return SessionState(root, SessionRecord.read(root / "session.json"), users=users)
+        return SessionState(root, SessionRecord.read(root / "session.json"), users)
     except RecordError as exc:
-        return SessionState(root, None, f"unreadable record: {exc}", users)
+        return SessionState(root, None, users, f"unreadable record: {exc}")
 
 
 def list_sessions(base: Path | None = None) -> list[SessionState]:
