@@ -3,7 +3,7 @@
     python benchmarks/mixed_lines.py [--rounds 3]
 
 Each job runs with and without ``PYTHONUNBUFFERED=1``, through ``mpsrun`` (``--launcher local``, ``--launcher
-mpiexec``, ``--hosts localhost``) and bare ``mpiexec``; a line that is not one whole line of one rank counts as mixed.
+mpiexec``, ``--hosts localhost``, ``mpiexec ... mpsrun --per-node``) and bare ``mpiexec``; a line that is not one whole line of one rank counts as mixed.
 The program is the one tests/test_output_lines.py prints with. Nothing here is a pass/fail test.
 """
 
@@ -52,6 +52,7 @@ def main() -> int:
     paths = {"mpsrun --launcher local": [*mpsrun, "--launcher", "local"],
              "mpsrun --launcher mpiexec": [*mpsrun, "--launcher", "mpiexec"],
              "mpsrun --hosts localhost": [*mpsrun, "--hosts", "localhost"],
+             "mpiexec mpsrun --per-node": [*mpiexec(), sys.executable, "-m", "mpsrun", "--per-node"],
              "bare mpiexec": mpiexec()}
     print("| path | PYTHONUNBUFFERED | mixed lines of 8,000, each round |\n|---|---|---|")
     for name, argv in paths.items():
