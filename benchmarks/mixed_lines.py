@@ -3,7 +3,8 @@
     python benchmarks/mixed_lines.py [--rounds 3]
 
 Each job runs with and without ``PYTHONUNBUFFERED=1``, through ``mpsrun`` (``--launcher local``, ``--launcher
-mpiexec``, ``--hosts localhost``, ``mpiexec ... mpsrun --per-node``) and bare ``mpiexec``; a line that is not one whole line of one rank counts as mixed.
+mpiexec``, ``--hosts localhost``, ``mpiexec ... mpsrun --per-node``) and bare ``mpiexec``; a line that is not one
+whole line of one rank counts as mixed.
 The program is the one tests/test_output_lines.py prints with. Nothing here is a pass/fail test.
 """
 
