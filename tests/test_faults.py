@@ -407,10 +407,17 @@ def test_a_base_others_may_write_without_the_sticky_bit_is_refused(fake_gpu, mod
     os.chmod(fake_gpu.tmpdir, 0o700)
 
 
-@pytest.mark.parametrize("content", ['{"daemons":[{"gpu":"x"}]}', "[1,2,3]", '{"pid":"abc"}', "not json"])
+_STARTED = '{"kind": "job", "owner": {"pid": 999999999, "start": 1}, "uid": 0, "started": %s}'
+
+
+@pytest.mark.parametrize("content", ['{"daemons":[{"gpu":"x"}]}', "[1,2,3]", '{"pid":"abc"}', "not json",
+                                     _STARTED % ("1" + "0" * 400), _STARTED % "1e400", _STARTED % "NaN"],
+                         ids=["fields", "list", "pid", "text", "huge-start", "infinite-start", "nan-start"])
 def test_a_corrupt_record_is_reported_and_cleaned(fake_gpu, content):
     """A session.json that holds no session record: status says it is unreadable (no traceback), and cleanup (also the
-    automatic one of a new session) removes the directory once nothing of it runs."""
+    automatic one of a new session) removes the directory once nothing of it runs. A start past a float, infinite
+    or not a number (as Python's JSON reads them) is no record either: it ended status, top and cleanup in a
+    traceback (OverflowError), or made status --json print NaN, which is no JSON."""
     dirs = SessionDirs.create(fake_gpu.tmpdir, [0])
     dirs.record_file.write_text(content)
     os.utime(dirs.root, (time.time() - 3600, time.time() - 3600))

@@ -9,6 +9,7 @@ every process by pid and start time. The session's reaper, the next session and
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -102,7 +103,7 @@ class SessionRecord(NamedTuple):
                 kind=data["kind"],
                 owner=ProcessRef.from_json(data.get("owner")),
                 uid=_typed(data.get("uid"), int),
-                started=float(_typed(data.get("started"), (int, float))),
+                started=_moment(data.get("started")),
                 gpus=tuple(_typed(g, str) for g in _typed(data.get("gpus", []), list)),
                 daemons=tuple(DaemonRecord.from_json(d) for d in _typed(data.get("daemons", []), list)),
                 ranks=tuple(ProcessRef.from_json(r) for r in _typed(data.get("ranks", []), list)),
@@ -110,7 +111,7 @@ class SessionRecord(NamedTuple):
                 argv=tuple(str(a) for a in _typed(data.get("argv", []), list)),
                 keep_logs=bool(data.get("keep_logs", False)),
             )
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, OverflowError) as exc:
             raise RecordError(f"not a session record: {exc}") from None
 
     @classmethod
@@ -145,6 +146,14 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, OSError):
         return exc.strerror or str(exc)
     return printable(str(exc)[:200])
+
+
+def _moment(value: Any) -> float:
+    """Seconds since the epoch, finite (JSON as Python reads it allows NaN and Infinity, and integers past floats)."""
+    moment = float(_typed(value, (int, float)))
+    if not math.isfinite(moment):
+        raise ValueError(f"unexpected value {value!r}")
+    return moment
 
 
 def _typed(value: Any, kind: type | tuple[type, ...]) -> Any:
