@@ -12,7 +12,7 @@ import time
 
 import psutil
 import pytest
-from helpers import MPSRUN, control_logs, settle, wait_for, wait_processes_gone, wait_ready
+from helpers import MPSRUN, control_logs, job_argv, settle, wait_for, wait_processes_gone, wait_ready
 from helpers import mpsrun as run
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -150,4 +150,28 @@ def test_any_command_line_gives_a_documented_code(fake_gpu, words):
     if "--keep-logs" in words:  # it keeps the session on purpose: once its processes are gone, clean it up
         wait_processes_gone(fake_gpu)
         subprocess.run([*MPSRUN, "cleanup"], capture_output=True, timeout=60)
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.2, 0.4])
+def test_a_signal_as_a_hosts_job_starts_stops_its_ranks_at_once(fake_gpu, tmp_path, delay):
+    """SIGTERM to a --hosts job as it starts reaches its ranks at once (exit 143), well within --grace. Before, a
+    signal before the hosts' agents joined was sent to no agent, and one sent with an agent's admission was dropped
+    with it: the ranks ran on until twice --grace had passed (found by the hostile pass, 7 of 7 runs)."""
+    program = tmp_path / "long.py"
+    program.write_text("import time\nfor i in range(600):\n    print(i, flush=True)\n    time.sleep(0.1)\n")
+    job = subprocess.Popen(job_argv("hosts", ["-v", "--grace", "60"], [sys.executable, str(program)]),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while "ranks starting" not in job.stderr.readline():
+            pass
+        time.sleep(delay)
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=40)  # the ranks' SIGTERM comes at once, not after --grace 60
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    assert job.returncode == 143, err
+    assert "Traceback" not in err
     settle(fake_gpu)

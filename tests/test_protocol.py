@@ -12,6 +12,7 @@ import subprocess
 import pytest
 
 from mpsrun.errors import RecordError
+from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.processes import python_without_site
 from mpsrun.runtime.protocol import (
     HELLO_MAX,
@@ -99,6 +100,19 @@ def test_a_stranger_cannot_send_more_than_a_hello_before_it_is_admitted():
         assert batch is not None
         received += batch
     assert received[0] == Note("y" * (HELLO_MAX * 2))
+    link.close()
+    peer.close()
+
+
+def test_what_comes_with_an_awaited_message_is_held_for_the_next_receive():
+    """Messages that arrive in one read with the one :meth:`Link.expect` waits for are held, and the next
+    :meth:`Link.receive` returns them: a command's stop sent right after an agent's admission was dropped with it,
+    and the agent's ranks ran on."""
+    link, peer = _pair(LINE_MAX)
+    peer.sendall(encode(Note("first")) + encode(Verdict(0)) + encode(Note("after")) + encode(SignalRanks(10)))
+    assert link.expect((Verdict,), Deadline(5)) == Verdict(0)
+    assert link.held == [Note("after"), SignalRanks(10)]
+    assert link.receive() == [Note("after"), SignalRanks(10)] and not link.held
     link.close()
     peer.close()
 

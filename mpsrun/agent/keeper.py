@@ -212,6 +212,8 @@ class Keeper:
     def run(self) -> None:
         if self.upstream is not None:
             self.loop.watch(self.upstream.link.fd, self._orders)
+            if self.upstream.link.held:  # what came with our admission: the job's stop, as we joined
+                self.loop.after(0, self._orders)
         if self.decision is not None:
             policy = Policy.for_job(self.config, self.deadline)
             self.decision.arm(policy.timeout, policy.timeout_total)

@@ -93,6 +93,7 @@ class HostAgents:
         self.peaks: dict[int, int] = {}
         self.notes: list[str] = []  # what the agents had to say, for the job's end
         self.overdue = False  # the agents' closing is no longer waited for
+        self.stopped: Stop | None = None  # the job's stop, for an agent that joins after it
         self._publish_due = False
 
     @property
@@ -105,9 +106,11 @@ class HostAgents:
         return unheard(hosts, self.heard)
 
     def stop(self, sig: int, exit_code: int | None) -> None:
-        """Every agent stops its ranks with ``sig``; ``exit_code``: the job's, once it failed."""
+        """Every agent stops its ranks with ``sig``; ``exit_code``: the job's, once it failed. An agent that joins
+        later (a signal came while the hosts' agents started) is told at once."""
+        self.stopped = Stop(sig, exit_code)
         for link in self.links:
-            link.send(Stop(sig, exit_code))
+            link.send(self.stopped)
 
     def forward(self, sig: int) -> None:
         """Pass a signal on to every rank (SIGUSR1 and SIGUSR2)."""
@@ -146,6 +149,8 @@ class HostAgents:
         self.links[link] = hello.node
         self.heard.add(hello.node)
         link.send(Admitted())
+        if self.stopped is not None:
+            link.send(self.stopped)
 
     def _message(self, link: Link, message: Message) -> None:
         top = self.top

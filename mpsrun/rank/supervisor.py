@@ -187,6 +187,8 @@ class RankSupervisor:
         else:
             self.loop.watch(exit_fd, lambda: self._on_exit(exit_fd))
         self.loop.watch(self.link.fd, self._on_link)
+        if self.link.held:  # what came with the welcome
+            self.loop.after(0, self._on_link)
         self.output.forward()
 
     def _abort_channel(self) -> None:

@@ -274,6 +274,7 @@ class Link:
         self.admitted = False  # the peer has shown the job's token
         self._line_max = line_max
         self._buffer = b""
+        self.held: list[Message] = []  # what came after the message :meth:`expect` waited for, for :meth:`receive`
         # Descriptors that came with the messages (over a Unix socket), until taken; None: closed on arrival, so
         # nobody else's are held open here.
         self._descriptors: list[int] | None = [] if keep_descriptors else None
@@ -305,8 +306,11 @@ class Link:
         return True
 
     def receive(self) -> list[Message] | None:
-        """The messages that have arrived (call when readable); None once the peer is gone (then
-        stop waiting on the link, and :meth:`close` it)."""
+        """The messages that have arrived (call when readable, or when messages are :attr:`held`); None once the
+        peer is gone (then stop waiting on the link, and :meth:`close` it)."""
+        if self.held:
+            held, self.held = self.held, []
+            return held
         if self.closed or self.ended:
             return None
         try:
@@ -343,7 +347,8 @@ class Link:
     def expect(self, kinds: tuple[type[Message], ...], deadline: Deadline,
                others: Callable[[Message], object] | None = None) -> Message | None:
         """Block until a message of one of these kinds arrives, or None (``()``: wait for the peer's end); the others
-        before it go to ``others`` (or are dropped)."""
+        before it go to ``others`` (or are dropped), those that came with it are :attr:`held` for :meth:`receive`
+        (a command's stop that follows its admission at once)."""
         while not self.closed and not deadline.expired():
             self.sock.settimeout(max(0.001, deadline.remaining()))
             messages = self.receive()
@@ -351,8 +356,9 @@ class Link:
                 self.close()  # a blocking wait: nothing else waits on it
                 return None
             self.sock.settimeout(None)
-            for message in messages:
+            for index, message in enumerate(messages):
                 if isinstance(message, kinds):
+                    self.held = messages[index + 1:]
                     return message
                 if others is not None:
                     others(message)
