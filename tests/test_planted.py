@@ -420,3 +420,34 @@ def test_a_bind_mount_in_a_session_is_not_entered(tmp_path: Path):
                            str(session)], capture_output=True, text=True, timeout=60)
     assert (outside / "sentinel").read_text() == "keep", done
     assert "a mount point, not entered" in done.stdout, done
+
+
+_HOLDER = ("import fcntl, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDONLY)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+           "open(sys.argv[2], 'w').write(str(os.getpid()))\ntime.sleep(120)\n")
+_HELD_LOCK_RANK = (
+    "import os, subprocess, sys, time\nflags = sys.argv[1]\nheld = os.path.join(flags, 'holder')\n"
+    "if os.environ['RANK'] == '0':\n"
+    "    lock = os.path.join(os.environ['MPSRUN_SESSION_DIR'], 'output.lock')\n"
+    f"    subprocess.Popen([sys.executable, '-c', {_HOLDER!r}, lock, held], start_new_session=True)\n"
+    "while not os.path.exists(held) or not open(held).read():\n    time.sleep(0.01)\n"
+    "for i in range(3):\n    print('rank', os.environ['RANK'], 'line', i, flush=True)\n")
+
+
+@pytest.mark.parametrize("path", ["local", "mpiexec", "hosts"])
+def test_an_output_lock_held_by_a_process_outside_the_job_holds_no_output(fake_gpu, tmp_path, path):
+    """A rank leaves a process outside its group that holds the ranks' output lock (the session's output.lock) and
+    writes nothing: each supervisor gives the lock up once it has been held a while with room in the output, and
+    writes its lines without it, saying so once. Before, every supervisor waited on the lock with no end: the job
+    ended at its --timeout (4 times over), and every line was lost."""
+    try:
+        out = subprocess.run(job_argv(path, ["--timeout", "60"], [sys.executable, "-c", _HELD_LOCK_RANK,
+                                                                  str(tmp_path)]),
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int((tmp_path / "holder").read_text()), 9)  # the holder the test's rank left running
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == sorted(f"rank {r} line {i}" for r in range(3) for i in range(3))
+    said = [line for line in out.stderr.splitlines() if "output lock was held" in line]
+    assert 1 <= len(said) <= 3 and all(line.startswith("mpsrun: rank ") for line in said), out.stderr
+    settle(fake_gpu)

@@ -16,7 +16,7 @@ import functools
 import os
 import termios
 
-from mpsrun.runtime.constants import PARTIAL_LINE_WAIT
+from mpsrun.runtime.constants import OUTPUT_LOCK_PATIENCE, PARTIAL_LINE_WAIT
 from mpsrun.runtime.loop import EventLoop
 from mpsrun.runtime.output import LineWriter, say, unread
 from mpsrun.runtime.processes import close_all
@@ -39,6 +39,7 @@ class RankOutput:
         self.ends: list[tuple[int, int]] = []  # (read end, write end) per sink, until forward()
         self.streams: dict[int, LineWriter] = {}  # by read end, until each is closed
         self.prompts: dict[int, float | None] = {}  # streams to a terminal: when their held partial line began
+        self.lock_said = False  # that a stream gave up the ranks' output lock (said once)
 
     @property
     def done(self) -> bool:
@@ -92,7 +93,12 @@ class RankOutput:
             if writer.failure is not None:
                 say(f"mpsrun: rank {self.rank}: its output could not be passed on ({writer.failure}); the rest is "
                     "dropped")
-        elif fd in self.prompts and writer.partial_since != self.prompts[fd]:
+            return
+        if writer.lock_given_up and not self.lock_said:
+            self.lock_said = True
+            say(f"mpsrun: rank {self.rank}: the ranks' output lock was held {OUTPUT_LOCK_PATIENCE:g} s by a process "
+                "that writes nothing (one a rank left running?); this rank's lines go without it")
+        if fd in self.prompts and writer.partial_since != self.prompts[fd]:
             since = self.prompts[fd] = writer.partial_since
             if since is not None:
                 self.loop.after(PARTIAL_LINE_WAIT, lambda: self._prompt_due(fd, writer, since))

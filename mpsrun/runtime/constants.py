@@ -68,6 +68,9 @@ DRAIN_TIMEOUT = 2.0
 #: A rank's output is passed on in whole lines; to a terminal, a partial line (a prompt, a progress bar) is passed on
 #: once it has waited this long. Well above the time between a print's text and its newline under unbuffered output.
 PARTIAL_LINE_WAIT = 0.5
+#: The ranks' output lock is held only across a write to the job's output: one held this long while the output has
+#: room is held by no writer of the job (a process a rank left running), and is given up.
+OUTPUT_LOCK_PATIENCE = 2.0
 #: An MPI launcher that ended while ranks ran: how long their own reports (relayed by node keepers under --hosts)
 #: may still come before the launcher's status is the job's.
 LAUNCHER_REPORT_WAIT = 2.0

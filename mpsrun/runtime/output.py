@@ -23,6 +23,9 @@ import termios
 import time
 from collections.abc import Iterator
 
+from mpsrun.runtime.constants import OUTPUT_LOCK_PATIENCE
+from mpsrun.runtime.deadline import Deadline
+
 __all__ = ["LineWriter", "printable", "say", "unread", "unread_output"]
 
 PIPE_BUF = select.PIPE_BUF
@@ -91,6 +94,7 @@ class LineWriter:
         self.broken = False  # our own output is gone (e.g. `mpsrun ... | head -1`), or cannot take more
         self.failure: str | None = None  # why, where that is not its reader's going (a full disk, a hung-up terminal)
         self.partial_since: float | None = None  # when the partial line now held began (monotonic)
+        self.lock_given_up = False  # the lock was held by no writer of the job (see _take_lock)
         self._partial = b""
         self._lock = _open_lock(lock_path)
 
@@ -143,7 +147,7 @@ class LineWriter:
             return
         try:
             if self._lock is not None:
-                fcntl.flock(self._lock, fcntl.LOCK_EX)
+                self._take_lock()
             for piece in _pieces(records):
                 while piece:
                     try:
@@ -157,6 +161,27 @@ class LineWriter:
         finally:
             if self._lock is not None:
                 fcntl.flock(self._lock, fcntl.LOCK_UN)
+
+    def _take_lock(self) -> None:
+        """Take the ranks' output lock. It is held only across a write to the output, so a holder that keeps it for
+        OUTPUT_LOCK_PATIENCE while the output has room writes nothing (a process a rank left running, outside its
+        group, holds it): then the lock is given up, and this writer's lines go without it. Else a rank could hold
+        every supervisor of its job, and its output, past --timeout."""
+        lock = self._lock
+        assert lock is not None
+        patience, pause = Deadline(OUTPUT_LOCK_PATIENCE), 0.0001
+        while True:
+            with contextlib.suppress(BlockingIOError):
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            if not select.select([], [self.sink], [], 0)[1]:
+                patience = Deadline(OUTPUT_LOCK_PATIENCE)  # the output is full: its holder waits for room, as we would
+            elif patience.expired():
+                os.close(lock)
+                self._lock, self.lock_given_up = None, True
+                return
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
 
 
 def _pieces(records: bytes) -> Iterator[memoryview]:
