@@ -90,6 +90,7 @@ BAD_COMMAND_LINES = [
     (["--timeout", "nan", "python"], "must be more than 0 seconds"),
     (["--timeout", "1e9", "python"], "below 1,000,000,000"),  # it said only 'must be a positive number'
     (["--timeout", "\uff15", "python"], "must be more than 0 seconds"),  # a fullwidth 5 was taken as 5
+    (["--grace", "1_0", "python"], "must be 0 or more seconds"),  # float() took it as 10
     (["--grace", "-1", "python"], "must be 0 or more seconds"),  # it said "a number of seconds below ..." of -1
     (["--priority", "2", "python"], "--priority: value must be 0"),
     (["--queues", "0", "python"], "--queues: value must be a whole number from 1 to 32"),

@@ -147,8 +147,8 @@ def parse_seconds(value: object, setting: str, allow_zero: bool = False) -> floa
     number = math.nan
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         number = float(value)
-    elif isinstance(value, str) and value.isascii():  # float() takes other scripts' digits too
-        with contextlib.suppress(ValueError):
+    elif isinstance(value, str) and value.isascii() and "_" not in value:  # float() takes other scripts' digits,
+        with contextlib.suppress(ValueError):  # and 1_0 as 10
             number = float(value)
     if not (0 <= number < MAX_SECONDS if allow_zero else 0 < number < MAX_SECONDS):
         least = "0 or more" if allow_zero else "more than 0"
