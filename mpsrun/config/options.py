@@ -8,7 +8,6 @@ per-node ranks are handed as data (:meth:`JobConfig.to_json`). A value is valida
 parsed (:mod:`mpsrun.config.values`).
 """
 
-import argparse
 import functools
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -53,6 +52,8 @@ def _validated(check: Callable[..., Any]) -> Callable[[str], Any]:
         try:
             return check(text, setting="value")
         except ConfigError as exc:
+            import argparse  # only here: node keepers read a JobConfig, and parse no command line
+
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     parse.__name__ = getattr(check, "__name__", "value")
