@@ -95,8 +95,7 @@ class Welcoming(NamedTuple):
     rewrote it; ``output``: the stdout and stderr (descriptors of ours) that the ranks write to, each line under one
     lock; they come with each welcome (an MPI launcher's forwarding cuts lines of different ranks); ``settings`` and
     ``devices``: what every rank of a --per-node job must have been started with; ``extra``: variables of a one-node
-    --per-node job (its rendezvous); ``notices``: said by the first rank; ``paced``: the ranks' output is an MPI
-    launcher's to forward (a node keeper's ranks; see :class:`~mpsrun.runtime.protocol.Welcome`)."""
+    --per-node job (its rendezvous); ``notices``: said by the first rank."""
 
     ranks: range | None = None
     callers: Mapping[str, str | None] | None = None
@@ -105,7 +104,6 @@ class Welcoming(NamedTuple):
     devices: str | None = None
     extra: Mapping[str, str] | None = None
     notices: bool = False
-    paced: bool = False
 
 
 class ServerCue:
@@ -337,7 +335,7 @@ class Agent:
 
         return welcome(identity, plan, self.session.target, mpi4py_abort(self.config.mpi4py_abort),
                        session_dir=str(self.dirs.root), output_lock=self._output_lock, callers=rules.callers,
-                       extra=rules.extra if one_node else None, lines=notices, paced=rules.paced)
+                       extra=rules.extra if one_node else None, lines=notices)
 
     def _message(self, link: Link, message: Message) -> None:
         state = self._by_link.get(link)

@@ -161,7 +161,7 @@ class Keeper:
         top: Top = self.upstream if self.upstream is not None else self.decision  # type: ignore[assignment]
         one_node = rendezvous("127.0.0.1", free_port(), os.environ)  # for a job of this node only
         welcoming = Welcoming(settings=json.dumps(config.settings(), sort_keys=True), devices=request.devices,
-                              extra=one_node, notices=True, output=request.output, paced=True)
+                              extra=one_node, notices=True, output=request.output)
         self.agent = Agent(config, loop, top, claim, listener, request.name, deadline, welcoming=welcoming,
                            local_size=request.local_size, world_size=request.world_size, closing=self.closing)
         launcher = ProcessRef(*request.launcher) if request.launcher else None

@@ -69,7 +69,7 @@ def callers_values(caller: Mapping[str, str]) -> dict[str, str | None]:
 def welcome(identity: RankIdentity, node: NodePlan, target_of: Callable[[int], GpuTarget | None], mpi4py_abort: bool, *,
             session_dir: str | None = None, output_lock: str | None = None,
             callers: Mapping[str, str | None] | None = None, extra: Mapping[str, str] | None = None,
-            lines: Sequence[str] = (), paced: bool = False) -> tuple[Welcome, RankPlan | None]:
+            lines: Sequence[str] = ()) -> tuple[Welcome, RankPlan | None]:
     """What a rank's supervisor is told when it says hello (the rank's variables and how to run it), and the rank's
     plan (None where the node has no GPU).
 
@@ -78,7 +78,7 @@ def welcome(identity: RankIdentity, node: NodePlan, target_of: Callable[[int], G
     runner (mpi4py is installed, and not off). ``callers``: :func:`callers_values` of the environment the job was
     started from, when this process has it (the ``mpsrun`` command, not a node keeper): what an MPI launcher rewrote
     of it is put back. ``extra``: variables of the node's own (a one-node per-node job's rendezvous); ``lines``: what
-    the rank says once; ``paced``: see :class:`Welcome`.
+    the rank says once.
     """
     config, ngpus = node.config, node.ngpus
     plan = node.rank(identity)
@@ -101,7 +101,7 @@ def welcome(identity: RankIdentity, node: NodePlan, target_of: Callable[[int], G
     sent = Welcome(env=env, defaults=defaults, managed=list(MANAGED_VARIABLES), restore=restore, tag=config.tag_output,
                    grace=config.grace, timeout=config.timeout, mpi4py_abort=mpi4py_abort, output_lock=output_lock,
                    output_dir=config.output_filename, gpu_clients=gpu_clients,
-                   gpu_queues=None if gpu_clients is None else GPU_CONNECTIONS, lines=list(lines), paced=paced)
+                   gpu_queues=None if gpu_clients is None else GPU_CONNECTIONS, lines=list(lines))
     return sent, plan if ngpus else None
 
 

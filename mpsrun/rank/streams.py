@@ -30,13 +30,12 @@ class RankOutput:
     """The rank's two streams: :meth:`open` makes their ends, :meth:`forward` passes them on from the rank's start,
     :meth:`drain` closes them after its end. ``several``: the job has more ranks than this one (a partial last line
     is then ended, so the next rank's line starts on its own); ``lock``: the lock of the ranks that share our
-    output; ``paced``: see :class:`~mpsrun.runtime.output.LineWriter`."""
+    output (the local launcher's)."""
 
-    def __init__(self, loop: EventLoop, rank: int, tag: bool, several: bool, lock: str | None,
-                 paced: bool = False) -> None:
+    def __init__(self, loop: EventLoop, rank: int, tag: bool, several: bool, lock: str | None) -> None:
         self.loop = loop
         self.prefix = f"[rank {rank}] ".encode() if tag else b""
-        self.rank, self.several, self.lock, self.paced = rank, several, lock, paced
+        self.rank, self.several, self.lock = rank, several, lock
         self.ends: list[tuple[int, int]] = []  # (read end, write end) per sink, until forward()
         self.streams: dict[int, LineWriter] = {}  # by read end, until each is closed
         self.prompts: dict[int, float | None] = {}  # streams to a terminal: when their held partial line began
@@ -62,7 +61,7 @@ class RankOutput:
         for (read_end, write_end), sink in zip(self.ends, SINKS, strict=False):  # none under --output-filename
             os.close(write_end)
             os.set_blocking(read_end, False)
-            self.streams[read_end] = LineWriter(sink, self.prefix, self.several, self.lock, paced=self.paced)
+            self.streams[read_end] = LineWriter(sink, self.prefix, self.several, self.lock)
             if not self.prefix and os.isatty(sink):  # someone may read as the rank writes: a prompt is not held back
                 self.prompts[read_end] = None
             self.loop.watch(read_end, functools.partial(self._copy, read_end))

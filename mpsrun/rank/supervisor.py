@@ -100,7 +100,7 @@ class RankSupervisor:
         self.process: subprocess.Popen[bytes] | None = None
         self.returncode: int | None = None
         self.output = RankOutput(self.loop, self.rank, welcome.tag, self.env.get("WORLD_SIZE") != "1",
-                                 welcome.output_lock, welcome.paced)
+                                 welcome.output_lock)
         self.killing = False
         self.controller_lost = False
         # The job's --timeout, should its controller stop answering (a node keeper stopped by SIGSTOP): by then it

@@ -21,7 +21,7 @@ import struct
 import sys
 import termios
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from mpsrun.runtime.constants import OUTPUT_LOCK_PATIENCE
 from mpsrun.runtime.deadline import Deadline
@@ -82,14 +82,11 @@ class LineWriter:
     own. Untagged, the bytes are the rank's: a line past ``limit`` is written in pieces as they are, and a partial
     last line gets a newline only where ``end_partial`` says so (a job of several ranks: the next line, perhaps
     another rank's, starts on its own), so a one-rank job's output stays byte for byte its own. ``lock_path``: the
-    advisory lock of the ranks that share ``sink``. ``paced``: ``sink`` is read by an MPI launcher's forwarding,
-    which takes what a pipe or terminal holds in pieces of its own (Open MPI 4.1: 4 KiB) and forwards each as it
-    comes, between other processes' pieces: each piece of whole lines is written once the last was read, so the
-    launcher reads whole lines (up to a piece's size).
+    advisory lock of the ranks that share ``sink``.
     """
 
     def __init__(self, sink: int, prefix: bytes = b"", end_partial: bool = True, lock_path: str | None = None,
-                 limit: int = 1 << 20, paced: bool = False) -> None:
+                 limit: int = 1 << 20) -> None:
         self.sink = sink
         self.prefix = prefix
         self.end_partial = end_partial
@@ -100,7 +97,6 @@ class LineWriter:
         self.lock_given_up = False  # the lock was held by no writer of the job (see _take_lock)
         self._partial = b""
         self._lock = _open_lock(lock_path)
-        self._queued = _queued_of(sink) if paced else None
 
     def feed(self, data: bytes) -> bool:
         """Take a chunk of the rank's output; False once our output is broken."""
@@ -153,7 +149,6 @@ class LineWriter:
             if self._lock is not None:
                 self._take_lock()
             for piece in _pieces(records):
-                self._wait_until_read()
                 while piece:
                     try:
                         piece = piece[os.write(self.sink, piece) :]
@@ -187,31 +182,6 @@ class LineWriter:
                 return
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
-
-    def _wait_until_read(self) -> None:
-        """Paced: until the reader has taken all we wrote (as a blocking write waits for room)."""
-        pause = 0.0001
-        while self._queued is not None and self._queued(self.sink) > 0:
-            time.sleep(pause)
-            pause = min(pause * 2, 0.005)
-
-
-def _queued_of(fd: int) -> Callable[[int], int] | None:
-    """How to tell the bytes written to ``fd`` that its reader has not taken yet: a pipe's, or a terminal's output
-    queue; None for anything else (a file)."""
-    with contextlib.suppress(OSError):
-        if stat.S_ISFIFO(os.fstat(fd).st_mode):
-            return unread
-        if os.isatty(fd):
-            return _output_queue
-    return None
-
-
-def _output_queue(fd: int) -> int:
-    try:
-        return int(struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, bytes(4)))[0])
-    except OSError:
-        return 0
 
 
 def _pieces(records: bytes) -> Iterator[memoryview]:

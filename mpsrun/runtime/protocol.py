@@ -128,9 +128,7 @@ class Welcome(NamedTuple):
     ``env``: mpsrun's own variables; ``defaults``: groups of variables each given only where the caller set none of
     the group; ``managed``: mpsrun's variables to drop from the caller's; ``restore``: what a launcher rewrote
     of the caller's environment, put back (None: unset); ``gpu_clients``: the MPS clients on the rank's GPU, where
-    it sees one GPU, and ``gpu_queues`` the hardware queues they share; ``lines``: said once by this rank;
-    ``paced``: the rank's output goes to an MPI launcher's forwarding (a node keeper's ranks), which reads a pipe in
-    pieces of its own: each write waits until the last was read."""
+    it sees one GPU, and ``gpu_queues`` the hardware queues they share; ``lines``: said once by this rank."""
 
     env: dict[str, str]
     defaults: list[dict[str, str]]
@@ -145,7 +143,6 @@ class Welcome(NamedTuple):
     gpu_clients: int | None
     gpu_queues: int | None
     lines: list[str]
-    paced: bool = False
 
 
 class Admitted(NamedTuple):
