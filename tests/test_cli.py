@@ -1,5 +1,6 @@
 """Unit tests: mpirun-style option parsing, environment fallbacks, usage errors."""
 
+import json
 import sys
 
 import pytest
@@ -7,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mpsrun.cli import main
-from mpsrun.config.commandline import build_parser, parse_args, split_argv, to_argv
+from mpsrun.config.commandline import build_parser, parse_args, split_argv
 from mpsrun.config.options import JobConfig, options
 from mpsrun.errors import ConfigError
 
@@ -190,14 +191,16 @@ def test_every_option_is_declared_once_with_its_variable():
     assert all(set(spec.flags) <= flags for spec in declared.values())
 
 
-def test_forwarded_options_round_trip():
-    """What is passed on to per-node ranks parses back to the same job settings (the launcher's own are dropped)."""
-    config = parse_args(["-np", "4", "--gpus", "0,GPU-ab", "--thread-percentage", "10,20,30,40", "--mem-limit", "2G",
-                         "--grace", "0", "--tag-output", "--mps", "on", "--launcher", "mpiexec", "-v", "prog"],
-                        environ={})
-    again = parse_args([*to_argv(config), "prog"], environ={})
-    assert again == JobConfig(command=("prog",), nranks=4, gpus=(0, "GPU-ab"), thread_percentage=(10, 20, 30, 40),
-                              mem_limit=2048, grace=0.0, tag_output=True, mps="on", verbose=True)
+def test_a_job_configuration_round_trips_through_json():
+    """What node keepers and per-node ranks are handed (JobConfig as JSON) is the same configuration again, tuples,
+    auto values and all; its settings (what every per-node rank must share) leave out the launcher's own options."""
+    config = parse_args(["-np", "4", "--gpus", "0,GPU-ab", "--thread-percentage", "10,20,30,40", "--mem-limit", "auto",
+                         "--grace", "0", "--tag-output", "--mps", "on", "--launcher", "mpiexec", "-v", "-x", "A=1",
+                         "--output-filename", "out", "prog"], environ={})
+    assert JobConfig.from_json(json.loads(json.dumps(config.to_json()))) == config
+    settings = config.settings()
+    assert settings["thread_percentage"] == [10, 20, 30, 40] and settings["output_filename"].endswith("out")
+    assert "launcher" not in settings and "mpiexec" not in settings and "command" not in settings
 
 
 def test_command_line_wins_over_a_bad_variable():

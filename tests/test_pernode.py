@@ -20,13 +20,13 @@ from mpsrun.errors import ConfigError
 from mpsrun.rank.identity import RankIdentity, identity_from_env, job_key, slurm_tasks_on_node
 
 
-def start_rank(node_dir, node, local, global_rank, per_node, *args, job="77"):
+def start_rank(node_dir, node, local, global_rank, per_node, *args, job="77", options=()):
     """Rank ``global_rank`` of a Slurm step with ``per_node`` tasks on each of two nodes (``node``: "A" or "B"), as
-    srun starts it (a step's tasks per node are always in SLURM_STEP_TASKS_PER_NODE)."""
+    srun starts it (a step's tasks per node are always in SLURM_STEP_TASKS_PER_NODE), with mpsrun ``options``."""
     env = {**os.environ, "MPSRUN_TMPDIR": str(node_dir), "MPSRUN_NODE_ID": node, "SLURM_JOB_ID": job,
            "SLURM_STEP_ID": "0", "SLURM_LOCALID": str(local), "SLURM_PROCID": str(global_rank),
            "SLURM_STEP_TASKS_PER_NODE": f"{per_node}(x2)", "SLURM_NODEID": str("AB".index(node))}
-    return subprocess.Popen([sys.executable, "-m", "mpsrun", "--per-node", "--mps", "on", sys.executable,
+    return subprocess.Popen([sys.executable, "-m", "mpsrun", "--per-node", "--mps", "on", *options, sys.executable,
                              str(FAKECUDA), *args], env=env, stderr=subprocess.PIPE, text=True)
 
 
@@ -93,6 +93,24 @@ def test_two_nodes_one_daemon_each_and_teardown_after_the_last_rank(fake_gpu, sh
     assert seen[0]["server"] == seen[1]["server"] != seen[2]["server"] == seen[3]["server"]
     assert seen[0]["env"]["CUDA_MPS_PIPE_DIRECTORY"] == seen[1]["env"]["CUDA_MPS_PIPE_DIRECTORY"]
     assert leftovers(dirs["A"]) == [] and leftovers(dirs["B"]) == []
+
+
+@pytest.mark.parametrize("option", ["--tag-output", "--output-filename", "-x", "--report"])
+def test_a_rank_started_with_other_options_than_its_node_is_refused(fake_gpu, tmp_path, option):
+    """Every rank of a per-node job must be given the same options: a rank with another --output-filename, -x or
+    --report, which the node's session applies to all its ranks, is refused with exit 2 naming the option, as one
+    with another --tag-output is. Before, those three were not compared: each rank got the options of whichever
+    rank had started the node's session (found by a hostile pass)."""
+    [node] = node_dirs(fake_gpu, ["A"]).values()
+    value = {"--tag-output": [], "--output-filename": [str(tmp_path / "out")], "-x": ["NAME=1"],
+             "--report": [str(tmp_path / "report.json")]}[option]
+    ranks = [start_rank(node, "A", 0, 0, 2, "--hold", "1"),
+             start_rank(node, "A", 1, 1, 2, "--hold", "1", options=[option, *value])]
+    errors = [proc.communicate(timeout=120)[1] for proc in ranks]
+    assert 2 in [proc.returncode for proc in ranks], errors
+    said = "".join(errors)
+    assert "started with other mpsrun options" in said and option in said, said
+    assert leftovers(node) == []
 
 
 def test_a_killed_rank_supervisor_stops_the_node_and_leaves_nothing(fake_gpu, short_tmp):

@@ -20,7 +20,7 @@ from mpsrun.errors import ConfigError
 from mpsrun.exitcodes import ExitCode
 from mpsrun.runtime.output import escaped
 
-__all__ = ["EXCLUSIVE", "OneLineParser", "build_parser", "parse_args", "parse_options", "split_argv", "to_argv"]
+__all__ = ["EXCLUSIVE", "OneLineParser", "build_parser", "parse_args", "parse_options", "split_argv"]
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 #: Options that exclude each other: one given on the command line silences the others' variables.
@@ -173,21 +173,3 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str], version: str = "
     if not command:
         raise ConfigError("no command given: mpsrun [options] [--] command [args...]", setting="command")
     return JobConfig(command=tuple(command), **found)
-
-
-def to_argv(config: JobConfig, forwarded_only: bool = True) -> list[str]:
-    """The options that reproduce ``config`` (only the ranks' shared settings, by default)."""
-    argv: list[str] = []
-    defaults = JobConfig()
-    for name, spec in options().items():
-        value = getattr(config, name)
-        if (forwarded_only and not spec.forward) or value == getattr(defaults, name):
-            continue
-        flag = spec.flags[-1]
-        if not spec.takes_value:
-            argv.append(flag)
-        elif spec.append:
-            argv += [f"{flag}={item}" for item in value]
-        else:
-            argv.append(f"{flag}={spec.render(value)}")
-    return argv

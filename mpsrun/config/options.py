@@ -141,15 +141,15 @@ class JobConfig(NamedTuple):
         "-m", parse=_validated(values.parse_module), metavar="MODULE", env=False,
         help="run a Python module as the command (like python -m)")] = None
     exports: Annotated[tuple[str, ...], option(
-        "-x", parse=_validated(values.parse_export), metavar="NAME[=VALUE]", append=True, env=False,
+        "-x", parse=_validated(values.parse_export), metavar="NAME[=VALUE]", append=True, env=False, forward=True,
         help="give every rank the variable NAME: the value it has here, or VALUE (repeatable; the rank's environment "
         "is the caller's already, but not on other hosts)")] = ()
     output_filename: Annotated[str | None, option(
-        "--output-filename", parse=_validated(values.parse_output_dir), metavar="DIR",
+        "--output-filename", parse=_validated(values.parse_output_dir), metavar="DIR", forward=True,
         help="each rank's stdout and stderr to DIR/rank.N/stdout and DIR/rank.N/stderr (not tagged); mpsrun's own "
         "lines stay on the terminal")] = None
     report: Annotated[str | None, option(
-        "--report", parse=_validated(values.parse_report), metavar="FILE.json",
+        "--report", parse=_validated(values.parse_report), metavar="FILE.json", forward=True,
         help="write each rank's account (peak device memory, wall and CPU time, exit code and cause) and the memory "
         "samples to FILE.json at the job's end; under a bare --per-node job each node writes FILE.HOST.json")] = None
     tag_output: Annotated[bool, option(
