@@ -7,6 +7,7 @@ the ranks are started the way srun starts them (SLURM_* variables), each as its 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +16,9 @@ import pytest
 from helpers import FAKECUDA, wait_ready
 
 from mpsrun.agent.pernode import run_per_node
+from mpsrun.agent.uplink import join_command
 from mpsrun.config.commandline import parse_args
-from mpsrun.errors import ConfigError
+from mpsrun.errors import ConfigError, MPSError
 from mpsrun.rank.identity import RankIdentity, identity_from_env, job_key, slurm_tasks_on_node
 
 
@@ -208,3 +210,16 @@ def test_a_rank_beyond_the_jobs_size_is_refused():
     config = parse_args(["--per-node", "-np", "3", "true"], environ={})
     with pytest.raises(ConfigError, match="rank 5 of 3"):
         run_per_node(config, {"PMI_RANK": "5", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1"})
+
+
+def test_a_node_keeper_that_finds_the_jobs_command_gone_says_so_in_words():
+    """Under --hosts a node keeper joins the job's command; one that finds no command there (a signal ended the job
+    as its hosts' agents started) fails with words, not the socket error's repr ("node keeper failed:
+    ConnectionRefusedError(111, ...)", found by a hostile pass)."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # bound, never listening: refused
+        with pytest.raises(MPSError) as raised:
+            join_command(f"tcp:127.0.0.1:{port}", "token")
+    said = str(raised.value)
+    assert said.startswith("the job's command has ended") and "Error(" not in said, said

@@ -32,8 +32,12 @@ __all__ = ["Upstream", "join_command"]
 
 
 def join_command(address: str, token: str) -> Link:
-    """The link to the job's command, admitted."""
-    link = connect(address)
+    """The link to the job's command, admitted. A command that is not there has ended (a signal as its hosts'
+    agents started): said as such, not as the socket's error."""
+    try:
+        link = connect(address)
+    except OSError as exc:
+        raise MPSError(f"the job's command has ended ({address} refused this node: {exc.strerror or exc})") from None
     link.send(Hello("node", token, node=socket.gethostname()))
     if link.expect((Admitted,), Deadline(UPSTREAM_TIMEOUT)) is None:
         link.close()
