@@ -11,7 +11,7 @@ parsed (:mod:`mpsrun.config.values`).
 import functools
 import shutil
 from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated, Any, NamedTuple
+from typing import Annotated, Any, NamedTuple, get_args
 
 from mpsrun.config import values
 from mpsrun.errors import ConfigError
@@ -217,8 +217,8 @@ class JobConfig(NamedTuple):
 @functools.cache
 def options() -> dict[str, Option]:
     """Field name -> declaration, in declaration order."""
-    return {name: hint.__metadata__[0] for name, hint in JobConfig.__annotations__.items()
-            if hasattr(hint, "__metadata__")}
+    return {name: args[-1] for name, hint in JobConfig.__annotations__.items()
+            if (args := get_args(hint)) and isinstance(args[-1], Option)}
 
 
 def differing_options(settings: Mapping[str, Any], others: Mapping[str, Any]) -> list[str]:
