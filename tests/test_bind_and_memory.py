@@ -117,7 +117,6 @@ def test_auto_mem_limit_formula(free_mib, ranks, expected):
 SHOW_QUEUES = "import os; os.write(1, (str(os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')) + '\\n').encode())"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 def test_each_mps_rank_gets_the_queues_asked_for_else_the_callers(path, fake_gpu, monkeypatch):
     """Four ranks under MPS: without --queues none is set (MPS's default) and a caller's own value reaches them

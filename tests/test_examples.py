@@ -26,7 +26,6 @@ def _no_device() -> dict[str, str]:
     return {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("cupy", [True, False])
 def test_the_pool_example_counts_only_workers_that_used_the_gpu(fake_gpu, monkeypatch, cupy):
     """With CuPy (the double) the four workers are GPU clients and verified as MPS clients; without it they run on

@@ -379,7 +379,6 @@ def test_a_device_ordinal_error_is_not_hidden_behind_a_queue_guess(path, fake_gp
     settle(fake_gpu)
 
 
-@pytest.mark.slow
 def test_more_ranks_than_a_server_takes_are_not_told_to_set_zero_queues(fake_gpu, clean):
     """127 ranks on one GPU with the queues mpsrun plans (1 each): the server refuses the 49th client, and the summary
     does not blame the queues nor advise 'set at most 0' (it counts at most the 48 clients a server takes); the MPS

@@ -82,7 +82,6 @@ def test_real_daemon_and_fake_answer_the_same_script(tmp_path):
         assert real == faked
 
 
-@pytest.mark.slow
 def test_the_fake_takes_as_many_clients_at_once_as_the_real_server(fake_gpu):
     """48 ranks connecting at once all become clients, as on the real server (48 per server on Volta and later):
     the fake's socket had socketserver's backlog of 5, and every job of 41 or more fake CUDA ranks failed with

@@ -274,7 +274,6 @@ def _killed_first_keeper(fake_gpu) -> bool:
     return False
 
 
-@pytest.mark.slow
 @pytest.mark.mpiexec
 @pytest.mark.parametrize("path", ["per-node", "hosts"])
 def test_a_keeper_killed_as_it_appears_leaves_nothing_after_the_job(fake_gpu, short_tmp, path):

@@ -70,7 +70,6 @@ def test_the_job_returns_after_the_node_teardown(fake_gpu, path):
     assert not fake_gpu.session_dirs() and not fake_gpu.orphans()
 
 
-@pytest.mark.slow
 @pytest.mark.mpiexec
 def test_a_supervisor_holds_the_launchers_connection_until_it_ends(fake_gpu):
     """A per-node rank's supervisor, waiting for its node's teardown after its program ended (a quit that hangs),
@@ -276,7 +275,6 @@ MISS = ('import os, sys\nif os.environ["RANK"] == "1": os.environ["CUDA_MPS_PIPE
         'os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n')
 
 
-@pytest.mark.slow
 def test_hundreds_of_local_ranks_all_join(fake_gpu):
     """200 local ranks connect to the controller at once (from 130 on they failed: the listen backlog was full
     and connecting gave EAGAIN)."""

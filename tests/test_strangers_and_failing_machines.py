@@ -205,7 +205,6 @@ def _open_files(limit: int):
     return preexec
 
 
-@pytest.mark.slow
 def test_too_few_open_files_for_the_ranks_is_one_line_and_exit_3(fake_gpu):
     """``ulimit -n 64`` and 40 local ranks: refused at once with one line and exit 3 (it ran into EMFILE half-way,
     printed tracebacks and kept the session directory); with only the soft limit low, it is raised and the job

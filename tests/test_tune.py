@@ -32,7 +32,6 @@ def _tune(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*MPSRUN, "tune", *args], capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.slow
 def test_mps_with_the_most_ranks_is_recommended_with_its_gain(fake_gpu, tmp_path):
     """The setting of the highest throughput is recommended as the exact command to run, with its gain over the
     baseline (one rank without MPS) and the next best; the JSON says the same, and read back
@@ -57,7 +56,6 @@ def test_mps_with_the_most_ranks_is_recommended_with_its_gain(fake_gpu, tmp_path
     assert (tmp_path / "tune.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.slow
 def test_nothing_beating_the_baseline_is_said_plainly(fake_gpu):
     """When every setting gives the same throughput, each is a tie with the best, and tune says that nothing beats
     the baseline beyond the noise and recommends the baseline itself."""
@@ -69,7 +67,6 @@ def test_nothing_beating_the_baseline_is_said_plainly(fake_gpu):
     settle(fake_gpu)
 
 
-@pytest.mark.slow
 def test_a_failing_setting_is_reported_and_the_rest_go_on(fake_gpu):
     """A setting whose job fails shows its exit code and why; the other settings are measured and one recommended."""
     program = "import os, sys; sys.exit('too many ranks') if os.environ['WORLD_SIZE'] == '2' else print('rate: 1')"
