@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from helpers import FAKECUDA, wait_ready
 
@@ -223,3 +224,22 @@ def test_a_node_keeper_that_finds_the_jobs_command_gone_says_so_in_words():
             join_command(f"tcp:127.0.0.1:{port}", "token")
     said = str(raised.value)
     assert said.startswith("the job's command has ended") and "Error(" not in said, said
+
+
+def test_a_rank_refused_as_its_nodes_last_waits_until_the_keeper_is_gone(fake_gpu, tmp_path):
+    """A rank refused (here for another -x) when every other rank of its node has ended is the node's last: its
+    refusal closes the node's session, and the rank ends only after the node keeper has (it lingers, as the last
+    rank to be told its verdict does). Before, the keeper closed the refused rank's connection at once, so the rank
+    ended while the keeper was still tearing down (seen in CI as a keeper left behind by the test above)."""
+    [node] = node_dirs(fake_gpu, ["A"]).values()
+    first = start_rank(node, "A", 0, 0, 2)
+    first.communicate(timeout=120)
+    assert first.returncode == 0
+    keeper = [p for p in fake_gpu.orphans() + psutil.Process().children(recursive=True)
+              if "mpsrun.agent.keeper" in " ".join(p.cmdline())]
+    assert len(keeper) == 1, keeper
+    late = start_rank(node, "A", 1, 1, 2, options=["-x", "NAME=1"])
+    _, err = late.communicate(timeout=120)
+    assert late.returncode == 2 and "started with other mpsrun options" in err, err
+    assert not keeper[0].is_running() or keeper[0].status() == psutil.STATUS_ZOMBIE
+    assert leftovers(node) == []

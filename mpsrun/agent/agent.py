@@ -295,7 +295,7 @@ class Agent:
             self._ended(self.ranks[identity.rank], RankEnd(identity.rank, None, code, why.removeprefix(
                 "mpsrun: error: ")))
         link.send(Refusal(code, message, linger=self.lingering))
-        self.doorway.close(link)
+        self.doorway.close(link, linger=self.lingering)
 
     def _refusal(self, identity: RankIdentity) -> tuple[int, str] | None:
         """Why this rank may not join (its exit code and what to say), or None. Once the job is stopping nothing is

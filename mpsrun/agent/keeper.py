@@ -322,6 +322,7 @@ class Keeper:
         for state in self.agent.ranks.values():  # a rank that lingers for our end need not wait for this
             if state.link is not None:
                 state.link.close()
+        self.agent.doorway.let_go()
         poll_until(lambda: (not launcher.alive()) or None, Deadline(LINGER_TIMEOUT))  # not our child: polled
         leftovers.sweep(self.began)
 

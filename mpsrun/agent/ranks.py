@@ -62,6 +62,7 @@ class Doorway:
         self._on_hello, self._on_message, self._on_lost = on_hello, on_message, on_lost
         self.open = True  # False once its agent closes: a peer that comes is asked to come again (to a new one)
         self._unheard: set[Link] = set()  # accepted, their hello not yet read
+        self._lingering: list[Link] = []  # refused peers that wait for our process's end: open until then
         loop.watch(listener.fileno(), self._accept)
 
     def close_door(self) -> None:
@@ -73,10 +74,21 @@ class Doorway:
             self._unheard.discard(link)
             refuse_newcomer(link, Refusal(retry=True))
 
-    def close(self, link: Link) -> None:
+    def close(self, link: Link, linger: bool = False) -> None:
+        """Read ``link`` no more and close it; with ``linger`` leave it open until our process ends (or
+        ``let_go``): its peer waits for that end."""
         self.loop.unwatch(link.fd)
         self._unheard.discard(link)
-        link.close()
+        if linger:
+            self._lingering.append(link)
+        else:
+            link.close()
+
+    def let_go(self) -> None:
+        """Close the links of peers that linger: they need not wait for our end any more."""
+        for link in self._lingering:
+            link.close()
+        self._lingering.clear()
 
     def _accept(self) -> None:
         link = self.listener.accept()
