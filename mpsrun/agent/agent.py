@@ -422,6 +422,13 @@ class Agent:
         if state.link is not None:
             state.link.send(Verdict(code, lines, last is not None))
 
+    def let_go(self) -> None:
+        """Ranks that linger for the agent's end need not wait for it any more: their links are closed."""
+        for state in self.ranks.values():
+            if state.link is not None:
+                state.link.close()
+        self.doorway.let_go()
+
     def settled(self) -> bool:
         """Every rank has ended and had its verdict."""
         return all(s.end is not None and s.verdict_sent for s in self.ranks.values())

@@ -319,10 +319,7 @@ class Keeper:
         lost = any(s.end is not None and s.end.returncode is None for s in self.agent.ranks.values())
         if launcher is None or not lost or not any(pids == {launcher.pid} for pids in held.values()):
             return
-        for state in self.agent.ranks.values():  # a rank that lingers for our end need not wait for this
-            if state.link is not None:
-                state.link.close()
-        self.agent.doorway.let_go()
+        self.agent.let_go()  # a rank that lingers for our end need not wait for this
         poll_until(lambda: (not launcher.alive()) or None, Deadline(LINGER_TIMEOUT))  # not our child: polled
         leftovers.sweep(self.began)
 
