@@ -178,6 +178,10 @@ def _main(args: list[str]) -> int:
             from mpsrun.job.dryrun import show
 
             return show(config)
+        if config.farm:
+            from mpsrun.farm.run import run_farm
+
+            return run_farm(config)
         if config.per_node:
             from mpsrun.agent.pernode import run_per_node
 

@@ -26,6 +26,7 @@ LAYERS = [
     {"shared"},
     {"agent"},
     {"job"},
+    {"farm"},
     {"tools", "tuning"},
     {"cli", "_entry", "__main__", "__init__"},
 ]

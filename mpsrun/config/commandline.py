@@ -170,6 +170,37 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str], version: str = "
         found["exports"] = values.resolve_exports(found["exports"], environ)
     if found.get("module") is not None:
         command = [sys.executable, "-m", found["module"], *command]
-    if not command:
+    _check_farm(found, command)
+    if not command and found.get("tasks") is None:
         raise ConfigError("no command given: mpsrun [options] [--] command [args...]", setting="command")
     return JobConfig(command=tuple(command), **found)
+
+
+#: The options of a farm alone, and the ways of running ranks a farm does not take (it runs its slots itself: one
+#: mpsrun per node, as ``srun --ntasks-per-node=1`` starts it).
+_FARM_ONLY = {"results": "--results", "resume": "--resume", "retries": "--retries", "max_failures": "--max-failures"}
+_NOT_IN_A_FARM = {"per_node": "--per-node", "hosts": "--hosts", "hostfile": "--hostfile"}
+
+
+def _check_farm(found: Mapping[str, Any], command: Sequence[str]) -> None:
+    """What a farm's options must agree on (ConfigError, exit 2, otherwise)."""
+    tasks, array = found.get("tasks"), found.get("array")
+    if tasks is None and array is None:
+        given = [flag for name, flag in _FARM_ONLY.items() if found.get(name)]
+        if given:
+            raise ConfigError(f"{given[0]} is an option of a farm: give --tasks FILE or --array A-B", setting=given[0])
+        return
+    if tasks is not None and array is not None:
+        raise ConfigError("give --tasks or --array, not both", setting="--tasks")
+    if tasks is not None and command:
+        raise ConfigError(f"--tasks takes each task's command from its file: no command after the options (found "
+                          f"{command[0]!r})", setting="--tasks")
+    if array is not None and not command:
+        raise ConfigError("--array runs a command once per index: give it after the options", setting="--array")
+    if found.get("resume") and not found.get("results"):
+        raise ConfigError("--resume reads the results file: give --results FILE.jsonl", setting="--resume")
+    refused = [flag for name, flag in _NOT_IN_A_FARM.items() if found.get(name)]
+    refused += ["--launcher mpiexec"] if found.get("launcher") == "mpiexec" else []
+    if refused:
+        raise ConfigError(f"a farm runs its slots itself, one mpsrun per node: not with {refused[0]} (on several "
+                          "nodes: srun --ntasks-per-node=1 mpsrun -np N --tasks FILE)", setting=refused[0])

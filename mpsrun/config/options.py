@@ -183,6 +183,25 @@ class JobConfig(NamedTuple):
         "--per-node",
         help="this process is ONE rank started by srun or mpiexec: share the node's MPS session with the other local "
         "ranks")] = False
+    tasks: Annotated[str | None, option(
+        "--tasks", parse=_validated(values.parse_task_file), metavar="FILE",
+        help="run a farm: each line of FILE (- for standard input) is one task's command, split as a shell splits "
+        "it (never run through one); -np N slots, placed as ranks are, each running one task at a time")] = None
+    array: Annotated[str | None, option(
+        "--array", parse=_validated(values.parse_index_range_text), metavar="A-B[:STEP]",
+        help="run a farm: the command once per index, {} in its arguments replaced by the index")] = None
+    results: Annotated[str | None, option(
+        "--results", parse=_validated(values.parse_report), metavar="FILE.jsonl",
+        help="a farm's results: one JSON line per finished task, appended and flushed as it ends")] = None
+    resume: Annotated[bool, option(
+        "--resume",
+        help="a farm runs only the tasks --results does not record as succeeded")] = False
+    retries: Annotated[int, option(
+        "--retries", parse=_validated(values.parse_retries), metavar="K",
+        help="run a failed task up to K more times (default 0)")] = 0
+    max_failures: Annotated[int | None, option(
+        "--max-failures", parse=_validated(values.parse_count), metavar="M",
+        help="a farm takes no new task after M tasks have failed")] = None
     verbose: Annotated[bool, option(
         "-v", "--verbose", forward=True,
         help="say what mpsrun does (placement, checks)")] = False
@@ -191,6 +210,11 @@ class JobConfig(NamedTuple):
     @property
     def ranks(self) -> int:
         return self.nranks or 1
+
+    @property
+    def farm(self) -> bool:
+        """Whether this job is a farm of tasks (``--tasks``, ``--array``), not N ranks of one command."""
+        return self.tasks is not None or self.array is not None
 
     def settings(self) -> dict[str, Any]:
         """The settings every rank of a per-node job must share (the forwarded options), as JSON."""

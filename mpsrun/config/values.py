@@ -130,6 +130,50 @@ def parse_ranks(value: object, setting: str = "-np") -> int:
     return _bounded(value, 1, MAX_RANKS, setting)
 
 
+#: A farm's most retries of one task, and most tasks (each is a process; a typo in a range is refused).
+MAX_RETRIES, MAX_TASKS = 1000, 10_000_000
+_INDEX_RANGE = re.compile(r"(\d+)-(\d+)(?::(\d+))?|(\d+)")
+
+
+def parse_retries(value: object, setting: str = "--retries") -> int:
+    """How many more times a failed task runs: 0 to MAX_RETRIES."""
+    return _bounded(value, 0, MAX_RETRIES, setting)
+
+
+def parse_index_range(value: object, setting: str = "--array") -> range:
+    """``A-B[:STEP]`` (or one index ``A``): the indices A, A+STEP, ... up to B included."""
+    match = _INDEX_RANGE.fullmatch(value.strip()) if isinstance(value, str) else None
+    if match is None:
+        raise ConfigError(f"{setting} takes A-B or A-B:STEP (whole numbers), not {value!r}", setting=setting,
+                          value=value)
+    first, last, step, single = match.groups()
+    if single is not None:
+        return range(int(single), int(single) + 1)
+    indices = range(int(first), int(last) + 1, max(1, int(step or 1)))
+    if int(step or 1) < 1 or not indices:
+        raise ConfigError(f"{setting} {value}: no index (the range must not be empty and its step at least 1)",
+                          setting=setting, value=value)
+    if len(indices) > MAX_TASKS:
+        raise ConfigError(f"{setting} {value}: more than {MAX_TASKS} tasks", setting=setting, value=value)
+    return indices
+
+
+def parse_index_range_text(value: object, setting: str = "--array") -> str:
+    """``--array``'s text, once :func:`parse_index_range` reads it (kept as text: a configuration goes as JSON)."""
+    parse_index_range(value, setting)
+    assert isinstance(value, str)
+    return value.strip()
+
+
+def parse_task_file(value: object, setting: str = "--tasks") -> str:
+    """A task file (``-``: standard input), made absolute here."""
+    text = value if isinstance(value, str) else ""
+    if not text.strip() or "\0" in text:
+        raise ConfigError(f"{setting} needs a file (or - for standard input), not {value!r}", setting=setting,
+                          value=value)
+    return text if text == "-" else os.path.abspath(text)
+
+
 def parse_count(value: object, setting: str) -> int:
     """A positive whole number (of workers, of repeats), as an int or its ASCII digits."""
     number = _whole(value)

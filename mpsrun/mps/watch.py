@@ -164,6 +164,10 @@ class RankWatch:
         with gpu_info.nvml_kept():
             yield
 
+    def owner(self, pid: int) -> int | None:
+        """The rank a process seen so far belongs to (itself, or a descendant), or None."""
+        return self._known.get(pid)
+
     def settle(self, rank_pids: Mapping[int, int]) -> None:
         """Read the logs once more, at the job's end: ``rank_pids`` are every rank's pids, ended ones too."""
         self._known.update(rank_pids)

@@ -28,14 +28,15 @@ SINKS = (1, 2)  # the rank's stdout and stderr go to ours
 
 class RankOutput:
     """The rank's two streams: :meth:`open` makes their ends, :meth:`forward` passes them on from the rank's start,
-    :meth:`drain` closes them after its end. ``several``: the job has more ranks than this one (a partial last line
+    :meth:`drain` closes them after its end. ``name``: whose they are (``rank 3``, or a farm's ``task 17``);
+    ``several``: the job has more ranks than this one (a partial last line
     is then ended, so the next rank's line starts on its own); ``lock``: the lock of the ranks that share our
     output (the local launcher's)."""
 
-    def __init__(self, loop: EventLoop, rank: int, tag: bool, several: bool, lock: str | None) -> None:
+    def __init__(self, loop: EventLoop, name: str, tag: bool, several: bool, lock: str | None) -> None:
         self.loop = loop
-        self.prefix = f"[rank {rank}] ".encode() if tag else b""
-        self.rank, self.several, self.lock = rank, several, lock
+        self.prefix = f"[{name}] ".encode() if tag else b""
+        self.name, self.several, self.lock = name, several, lock
         self.ends: list[tuple[int, int]] = []  # (read end, write end) per sink, until forward()
         self.streams: dict[int, LineWriter] = {}  # by read end, until each is closed
         self.prompts: dict[int, float | None] = {}  # streams to a terminal: when their held partial line began
@@ -91,13 +92,13 @@ class RankOutput:
         if not data or not writer.feed(data):
             self._close(fd)  # end of the stream, or our own output is gone: the rank gets EPIPE
             if writer.failure is not None:
-                say(f"mpsrun: rank {self.rank}: its output could not be passed on ({writer.failure}); the rest is "
+                say(f"mpsrun: {self.name}: its output could not be passed on ({writer.failure}); the rest is "
                     "dropped")
             return
         if writer.lock_given_up and not self.lock_said:
             self.lock_said = True
-            say(f"mpsrun: rank {self.rank}: the ranks' output lock was held {OUTPUT_LOCK_PATIENCE:g} s by a process "
-                "that writes nothing (one a rank left running?); this rank's lines go without it")
+            say(f"mpsrun: {self.name}: the ranks' output lock was held {OUTPUT_LOCK_PATIENCE:g} s by a process "
+                "that writes nothing (one a rank left running?); these lines go without it")
         if fd in self.prompts and writer.partial_since != self.prompts[fd]:
             since = self.prompts[fd] = writer.partial_since
             if since is not None:

@@ -99,7 +99,7 @@ class RankSupervisor:
         self.loop = EventLoop()
         self.process: subprocess.Popen[bytes] | None = None
         self.returncode: int | None = None
-        self.output = RankOutput(self.loop, self.rank, welcome.tag, self.env.get("WORLD_SIZE") != "1",
+        self.output = RankOutput(self.loop, f"rank {self.rank}", welcome.tag, self.env.get("WORLD_SIZE") != "1",
                                  welcome.output_lock)
         self.killing = False
         self.controller_lost = False

@@ -1,0 +1,339 @@
+"""The slots of one node's farm: each runs one task at a time and takes the next as soon as it is free.
+
+The farm runs in the ``mpsrun`` command's loop and supervises every slot's task itself: a task is a fresh process in
+a group of its own, with its slot's GPU and MPS variables, its output passed on in whole lines (or to its own files
+under ``--output-filename``), its end reaped with its CPU time. A failed task is retried (``--retries``) or recorded;
+``--max-failures`` stops the taking of tasks. A stop (a signal, ``--timeout``) ends the running tasks and records
+them as not finished.
+
+One client's fatal GPU fault ends every client of its MPS server with work in flight, and MPS does not say reliably
+whose it was. The server's log names the clients torn down; those tasks are suspects, not failures. One suspect
+alone is the culprit; several are run again one at a time, alone on their server: a task that faults alone is
+recorded as the fault's, and the others are the fault's victims (run as any task).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from mpsrun.exitcodes import ExitCode, describe_returncode
+from mpsrun.farm.results import ResultsFile, TaskCause, TaskResult
+from mpsrun.farm.tasks import Task
+from mpsrun.mps.daemon import ControlDaemon
+from mpsrun.mps.replies import torn_down_clients
+from mpsrun.rank.streams import RankOutput
+from mpsrun.runtime.files import read_log
+from mpsrun.runtime.loop import EventLoop
+from mpsrun.runtime.processes import close_all, find_program, kill_group, pidfd, set_parent_death_signal
+
+__all__ = ["Farm", "FarmRules", "Slot", "Tally"]
+
+#: Variables every task gets: its number and how many tasks the farm has.
+TASK_ID_VARIABLE, TASK_COUNT_VARIABLE, SLOT_VARIABLE = "MPSRUN_TASK_ID", "MPSRUN_TASK_COUNT", "MPSRUN_SLOT"
+
+
+class FarmRules:
+    """What the command line says of the farm: ``retries`` more runs of a failed task, ``max_failures`` (None: no
+    limit), ``grace`` before SIGKILL, ``tag`` the output lines, ``output_dir`` for each task's files."""
+
+    __slots__ = ("grace", "max_failures", "output_dir", "retries", "tag")
+
+    def __init__(self, retries: int, max_failures: int | None, grace: float, tag: bool, output_dir: str | None) -> None:
+        self.retries, self.max_failures, self.grace, self.tag, self.output_dir = (retries, max_failures, grace, tag,
+                                                                                 output_dir)
+
+
+class Slot:
+    """One slot: its number, its GPU (position in the session, None: no GPU), its server's daemon (None: no MPS)
+    and the variables its tasks get."""
+
+    __slots__ = ("daemon", "env", "gpu", "index", "running")
+
+    def __init__(self, index: int, gpu: int | None, daemon: ControlDaemon | None, env: Mapping[str, str]) -> None:
+        self.index, self.gpu, self.daemon, self.env = index, gpu, daemon, dict(env)
+        self.running: Running | None = None
+
+
+class Running:
+    """A task running in a slot: its process, when it began, its output, and its try."""
+
+    __slots__ = ("alone", "began", "output", "process", "start", "task", "tries")
+
+    def __init__(self, task: Task, tries: int, process: subprocess.Popen[bytes], output: RankOutput | None,
+                 alone: bool) -> None:
+        self.task, self.tries, self.process, self.output, self.alone = task, tries, process, output, alone
+        self.began, self.start = time.monotonic(), time.time()
+
+
+class Tally:
+    """What the farm has done: results by task, the first failure, and the tasks not run."""
+
+    __slots__ = ("failed", "first_failure", "stopped", "succeeded")
+
+    def __init__(self) -> None:
+        self.succeeded = self.failed = self.stopped = 0
+        self.first_failure: TaskResult | None = None
+
+    def add(self, result: TaskResult) -> None:
+        if result.succeeded:
+            self.succeeded += 1
+        elif result.cause == TaskCause.STOPPED:
+            self.stopped += 1
+        else:
+            self.failed += 1
+            if self.first_failure is None:
+                self.first_failure = result
+
+
+class Farm:
+    """The node's slots, taking ``tasks`` in order (``count``: the whole list's length, for MPSRUN_TASK_COUNT);
+    ``base``: the environment tasks start from; ``record``: where each finished task's result goes (and
+    ``results``, the file, if any); ``proven``: whether a task (by number and pid) was an MPS client; ``peak``: its
+    device memory peak; ``whose``: the task a process of the node's GPUs belongs to, where known; ``say``: a line for
+    the user."""
+
+    def __init__(self, loop: EventLoop, slots: Sequence[Slot], tasks: Sequence[Task], count: int,
+                 base: Mapping[str, str], rules: FarmRules, results: ResultsFile | None,
+                 proven: Callable[[int, int], bool | None], peak: Callable[[int], int | None],
+                 whose: Callable[[int], int | None], say: Callable[[str], None]) -> None:
+        self.loop, self.slots, self.rules, self.results = loop, list(slots), rules, results
+        self.queue = collections.deque(tasks)
+        self.count, self.base = count, dict(base)
+        self.proven, self.peak, self.whose, self.say = proven, peak, whose, say
+        self.tally = Tally()
+        self.host = socket.gethostname()
+        self.stopping: int | None = None
+        self.tries: dict[int, int] = {}
+        self.suspects: dict[int, collections.deque[Task]] = {}  # by daemon (id): tasks a fault tore down
+        self.faults: dict[int, set[int]] = {}  # by daemon (id): the tasks its server's last fault tore down
+        self.culprits: set[int] = set()  # tasks that faulted alone: recorded as the fault's, never run again
+        self._log_read: dict[int, int] = {}  # by daemon (id): how far its log was read for faults
+
+    # -- taking tasks -------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for slot in self.slots:
+            self._take(slot)
+
+    @property
+    def done(self) -> bool:
+        return all(slot.running is None for slot in self.slots) and (not self._taking() or not self._left())
+
+    def _left(self) -> bool:
+        return bool(self.queue) or any(self.suspects.values())
+
+    def _taking(self) -> bool:
+        limit = self.rules.max_failures
+        return self.stopping is None and (limit is None or self.tally.failed < limit)
+
+    def _take(self, slot: Slot) -> None:
+        """Give a free slot its next task: a suspect of its server's fault once the server has no other client,
+        else the next task of the list unless its server is finding a culprit."""
+        if not self._taking() or slot.running is not None:
+            return
+        key = id(slot.daemon)
+        suspects = self.suspects.get(key)
+        if suspects:
+            if not self._server_busy(slot.daemon):
+                self._spawn(slot, suspects.popleft(), alone=True)
+            return
+        if self.queue and not self._server_busy(slot.daemon, alone_only=True):
+            self._spawn(slot, self.queue.popleft(), alone=False)
+
+    def _server_busy(self, daemon: ControlDaemon | None, alone_only: bool = False) -> bool:
+        """Whether a task runs on ``daemon``'s server (``alone_only``: one that must run alone)."""
+        return daemon is not None and any(
+            s.running is not None and s.daemon is daemon and (s.running.alone or not alone_only) for s in self.slots)
+
+    def _free(self) -> None:
+        for slot in self.slots:
+            self._take(slot)
+
+    # -- a task's life ------------------------------------------------------------------------------------------
+
+    def _spawn(self, slot: Slot, task: Task, alone: bool) -> None:
+        tries = self.tries[task.id] = self.tries.get(task.id, 0) + 1
+        env = {**self.base, **slot.env, TASK_ID_VARIABLE: str(task.id), TASK_COUNT_VARIABLE: str(self.count),
+               SLOT_VARIABLE: str(slot.index)}
+        program, code, reason = find_program(task.argv[0], env.get("PATH"))
+        if program is None:
+            self._say(f"task {task.id}: {task.argv[0]}: {reason}")
+            self._record(slot, task, tries, code, None, time.time(), None, None)
+            self.loop.after(0, self._free)
+            return
+        output = RankOutput(self.loop, f"task {task.id}", self.rules.tag, True, None) if not self.rules.output_dir \
+            else None
+        files: list[int] = []
+        try:
+            files = self._output_files(task) if output is None else output.open()
+            process = subprocess.Popen(task.argv, executable=program, env=env, start_new_session=True,
+                                       stdout=files[0], stderr=files[1],
+                                       preexec_fn=functools.partial(_become_task, os.getpid()))
+        except OSError as exc:
+            if output is not None:
+                output.close()
+            self._say(f"task {task.id}: {task.argv[0]}: {exc.strerror}")
+            self._record(slot, task, tries, ExitCode.NOT_EXECUTABLE if isinstance(exc, PermissionError)
+                         else ExitCode.SETUP, None, time.time(), None, None)
+            self.loop.after(0, self._free)
+            return
+        finally:
+            if output is None:
+                close_all(files)
+        slot.running = Running(task, tries, process, output, alone)
+        if output is not None:
+            output.forward()
+        exit_fd = pidfd(process.pid)
+        assert exit_fd is not None, "Linux 5.3 or later: pidfd_open"
+        self.loop.watch(exit_fd, functools.partial(self._exited, slot, exit_fd))
+
+    def _output_files(self, task: Task) -> list[int]:
+        """``--output-filename DIR``: the task's stdout and stderr files in ``DIR/task.ID/``."""
+        assert self.rules.output_dir is not None
+        directory = os.path.join(self.rules.output_dir, f"task.{task.id}")
+        os.makedirs(directory, exist_ok=True)
+        files: list[int] = []
+        try:
+            for name in ("stdout", "stderr"):
+                files.append(os.open(os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666))
+        except OSError:
+            close_all(files)
+            raise
+        return files
+
+    def _exited(self, slot: Slot, exit_fd: int) -> None:
+        running = slot.running
+        assert running is not None
+        self.loop.unwatch(exit_fd)
+        os.close(exit_fd)
+        pid = running.process.pid
+        kill_group(pid, signal.SIGKILL)  # what the task left in its group
+        _, status, usage = os.wait4(pid, 0)
+        running.process.returncode = returncode = os.waitstatus_to_exitcode(status)
+        wall, cpu = round(time.monotonic() - running.began, 3), round(usage.ru_utime + usage.ru_stime, 3)
+        if running.output is not None:
+            running.output.drain()
+        slot.running = None
+        code = _code(returncode)
+        if code != 0 and self.stopping is None and slot.daemon is not None and self._suspect(slot, running):
+            self.loop.after(0, self._free)
+            return
+        if code != 0 and self.stopping is None and running.tries <= self.rules.retries and \
+                running.task.id not in self.culprits:
+            self.queue.appendleft(running.task)  # again, before the tasks not yet run
+        else:
+            cause = TaskCause.FAULT if running.task.id in self.culprits else \
+                TaskCause.STOPPED if code != 0 and self.stopping is not None else None
+            self._record(slot, running.task, running.tries, code, pid, running.start, wall, cpu, cause)
+        self.loop.after(0, self._free)
+
+    # -- faults ---------------------------------------------------------------------------------------------------
+
+    def _torn_down(self, daemon: ControlDaemon) -> set[int]:
+        """The clients ``daemon``'s server tore down after a fatal fault since its log was last read."""
+        start = self._log_read.get(id(daemon), 0)
+        try:
+            text = read_log(daemon.log_file, start=start)
+        except OSError:
+            return set()
+        whole = text[: text.rfind(b"\n") + 1]
+        self._log_read[id(daemon)] = start + len(whole)
+        return set(torn_down_clients(whole.decode(errors="replace")))
+
+    def _suspect(self, slot: Slot, running: Running) -> bool:
+        """Whether the task that failed was torn down by a fatal fault of its server; if so it is the fault's (it ran
+        alone, or the fault tore down no other task), or a suspect to run again alone, its try not counted."""
+        assert slot.daemon is not None
+        key, task = id(slot.daemon), running.task
+        torn = self._torn_down(slot.daemon)
+        if torn:  # a new fault: the tasks it tore down, this one and those still running
+            ours = {task.id} | {s.running.task.id for s in self.slots if s.running is not None
+                                and s.daemon is slot.daemon}
+            main = {running.process.pid: task.id} | {s.running.process.pid: s.running.task.id for s in self.slots
+                                                      if s.running is not None}
+            owners = {main.get(pid, self.whose(pid)) for pid in torn}  # a task's client may be its child
+            self.faults[key] = ours & owners
+        victims = self.faults.get(key, set())
+        if task.id not in victims:
+            return False
+        if running.alone or victims == {task.id}:
+            self.culprits.add(task.id)
+            how = "it ran alone on its MPS server" if running.alone else "the only task it tore down"
+            self._say(f"task {task.id} caused a fatal GPU fault ({how})")
+            return False
+        self.tries[task.id] -= 1
+        self.suspects.setdefault(key, collections.deque()).append(task)
+        return True
+
+    # -- results --------------------------------------------------------------------------------------------------
+
+    def _record(self, slot: Slot, task: Task, tries: int, code: int, pid: int | None, start: float,
+                wall: float | None, cpu: float | None, cause: TaskCause | None = None) -> None:
+        if cause is None:
+            cause = _cause(code)
+        result = TaskResult(id=task.id, command=list(task.argv), host=self.host, slot=slot.index, gpu=slot.gpu,
+                            exit_code=code, cause=str(cause), start=round(start, 3), wall=wall, cpu=cpu,
+                            memory_peak=self.peak(task.id), tries=tries,
+                            mps=self.proven(task.id, pid) if pid is not None else None)
+        self.tally.add(result)
+        if self.results is not None:
+            self.results.write(result)
+        if not result.succeeded and cause != TaskCause.STOPPED:
+            self._say(f"task {task.id} {_describe(code)}" + (f" (try {tries})" if tries > 1 else ""))
+
+    def not_run(self) -> int:
+        """Tasks never finished: left in the list, or suspects never run again."""
+        return len(self.queue) + sum(len(s) for s in self.suspects.values())
+
+    # -- stopping -------------------------------------------------------------------------------------------------
+
+    def stop(self, sig: int) -> None:
+        """Take no more tasks; pass ``sig`` to every running task; SIGKILL after --grace."""
+        if self.stopping is None:
+            self.stopping = sig
+            self.loop.after(self.rules.grace, lambda: self.signal(signal.SIGKILL))
+        self.signal(sig)
+
+    def signal(self, sig: int) -> None:
+        for slot in self.slots:
+            if slot.running is not None:
+                kill_group(slot.running.process.pid, sig)
+
+    def pids(self) -> dict[int, int]:
+        """``{pid: task}`` of the running tasks."""
+        return {slot.running.process.pid: slot.running.task.id for slot in self.slots if slot.running is not None}
+
+    def _say(self, text: str) -> None:
+        self.say(f"mpsrun: {text}")
+
+
+def _become_task(parent: int) -> None:
+    """In the task's process, before its exec: our wake-up descriptor is not its to write to (a signal now would look
+    like ours), and the task dies with us."""
+    signal.set_wakeup_fd(-1)
+    set_parent_death_signal(signal.SIGKILL, parent)
+
+
+def _code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _cause(code: int) -> TaskCause:
+    if code == ExitCode.OK:
+        return TaskCause.OK
+    if code == ExitCode.NOT_FOUND:
+        return TaskCause.NOT_FOUND
+    if code == ExitCode.NOT_EXECUTABLE:
+        return TaskCause.NOT_EXECUTABLE
+    return TaskCause.SIGNAL if code > 128 else TaskCause.FAILED
+
+
+def _describe(code: int) -> str:
+    return describe_returncode(128 - code if code > 128 else code)

@@ -1,0 +1,226 @@
+"""Running a farm: the ``mpsrun --tasks`` / ``--array`` command's part on its node.
+
+It reads the task list (less what ``--resume`` finds done), opens the node's session (the GPUs, the slots' plan, one
+MPS daemon per GPU), runs the :class:`~mpsrun.farm.farm.Farm` in its loop with the client watch and the memory
+samples, stops it on a signal or ``--timeout``, says the tally in one line, and closes the session whatever happens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+from mpsrun.agent.outcome import Policy
+from mpsrun.config import values
+from mpsrun.config.options import JobConfig
+from mpsrun.errors import MPSError
+from mpsrun.exitcodes import ExitCode
+from mpsrun.farm.farm import Farm, FarmRules, Slot
+from mpsrun.farm.results import ResultsFile, succeeded_tasks
+from mpsrun.farm.tasks import Task, array_tasks, read_task_lines
+from mpsrun.job.run import make_output_dir
+from mpsrun.mps import gpus
+from mpsrun.mps.environment import MANAGED_VARIABLES
+from mpsrun.mps.placement import NodePlan, RankPlan, rank_environment, without_mps
+from mpsrun.mps.usage import UsageSampler
+from mpsrun.mps.watch import RankWatch, with_descendants
+from mpsrun.runtime.constants import DAEMON_START_TIMEOUT, FORWARDED_SIGNALS, PASS_SIGNALS, SESSION_DIR_VARIABLE
+from mpsrun.runtime.deadline import Deadline
+from mpsrun.runtime.interrupts import Interrupts
+from mpsrun.runtime.loop import EventLoop
+from mpsrun.runtime.output import say
+from mpsrun.session.claim import SessionClaim
+from mpsrun.session.paths import session_base
+from mpsrun.session.session import Session
+
+__all__ = ["farm_tasks", "run_farm"]
+
+log = logging.getLogger("mpsrun")
+
+
+def farm_tasks(config: JobConfig) -> tuple[list[Task], int]:
+    """The tasks to run (those ``--resume`` finds succeeded with the same command left out), and how many the list
+    has in all."""
+    if config.tasks is not None:
+        tasks = read_task_lines(config.tasks, sys.stdin if config.tasks == "-" else None)
+    else:
+        assert config.array is not None
+        tasks = array_tasks(config.command, values.parse_index_range(config.array))
+    done = succeeded_tasks(config.results) if config.resume and config.results else {}
+    return [task for task in tasks if done.get(task.id) != task.argv], len(tasks)
+
+
+def _slot_env(session: Session, plan: RankPlan, config: JobConfig) -> dict[str, str]:
+    """What a slot's tasks get of mpsrun's: their GPU and its MPS variables with the slot's limits, the queues asked
+    for, and the session's directory."""
+    if not session.gpus:
+        return {}
+    env = rank_environment(session.target(plan.gpu), plan)
+    env["MPSRUN_GPU"] = str(plan.gpu)
+    if session.enabled and session.dirs is not None:
+        env[SESSION_DIR_VARIABLE] = str(session.dirs.root)
+    if isinstance(config.queues, int) and "CUDA_MPS_PIPE_DIRECTORY" in env:
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(config.queues)
+    return env
+
+
+def _base_env(config: JobConfig) -> dict[str, str]:
+    """The environment every task starts from: ours, less what mpsrun manages, with ``-x``'s values."""
+    env = {name: value for name, value in os.environ.items() if name not in MANAGED_VARIABLES}
+    for item in config.exports:
+        name, given, value = item.partition("=")
+        if given:
+            env[name] = value
+    return env
+
+
+class FarmRun:
+    """One farm on this node, from its session's start to its end."""
+
+    def __init__(self, config: JobConfig, tasks: list[Task], count: int) -> None:
+        self.config, self.tasks, self.count = config, tasks, count
+        self.loop = EventLoop()
+        self.deadline = Deadline(config.timeout)
+        self.policy = Policy.for_job(config, self.deadline)
+        self.failure: tuple[int, str] | None = None  # the farm's own (a fatal finding, --timeout)
+        self.signalled: int | None = None
+        self.farm: Farm | None = None
+
+    def run(self, session: Session, results: ResultsFile | None) -> int:
+        config = self.config
+        session.resolve()
+        slots = config.ranks
+        plan = NodePlan.make(config, len(session.gpus), slots, session.free_memory(), slots)
+        plans = plan.ranks(slots)
+        session.start_lazy(plan.daemon_defaults())
+        if session.disabled_reason is not None and not config.quiet:
+            for line in without_mps(config, session.disabled_reason, gpus_seen=bool(session.gpus)):
+                log.warning(f"mpsrun: {line}")
+        watch = RankWatch(session.watcher(), config.mps == "on") if session.enabled else None
+        usage = UsageSampler([gpu.uuid for gpu in session.gpus]) if session.gpus else None
+        daemons = session.daemons
+        farm_slots = [Slot(index, plan.gpu if session.gpus else None,
+                           (daemons[plan.gpu] if len(daemons) > plan.gpu else daemons[0]) if daemons else None,
+                           _slot_env(session, plan, config)) for index, plan in enumerate(plans)]
+        self.farm = farm = Farm(
+            self.loop, farm_slots, self.tasks, self.count, _base_env(config),
+            FarmRules(config.retries, config.max_failures, config.grace, config.tag_output, config.output_filename),
+            results, proven=lambda task, pid: _proven(watch, task, pid),
+            peak=lambda task: usage.peaks.get(task) if usage is not None else None,
+            whose=lambda pid: watch.owner(pid) if watch is not None else None, say=say)
+        with self.loop.signals(FORWARDED_SIGNALS, self._signalled), gpus.nvml_kept():
+            self.loop.after(0, farm.start)
+            if watch is not None:
+                self.loop.after(self.policy.watch_interval, lambda: self._check(watch))
+            if usage is not None:
+                self.loop.after(self.policy.usage_interval, lambda: self._sample(usage))
+            if self.policy.timeout is not None:
+                self.loop.after(self.policy.timeout, self._timed_out)
+            self.loop.run_until(lambda: farm.done)
+        self.loop.close()
+        return self._summary()
+
+    def _signalled(self, sig: int) -> None:
+        assert self.farm is not None
+        if sig in PASS_SIGNALS:
+            self.farm.signal(sig)
+        elif self.signalled is not None or (self.farm.stopping is not None and sig == signal.SIGINT):
+            self.farm.signal(signal.SIGKILL)  # a second Ctrl-C: now
+        else:
+            self.signalled = sig
+            self.farm.stop(signal.SIGTERM if sig == signal.SIGHUP else sig)
+
+    def _timed_out(self) -> None:
+        assert self.farm is not None
+        if self.farm.stopping is None:
+            self.failure = (ExitCode.TIMEOUT, f"timed out after {self.config.timeout:g} s")
+            self.farm.stop(signal.SIGTERM)
+
+    def _check(self, watch: RankWatch) -> None:
+        assert self.farm is not None
+        if self.farm.stopping is not None:
+            return
+        for finding in watch.check(self.farm.pids()):
+            say(f"mpsrun: {finding.message}" if finding.fatal else f"mpsrun: warning: {finding.message}")
+            if finding.fatal and self.failure is None:
+                self.failure = (ExitCode.SETUP if finding.code is None else finding.code, finding.message)
+                self.farm.stop(signal.SIGTERM)
+        self.loop.after(self.policy.watch_interval, lambda: self._check(watch))
+
+    def _sample(self, usage: UsageSampler) -> None:
+        assert self.farm is not None
+        if self.farm.stopping is None:
+            if pids := self.farm.pids():
+                usage.sample(with_descendants(pids))
+            self.loop.after(self.policy.usage_interval, lambda: self._sample(usage))
+
+    def _summary(self) -> int:
+        """The tally in one line (the first failure named), and the farm's exit code: 0 when every task succeeded,
+        128+N when stopped by signal N, the farm's own failure's, else the first failed task's."""
+        assert self.farm is not None
+        tally, farm = self.farm.tally, self.farm
+        not_run = farm.not_run() + tally.stopped
+        line = (f"{len(self.tasks)} task(s): {tally.succeeded} succeeded, {tally.failed} failed, {not_run} not "
+                "run")
+        first = tally.first_failure
+        if first is not None:
+            line += f"; the first to fail: task {first.id} ({first.cause}, exit code {first.exit_code})"
+        if not self.config.quiet or first is not None or not_run:
+            say(f"mpsrun: {line}")
+        if self.signalled is not None:
+            return 128 + self.signalled
+        if self.failure is not None:
+            return self.failure[0]
+        return first.exit_code if first is not None else ExitCode.OK
+
+
+def _proven(watch: RankWatch | None, task: int, pid: int) -> bool | None:
+    """Whether task ``task`` (its process ``pid``) was proven an MPS client, seen without MPS, or neither."""
+    if watch is None:
+        return None
+    watch.settle({pid: task})
+    return True if task in watch.verified else False if task in watch.without_mps else None
+
+
+def run_farm(config: JobConfig) -> int:
+    """Run ``config``'s farm to its end; its exit code. ConfigError (exit 2) for a task list that cannot be read,
+    MPSError for a node that cannot run it (InterruptionError for a signal), before any task starts."""
+    tasks, count = farm_tasks(config)
+    make_output_dir(config.output_filename)
+    results = ResultsFile(config.results) if config.results else None
+    claim: SessionClaim | None = None
+    session: Session | None = None
+    code = ExitCode.SETUP
+    try:
+        with Interrupts() as interrupts:
+            try:
+                claim = SessionClaim.make(session_base(None), "job", keep_logs=config.keep_logs)
+                session = Session(gpus=list(config.gpus) if config.gpus is not None else "all", mps=config.mps,
+                                  keep_logs=config.keep_logs, export=False, gpu_bind=config.gpu_bind,
+                                  start_timeout=DAEMON_START_TIMEOUT, claim=claim)
+                code = FarmRun(config, tasks, count).run(session, results)
+            finally:  # from here on a signal is only remembered: the teardown is not cut short
+                interrupts.defer_to_the_end()
+                code = _close(session, claim, code)
+            if interrupts.received and code == ExitCode.OK:
+                code = 128 + interrupts.received[0]
+    finally:
+        if results is not None:
+            results.close()
+    return code
+
+
+def _close(session: Session | None, claim: SessionClaim | None, code: int) -> int:
+    """The session closed (or the claim released, where no session was made); exit 3 for a teardown that failed
+    where the farm had succeeded."""
+    try:
+        if session is not None:
+            session.close()
+        elif claim is not None and (errors := claim.release()):
+            raise MPSError("session teardown failed: " + "; ".join(map(str, errors)))
+    except MPSError as exc:
+        say(f"mpsrun: {exc}")
+        return ExitCode.SETUP if code == ExitCode.OK else code
+    return code

@@ -1,0 +1,63 @@
+"""A farm's task list: the lines of a task file (``--tasks``), or one command run for each index of a range
+(``--array``). Pure functions: nothing runs here.
+
+A task file's line is split as a shell splits words (quotes, backslashes, ``#`` comments) and is never run through
+a shell. Blank and comment lines are no tasks; the tasks are numbered from 0 in the order they come.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+from mpsrun.config.values import MAX_TASKS
+from mpsrun.errors import ConfigError
+
+__all__ = ["Task", "array_tasks", "read_task_lines", "task_lines"]
+
+
+
+class Task(NamedTuple):
+    """One task: its number (``MPSRUN_TASK_ID``) and its command line."""
+
+    id: int
+    argv: tuple[str, ...]
+
+    @property
+    def text(self) -> str:
+        """The command as a shell would read it back."""
+        return shlex.join(self.argv)
+
+
+def task_lines(lines: Iterable[str], source: str = "--tasks") -> list[Task]:
+    """The tasks of a task file's ``lines``; ConfigError naming the line for one a shell could not split."""
+    tasks: list[Task] = []
+    for number, line in enumerate(lines, 1):
+        try:
+            argv = shlex.split(line, comments=True)
+        except ValueError as exc:  # "No closing quotation", "No escaped character"
+            raise ConfigError(f"{source} line {number}: {str(exc).lower()}: {line.rstrip()!r}",
+                              setting="--tasks", value=line) from None
+        if argv:
+            tasks.append(Task(len(tasks), tuple(argv)))
+        if len(tasks) > MAX_TASKS:
+            raise ConfigError(f"{source}: more than {MAX_TASKS} tasks", setting="--tasks")
+    return tasks
+
+
+def read_task_lines(path: str, stdin: Iterable[str] | None = None) -> list[Task]:
+    """The tasks of the task file at ``path`` (``-``: ``stdin``); ConfigError for one that cannot be read."""
+    if path == "-":
+        return task_lines(stdin or (), "--tasks - (standard input)")
+    try:
+        with open(path, encoding="utf-8", errors="surrogateescape") as file:
+            return task_lines(file, f"--tasks {path}")
+    except OSError as exc:
+        raise ConfigError(f"--tasks {path}: {exc.strerror}", setting="--tasks", value=path) from None
+
+
+def array_tasks(command: Sequence[str], indices: range) -> list[Task]:
+    """``command`` once per index, ``{}`` in its words replaced by the index; the task's number is its index."""
+    return [Task(index, tuple(word.replace("{}", str(index)) for word in command)) for index in indices]
+

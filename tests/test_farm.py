@@ -1,0 +1,214 @@
+"""Farms (``mpsrun --tasks``, ``--array``) on the fake GPU: every task runs once, results lines, --resume, retries,
+--max-failures, signals, a fatal GPU fault's culprit found, bad task lists refused; and nothing left behind."""
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import FAKECUDA
+
+from mpsrun.config.commandline import parse_args
+from mpsrun.errors import ConfigError
+from mpsrun.farm.tasks import Task, array_tasks, task_lines
+
+PY = sys.executable
+
+
+def mpsrun(*args, stdin=None, timeout=120):
+    return subprocess.run([PY, "-m", "mpsrun", *args], capture_output=True, text=True, input=stdin, timeout=timeout)
+
+
+def results(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_task_file_is_split_as_a_shell_splits_it_and_numbered_from_0():
+    """Quotes, backslashes and comments as a shell reads them; blank and comment lines are no tasks; the tasks are
+    numbered in order from 0."""
+    lines = ["echo 'a b' c\\ d  # a comment\n", "\n", "# only a comment\n", '  printf "%s\\n" x\n']
+    assert task_lines(lines) == [Task(0, ("echo", "a b", "c d")), Task(1, ("printf", "%s\\n", "x"))]
+
+
+def test_a_task_line_a_shell_could_not_split_is_refused_naming_it():
+    """An unclosed quote is a ConfigError (exit 2) naming the file's line."""
+    with pytest.raises(ConfigError, match=r"tasks\.txt line 2: no closing quotation"):
+        task_lines(["true\n", "echo 'oops\n"], "--tasks tasks.txt")
+
+
+def test_an_array_replaces_braces_by_each_index():
+    """``--array 3-7:2`` runs the command for 3, 5 and 7, ``{}`` replaced in every word; the index is the task's
+    number."""
+    config = parse_args(["--array", "3-7:2", "sim", "--seed", "{}", "--out=run{}.h5"], {})
+    from mpsrun.config.values import parse_index_range
+
+    assert array_tasks(config.command, parse_index_range(config.array)) == [
+        Task(i, ("sim", "--seed", str(i), f"--out=run{i}.h5")) for i in (3, 5, 7)]
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--tasks", "f", "--array", "0-3", "true"], "not both"),
+    (["--tasks", "f", "true"], "no command after the options"),
+    (["--array", "0-3"], "give it after the options"),
+    (["--array", "5-3", "true"], "no index"),
+    (["--array", "1-3:0", "true"], "no index"),
+    (["--array", "x", "true"], "A-B or A-B:STEP"),
+    (["--results", "r.jsonl", "true"], "an option of a farm"),
+    (["--tasks", "f", "--resume"], "give --results"),
+    (["--tasks", "f", "--per-node"], "not with --per-node"),
+    (["--tasks", "f", "--launcher", "mpiexec"], "not with --launcher mpiexec"),
+    (["--tasks", "f", "--retries", "-1"], "--retries"),
+])
+def test_farm_options_that_cannot_go_together_are_refused(tmp_path, monkeypatch, args, said):
+    """Each wrong combination of a farm's options is a usage error naming what is wrong."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=said):
+        parse_args(args, {})
+
+
+def test_every_task_runs_once_on_its_slot_and_its_result_is_a_line(fake_gpu, tmp_path):
+    """12 tasks on 3 slots: each runs exactly once, as an MPS client of the job's daemon, with MPSRUN_TASK_ID and
+    MPSRUN_TASK_COUNT; the results file has one line per task with its slot, GPU, exit code, times and proof."""
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    out = tmp_path / "results.jsonl"
+    run = mpsrun("-np", "3", "--results", str(out), "--array", "0-11", PY, str(FAKECUDA), "--hold", "0.2",
+                 "--report", str(reports / "{}.json"))
+    assert run.returncode == 0, run.stderr
+    assert "12 task(s): 12 succeeded, 0 failed, 0 not run" in run.stderr
+    seen = {int(p.stem): json.loads(p.read_text()) for p in reports.glob("*.json")}
+    assert sorted(seen) == list(range(12))
+    assert all(report["mps"] and report["env"]["MPSRUN_TASK_ID"] == str(task) and
+               report["env"]["MPSRUN_TASK_COUNT"] == "12" for task, report in seen.items())
+    lines = results(out)
+    assert sorted(line["id"] for line in lines) == list(range(12))
+    assert {line["slot"] for line in lines} <= {0, 1, 2} and len({line["slot"] for line in lines}) > 1
+    assert all(line["exit_code"] == 0 and line["cause"] == "ok" and line["tries"] == 1 and line["gpu"] == 0
+               and line["wall"] >= 0.2 and line["mps"] is True for line in lines), lines
+    assert not fake_gpu.session_dirs()
+
+
+def test_a_task_file_from_standard_input_runs_each_line(fake_gpu, tmp_path):
+    """``--tasks -`` reads the task list from standard input; each line's words reach the program as a shell would
+    pass them, without a shell (no expansion of $HOME)."""
+    lines = "".join(f"{shlex.quote(PY)} -c 'import sys; print(sys.argv[1:])' {i} '$HOME x'\n" for i in range(4))
+    run = mpsrun("-np", "2", "--tasks", "-", stdin=lines)
+    assert run.returncode == 0, run.stderr
+    assert sorted(run.stdout.splitlines()) == [f"['{i}', '$HOME x']" for i in range(4)]
+
+
+def test_a_failed_task_is_recorded_and_the_others_go_on(fake_gpu, tmp_path):
+    """Tasks 1 and 3 fail: the others still run, the farm exits with the first failure's code (task 1's 5), and the
+    summary counts and names it."""
+    out = tmp_path / "r.jsonl"
+    script = "import os, sys; t = int(os.environ['MPSRUN_TASK_ID']); sys.exit({1: 5, 3: 6}.get(t, 0))"
+    run = mpsrun("-np", "1", "--results", str(out), "--array", "0-4", PY, "-c", script)
+    assert run.returncode == 5, run.stderr
+    assert "5 task(s): 3 succeeded, 2 failed, 0 not run; the first to fail: task 1 (failed, exit code 5)" in run.stderr
+    assert {line["id"]: line["exit_code"] for line in results(out)} == {0: 0, 1: 5, 2: 0, 3: 6, 4: 0}
+
+
+def test_retries_run_a_failed_task_again_and_count_its_tries(fake_gpu, tmp_path):
+    """--retries 2: a task that fails twice then succeeds is recorded once, succeeded, with 3 tries; one that always
+    fails is recorded failed after 3 tries."""
+    out = tmp_path / "r.jsonl"
+    script = ("import os, sys, pathlib; t = os.environ['MPSRUN_TASK_ID']; p = pathlib.Path(sys.argv[1], t); "
+              "n = int(p.read_text()) if p.exists() else 0; p.write_text(str(n + 1)); "
+              "sys.exit(0 if t == '0' and n == 2 else 1)")
+    run = mpsrun("--results", str(out), "--retries", "2", "--array", "0-1", PY, "-c", script, str(tmp_path))
+    assert run.returncode == 1, run.stderr
+    lines = {line["id"]: line for line in results(out)}
+    assert (lines[0]["cause"], lines[0]["tries"]) == ("ok", 3)
+    assert (lines[1]["cause"], lines[1]["tries"], lines[1]["exit_code"]) == ("failed", 3, 1)
+
+
+def test_max_failures_stops_taking_tasks(fake_gpu, tmp_path):
+    """--max-failures 2 on one slot of failing tasks: two run and fail, the other eight are not run."""
+    run = mpsrun("--max-failures", "2", "--array", "0-9", PY, "-c", "raise SystemExit(4)")
+    assert run.returncode == 4, run.stderr
+    assert "10 task(s): 0 succeeded, 2 failed, 8 not run" in run.stderr
+
+
+def test_a_sigint_stops_the_farm_and_resume_runs_exactly_the_rest(fake_gpu, tmp_path):
+    """SIGINT in the middle of a farm: the running tasks are stopped and recorded as stopped, the farm exits 130,
+    and --resume then runs exactly the tasks not recorded as succeeded: together every task succeeded once."""
+    out, marks = tmp_path / "r.jsonl", tmp_path / "marks"
+    marks.mkdir()
+    script = ("import os, sys, time, pathlib; t = os.environ['MPSRUN_TASK_ID']; "
+              "pathlib.Path(sys.argv[1], t + '.' + str(os.getpid())).touch(); time.sleep(0.3)")
+    args = ["-np", "2", "--results", str(out), "--array", "0-19", PY, "-c", script, str(marks)]
+    farm = subprocess.Popen([PY, "-m", "mpsrun", *args], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(list(marks.iterdir())) < 6 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    farm.send_signal(signal.SIGINT)
+    _, err = farm.communicate(timeout=60)
+    assert farm.returncode == 130, err
+    first = results(out)
+    done = {line["id"] for line in first if line["cause"] == "ok"}
+    assert 0 < len(done) < 20 and any(line["cause"] == "stopped" for line in first), first
+    again = mpsrun("--resume", *args)
+    assert again.returncode == 0, again.stderr
+    rerun = {line["id"] for line in results(out)[len(first):]}
+    assert rerun == set(range(20)) - done
+    assert f"{20 - len(done)} task(s)" in again.stderr
+    assert not fake_gpu.session_dirs()
+
+
+def test_a_fatal_fault_requeues_its_victims_and_names_its_culprit(fake_gpu, tmp_path):
+    """Task 3 faults while tasks 0-2 run beside it on one GPU: the server tears all four down. The victims are run
+    again alone and succeed, uncounted as failures; task 3 faults alone and is recorded as the fault's; the farm exits
+    with its code."""
+    reports, out = tmp_path / "reports", tmp_path / "r.jsonl"
+    reports.mkdir()
+    task = f"env RANK={{}} WORLD_SIZE=4 {PY} {FAKECUDA} --report-dir {reports} --fault-rank 3 --hold 1"
+    run = mpsrun("-np", "4", "--results", str(out), "--array", "0-3", *shlex.split(task), timeout=120)
+    lines = {line["id"]: line for line in results(out)}
+    assert sorted(lines) == [0, 1, 2, 3], run.stderr
+    assert all(lines[i]["cause"] == "ok" and lines[i]["tries"] == 1 for i in (0, 1, 2)), lines
+    assert lines[3]["cause"] == "fault" and lines[3]["exit_code"] != 0
+    assert run.returncode == lines[3]["exit_code"], run.stderr
+    assert "task 3 caused a fatal GPU fault (it ran alone on its MPS server)" in run.stderr
+    assert "3 succeeded, 1 failed, 0 not run" in run.stderr
+
+
+def test_output_filename_gives_each_task_its_own_files(fake_gpu, tmp_path):
+    """--output-filename DIR: task N's stdout and stderr are DIR/task.N/stdout and stderr."""
+    run = mpsrun("-np", "2", "--output-filename", str(tmp_path / "out"), "--array", "0-2", PY, "-c",
+                 "import os, sys; print('out', os.environ['MPSRUN_TASK_ID']); print('err', file=sys.stderr)")
+    assert run.returncode == 0, run.stderr
+    for task in range(3):
+        assert (tmp_path / "out" / f"task.{task}" / "stdout").read_text() == f"out {task}\n"
+        assert (tmp_path / "out" / f"task.{task}" / "stderr").read_text() == "err\n"
+
+
+def test_a_bad_task_file_is_one_line_and_exit_2(fake_gpu, tmp_path):
+    """A task line a shell could not split: one line naming the file's line, exit 2, nothing started or left."""
+    tasks = tmp_path / "tasks.txt"
+    tasks.write_text("true\necho 'unclosed\n")
+    run = mpsrun("--tasks", str(tasks))
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert f"{tasks} line 2: no closing quotation" in run.stderr
+    assert not fake_gpu.session_dirs()
+
+
+def test_a_task_that_cannot_be_found_is_recorded_127(fake_gpu, tmp_path):
+    """A task's program that does not exist fails that task with 127 (cause not-found); the others run."""
+    tasks = tmp_path / "tasks.txt"
+    tasks.write_text("true\nno-such-program-here x\ntrue\n")
+    out = tmp_path / "r.jsonl"
+    run = mpsrun("--tasks", str(tasks), "--results", str(out))
+    assert run.returncode == 127, run.stderr
+    assert "task 1: no-such-program-here: command not found" in run.stderr
+    assert [(line["id"], line["cause"]) for line in results(out)] == [(0, "ok"), (1, "not-found"), (2, "ok")]
+
+
+def test_a_farm_with_no_tasks_runs_nothing_and_succeeds(fake_gpu, tmp_path):
+    """An empty task list (only comments) runs nothing and exits 0."""
+    run = mpsrun("--tasks", "-", stdin="# nothing yet\n")
+    assert run.returncode == 0, run.stderr
+    assert not fake_gpu.session_dirs() and os.listdir(fake_gpu.tmpdir) in ([], [f"mpsrun-{os.getuid()}"])
