@@ -1,8 +1,9 @@
 """A small Monte-Carlo simulation, one piece per rank, combined with an MPI reduction.
 
-Run it through mpsrun (the README's main job):
+Run it through mpsrun (the README's main job), or as the tasks of a farm, one seed each (docs/ensembles.md):
 
     mpsrun -np 4 python examples/sim.py
+    mpsrun -np 4 --array 0-7 python examples/sim.py --seed {}
 
 Each rank estimates pi from random points in batches of small GPU kernels (CuPy), the
 kind of work that leaves most of a GPU idle and so gains from MPS. Ranks are combined
@@ -57,6 +58,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=200, help="kernel batches per rank")
     parser.add_argument("--batch", type=int, default=1 << 16, help="points per batch")
+    parser.add_argument("--seed", type=int, default=None, help="the random seed (default: the rank's); one run")
     args = parser.parse_args()
 
     comm = communicator()
@@ -67,7 +69,7 @@ def main() -> int:
     if comm is not None:
         comm.Barrier()
     start = time.perf_counter()
-    inside, drawn = estimate(xp, args.batches, args.batch, seed=1234 + rank)
+    inside, drawn = estimate(xp, args.batches, args.batch, seed=1234 + (rank if args.seed is None else args.seed))
     seconds = time.perf_counter() - start
     if comm is not None:
         inside = comm.allreduce(inside)
@@ -75,6 +77,8 @@ def main() -> int:
         seconds = comm.allreduce(seconds, op=__import__("mpi4py").MPI.MAX)
         if rank == 0:
             print(f"pi ~ {4 * inside / drawn:.6f} from {drawn} points on {size} ranks ({device}, {seconds:.2f} s)")
+    elif args.seed is not None:
+        print(f"seed {args.seed}: pi ~ {4 * inside / drawn:.6f} from {drawn} points ({device}, {seconds:.2f} s)")
     else:
         print(f"rank {rank}/{size}: pi ~ {4 * inside / drawn:.6f} from {drawn} points ({device}, {seconds:.2f} s)")
     return 0

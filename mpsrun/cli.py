@@ -174,14 +174,14 @@ def _main(args: list[str]) -> int:
     if not config.per_node:  # under --per-node every rank reads the command line: not said by each
         _warn_unset_exports(config)
     try:
+        if config.farm:
+            from mpsrun.farm.run import run_farm, show
+
+            return show(config) if config.dry_run else run_farm(config)
         if config.dry_run:
             from mpsrun.job.dryrun import show
 
             return show(config)
-        if config.farm:
-            from mpsrun.farm.run import run_farm
-
-            return run_farm(config)
         if config.per_node:
             from mpsrun.agent.pernode import run_per_node
 

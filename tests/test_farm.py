@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 from helpers import FAKECUDA
 
@@ -159,6 +160,29 @@ def test_a_sigint_stops_the_farm_and_resume_runs_exactly_the_rest(fake_gpu, tmp_
     assert not fake_gpu.session_dirs()
 
 
+def test_a_farm_killed_outright_leaves_no_task_running(fake_gpu, tmp_path):
+    """mpsrun SIGKILLed while its slots run tasks: the session's reaper ends the running tasks (recorded in the
+    session's record as they start) and removes the session, as it does a job's ranks."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    script = "import os, sys, time, pathlib; pathlib.Path(sys.argv[1], str(os.getpid())).touch(); time.sleep(120)"
+    farm = subprocess.Popen([PY, "-m", "mpsrun", "-np", "2", "--array", "0-3", PY, "-c", script, str(marks)],
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while len(list(marks.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # the running tasks recorded (the turn of the loop after their start)
+    farm.kill()
+    farm.wait()
+    tasks = [psutil.Process(int(mark.name)) for mark in marks.iterdir()]
+    gone, alive = psutil.wait_procs(tasks, timeout=30)
+    assert not alive and len(gone) == 2
+    deadline = time.monotonic() + 30
+    while fake_gpu.session_dirs() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not fake_gpu.session_dirs()
+
+
 def test_a_fatal_fault_requeues_its_victims_and_names_its_culprit(fake_gpu, tmp_path):
     """Task 3 faults while tasks 0-2 run beside it on one GPU: the server tears all four down. The victims are run
     again alone and succeed, uncounted as failures; task 3 faults alone and is recorded as the fault's; the farm exits
@@ -174,6 +198,26 @@ def test_a_fatal_fault_requeues_its_victims_and_names_its_culprit(fake_gpu, tmp_
     assert run.returncode == lines[3]["exit_code"], run.stderr
     assert "task 3 caused a fatal GPU fault (it ran alone on its MPS server)" in run.stderr
     assert "3 succeeded, 1 failed, 0 not run" in run.stderr
+
+
+def test_a_suspect_that_fails_alone_without_a_fault_is_a_plain_failure(fake_gpu, tmp_path):
+    """Task 1 is torn down by task 3's fault, then fails alone without one (exit 7): it is recorded as failed, not as
+    the fault's; task 3 faults alone and is the fault's; the farm exits with the first failure's code."""
+    reports, out, tasks = tmp_path / "reports", tmp_path / "r.jsonl", tmp_path / "tasks.txt"
+    reports.mkdir()
+    fake = f"{PY} {FAKECUDA} --report-dir {reports} --fault-rank 3 --hold 1"
+    again = tmp_path / "again"
+    lines = [f"env RANK={i} WORLD_SIZE=4 {fake}" for i in range(4)]
+    lines[1] = f"sh -c {shlex.quote(f'[ -e {again} ] && exit 7; touch {again}; exec env RANK=1 WORLD_SIZE=4 {fake}')}"
+    tasks.write_text("\n".join(lines) + "\n")
+    run = mpsrun("-np", "4", "--results", str(out), "--tasks", str(tasks), timeout=120)
+    order = results(out)
+    lines_by_id = {line["id"]: line for line in order}
+    assert (lines_by_id[1]["cause"], lines_by_id[1]["exit_code"]) == ("failed", 7), order
+    assert lines_by_id[3]["cause"] == "fault" and lines_by_id[0]["cause"] == lines_by_id[2]["cause"] == "ok"
+    first = next(line for line in order if line["cause"] != "ok")
+    assert run.returncode == first["exit_code"], run.stderr
+    assert "2 succeeded, 2 failed, 0 not run" in run.stderr
 
 
 def test_output_filename_gives_each_task_its_own_files(fake_gpu, tmp_path):
@@ -212,3 +256,14 @@ def test_a_farm_with_no_tasks_runs_nothing_and_succeeds(fake_gpu, tmp_path):
     run = mpsrun("--tasks", "-", stdin="# nothing yet\n")
     assert run.returncode == 0, run.stderr
     assert not fake_gpu.session_dirs() and os.listdir(fake_gpu.tmpdir) in ([], [f"mpsrun-{os.getuid()}"])
+
+
+def test_a_farm_dry_run_shows_its_slots_and_first_tasks_and_starts_nothing(fake_gpu, tmp_path):
+    """--dry-run of a farm: each slot's GPU and limits, the variables its tasks get (no RANK: a task is no rank), the
+    first ten tasks and how many more; nothing is started."""
+    run = mpsrun("--dry-run", "-np", "2", "--thread-percentage", "auto", "--array", "0-11", "echo", "{}")
+    assert run.returncode == 0, run.stderr
+    assert "a farm of 2 slot(s)" in run.stdout and "slot 1: GPU 0, 50% of SMs" in run.stdout
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50" in run.stdout and "RANK=" not in run.stdout
+    assert "task 9: echo 9\n... and 2 more\n" in run.stdout and "task 10" not in run.stdout
+    assert not fake_gpu.session_dirs()

@@ -125,6 +125,8 @@ LARGER = {
                         "and its report"),
     "runtime/protocol.py": (450, "every message declared with its fields, and the link that carries them (descriptors "
                                  "too, and what came with an awaited message)"),
+    "config/values.py": (450, "every option's value, read and checked once, where it is parsed (a farm's ranges and "
+                              "files too)"),
     "session/session.py": (420, "the public Session: its arguments and docstrings are the Python API's documentation"),
 }
 

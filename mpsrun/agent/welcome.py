@@ -12,10 +12,9 @@ import socket
 from collections.abc import Callable, Mapping, Sequence
 
 from mpsrun.config.options import JobConfig
-from mpsrun.config.values import AUTO, Queues
 from mpsrun.mps.environment import MANAGED_VARIABLES, GpuTarget
-from mpsrun.mps.limits import GPU_CONNECTIONS, client_connections
-from mpsrun.mps.placement import NodePlan, RankPlan, rank_environment
+from mpsrun.mps.limits import GPU_CONNECTIONS
+from mpsrun.mps.placement import NodePlan, RankPlan, rank_environment, rank_queues
 from mpsrun.rank.frameworks import TORCHRUN_DEFAULTS, rank_defaults, shared_gpu_defaults
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import (
@@ -94,7 +93,7 @@ def welcome(identity: RankIdentity, node: NodePlan, target_of: Callable[[int], G
     defaults += shared_gpu_defaults(env, plan.sharers, target.multiprocessors if target else None)
     defaults += rank_defaults(env, identity.rank)
     clients = plan.clients if "CUDA_MPS_PIPE_DIRECTORY" in env else None  # an MPS client's server's, when known
-    queues = _rank_queues(config.queues, clients, "CUDA_MPS_PIPE_DIRECTORY" in env)
+    queues = rank_queues(config.queues, clients, "CUDA_MPS_PIPE_DIRECTORY" in env)
     if queues is not None:  # asked for on the command line: it wins over the caller's variable
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(queues)
     gpu_clients = clients if config.gpu_bind == "single" or ngpus == 1 else None
@@ -103,17 +102,6 @@ def welcome(identity: RankIdentity, node: NodePlan, target_of: Callable[[int], G
                    output_dir=config.output_filename, gpu_clients=gpu_clients,
                    gpu_queues=None if gpu_clients is None else GPU_CONNECTIONS, lines=list(lines))
     return sent, plan if ngpus else None
-
-
-def _rank_queues(queues: Queues, clients: int | None, mps_client: bool) -> int | None:
-    """An MPS rank's hardware work queues: ``--queues`` N, or under ``auto`` as many as a plain process has while
-    its GPU's budget lasts among its server's ``clients`` (None where they are not known: MPS's default). None for
-    a rank that is no MPS client."""
-    if not mps_client:
-        return None
-    if queues == AUTO:
-        return None if clients is None else client_connections(clients)
-    return None if queues is None else int(queues)
 
 
 def _device_number(identity: RankIdentity, config: JobConfig, ngpus: int) -> int | None:

@@ -23,7 +23,7 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from mpsrun.exitcodes import ExitCode, describe_returncode
+from mpsrun.exitcodes import Cause, ExitCode, Outcome, describe_returncode, exit_code
 from mpsrun.farm.results import ResultsFile, TaskCause, TaskResult
 from mpsrun.farm.tasks import Task
 from mpsrun.mps.daemon import ControlDaemon
@@ -31,7 +31,7 @@ from mpsrun.mps.replies import torn_down_clients
 from mpsrun.rank.streams import RankOutput
 from mpsrun.runtime.files import read_log
 from mpsrun.runtime.loop import EventLoop
-from mpsrun.runtime.processes import close_all, find_program, kill_group, pidfd, set_parent_death_signal
+from mpsrun.runtime.processes import ProcessRef, close_all, find_program, kill_group, pidfd
 
 __all__ = ["Farm", "FarmRules", "Slot", "Tally"]
 
@@ -97,22 +97,25 @@ class Farm:
     ``base``: the environment tasks start from; ``record``: where each finished task's result goes (and
     ``results``, the file, if any); ``proven``: whether a task (by number and pid) was an MPS client; ``peak``: its
     device memory peak; ``whose``: the task a process of the node's GPUs belongs to, where known; ``say``: a line for
-    the user."""
+    the user; ``running``: the running tasks, for the session's record (its reaper ends them should we die)."""
 
     def __init__(self, loop: EventLoop, slots: Sequence[Slot], tasks: Sequence[Task], count: int,
                  base: Mapping[str, str], rules: FarmRules, results: ResultsFile | None,
                  proven: Callable[[int, int], bool | None], peak: Callable[[int], int | None],
-                 whose: Callable[[int], int | None], say: Callable[[str], None]) -> None:
+                 whose: Callable[[int], int | None], say: Callable[[str], None],
+                 running: Callable[[list[ProcessRef]], None]) -> None:
         self.loop, self.slots, self.rules, self.results = loop, list(slots), rules, results
         self.queue = collections.deque(tasks)
         self.count, self.base = count, dict(base)
-        self.proven, self.peak, self.whose, self.say = proven, peak, whose, say
+        self.proven, self.peak, self.whose, self.say, self.running = proven, peak, whose, say, running
+        self._unrecorded = False  # tasks started this turn of the loop, not yet in the session's record
         self.tally = Tally()
         self.host = socket.gethostname()
         self.stopping: int | None = None
         self.tries: dict[int, int] = {}
         self.suspects: dict[int, collections.deque[Task]] = {}  # by daemon (id): tasks a fault tore down
-        self.faults: dict[int, set[int]] = {}  # by daemon (id): the tasks its server's last fault tore down
+        # By daemon (id): how many tasks its server's last fault tore down, and those whose end is yet to be heard.
+        self.faults: dict[int, tuple[int, set[int]]] = {}
         self.culprits: set[int] = set()  # tasks that faulted alone: recorded as the fault's, never run again
         self._log_read: dict[int, int] = {}  # by daemon (id): how far its log was read for faults
 
@@ -173,9 +176,10 @@ class Farm:
         files: list[int] = []
         try:
             files = self._output_files(task) if output is None else output.open()
+            # No preexec_fn (a Python function between fork and exec makes each start several times slower): a task
+            # that outlives a killed farm is ended by the session's reaper, which the running tasks are recorded for.
             process = subprocess.Popen(task.argv, executable=program, env=env, start_new_session=True,
-                                       stdout=files[0], stderr=files[1],
-                                       preexec_fn=functools.partial(_become_task, os.getpid()))
+                                       stdout=files[0], stderr=files[1])
         except OSError as exc:
             if output is not None:
                 output.close()
@@ -193,6 +197,14 @@ class Farm:
         exit_fd = pidfd(process.pid)
         assert exit_fd is not None, "Linux 5.3 or later: pidfd_open"
         self.loop.watch(exit_fd, functools.partial(self._exited, slot, exit_fd))
+        if not self._unrecorded:  # one record of the running tasks for the tasks that start in one turn
+            self._unrecorded = True
+            self.loop.after(0, self._record_running)
+
+    def _record_running(self) -> None:
+        self._unrecorded = False
+        found = [ProcessRef.of(s.running.process.pid) for s in self.slots if s.running is not None]
+        self.running([ref for ref in found if ref is not None])
 
     def _output_files(self, task: Task) -> list[int]:
         """``--output-filename DIR``: the task's stdout and stderr files in ``DIR/task.ID/``."""
@@ -221,17 +233,16 @@ class Farm:
         if running.output is not None:
             running.output.drain()
         slot.running = None
-        code = _code(returncode)
-        if code != 0 and self.stopping is None and slot.daemon is not None and self._suspect(slot, running):
+        if returncode != 0 and self.stopping is None and slot.daemon is not None and self._suspect(slot, running):
             self.loop.after(0, self._free)
             return
-        if code != 0 and self.stopping is None and running.tries <= self.rules.retries and \
+        if returncode != 0 and self.stopping is None and running.tries <= self.rules.retries and \
                 running.task.id not in self.culprits:
             self.queue.appendleft(running.task)  # again, before the tasks not yet run
         else:
             cause = TaskCause.FAULT if running.task.id in self.culprits else \
-                TaskCause.STOPPED if code != 0 and self.stopping is not None else None
-            self._record(slot, running.task, running.tries, code, pid, running.start, wall, cpu, cause)
+                TaskCause.STOPPED if returncode != 0 and self.stopping is not None else None
+            self._record(slot, running.task, running.tries, returncode, pid, running.start, wall, cpu, cause)
         self.loop.after(0, self._free)
 
     # -- faults ---------------------------------------------------------------------------------------------------
@@ -248,22 +259,22 @@ class Farm:
         return set(torn_down_clients(whole.decode(errors="replace")))
 
     def _suspect(self, slot: Slot, running: Running) -> bool:
-        """Whether the task that failed was torn down by a fatal fault of its server; if so it is the fault's (it ran
-        alone, or the fault tore down no other task), or a suspect to run again alone, its try not counted."""
+        """Whether the task that failed was torn down by a fatal fault of its server and is a suspect, to run again
+        alone, its try not counted. It is the fault's own (a culprit) where it ran alone, or the fault tore down no
+        other task; a task the fault did not tear down failed on its own."""
         assert slot.daemon is not None
         key, task = id(slot.daemon), running.task
-        torn = self._torn_down(slot.daemon)
-        if torn:  # a new fault: the tasks it tore down, this one and those still running
-            ours = {task.id} | {s.running.task.id for s in self.slots if s.running is not None
-                                and s.daemon is slot.daemon}
+        if torn := self._torn_down(slot.daemon):  # a new fault: the tasks it tore down, this one and running ones
             main = {running.process.pid: task.id} | {s.running.process.pid: s.running.task.id for s in self.slots
-                                                      if s.running is not None}
-            owners = {main.get(pid, self.whose(pid)) for pid in torn}  # a task's client may be its child
-            self.faults[key] = ours & owners
-        victims = self.faults.get(key, set())
-        if task.id not in victims:
+                                                      if s.running is not None and s.daemon is slot.daemon}
+            owners = {main[pid] if pid in main else self.whose(pid) for pid in torn}  # a client may be a task's child
+            victims = {owner for owner in owners if owner is not None and owner in main.values()}
+            self.faults[key] = (len(victims), victims)
+        size, unheard = self.faults.get(key, (0, set()))
+        if task.id not in unheard:
             return False
-        if running.alone or victims == {task.id}:
+        unheard.discard(task.id)
+        if running.alone or size == 1:
             self.culprits.add(task.id)
             how = "it ran alone on its MPS server" if running.alone else "the only task it tore down"
             self._say(f"task {task.id} caused a fatal GPU fault ({how})")
@@ -274,19 +285,19 @@ class Farm:
 
     # -- results --------------------------------------------------------------------------------------------------
 
-    def _record(self, slot: Slot, task: Task, tries: int, code: int, pid: int | None, start: float,
+    def _record(self, slot: Slot, task: Task, tries: int, returncode: int, pid: int | None, start: float,
                 wall: float | None, cpu: float | None, cause: TaskCause | None = None) -> None:
-        if cause is None:
-            cause = _cause(code)
+        """A finished task's result (``returncode`` as Popen gives it: -N for signal N), counted and written."""
         result = TaskResult(id=task.id, command=list(task.argv), host=self.host, slot=slot.index, gpu=slot.gpu,
-                            exit_code=code, cause=str(cause), start=round(start, 3), wall=wall, cpu=cpu,
+                            exit_code=_code(returncode), cause=str(cause or _cause(returncode)),
+                            start=round(start, 3), wall=wall, cpu=cpu,
                             memory_peak=self.peak(task.id), tries=tries,
                             mps=self.proven(task.id, pid) if pid is not None else None)
         self.tally.add(result)
         if self.results is not None:
             self.results.write(result)
         if not result.succeeded and cause != TaskCause.STOPPED:
-            self._say(f"task {task.id} {_describe(code)}" + (f" (try {tries})" if tries > 1 else ""))
+            self._say(f"task {task.id} {describe_returncode(returncode)}" + (f" (try {tries})" if tries > 1 else ""))
 
     def not_run(self) -> int:
         """Tasks never finished: left in the list, or suspects never run again."""
@@ -314,26 +325,16 @@ class Farm:
         self.say(f"mpsrun: {text}")
 
 
-def _become_task(parent: int) -> None:
-    """In the task's process, before its exec: our wake-up descriptor is not its to write to (a signal now would look
-    like ours), and the task dies with us."""
-    signal.set_wakeup_fd(-1)
-    set_parent_death_signal(signal.SIGKILL, parent)
-
-
 def _code(returncode: int) -> int:
-    return 128 - returncode if returncode < 0 else returncode
+    """A task's exit code, as a shell gives it (killed by signal N: 128+N)."""
+    return exit_code(Outcome(Cause.RANK_FAILED, returncode)) if returncode else ExitCode.OK
 
 
-def _cause(code: int) -> TaskCause:
-    if code == ExitCode.OK:
+def _cause(returncode: int) -> TaskCause:
+    if returncode == ExitCode.OK:
         return TaskCause.OK
-    if code == ExitCode.NOT_FOUND:
+    if returncode == ExitCode.NOT_FOUND:
         return TaskCause.NOT_FOUND
-    if code == ExitCode.NOT_EXECUTABLE:
+    if returncode == ExitCode.NOT_EXECUTABLE:
         return TaskCause.NOT_EXECUTABLE
-    return TaskCause.SIGNAL if code > 128 else TaskCause.FAILED
-
-
-def _describe(code: int) -> str:
-    return describe_returncode(128 - code if code > 128 else code)
+    return TaskCause.SIGNAL if returncode < 0 else TaskCause.FAILED

@@ -16,26 +16,29 @@ from mpsrun.agent.outcome import Policy
 from mpsrun.config import values
 from mpsrun.config.options import JobConfig
 from mpsrun.errors import MPSError
-from mpsrun.exitcodes import ExitCode
+from mpsrun.exitcodes import Cause, ExitCode, Outcome, exit_code
 from mpsrun.farm.farm import Farm, FarmRules, Slot
 from mpsrun.farm.results import ResultsFile, succeeded_tasks
 from mpsrun.farm.tasks import Task, array_tasks, read_task_lines
 from mpsrun.job.run import make_output_dir
 from mpsrun.mps import gpus
 from mpsrun.mps.environment import MANAGED_VARIABLES
-from mpsrun.mps.placement import NodePlan, RankPlan, rank_environment, without_mps
+from mpsrun.mps.placement import NodePlan, slot_environment, without_mps
 from mpsrun.mps.usage import UsageSampler
 from mpsrun.mps.watch import RankWatch, with_descendants
-from mpsrun.runtime.constants import DAEMON_START_TIMEOUT, FORWARDED_SIGNALS, PASS_SIGNALS, SESSION_DIR_VARIABLE
+from mpsrun.runtime.constants import DAEMON_START_TIMEOUT, FORWARDED_SIGNALS, PASS_SIGNALS
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.interrupts import Interrupts
 from mpsrun.runtime.loop import EventLoop
-from mpsrun.runtime.output import say
+from mpsrun.runtime.output import escaped, say
 from mpsrun.session.claim import SessionClaim
 from mpsrun.session.paths import session_base
 from mpsrun.session.session import Session
 
-__all__ = ["farm_tasks", "run_farm"]
+__all__ = ["farm_tasks", "run_farm", "show"]
+
+#: How many of its tasks a farm's --dry-run shows.
+TASKS_SHOWN = 10
 
 log = logging.getLogger("mpsrun")
 
@@ -50,20 +53,6 @@ def farm_tasks(config: JobConfig) -> tuple[list[Task], int]:
         tasks = array_tasks(config.command, values.parse_index_range(config.array))
     done = succeeded_tasks(config.results) if config.resume and config.results else {}
     return [task for task in tasks if done.get(task.id) != task.argv], len(tasks)
-
-
-def _slot_env(session: Session, plan: RankPlan, config: JobConfig) -> dict[str, str]:
-    """What a slot's tasks get of mpsrun's: their GPU and its MPS variables with the slot's limits, the queues asked
-    for, and the session's directory."""
-    if not session.gpus:
-        return {}
-    env = rank_environment(session.target(plan.gpu), plan)
-    env["MPSRUN_GPU"] = str(plan.gpu)
-    if session.enabled and session.dirs is not None:
-        env[SESSION_DIR_VARIABLE] = str(session.dirs.root)
-    if isinstance(config.queues, int) and "CUDA_MPS_PIPE_DIRECTORY" in env:
-        env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(config.queues)
-    return env
 
 
 def _base_env(config: JobConfig) -> dict[str, str]:
@@ -87,9 +76,14 @@ class FarmRun:
         self.failure: tuple[int, str] | None = None  # the farm's own (a fatal finding, --timeout)
         self.signalled: int | None = None
         self.farm: Farm | None = None
+        self.session: Session | None = None  # once made (it then owns the claim)
 
-    def run(self, session: Session, results: ResultsFile | None) -> int:
-        config = self.config
+    def run(self, config: JobConfig, claim: SessionClaim, results: ResultsFile | None) -> int:
+        """Open the node's session on ``claim``, run the farm to its end, say its tally; the farm's exit code."""
+        self.session = session = Session(
+            gpus=list(config.gpus) if config.gpus is not None else "all", mps=config.mps, keep_logs=config.keep_logs,
+            export=False, gpu_bind=config.gpu_bind, start_timeout=max(0.1, self.deadline.cap(DAEMON_START_TIMEOUT)),
+            claim=claim)
         session.resolve()
         slots = config.ranks
         plan = NodePlan.make(config, len(session.gpus), slots, session.free_memory(), slots)
@@ -103,21 +97,23 @@ class FarmRun:
         daemons = session.daemons
         farm_slots = [Slot(index, plan.gpu if session.gpus else None,
                            (daemons[plan.gpu] if len(daemons) > plan.gpu else daemons[0]) if daemons else None,
-                           _slot_env(session, plan, config)) for index, plan in enumerate(plans)]
+                           slot_environment(session.target(plan.gpu) if session.gpus else None, plan, config.queues))
+                      for index, plan in enumerate(plans)]
         self.farm = farm = Farm(
             self.loop, farm_slots, self.tasks, self.count, _base_env(config),
             FarmRules(config.retries, config.max_failures, config.grace, config.tag_output, config.output_filename),
             results, proven=lambda task, pid: _proven(watch, task, pid),
             peak=lambda task: usage.peaks.get(task) if usage is not None else None,
-            whose=lambda pid: watch.owner(pid) if watch is not None else None, say=say)
+            whose=lambda pid: watch.owner(pid) if watch is not None else None, say=say,
+            running=lambda tasks: session.add_ranks(tasks, replacing=True))
         with self.loop.signals(FORWARDED_SIGNALS, self._signalled), gpus.nvml_kept():
             self.loop.after(0, farm.start)
             if watch is not None:
                 self.loop.after(self.policy.watch_interval, lambda: self._check(watch))
             if usage is not None:
                 self.loop.after(self.policy.usage_interval, lambda: self._sample(usage))
-            if self.policy.timeout is not None:
-                self.loop.after(self.policy.timeout, self._timed_out)
+            if self.config.timeout is not None:
+                self.loop.after(self.deadline.remaining(), self._timed_out)
             self.loop.run_until(lambda: farm.done)
         self.loop.close()
         return self._summary()
@@ -162,15 +158,16 @@ class FarmRun:
         assert self.farm is not None
         tally, farm = self.farm.tally, self.farm
         not_run = farm.not_run() + tally.stopped
-        line = (f"{len(self.tasks)} task(s): {tally.succeeded} succeeded, {tally.failed} failed, {not_run} not "
-                "run")
+        resumed = f" ({self.count - len(self.tasks)} succeeded before)" if self.count != len(self.tasks) else ""
+        line = (f"{len(self.tasks)} task(s){resumed}: {tally.succeeded} succeeded, {tally.failed} failed, {not_run} "
+                "not run")
         first = tally.first_failure
         if first is not None:
             line += f"; the first to fail: task {first.id} ({first.cause}, exit code {first.exit_code})"
         if not self.config.quiet or first is not None or not_run:
             say(f"mpsrun: {line}")
         if self.signalled is not None:
-            return 128 + self.signalled
+            return exit_code(Outcome(Cause.SIGNAL, self.signalled))
         if self.failure is not None:
             return self.failure[0]
         return first.exit_code if first is not None else ExitCode.OK
@@ -191,21 +188,18 @@ def run_farm(config: JobConfig) -> int:
     make_output_dir(config.output_filename)
     results = ResultsFile(config.results) if config.results else None
     claim: SessionClaim | None = None
-    session: Session | None = None
-    code = ExitCode.SETUP
+    farm, code = FarmRun(config, tasks, count), ExitCode.SETUP
     try:
         with Interrupts() as interrupts:
             try:
                 claim = SessionClaim.make(session_base(None), "job", keep_logs=config.keep_logs)
-                session = Session(gpus=list(config.gpus) if config.gpus is not None else "all", mps=config.mps,
-                                  keep_logs=config.keep_logs, export=False, gpu_bind=config.gpu_bind,
-                                  start_timeout=DAEMON_START_TIMEOUT, claim=claim)
-                code = FarmRun(config, tasks, count).run(session, results)
+                code = farm.run(config, claim, results)
             finally:  # from here on a signal is only remembered: the teardown is not cut short
                 interrupts.defer_to_the_end()
-                code = _close(session, claim, code)
-            if interrupts.received and code == ExitCode.OK:
-                code = 128 + interrupts.received[0]
+                code = _close(farm.session, claim, code)
+            if interrupts.received:  # while the farm ended
+                code = exit_code(Outcome(Cause.OK if code == ExitCode.OK else Cause.DECIDED, code,
+                                         late_signal=interrupts.received[0]))
     finally:
         if results is not None:
             results.close()
@@ -224,3 +218,21 @@ def _close(session: Session | None, claim: SessionClaim | None, code: int) -> in
         say(f"mpsrun: {exc}")
         return ExitCode.SETUP if code == ExitCode.OK else code
     return code
+
+
+def show(config: JobConfig) -> int:
+    """``--dry-run`` of a farm: its slots (each one's GPU, limits and variables) and its first tasks; 0, or what
+    refused them. The task list is read (a bad line is refused as the farm would refuse it); nothing starts."""
+    from mpsrun.job.dryrun import plan_lines
+
+    try:
+        tasks, count = farm_tasks(config)
+        lines = plan_lines(config)
+    except MPSError as exc:
+        say(f"mpsrun: error: {exc}")
+        return exc.exit_code
+    shown = [f"task {task.id}: {task.text}" for task in tasks[:TASKS_SHOWN]]
+    more = [f"... and {len(tasks) - TASKS_SHOWN} more"] if len(tasks) > TASKS_SHOWN else []
+    resumed = f" ({count - len(tasks)} succeeded before: not run again)" if count != len(tasks) else ""
+    print("\n".join(map(escaped, [*lines[:-1], f"{len(tasks)} task(s){resumed}:", *shown, *more, lines[-1]])))
+    return ExitCode.OK

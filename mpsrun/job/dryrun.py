@@ -21,7 +21,7 @@ from mpsrun.job.mpiexec import find_mpiexec
 from mpsrun.mps import gpus as gpu_info
 from mpsrun.mps.daemon import unavailable_reason
 from mpsrun.mps.environment import GpuTarget
-from mpsrun.mps.placement import NodePlan
+from mpsrun.mps.placement import NodePlan, slot_environment
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.output import escaped, say
 
@@ -76,16 +76,19 @@ def plan_lines(config: JobConfig) -> list[str]:
     targets = _targets(config, found, count)
     lines = _header(config, found, why, count)
     names = _names(config, found, count)
-    envs = [_variables(node, plan.rank, targets) for plan in plans]
+    noun = "slot" if config.farm else "rank"
+    envs = [slot_environment(targets[0 if config.gpu_bind == "none" else plan.gpu], plan, config.queues)
+            if config.farm else _variables(node, plan.rank, targets) for plan in plans]
     common = {k: v for k, v in envs[0].items() if all(env.get(k) == v for env in envs[1:])}
     for plan, env in zip(plans, envs, strict=True):
         limits = [f"{plan.thread_percentage}% of SMs" if plan.thread_percentage else "",
                   f"{mib_text(plan.mem_limit)} pinned memory" if plan.mem_limit else
                   "its share of the GPU's free memory, read when the job starts" if plan.mem_auto else ""]
         where = "every job GPU" if config.gpu_bind == "none" else f"GPU {names[plan.gpu]}"
-        lines.append(f"rank {plan.rank}: {where}" + "".join(f", {part}" for part in limits if part))
-        lines.append("  " + " ".join(f"{k}={v}" for k, v in sorted(env.items()) if k not in common))
-    lines.append("every rank: " + " ".join(f"{k}={v}" for k, v in sorted(common.items())))
+        lines.append(f"{noun} {plan.rank}: {where}" + "".join(f", {part}" for part in limits if part))
+        if own := [f"{k}={v}" for k, v in sorted(env.items()) if k not in common]:
+            lines.append("  " + " ".join(own))
+    lines.append(f"every {noun}: " + " ".join(f"{k}={v}" for k, v in sorted(common.items())))
     lines.append(f"nothing was started (dry run); {PLACEHOLDERS}")
     return lines
 
@@ -96,8 +99,9 @@ def _header(config: JobConfig, found: Sequence[gpu_info.GPU], why: str, count: i
     cannot = unavailable_reason(config.mps) or why
     mps = "off" if config.mps == "off" else config.mps + (
         f"; this host cannot run it ({cannot}), so below is the plan where it can" if cannot else "")
-    lines = [f"mpsrun --dry-run: {config.ranks} rank(s) of {' '.join(config.command)} on {socket.gethostname()}, "
-             f"launcher {launcher}, MPS {mps}"]
+    what = f"a farm of {config.ranks} slot(s)" if config.farm else \
+        f"{config.ranks} rank(s) of {' '.join(config.command)}, launcher {launcher}"
+    lines = [f"mpsrun --dry-run: {what} on {socket.gethostname()}, MPS {mps}"]
     if found:
         lines += [f"GPU {g.index} (MPSRUN_GPU={p}): {g.uuid}, {g.name}, {g.multiprocessors or '?'} SMs, "
                   f"{g.memory_free / 2**30:.1f} GiB free" for p, g in enumerate(found)]

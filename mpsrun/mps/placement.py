@@ -11,15 +11,15 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from mpsrun.config.options import JobConfig
-from mpsrun.config.values import AUTO, Auto, check_shares
+from mpsrun.config.values import AUTO, Auto, Queues, check_shares
 from mpsrun.errors import ConfigError
 from mpsrun.mps.environment import GpuTarget, worker_variables
-from mpsrun.mps.limits import DaemonDefaults, auto_mem_limits
+from mpsrun.mps.limits import DaemonDefaults, auto_mem_limits, client_connections
 from mpsrun.rank.frameworks import torchrun_layout
 from mpsrun.rank.identity import RankIdentity
 
-__all__ = ["NodePlan", "RankPlan", "gpu_of_rank", "rank_environment", "ranks_on_gpus", "ranks_per_gpu",
-           "without_mps"]
+__all__ = ["NodePlan", "RankPlan", "gpu_of_rank", "rank_environment", "rank_queues", "ranks_on_gpus", "ranks_per_gpu",
+           "slot_environment", "without_mps"]
 
 
 class RankPlan(NamedTuple):
@@ -186,6 +186,29 @@ def rank_environment(target: GpuTarget | None, plan: RankPlan | None, identity: 
         if identity.local_world_size is not None:
             env["LOCAL_WORLD_SIZE"] = str(identity.local_world_size)
         env.update(torchrun_layout(identity.rank, identity.world_size, identity.local_world_size))
+    return env
+
+
+def rank_queues(queues: Queues, clients: int | None, mps_client: bool) -> int | None:
+    """An MPS rank's hardware work queues: ``--queues`` N, or under ``auto`` as many as a plain process has while
+    its GPU's budget lasts among its server's ``clients`` (None where they are not known: MPS's default). None for
+    a rank that is no MPS client."""
+    if not mps_client:
+        return None
+    if queues == AUTO:
+        return None if clients is None else client_connections(clients)
+    return None if queues is None else int(queues)
+
+
+def slot_environment(target: GpuTarget | None, plan: RankPlan, queues: Queues) -> dict[str, str]:
+    """What a farm's slot gives each task it runs: its GPU (``MPSRUN_GPU``, its position) and MPS variables with the
+    slot's limits, and ``--queues``. No place in an MPI world: a task is a program of its own."""
+    if target is None:
+        return {}
+    env = {**rank_environment(target, plan), "MPSRUN_GPU": str(plan.gpu)}
+    count = rank_queues(queues, plan.clients, "CUDA_MPS_PIPE_DIRECTORY" in env)
+    if count is not None:
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(count)
     return env
 
 

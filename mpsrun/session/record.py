@@ -134,8 +134,9 @@ class SessionRecord(NamedTuple):
     def with_gpus(self, gpus: tuple[str, ...]) -> SessionRecord:
         return self._replace(gpus=gpus)
 
-    def with_ranks(self, ranks: Sequence[ProcessRef]) -> SessionRecord:
-        return self._replace(ranks=(*self.ranks, *ranks))
+    def with_ranks(self, ranks: Sequence[ProcessRef], replacing: bool = False) -> SessionRecord:
+        """The record with these ranks too (``replacing``: these alone, as a farm's running tasks change)."""
+        return self._replace(ranks=tuple(ranks) if replacing else (*self.ranks, *ranks))
 
     def with_launcher(self, launcher: ProcessRef) -> SessionRecord:
         return self._replace(launchers=(*self.launchers, launcher))

@@ -223,12 +223,13 @@ class Session:
         """The client watcher over every GPU of the session and the daemon that serves it."""
         return self._daemons.watcher()
 
-    def add_ranks(self, ranks: Sequence[ProcessRef]) -> None:
+    def add_ranks(self, ranks: Sequence[ProcessRef], replacing: bool = False) -> None:
         """Record local ranks' process groups, so a reaper can end them if we die (a record that cannot be written
-        only costs that: the job goes on, and says so)."""
-        if self._claim is not None and self._state == "running" and ranks:
+        only costs that: the job goes on, and says so). ``replacing``: these are all there are now (a farm's running
+        tasks)."""
+        if self._claim is not None and self._state == "running" and (ranks or replacing):
             try:
-                self._claim.update(self._claim.record.with_ranks(ranks))
+                self._claim.update(self._claim.record.with_ranks(ranks, replacing))
             except MPSError as exc:
                 log.warning("mpsrun: warning: %s; should mpsrun be killed, the processes of rank(s) with pid %s may "
                             "outlive it", exc, ", ".join(str(rank.pid) for rank in ranks))
