@@ -3,6 +3,7 @@
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -267,3 +268,51 @@ def test_a_farm_dry_run_shows_its_slots_and_first_tasks_and_starts_nothing(fake_
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50" in run.stdout and "RANK=" not in run.stdout
     assert "task 9: echo 9\n... and 2 more\n" in run.stdout and "task 10" not in run.stdout
     assert not fake_gpu.session_dirs()
+
+
+def start_node_farm(node_dir, node, nodes, *args, job="91"):
+    """This node's mpsrun of a farm that ``nodes`` nodes share, as ``srun --ntasks-per-node=1`` starts it (each
+    simulated node with its own MPSRUN_TMPDIR and name)."""
+    env = {**os.environ, "MPSRUN_TMPDIR": str(node_dir), "MPSRUN_NODE_ID": node, "SLURM_JOB_ID": job,
+           "SLURM_STEP_ID": "0", "SLURM_LOCALID": "0", "SLURM_PROCID": str("AB".index(node)),
+           "SLURM_NTASKS": str(nodes), "SLURM_STEP_TASKS_PER_NODE": f"1(x{nodes})", "SLURM_NODEID": str("AB".index(node))}
+    return subprocess.Popen([PY, "-m", "mpsrun", *args], env=env, stderr=subprocess.PIPE, text=True)
+
+
+def test_two_nodes_farms_take_each_task_of_one_list_exactly_once(fake_gpu, tmp_path):
+    """Two nodes' farms (as srun starts them: one mpsrun per node) share one task list through --results: every task
+    runs exactly once, on one node or the other, both nodes take tasks (the first four wait for each other, so both
+    nodes' slots must hold one), and the shared counter and its lock are gone at the end."""
+    out, marks = tmp_path / "r.jsonl", tmp_path / "marks"
+    marks.mkdir()
+    script = ("import os, sys, time, pathlib; d = pathlib.Path(sys.argv[1]); t = int(os.environ['MPSRUN_TASK_ID']); "
+              "(d / str(t)).touch(); end = time.monotonic() + 60\n"
+              "while t < 4 and len(list(d.iterdir())) < 4 and time.monotonic() < end: time.sleep(0.02)")
+    nodes = []
+    for node in "AB":
+        (fake_gpu.tmpdir / node).mkdir(mode=0o700)
+        nodes.append(start_node_farm(fake_gpu.tmpdir / node, node, 2, "-np", "2", "--results", str(out), "--array", "0-19",
+                                     PY, "-c", script, str(marks)))
+    errors = [farm.communicate(timeout=120)[1] for farm in nodes]
+    assert [farm.returncode for farm in nodes] == [0, 0], errors
+    lines = results(out)
+    assert sorted(line["id"] for line in lines) == list(range(20)), lines
+    ran = [int(re.search(r"this node's part of 20 task\(s\): (\d+) succeeded, 0 failed", err)[1]) for err in errors]
+    assert sum(ran) == 20 and min(ran) >= 2, errors
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["marks", "r.jsonl"]
+
+
+def test_a_farm_one_of_several_needs_a_results_file(fake_gpu, tmp_path):
+    """A farm started as one of several nodes' without --results has no list to share: exit 2 in one line."""
+    farm = start_node_farm(fake_gpu.tmpdir, "A", 2, "--array", "0-3", "true")
+    _, err = farm.communicate(timeout=60)
+    assert farm.returncode == 2 and "share the task list through --results" in err, err
+
+
+def test_a_batch_scripts_own_slurm_variables_make_no_shared_farm(fake_gpu, tmp_path):
+    """In a Slurm batch script (SLURM_NTASKS, SLURM_PROCID, no step) a farm is the script's own: it runs every task
+    without --results, alone."""
+    env = {**os.environ, "SLURM_JOB_ID": "5", "SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
+    out = subprocess.run([PY, "-m", "mpsrun", "--array", "0-3", "true"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "4 task(s): 4 succeeded" in out.stderr, out.stderr

@@ -10,10 +10,15 @@ themselves stay for the module's tests).
 from __future__ import annotations
 
 import contextlib
+import json
 import re
+import shutil
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import testhosts
@@ -111,3 +116,26 @@ def test_bare_srun_exits_with_the_failing_ranks_code_once_the_other_node_is_done
     assert took >= 5, took
     assert len(summary(out.stderr)) == 1, out.stderr
     assert re.fullmatch(r"mpsrun: rank 2 \(pid \d+\) exited with code 3 first", summary(out.stderr)[0]), out.stderr
+
+
+def test_srun_one_farm_per_node_takes_each_task_of_one_list_once(cluster):
+    """``srun -N 2 --ntasks-per-node=1 mpsrun -np 2 --array 0-11 --results R`` with R on a file system both hosts
+    see: every task runs exactly once, on h1 or h2 (the first four wait for each other, so both hosts take some),
+    each host's farm says its part, and the shared counter and its lock are gone at the end."""
+    shared = Path(tempfile.mkdtemp(prefix="mpsrun-farm-", dir="/var/tmp"))  # /tmp is each host's own
+    try:
+        marks, out = shared / "marks", shared / "r.jsonl"
+        marks.mkdir()
+        script = ("import os, sys, time, pathlib; d = pathlib.Path(sys.argv[1]); t = int(os.environ['MPSRUN_TASK_ID']);"
+                  " (d / str(t)).touch(); end = time.monotonic() + 60\n"
+                  "while t < 4 and len(list(d.iterdir())) < 4 and time.monotonic() < end: time.sleep(0.02)")
+        argv = ["srun", "-N", "2", "--ntasks-per-node", "1", *MPSRUN, "-np", "2", "--mps", "on", "--results", str(out),
+                "--array", "0-11", sys.executable, "-c", script, str(marks)]
+        run = cluster.hosts["h1"].run(*argv, env=cluster.environment(), timeout=120)
+        assert run.returncode == 0, run.stderr
+        lines = [json.loads(line) for line in out.read_text().splitlines()]
+        assert sorted(line["id"] for line in lines) == list(range(12)), lines
+        assert {line["host"] for line in lines if line["id"] < 4} == {"h1", "h2"}
+        assert sorted(p.name for p in shared.iterdir()) == ["marks", "r.jsonl"]
+    finally:
+        shutil.rmtree(shared)

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from mpsrun.exitcodes import Cause, ExitCode, Outcome, describe_returncode, exit_code
+from mpsrun.farm.queue import TaskQueue
 from mpsrun.farm.results import ResultsFile, TaskCause, TaskResult
 from mpsrun.farm.tasks import Task
 from mpsrun.mps.daemon import ControlDaemon
@@ -93,19 +94,19 @@ class Tally:
 
 
 class Farm:
-    """The node's slots, taking ``tasks`` in order (``count``: the whole list's length, for MPSRUN_TASK_COUNT);
+    """The node's slots, taking the tasks of ``queue`` (``count``: the whole list's length, for MPSRUN_TASK_COUNT);
     ``base``: the environment tasks start from; ``record``: where each finished task's result goes (and
     ``results``, the file, if any); ``proven``: whether a task (by number and pid) was an MPS client; ``peak``: its
     device memory peak; ``whose``: the task a process of the node's GPUs belongs to, where known; ``say``: a line for
     the user; ``running``: the running tasks, for the session's record (its reaper ends them should we die)."""
 
-    def __init__(self, loop: EventLoop, slots: Sequence[Slot], tasks: Sequence[Task], count: int,
+    def __init__(self, loop: EventLoop, slots: Sequence[Slot], queue: TaskQueue, count: int,
                  base: Mapping[str, str], rules: FarmRules, results: ResultsFile | None,
                  proven: Callable[[int, int], bool | None], peak: Callable[[int], int | None],
                  whose: Callable[[int], int | None], say: Callable[[str], None],
                  running: Callable[[list[ProcessRef]], None]) -> None:
         self.loop, self.slots, self.rules, self.results = loop, list(slots), rules, results
-        self.queue = collections.deque(tasks)
+        self.queue = queue
         self.count, self.base = count, dict(base)
         self.proven, self.peak, self.whose, self.say, self.running = proven, peak, whose, say, running
         self._unrecorded = False  # tasks started this turn of the loop, not yet in the session's record
@@ -130,7 +131,7 @@ class Farm:
         return all(slot.running is None for slot in self.slots) and (not self._taking() or not self._left())
 
     def _left(self) -> bool:
-        return bool(self.queue) or any(self.suspects.values())
+        return self.queue.left() or any(self.suspects.values())
 
     def _taking(self) -> bool:
         limit = self.rules.max_failures
@@ -147,8 +148,8 @@ class Farm:
             if not self._server_busy(slot.daemon):
                 self._spawn(slot, suspects.popleft(), alone=True)
             return
-        if self.queue and not self._server_busy(slot.daemon, alone_only=True):
-            self._spawn(slot, self.queue.popleft(), alone=False)
+        if not self._server_busy(slot.daemon, alone_only=True) and (task := self.queue.take()) is not None:
+            self._spawn(slot, task, alone=False)
 
     def _server_busy(self, daemon: ControlDaemon | None, alone_only: bool = False) -> bool:
         """Whether a task runs on ``daemon``'s server (``alone_only``: one that must run alone)."""
@@ -238,7 +239,7 @@ class Farm:
             return
         if returncode != 0 and self.stopping is None and running.tries <= self.rules.retries and \
                 running.task.id not in self.culprits:
-            self.queue.appendleft(running.task)  # again, before the tasks not yet run
+            self.queue.again(running.task)
         else:
             cause = TaskCause.FAULT if running.task.id in self.culprits else \
                 TaskCause.STOPPED if returncode != 0 and self.stopping is not None else None
@@ -301,7 +302,7 @@ class Farm:
 
     def not_run(self) -> int:
         """Tasks never finished: left in the list, or suspects never run again."""
-        return len(self.queue) + sum(len(s) for s in self.suspects.values())
+        return self.queue.not_taken() + sum(len(s) for s in self.suspects.values())
 
     # -- stopping -------------------------------------------------------------------------------------------------
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
-import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import IO, NamedTuple
 
 from mpsrun.errors import ConfigError
@@ -59,10 +59,11 @@ class TaskResult(NamedTuple):
 
 
 class ResultsFile:
-    """The results file, open for appending; each :meth:`write` is one whole line, flushed at once."""
+    """The results file, open for appending; each :meth:`write` is one whole line, flushed at once (with ``lock()``
+    held, where the farms of several nodes append to it: appends over a network file system are not atomic)."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, path: str, lock: Callable[[], AbstractContextManager[object]] | None = None) -> None:
+        self.path, self.lock = path, lock
         try:
             self._file: IO[str] | None = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
         except OSError as exc:
@@ -70,8 +71,9 @@ class ResultsFile:
 
     def write(self, result: TaskResult) -> None:
         assert self._file is not None
-        self._file.write(json.dumps(result._asdict(), separators=(",", ":")) + "\n")
-        self._file.flush()
+        with self.lock() if self.lock is not None else contextlib.nullcontext():
+            self._file.write(json.dumps(result._asdict(), separators=(",", ":")) + "\n")
+            self._file.flush()
 
     def close(self) -> None:
         if self._file is not None:
@@ -105,11 +107,3 @@ def succeeded_tasks(path: str) -> dict[int, tuple[str, ...]]:
         if line.get("cause") == TaskCause.OK and isinstance(task, int) and isinstance(command, list):
             done[task] = tuple(map(str, command))
     return done
-
-
-def is_regular_or_absent(path: str) -> bool:
-    """Whether ``path`` names a regular file or nothing (a results file is appended to and read back)."""
-    try:
-        return os.path.isfile(path) or not os.path.lexists(path)
-    except OSError:
-        return False

@@ -10,14 +10,17 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
+from collections.abc import Mapping
 
 from mpsrun.agent.outcome import Policy
 from mpsrun.config import values
 from mpsrun.config.options import JobConfig
-from mpsrun.errors import MPSError
+from mpsrun.errors import ConfigError, MPSError
 from mpsrun.exitcodes import Cause, ExitCode, Outcome, exit_code
 from mpsrun.farm.farm import Farm, FarmRules, Slot
+from mpsrun.farm.queue import SharedList, TaskQueue
 from mpsrun.farm.results import ResultsFile, succeeded_tasks
 from mpsrun.farm.tasks import Task, array_tasks, read_task_lines
 from mpsrun.job.run import make_output_dir
@@ -26,6 +29,7 @@ from mpsrun.mps.environment import MANAGED_VARIABLES
 from mpsrun.mps.placement import NodePlan, slot_environment, without_mps
 from mpsrun.mps.usage import UsageSampler
 from mpsrun.mps.watch import RankWatch, with_descendants
+from mpsrun.rank.identity import LOCAL_RANK_VARIABLES, identity_from_env, job_key
 from mpsrun.runtime.constants import DAEMON_START_TIMEOUT, FORWARDED_SIGNALS, PASS_SIGNALS
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.interrupts import Interrupts
@@ -43,16 +47,40 @@ TASKS_SHOWN = 10
 log = logging.getLogger("mpsrun")
 
 
-def farm_tasks(config: JobConfig) -> tuple[list[Task], int]:
-    """The tasks to run (those ``--resume`` finds succeeded with the same command left out), and how many the list
-    has in all."""
+def farm_tasks(config: JobConfig) -> tuple[list[Task], dict[int, tuple[str, ...]]]:
+    """The farm's whole task list, and the tasks ``--resume`` finds succeeded (by number, with their commands)."""
     if config.tasks is not None:
         tasks = read_task_lines(config.tasks, sys.stdin if config.tasks == "-" else None)
     else:
         assert config.array is not None
         tasks = array_tasks(config.command, values.parse_index_range(config.array))
-    done = succeeded_tasks(config.results) if config.resume and config.results else {}
-    return [task for task in tasks if done.get(task.id) != task.argv], len(tasks)
+    return tasks, succeeded_tasks(config.results) if config.resume and config.results else {}
+
+
+def farm_nodes(environ: Mapping[str, str]) -> int:
+    """How many nodes' farms share the task list: the launcher's processes, where it started this one as one of
+    them (srun, mpiexec), else 1. A Slurm batch script's own variables (no step) say nothing of the kind; several
+    processes of one farm on a node are refused (each would start its own daemons)."""
+    identity = identity_from_env(environ)
+    slurm_only = not any(name in environ for name in LOCAL_RANK_VARIABLES[:-1])
+    if identity is None or (slurm_only and "SLURM_STEP_ID" not in environ):
+        return 1
+    if (identity.local_world_size or 1) > 1:
+        raise ConfigError(f"the launcher started {identity.local_world_size} mpsrun farms on this node: a farm takes "
+                          "one mpsrun per node (srun --ntasks-per-node=1, mpiexec -ppn 1), whose -np N slots share "
+                          "its GPUs", setting="--tasks")
+    return identity.world_size or 1
+
+
+def _queue(config: JobConfig, tasks: list[Task], done: Mapping[int, tuple[str, ...]]) -> TaskQueue:
+    """The farm's queue: its own list, or the list the farms of several nodes share through ``--results``."""
+    nodes = farm_nodes(os.environ)
+    if nodes == 1:
+        return TaskQueue(tasks, done)
+    if config.results is None:
+        raise ConfigError(f"this farm is one of {nodes} (its launcher's processes): they share the task list through "
+                          "--results FILE.jsonl on a file system they all see; give it", setting="--results")
+    return TaskQueue(tasks, done, SharedList(config.results, job_key(os.environ), nodes))
 
 
 def _base_env(config: JobConfig) -> dict[str, str]:
@@ -68,8 +96,8 @@ def _base_env(config: JobConfig) -> dict[str, str]:
 class FarmRun:
     """One farm on this node, from its session's start to its end."""
 
-    def __init__(self, config: JobConfig, tasks: list[Task], count: int) -> None:
-        self.config, self.tasks, self.count = config, tasks, count
+    def __init__(self, config: JobConfig, queue: TaskQueue, count: int) -> None:
+        self.config, self.queue, self.count = config, queue, count
         self.loop = EventLoop()
         self.deadline = Deadline(config.timeout)
         self.policy = Policy.for_job(config, self.deadline)
@@ -100,7 +128,7 @@ class FarmRun:
                            slot_environment(session.target(plan.gpu) if session.gpus else None, plan, config.queues))
                       for index, plan in enumerate(plans)]
         self.farm = farm = Farm(
-            self.loop, farm_slots, self.tasks, self.count, _base_env(config),
+            self.loop, farm_slots, self.queue, self.count, _base_env(config),
             FarmRules(config.retries, config.max_failures, config.grace, config.tag_output, config.output_filename),
             results, proven=lambda task, pid: _proven(watch, task, pid),
             peak=lambda task: usage.peaks.get(task) if usage is not None else None,
@@ -158,8 +186,10 @@ class FarmRun:
         assert self.farm is not None
         tally, farm = self.farm.tally, self.farm
         not_run = farm.not_run() + tally.stopped
-        resumed = f" ({self.count - len(self.tasks)} succeeded before)" if self.count != len(self.tasks) else ""
-        line = (f"{len(self.tasks)} task(s){resumed}: {tally.succeeded} succeeded, {tally.failed} failed, {not_run} "
+        to_run = self.queue.to_run
+        resumed = f" ({self.count - to_run} succeeded before)" if self.count != to_run else ""
+        where = f"{socket.gethostname()}: this node's part of " if self.queue.shared is not None else ""
+        line = (f"{where}{to_run} task(s){resumed}: {tally.succeeded} succeeded, {tally.failed} failed, {not_run} "
                 "not run")
         first = tally.first_failure
         if first is not None:
@@ -184,11 +214,12 @@ def _proven(watch: RankWatch | None, task: int, pid: int) -> bool | None:
 def run_farm(config: JobConfig) -> int:
     """Run ``config``'s farm to its end; its exit code. ConfigError (exit 2) for a task list that cannot be read,
     MPSError for a node that cannot run it (InterruptionError for a signal), before any task starts."""
-    tasks, count = farm_tasks(config)
+    tasks, done = farm_tasks(config)
     make_output_dir(config.output_filename)
-    results = ResultsFile(config.results) if config.results else None
+    queue = _queue(config, tasks, done)
+    results = ResultsFile(config.results, queue.shared.held if queue.shared else None) if config.results else None
     claim: SessionClaim | None = None
-    farm, code = FarmRun(config, tasks, count), ExitCode.SETUP
+    farm, code = FarmRun(config, queue, len(tasks)), ExitCode.SETUP
     try:
         with Interrupts() as interrupts:
             try:
@@ -203,6 +234,10 @@ def run_farm(config: JobConfig) -> int:
     finally:
         if results is not None:
             results.close()
+        try:
+            queue.close()
+        except MPSError as exc:  # the farm's own outcome stands
+            say(f"mpsrun: {exc}")
     return code
 
 
@@ -226,13 +261,14 @@ def show(config: JobConfig) -> int:
     from mpsrun.job.dryrun import plan_lines
 
     try:
-        tasks, count = farm_tasks(config)
+        tasks, done = farm_tasks(config)
         lines = plan_lines(config)
     except MPSError as exc:
         say(f"mpsrun: error: {exc}")
         return exc.exit_code
-    shown = [f"task {task.id}: {task.text}" for task in tasks[:TASKS_SHOWN]]
-    more = [f"... and {len(tasks) - TASKS_SHOWN} more"] if len(tasks) > TASKS_SHOWN else []
-    resumed = f" ({count - len(tasks)} succeeded before: not run again)" if count != len(tasks) else ""
-    print("\n".join(map(escaped, [*lines[:-1], f"{len(tasks)} task(s){resumed}:", *shown, *more, lines[-1]])))
+    to_run = [task for task in tasks if done.get(task.id) != task.argv]
+    shown = [f"task {task.id}: {task.text}" for task in to_run[:TASKS_SHOWN]]
+    more = [f"... and {len(to_run) - TASKS_SHOWN} more"] if len(to_run) > TASKS_SHOWN else []
+    resumed = f" ({len(tasks) - len(to_run)} succeeded before: not run again)" if len(tasks) != len(to_run) else ""
+    print("\n".join(map(escaped, [*lines[:-1], f"{len(to_run)} task(s){resumed}:", *shown, *more, lines[-1]])))
     return ExitCode.OK

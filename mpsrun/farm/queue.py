@@ -1,0 +1,148 @@
+"""Where a farm's slots take their tasks: the node's own list, or one list shared by the farms of several nodes.
+
+Under Slurm one ``mpsrun`` runs on each node (``srun --ntasks-per-node=1 mpsrun -np 8 --tasks FILE --results
+R.jsonl``), each reading the same task list. They take its tasks in order through a counter kept beside the results
+file, on the shared file system, under a file lock (filelock): each task goes to exactly one node. A task to run
+again (a retry, a fault's suspect) stays on its node. The node that ends last (the launcher says how many there
+are) removes the counter and its lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mpsrun.errors import MPSError
+from mpsrun.farm.tasks import Task
+from mpsrun.runtime.files import replace_file
+
+if TYPE_CHECKING:
+    from filelock import BaseFileLock
+
+__all__ = ["SharedList", "TaskQueue"]
+
+#: How long a node waits for the shared list's lock before it gives up (another node holds it that long: hung).
+LOCK_PATIENCE = 60.0
+
+
+class SharedList:
+    """The counter of a task list that the farms of ``nodes`` nodes share (``job``: their launcher's job, which a
+    counter left by another job is not), beside the results file at ``results``."""
+
+    def __init__(self, results: str, job: str, nodes: int) -> None:
+        from filelock import FileLock  # only farms over several nodes take it
+
+        self.path, self.job, self.nodes = f"{results}.queue", job, nodes
+        self.lock: BaseFileLock = FileLock(f"{results}.lock", timeout=LOCK_PATIENCE)
+        with self.held():
+            state = self._read()
+            self._write({"job": job, "next": 0, "ended": 0} if state.get("job") != job else state)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """The list's lock held (MPSError naming the lock when another node holds it past LOCK_PATIENCE)."""
+        from filelock import Timeout
+
+        try:
+            with self.lock:
+                yield
+        except Timeout:
+            raise MPSError(f"the farm's shared task list is locked by another node for more than {LOCK_PATIENCE:g} "
+                           f"s ({self.lock.lock_file}): is a node hung?") from None
+
+    def _read(self) -> dict[str, object]:
+        with contextlib.suppress(OSError, ValueError):
+            with open(self.path, encoding="utf-8") as file:
+                found = json.load(file)
+            if isinstance(found, dict):
+                return found
+        return {}
+
+    def _write(self, state: Mapping[str, object]) -> None:
+        try:
+            replace_file(Path(self.path), json.dumps(state).encode())
+        except OSError as exc:
+            raise MPSError(f"cannot write the farm's shared task list {self.path}: {exc.strerror}") from None
+
+    def take(self, skip: Sequence[bool]) -> int | None:
+        """The next task's place in the list, taken for this node; None when every task is taken. ``skip``: the
+        places this node does not run (they succeeded before: --resume), passed over."""
+        with self.held():
+            state = self._read()
+            place = state.get("next") if state.get("job") == self.job else None
+            if not isinstance(place, int):  # the counter was removed or replaced under us: nothing more to take
+                return None
+            while place < len(skip) and skip[place]:
+                place += 1
+            if place >= len(skip):
+                self._write({**state, "next": place})
+                return None
+            self._write({**state, "next": place + 1})
+            return place
+
+    def close(self) -> None:
+        """This node's farm has ended: the last node's end removes the counter and the lock."""
+        with self.held():
+            state = self._read()
+            if state.get("job") != self.job:
+                return
+            ended = int(state.get("ended", 0)) + 1  # type: ignore[call-overload]
+            if ended < self.nodes:
+                self._write({**state, "ended": ended})
+                return
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.lock.lock_file)
+
+
+class TaskQueue:
+    """A farm's tasks to run, in order: ``tasks`` (the whole list, with ``done``: those not to run again), taken
+    here or through the ``shared`` list; tasks to run again come first."""
+
+    def __init__(self, tasks: Sequence[Task], done: Mapping[int, tuple[str, ...]],
+                 shared: SharedList | None = None) -> None:
+        self.shared = shared
+        self._skip = [done.get(task.id) == task.argv for task in tasks]
+        self._tasks = list(tasks)
+        self._own = collections.deque(task for task, skip in zip(tasks, self._skip, strict=True) if not skip) \
+            if shared is None else collections.deque()
+        self._again: collections.deque[Task] = collections.deque()
+        self._exhausted = False  # the shared list has no task left to take
+
+    @property
+    def to_run(self) -> int:
+        """How many tasks of the list are to run (all nodes together)."""
+        return self._skip.count(False)
+
+    def take(self) -> Task | None:
+        if self._again:
+            return self._again.popleft()
+        if self.shared is None:
+            return self._own.popleft() if self._own else None
+        if self._exhausted:
+            return None
+        place = self.shared.take(self._skip)
+        self._exhausted = place is None
+        return None if place is None else self._tasks[place]
+
+    def again(self, task: Task) -> None:
+        """Run ``task`` again, before the tasks not yet taken."""
+        self._again.append(task)
+
+    def left(self) -> bool:
+        """Whether a task may still be taken (of a shared list: until a take found none)."""
+        return bool(self._again or self._own) or (self.shared is not None and not self._exhausted)
+
+    def not_taken(self) -> int:
+        """Tasks this node never took: to run again, or (of its own list) not yet taken."""
+        return len(self._again) + len(self._own)
+
+    def close(self) -> None:
+        if self.shared is not None:
+            self.shared.close()
