@@ -6,7 +6,7 @@
 #      daemons; nothing there times or counts what other jobs do)
 #   2: launch, shared arrays, binding and memory, each rank's account and top, the bench, fidelity, docs,
 #      environment, one at a time (they read the GPU's free memory and every process of the machine)
-#   3: failure words, whole output lines
+#   3: farms, failure words, whole output lines
 #   4: frameworks      5: PyTorch's environment with NCCL 2.30+
 set -u -o pipefail
 part=$1
@@ -23,7 +23,7 @@ case "$part" in
   2) run tests/test_gpu_launch.py tests/test_gpu_shared.py tests/test_gpu_bind_memory.py tests/test_gpu_account.py \
        tests/test_bench.py \
        tests/test_fake_fidelity.py tests/test_docs.py tests/test_environment.py ;;
-  3) run tests/test_failure_words.py tests/test_output_lines.py ;;
+  3) run tests/test_gpu_farm.py tests/test_failure_words.py tests/test_output_lines.py ;;
   4) run tests/test_frameworks.py ;;
   5) bash tools/nccl_wheel.sh join > "$OUT/nccl-join.log" 2>&1
      MPSRUN_TEST_NCCL_LIB=$(bash tools/nccl_wheel.sh lib) run tests/test_torch_environment.py ;;
