@@ -1,6 +1,7 @@
 """Farms (``mpsrun --tasks``, ``--array``) on the fake GPU: every task runs once, results lines, --resume, retries,
 --max-failures, signals, a fatal GPU fault's culprit found, bad task lists refused; and nothing left behind."""
 
+import contextlib
 import json
 import os
 import re
@@ -316,3 +317,40 @@ def test_a_batch_scripts_own_slurm_variables_make_no_shared_farm(fake_gpu, tmp_p
     out = subprocess.run([PY, "-m", "mpsrun", "--array", "0-3", "true"], env=env, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and "4 task(s): 4 succeeded" in out.stderr, out.stderr
+
+
+def test_a_farm_on_a_terminal_draws_its_progress_and_keeps_task_lines_whole(fake_gpu):
+    """On a terminal (a pseudo-terminal of no size, as `script` makes) the farm draws one progress line (tqdm's:
+    tasks done, rate) that steps aside for every task line: each task's line arrives whole, on a line of its own."""
+    import pty
+
+    leader, follower = pty.openpty()
+    farm = subprocess.Popen([PY, "-m", "mpsrun", "-np", "2", "--array", "0-5", PY, "-c",
+                             "import os, time; time.sleep(0.2); print('done', os.environ['MPSRUN_TASK_ID'])"],
+                            stdout=follower, stderr=follower)
+    os.close(follower)
+    seen = b""
+    with contextlib.suppress(OSError):  # EIO once the farm has ended
+        while chunk := os.read(leader, 65536):
+            seen += chunk
+    os.close(leader)
+    assert farm.wait(timeout=60) == 0, seen
+    assert b"task/s" in seen and b"mpsrun:" in seen, seen
+    lines = seen.replace(b"\r\n", b"\n").split(b"\n")
+    assert sorted(line.rsplit(b"\r", 1)[-1] for line in lines if line[-1:].isdigit()) == [
+        f"done {i}".encode() for i in range(6)], seen
+
+
+def test_the_plain_progress_line_says_done_failed_running_left_and_rate():
+    """Where the output is no terminal the progress is a plain line (said now and then): what is done and failed,
+    running and left, the rate and the time left; -q says nothing and draws nothing."""
+    import io
+
+    from mpsrun.farm.progress import Progress
+
+    progress = Progress(10, io.StringIO())
+    assert progress.plain and progress.bar is None
+    progress.update(4, 1, 2)
+    assert re.fullmatch(r"4 of 10 task\(s\) done \(1 failed\), 2 running, 6 left; [0-9.]+ tasks/s, about \d+ s left",
+                        progress.line()), progress.line()
+    assert not Progress(10, io.StringIO(), quiet=True).plain

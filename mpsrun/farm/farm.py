@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from mpsrun.exitcodes import Cause, ExitCode, Outcome, describe_returncode, exit_code
+from mpsrun.farm.progress import Progress
 from mpsrun.farm.queue import TaskQueue
 from mpsrun.farm.results import ResultsFile, TaskCause, TaskResult
 from mpsrun.farm.tasks import Task
@@ -98,18 +99,20 @@ class Farm:
     ``base``: the environment tasks start from; ``record``: where each finished task's result goes (and
     ``results``, the file, if any); ``proven``: whether a task (by number and pid) was an MPS client; ``peak``: its
     device memory peak; ``whose``: the task a process of the node's GPUs belongs to, where known; ``say``: a line for
-    the user; ``running``: the running tasks, for the session's record (its reaper ends them should we die)."""
+    the user; ``running``: the running tasks, for the session's record (its reaper ends them should we die);
+    ``progress``: where the farm stands, for the user."""
 
     def __init__(self, loop: EventLoop, slots: Sequence[Slot], queue: TaskQueue, count: int,
                  base: Mapping[str, str], rules: FarmRules, results: ResultsFile | None,
                  proven: Callable[[int, int], bool | None], peak: Callable[[int], int | None],
                  whose: Callable[[int], int | None], say: Callable[[str], None],
-                 running: Callable[[list[ProcessRef]], None]) -> None:
+                 running: Callable[[list[ProcessRef]], None], progress: Progress | None = None) -> None:
         self.loop, self.slots, self.rules, self.results = loop, list(slots), rules, results
         self.queue = queue
         self.count, self.base = count, dict(base)
         self.proven, self.peak, self.whose, self.say, self.running = proven, peak, whose, say, running
         self._unrecorded = False  # tasks started this turn of the loop, not yet in the session's record
+        self.progress = progress
         self.tally = Tally()
         self.host = socket.gethostname()
         self.stopping: int | None = None
@@ -172,8 +175,8 @@ class Farm:
             self._record(slot, task, tries, code, None, time.time(), None, None)
             self.loop.after(0, self._free)
             return
-        output = RankOutput(self.loop, f"task {task.id}", self.rules.tag, True, None) if not self.rules.output_dir \
-            else None
+        output = None if self.rules.output_dir else \
+            RankOutput(self.loop, f"task {task.id}", self.rules.tag, True, None, aside=self.progress)
         files: list[int] = []
         try:
             files = self._output_files(task) if output is None else output.open()
@@ -297,6 +300,10 @@ class Farm:
         self.tally.add(result)
         if self.results is not None:
             self.results.write(result)
+        if self.progress is not None:
+            running = sum(s.running is not None for s in self.slots)
+            self.progress.update(self.tally.succeeded + self.tally.failed + self.tally.stopped, self.tally.failed,
+                                 running)
         if not result.succeeded and cause != TaskCause.STOPPED:
             self._say(f"task {task.id} {describe_returncode(returncode)}" + (f" (try {tries})" if tries > 1 else ""))
 

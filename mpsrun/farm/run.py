@@ -20,6 +20,7 @@ from mpsrun.config.options import JobConfig
 from mpsrun.errors import ConfigError, MPSError
 from mpsrun.exitcodes import Cause, ExitCode, Outcome, exit_code
 from mpsrun.farm.farm import Farm, FarmRules, Slot
+from mpsrun.farm.progress import PLAIN_INTERVAL, Progress
 from mpsrun.farm.queue import SharedList, TaskQueue
 from mpsrun.farm.results import ResultsFile, succeeded_tasks
 from mpsrun.farm.tasks import Task, array_tasks, read_task_lines
@@ -105,6 +106,7 @@ class FarmRun:
         self.signalled: int | None = None
         self.farm: Farm | None = None
         self.session: Session | None = None  # once made (it then owns the claim)
+        self.progress = Progress(queue.to_run, quiet=config.quiet)
 
     def run(self, config: JobConfig, claim: SessionClaim, results: ResultsFile | None) -> int:
         """Open the node's session on ``claim``, run the farm to its end, say its tally; the farm's exit code."""
@@ -133,7 +135,7 @@ class FarmRun:
             results, proven=lambda task, pid: _proven(watch, task, pid),
             peak=lambda task: usage.peaks.get(task) if usage is not None else None,
             whose=lambda pid: watch.owner(pid) if watch is not None else None, say=say,
-            running=lambda tasks: session.add_ranks(tasks, replacing=True))
+            running=lambda tasks: session.add_ranks(tasks, replacing=True), progress=self.progress)
         with self.loop.signals(FORWARDED_SIGNALS, self._signalled), gpus.nvml_kept():
             self.loop.after(0, farm.start)
             if watch is not None:
@@ -142,9 +144,20 @@ class FarmRun:
                 self.loop.after(self.policy.usage_interval, lambda: self._sample(usage))
             if self.config.timeout is not None:
                 self.loop.after(self.deadline.remaining(), self._timed_out)
-            self.loop.run_until(lambda: farm.done)
+            if self.progress.plain:
+                self.loop.after(PLAIN_INTERVAL, self._say_progress)
+            try:
+                self.loop.run_until(lambda: farm.done)
+            finally:
+                self.progress.close()
         self.loop.close()
         return self._summary()
+
+    def _say_progress(self) -> None:
+        assert self.farm is not None
+        if not self.farm.done:
+            say(f"mpsrun: {self.progress.line()}")
+            self.loop.after(PLAIN_INTERVAL, self._say_progress)
 
     def _signalled(self, sig: int) -> None:
         assert self.farm is not None

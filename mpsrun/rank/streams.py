@@ -15,6 +15,7 @@ import fcntl
 import functools
 import os
 import termios
+from contextlib import AbstractContextManager
 
 from mpsrun.runtime.constants import OUTPUT_LOCK_PATIENCE, PARTIAL_LINE_WAIT
 from mpsrun.runtime.loop import EventLoop
@@ -31,10 +32,11 @@ class RankOutput:
     :meth:`drain` closes them after its end. ``name``: whose they are (``rank 3``, or a farm's ``task 17``);
     ``several``: the job has more ranks than this one (a partial last line
     is then ended, so the next rank's line starts on its own); ``lock``: the lock of the ranks that share our
-    output (the local launcher's)."""
+    output (the local launcher's); ``aside``: entered around each write (a farm's progress line)."""
 
-    def __init__(self, loop: EventLoop, name: str, tag: bool, several: bool, lock: str | None) -> None:
-        self.loop = loop
+    def __init__(self, loop: EventLoop, name: str, tag: bool, several: bool, lock: str | None,
+                 aside: AbstractContextManager[object] | None = None) -> None:
+        self.loop, self.aside = loop, aside
         self.prefix = f"[{name}] ".encode() if tag else b""
         self.name, self.several, self.lock = name, several, lock
         self.ends: list[tuple[int, int]] = []  # (read end, write end) per sink, until forward()
@@ -62,7 +64,7 @@ class RankOutput:
         for (read_end, write_end), sink in zip(self.ends, SINKS, strict=False):  # none under --output-filename
             os.close(write_end)
             os.set_blocking(read_end, False)
-            self.streams[read_end] = LineWriter(sink, self.prefix, self.several, self.lock)
+            self.streams[read_end] = LineWriter(sink, self.prefix, self.several, self.lock, aside=self.aside)
             if not self.prefix and os.isatty(sink):  # someone may read as the rank writes: a prompt is not held back
                 self.prompts[read_end] = None
             self.loop.watch(read_end, functools.partial(self._copy, read_end))

@@ -22,6 +22,7 @@ import sys
 import termios
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 
 from mpsrun.runtime.constants import OUTPUT_LOCK_PATIENCE
 from mpsrun.runtime.deadline import Deadline
@@ -82,12 +83,13 @@ class LineWriter:
     own. Untagged, the bytes are the rank's: a line past ``limit`` is written in pieces as they are, and a partial
     last line gets a newline only where ``end_partial`` says so (a job of several ranks: the next line, perhaps
     another rank's, starts on its own), so a one-rank job's output stays byte for byte its own. ``lock_path``: the
-    advisory lock of the ranks that share ``sink``.
+    advisory lock of the ranks that share ``sink``; ``aside``: entered around each write (a farm's progress line
+    steps aside for it).
     """
 
     def __init__(self, sink: int, prefix: bytes = b"", end_partial: bool = True, lock_path: str | None = None,
-                 limit: int = 1 << 20) -> None:
-        self.sink = sink
+                 limit: int = 1 << 20, aside: AbstractContextManager[object] | None = None) -> None:
+        self.sink, self.aside = sink, aside
         self.prefix = prefix
         self.end_partial = end_partial
         self.limit = limit
@@ -148,12 +150,13 @@ class LineWriter:
         try:
             if self._lock is not None:
                 self._take_lock()
-            for piece in _pieces(records):
-                while piece:
-                    try:
-                        piece = piece[os.write(self.sink, piece) :]
-                    except BlockingIOError:  # an output left non-blocking (a pipe's flags are shared): wait as a
-                        select.select([], [self.sink], [])  # blocking write does
+            with self.aside or contextlib.nullcontext():
+                for piece in _pieces(records):
+                    while piece:
+                        try:
+                            piece = piece[os.write(self.sink, piece) :]
+                        except BlockingIOError:  # an output left non-blocking (a pipe's flags are shared): wait
+                            select.select([], [self.sink], [])  # as a blocking write does
         except OSError as exc:  # what follows is dropped: the rank gets EPIPE, as when writing there itself
             if exc.errno not in (errno.EPIPE, errno.EBADF):
                 self.failure = exc.strerror or str(exc)
