@@ -7,10 +7,10 @@ recorded against the task that caused it.
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
-from test_gpu_faults import job  # noqa: F401 - the fixture: a private MPSRUN_TMPDIR, and nothing left afterwards
 
 pytestmark = pytest.mark.gpu
 
@@ -39,21 +39,19 @@ FAULTING = (
 )
 
 
-def farm(job, tmp_path, *args):
-    """Run a farm to its end with the fixture's environment: its exit code, stderr and results lines."""
-    import subprocess
-
+def farm(tmp_path, *args):
+    """Run a farm to its end (in the cupy_job fixture's environment): its exit code, stderr and results lines."""
     out = tmp_path / "r.jsonl"
     run = subprocess.run([sys.executable, "-m", "mpsrun", "--mps", "on", "--results", str(out), *args],
-                         env=job.env, capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600)
     lines = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     return run.returncode, run.stderr, lines
 
 
-def test_a_farm_of_cupy_tasks_every_one_a_proven_mps_client(job, tmp_path):
+def test_a_farm_of_cupy_tasks_every_one_a_proven_mps_client(cupy_job, tmp_path):
     """FARM_TASKS CuPy tasks on one GPU with 8 slots: every task succeeds once, and every one is proven a client of
     the farm's MPS server (the server's own log names it)."""
-    code, err, lines = farm(job, tmp_path, "-np", "8", "--gpus", "0", "--array", f"0-{FARM_TASKS - 1}",
+    code, err, lines = farm(tmp_path, "-np", "8", "--gpus", "0", "--array", f"0-{FARM_TASKS - 1}",
                             sys.executable, "-c", SMALL)
     assert code == 0, err
     assert sorted(line["id"] for line in lines) == list(range(FARM_TASKS))
@@ -61,7 +59,7 @@ def test_a_farm_of_cupy_tasks_every_one_a_proven_mps_client(job, tmp_path):
     assert {line["slot"] for line in lines} == set(range(8))
 
 
-def test_an_illegal_address_costs_only_its_own_task(job, tmp_path):
+def test_an_illegal_address_costs_only_its_own_task(cupy_job, tmp_path):
     """8 slots, 8 tasks: task 7 makes an illegal address while the 7 others run kernels. MPS tears them all down;
     the 7 run again alone and succeed (one try each: a fault's victims are not counted), task 7 faults again alone
     and is recorded as the fault's, named on stderr, and the farm exits with its code."""
@@ -69,7 +67,7 @@ def test_an_illegal_address_costs_only_its_own_task(job, tmp_path):
     marks.mkdir()
     script = tmp_path / "faulting.py"
     script.write_text(FAULTING)
-    code, err, lines = farm(job, tmp_path, "-np", "8", "--gpus", "0", "--array", "0-7", sys.executable, str(script),
+    code, err, lines = farm(tmp_path, "-np", "8", "--gpus", "0", "--array", "0-7", sys.executable, str(script),
                             str(marks))
     by_id = {line["id"]: line for line in lines}
     assert sorted(by_id) == list(range(8)), err
