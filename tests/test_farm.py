@@ -354,3 +354,25 @@ def test_the_plain_progress_line_says_done_failed_running_left_and_rate():
     assert re.fullmatch(r"4 of 10 task\(s\) done \(1 failed\), 2 running, 6 left; [0-9.]+ tasks/s, about \d+ s left",
                         progress.line()), progress.line()
     assert not Progress(10, io.StringIO(), quiet=True).plain
+
+
+def test_top_shows_each_slot_with_the_task_it_runs(fake_gpu, tmp_path):
+    """`mpsrun top --json` while a farm's two slots run tasks 0 and 1: a row per slot (its number in the rank's
+    place) with its task, on GPU 0, an MPS client."""
+    release = tmp_path / "release"
+    farm = subprocess.Popen([PY, "-m", "mpsrun", "-np", "2", "--array", "0-1", PY, str(FAKECUDA), "--hold", "0.1",
+                             "--until-file", str(release)], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, rows = time.monotonic() + 60, []
+        while time.monotonic() < deadline:
+            look = mpsrun("top", "--json")
+            rows = [row for row in json.loads(look.stdout)["ranks"] if row["task"] is not None] if look.stdout else []
+            if len(rows) == 2 and all(row["mps"] for row in rows):
+                break
+            time.sleep(0.2)
+    finally:
+        release.touch()
+        _, err = farm.communicate(timeout=60)
+    assert farm.returncode == 0, err
+    assert sorted((row["rank"], row["task"]) for row in rows) in ([(0, 0), (1, 1)], [(0, 1), (1, 0)]), rows
+    assert all(row["gpu"] == 0 and row["mps"] is True for row in rows), rows

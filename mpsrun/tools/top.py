@@ -66,6 +66,11 @@ def _text(value: object, most: int = _CELL_MOST) -> str:
     return text if len(text) <= most else text[: most - 3] + "..."
 
 
+def _rank(row: RankRow) -> str:
+    """A rank's number; a farm's slot with the task it runs (``3: task 17``)."""
+    return _text(row.rank) if row.task is None else f"{_text(row.rank)}: task {row.task}"
+
+
 def render(snapshot: Snapshot) -> list[str]:
     """The snapshot as lines, every one printable (no control character, no escape sequence): the jobs, a table of
     ranks, a table of GPUs (or a line saying that NVML sees none)."""
@@ -74,7 +79,7 @@ def render(snapshot: Snapshot) -> list[str]:
              f"{_text(socket.gethostname())}"]
     lines += [f"  job {_text(job.session)} ({_text(job.kind)}, pid {job.owner}, {_time(job.age)}): "
               f"{_text(' '.join(printable(word) for word in job.command), _COMMAND_MOST)}" for job in snapshot.jobs]
-    ranks = [[_text(r.job), _text(r.rank), _text(r.host), str(r.pid), _text(r.gpu), _text(r.mps), _text(r.memory),
+    ranks = [[_text(r.job), _rank(r), _text(r.host), str(r.pid), _text(r.gpu), _text(r.mps), _text(r.memory),
               _text(r.peak), _text(r.limit), _text(r.threads), _text(None if r.cpu is None else round(r.cpu)),
               _text(r.resident), _text(r.state), _time(r.running)]
              for r in snapshot.ranks]

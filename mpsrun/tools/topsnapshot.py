@@ -48,7 +48,8 @@ class RankRow:
     """One rank now. ``mps``: an MPS client (None: no CUDA context seen); memory in MiB (``memory``: device memory
     now, over the rank's processes; ``peak``: the most its job's controller or this view saw); ``limit``: its
     pinned-memory limit as MPS was given it; ``running``: seconds since it started. A rank on another host of a
-    ``--hosts`` job, as its controller here heard of it, has its host, pid and peak only."""
+    ``--hosts`` job, as its controller here heard of it, has its host, pid and peak only. A farm's slot (``rank``: the
+    slot) shows the ``task`` it runs now."""
 
     job: str
     rank: int | None
@@ -64,6 +65,7 @@ class RankRow:
     resident: int | None
     state: str
     running: float | None
+    task: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +172,8 @@ class Top:
              peaks: dict[int, int], here: str) -> RankRow:
         """``seen``: the CUDA contexts of the rank's process and its descendants (device memory in MiB, MPS)."""
         env = process.environ()
-        rank = _number(env.get("RANK"))
+        task = _number(env.get("MPSRUN_TASK_ID"))  # a farm's task: its slot in the rank's place
+        rank = _number(env.get("RANK") if task is None else env.get("MPSRUN_SLOT"))
         memory = sum(used for used, _ in seen) if seen else None
         peak = max(filter(None, (memory, peaks.get(rank) if rank is not None else None,
                                  self._peaks.get((job, rank)) if rank is not None else None)), default=None)
@@ -182,7 +185,7 @@ class Top:
                            any(mps for _, mps in seen) if seen else None, memory, peak, limit,
                            _number(env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")), round(process.cpu_percent(), 1),
                            process.memory_info().rss >> 20, process.status(),
-                           round(time.time() - process.create_time(), 1))
+                           round(time.time() - process.create_time(), 1), task)
 
 
 def _order(row: RankRow) -> tuple[str, int, int]:
