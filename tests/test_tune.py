@@ -298,3 +298,21 @@ def test_the_python_api_takes_none_as_the_default_queues(fake_gpu, monkeypatch):
                          metric=r"rate: (\S+)")
     assert [t.setting.queues for t in result.trials] == [None]
     settle(fake_gpu)
+
+
+def test_a_farm_is_tuned_by_its_tasks_per_second(fake_gpu, tmp_path):
+    """``mpsrun tune --ranks 1,2 --tasks FILE``: each trial runs the whole farm with that many slots, its throughput
+    is the list's tasks per farm second, and the command to run is the farm's (no command after ``--``); ``--tasks -``
+    is refused (each trial reads the list again)."""
+    tasks = tmp_path / "tasks.txt"
+    tasks.write_text(f"{sys.executable} -c 'import time; time.sleep(0.3)'\n" * 4)
+    out = _tune("--ranks", "1,2", "--mps", "on", "--repeats", "1", "--json", "--tasks", str(tasks))
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["job"]["tasks"] == 4 and result["scaling"] == "weak"
+    for trial in result["trials"]:
+        assert trial["throughputs"][0] == pytest.approx(4 / trial["seconds"][0]), trial
+    assert result["command"] in (f"mpsrun -np {n} --mps on --tasks {tasks}" for n in (1, 2)), result["command"]
+    refused = _tune("--ranks", "1,2", "--tasks", "-")
+    assert refused.returncode == 2 and "give --tasks a file" in refused.stderr, refused.stderr
+    settle(fake_gpu)

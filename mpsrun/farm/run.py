@@ -11,19 +11,17 @@ import logging
 import os
 import signal
 import socket
-import sys
 from collections.abc import Mapping
 
 from mpsrun.agent.outcome import Policy
-from mpsrun.config import values
 from mpsrun.config.options import JobConfig
 from mpsrun.errors import ConfigError, MPSError
 from mpsrun.exitcodes import Cause, ExitCode, Outcome, exit_code
 from mpsrun.farm.farm import Farm, FarmRules, Slot
 from mpsrun.farm.progress import PLAIN_INTERVAL, Progress
 from mpsrun.farm.queue import SharedList, TaskQueue
-from mpsrun.farm.results import ResultsFile, succeeded_tasks
-from mpsrun.farm.tasks import Task, array_tasks, read_task_lines
+from mpsrun.farm.results import ResultsFile
+from mpsrun.farm.tasks import Task, farm_tasks
 from mpsrun.job.run import make_output_dir
 from mpsrun.mps import gpus
 from mpsrun.mps.environment import MANAGED_VARIABLES
@@ -40,22 +38,12 @@ from mpsrun.session.claim import SessionClaim
 from mpsrun.session.paths import session_base
 from mpsrun.session.session import Session
 
-__all__ = ["farm_tasks", "run_farm", "show"]
+__all__ = ["run_farm", "show"]
 
 #: How many of its tasks a farm's --dry-run shows.
 TASKS_SHOWN = 10
 
 log = logging.getLogger("mpsrun")
-
-
-def farm_tasks(config: JobConfig) -> tuple[list[Task], dict[int, tuple[str, ...]]]:
-    """The farm's whole task list, and the tasks ``--resume`` finds succeeded (by number, with their commands)."""
-    if config.tasks is not None:
-        tasks = read_task_lines(config.tasks, sys.stdin if config.tasks == "-" else None)
-    else:
-        assert config.array is not None
-        tasks = array_tasks(config.command, values.parse_index_range(config.array))
-    return tasks, succeeded_tasks(config.results) if config.resume and config.results else {}
 
 
 def farm_nodes(environ: Mapping[str, str]) -> int:

@@ -8,13 +8,17 @@ a shell. Blank and comment lines are no tasks; the tasks are numbered from 0 in 
 from __future__ import annotations
 
 import shlex
+import sys
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+from mpsrun.config import values
+from mpsrun.config.options import JobConfig
 from mpsrun.config.values import MAX_TASKS
 from mpsrun.errors import ConfigError
+from mpsrun.farm.results import succeeded_tasks
 
-__all__ = ["Task", "array_tasks", "read_task_lines", "task_lines"]
+__all__ = ["Task", "array_tasks", "farm_tasks", "read_task_lines", "task_lines"]
 
 
 
@@ -61,3 +65,12 @@ def array_tasks(command: Sequence[str], indices: range) -> list[Task]:
     """``command`` once per index, ``{}`` in its words replaced by the index; the task's number is its index."""
     return [Task(index, tuple(word.replace("{}", str(index)) for word in command)) for index in indices]
 
+
+def farm_tasks(config: JobConfig) -> tuple[list[Task], dict[int, tuple[str, ...]]]:
+    """The farm's whole task list, and the tasks ``--resume`` finds succeeded (by number, with their commands)."""
+    if config.tasks is not None:
+        tasks = read_task_lines(config.tasks, sys.stdin if config.tasks == "-" else None)
+    else:
+        assert config.array is not None
+        tasks = array_tasks(config.command, values.parse_index_range(config.array))
+    return tasks, succeeded_tasks(config.results) if config.resume and config.results else {}

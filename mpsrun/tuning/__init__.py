@@ -7,8 +7,8 @@ Python API (``mpsrun.tune``).
 
 Imports: the configuration (to check every setting before anything runs), :mod:`mpsrun.mps` (whether MPS can run
 here at all, and the GPUs for the default rank counts), the runtime, and :mod:`mpsrun.tools.plotting` for
-``--plot``. Each trial is a separate ``mpsrun`` process: neither :mod:`mpsrun.job` nor :mod:`mpsrun.session` is
-imported here.
+``--plot``, and a farm's task list (:mod:`mpsrun.farm.tasks`: its tasks are counted). Each trial is a separate
+``mpsrun`` process: neither :mod:`mpsrun.job` nor :mod:`mpsrun.session` is imported here.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from mpsrun.tuning.grid import (
     Setting,
     TuneJob,
     default_ranks,
+    farm_size,
     grid,
     parse_mps_list,
     parse_queues_list,
@@ -91,7 +92,8 @@ def tune(command: Sequence[str], *, ranks: Values | int | None = None, thread_pe
     Lists are sequences or text as on the command line (``"1,2,4"``; a thread percentage of None or ``"none"``
     is unset, and so is a queue count of None or ``"default"``). ``ranks`` defaults to 1, then 1, 2, 4 and 8 per
     GPU. ``scaling`` ``"weak"``: throughput is ranks per second of the job; ``"strong"``: jobs per second;
-    ``metric``: a regular expression for a number each rank prints, summed over ranks. ``budget``: seconds for all
+    ``metric``: a regular expression for a number each rank prints, summed over ranks. A farm (``--tasks FILE`` or
+    ``--array`` among the ``options``): tasks per second, ``ranks`` being its slots. ``budget``: seconds for all
     of it; what it cannot reach is left out.
     ``progress`` hears a line after each trial. A bad value raises :class:`~mpsrun.errors.ConfigError` before
     anything runs; a command that cannot run at all, the warm-up's error (exit 126 or 127).
@@ -100,8 +102,9 @@ def tune(command: Sequence[str], *, ranks: Values | int | None = None, thread_pe
         raise ConfigError(f"progress must be callable, not {progress!r}", setting="progress")
     if metric is not None and not isinstance(metric, str):
         raise ConfigError(f"--metric is a regular expression, not {metric!r}", setting="--metric")
-    job = TuneJob(_strings(command, "command"), _strings(options, "options"),
-                  scaling=values.parse_choice(scaling, ("weak", "strong"), "--scaling"), metric=metric)
+    words, given = _strings(command, "command"), _strings(options, "options")
+    job = TuneJob(words, given, scaling=values.parse_choice(scaling, ("weak", "strong"), "--scaling"), metric=metric,
+                  tasks=farm_size(words, given))
     counts = parse_ranks_list(_text(ranks, "--ranks")) if ranks is not None else default_ranks(job.options)
     settings = grid(counts, parse_mps_list(_text(mps, "--mps")),
                     parse_thread_list(_text(thread_percentage, "--thread-percentage")),

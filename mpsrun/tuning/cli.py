@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
 def _split(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str], list[str]]:
     """Tune's options, the job options and the command."""
     words = list(argv)
+    if "--" not in words and any(word == "--tasks" or word.startswith("--tasks=") for word in words):
+        args, job_options = _parser().parse_known_args(words)  # a farm of a task file: no command
+        return args, job_options, []
     if "--" not in words:
         if any(word in ("-h", "--help") for word in words):
             _parser().parse_args(["--help"])

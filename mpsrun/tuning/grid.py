@@ -67,17 +67,18 @@ class Setting:
 class TuneJob:
     """What every trial shares: the command, the job options given to tune, and how throughput is counted
     (``scaling``; or ``metric``, a regular expression whose first group, else whole match, is a number each
-    rank prints)."""
+    rank prints; of a farm, its ``tasks`` per second)."""
 
     command: tuple[str, ...]
     options: tuple[str, ...] = ()
     scaling: str = "weak"
     metric: str | None = None
+    tasks: int | None = None  # a farm's (--tasks, --array): how many tasks each trial runs
 
     def __post_init__(self) -> None:
         if not all(isinstance(word, str) for word in (*self.command, *self.options)):
             raise ConfigError("the command and the job options are lists of strings", setting="command")
-        if not self.command and "-m" not in self.options:
+        if not self.command and "-m" not in self.options and self.tasks is None:
             raise ConfigError("no command given: mpsrun tune [options] -- command [args...]", setting="command")
         values.parse_choice(self.scaling, SCALINGS, "--scaling")
         if self.metric is not None:
@@ -129,6 +130,25 @@ class TuneJob:
         without, which the command then runs without too (``env -u``) where this shell has them."""
         dropped = [word for name in unset if name in os.environ for word in ("-u", name)]
         return shlex.join([*(["env", *dropped] if dropped else []), "mpsrun", *self._words(setting)])
+
+
+def farm_size(command: Sequence[str], options: Sequence[str]) -> int | None:
+    """How many tasks a farm's trial runs (None: the job is no farm). ``--tasks -`` is refused: each trial reads the
+    task list again, and standard input is read once."""
+    from mpsrun.config.commandline import parse_args
+    from mpsrun.farm.tasks import farm_tasks
+
+    try:
+        config = parse_args([*options, *(["--", *command] if command else [])], environ={})
+    except SystemExit:  # --help or --version among the job options: said by the options' own check
+        return None
+    if not config.farm:
+        return None
+    if config.tasks == "-":
+        raise ConfigError("mpsrun tune runs the farm once per trial: give --tasks a file, not - (standard input)",
+                          setting="--tasks")
+    tasks, done = farm_tasks(config)
+    return sum(done.get(task.id) != task.argv for task in tasks) or 1
 
 
 def parse_ranks_list(text: str) -> tuple[int, ...]:

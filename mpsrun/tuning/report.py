@@ -16,6 +16,8 @@ __all__ = ["check_plot_path", "format_report", "plot"]
 
 def _unit(result: TuneResult) -> str:
     job = result.job
+    if job.tasks is not None:
+        return f"tasks / farm seconds (each trial runs the farm's {job.tasks} task(s); ranks are its slots)"
     if job.metric is not None:
         return f"the sum over ranks of --metric {job.metric!r}"
     if job.scaling == "weak":

@@ -146,13 +146,14 @@ class TuneResult:
                 "scaling": "metric" if self.job.metric else self.job.scaling,
                 "dropped": [s.to_json() for s in self.dropped], "interrupted": self.interrupted,
                 "elapsed": self.elapsed, "job": {"command": list(self.job.command), "options": list(self.job.options),
-                                                 "scaling": self.job.scaling, "metric": self.job.metric}}
+                                                 "scaling": self.job.scaling, "metric": self.job.metric,
+                                                 "tasks": self.job.tasks}}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TuneResult:
         """A result saved with :meth:`to_json` (``mpsrun tune --json``), to report or plot again."""
         job = TuneJob(tuple(data["job"]["command"]), tuple(data["job"]["options"]), data["job"]["scaling"],
-                      data["job"]["metric"])
+                      data["job"]["metric"], data["job"].get("tasks"))
         dropped = tuple(Setting.from_json(setting) for setting in data["dropped"])
         return cls(job, tuple(Trial.from_json(t) for t in data["trials"]), dropped, data["interrupted"],
                    data["elapsed"])

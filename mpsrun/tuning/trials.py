@@ -81,6 +81,8 @@ def _throughput(job: TuneJob, setting: Setting, seconds: float, stdout: IO[bytes
         stdout.seek(0)
         lines = (line.decode(errors="replace").rstrip("\n") for line in stdout)  # line by line: output may be large
         return metric_total(lines, job.metric, setting.ranks)
+    if job.tasks is not None:
+        return job.tasks / seconds, ""
     return (setting.ranks if job.scaling == "weak" else 1) / seconds, ""
 
 
