@@ -376,3 +376,15 @@ def test_top_shows_each_slot_with_the_task_it_runs(fake_gpu, tmp_path):
     assert farm.returncode == 0, err
     assert sorted((row["rank"], row["task"]) for row in rows) in ([(0, 0), (1, 1)], [(0, 1), (1, 0)]), rows
     assert all(row["gpu"] == 0 and row["mps"] is True for row in rows), rows
+
+
+def test_slots_beyond_the_tasks_are_not_started(fake_gpu):
+    """-np larger than the task list: only as many slots as tasks run (a hundred thousand slots for two tasks took
+    minutes of one core before, each task's end walking every slot), placed as -np asked: a per-slot list of
+    thread percentages still gives the first slots theirs."""
+    run = mpsrun("-np", "100000", "--array", "1-2", "true", timeout=60)
+    assert run.returncode == 0 and "2 task(s): 2 succeeded" in run.stderr, run.stderr
+    run = mpsrun("-np", "3", "--thread-percentage", "10,20,30", "--array", "1-2", PY, "-c",
+                 "import os; print(os.environ['MPSRUN_SLOT'], os.environ['CUDA_MPS_ACTIVE_THREAD_PERCENTAGE'])")
+    assert run.returncode == 0, run.stderr
+    assert sorted(run.stdout.split("\n")[:-1]) == ["0 10", "1 20"], run.stdout

@@ -114,6 +114,7 @@ class Farm:
         self._unrecorded = False  # tasks started this turn of the loop, not yet in the session's record
         self.progress = progress
         self.tally = Tally()
+        self.active: dict[int, Slot] = {}  # the slots running a task, by number
         self.host = socket.gethostname()
         self.stopping: int | None = None
         self.tries: dict[int, int] = {}
@@ -131,7 +132,7 @@ class Farm:
 
     @property
     def done(self) -> bool:
-        return all(slot.running is None for slot in self.slots) and (not self._taking() or not self._left())
+        return not self.active and (not self._taking() or not self._left())
 
     def _left(self) -> bool:
         return self.queue.left() or any(self.suspects.values())
@@ -151,17 +152,19 @@ class Farm:
             if not self._server_busy(slot.daemon):
                 self._spawn(slot, suspects.popleft(), alone=True)
             return
-        if not self._server_busy(slot.daemon, alone_only=True) and (task := self.queue.take()) is not None:
+        if self.queue.left() and not self._server_busy(slot.daemon, alone_only=True) and \
+                (task := self.queue.take()) is not None:
             self._spawn(slot, task, alone=False)
 
     def _server_busy(self, daemon: ControlDaemon | None, alone_only: bool = False) -> bool:
         """Whether a task runs on ``daemon``'s server (``alone_only``: one that must run alone)."""
-        return daemon is not None and any(
-            s.running is not None and s.daemon is daemon and (s.running.alone or not alone_only) for s in self.slots)
+        return daemon is not None and any(s.daemon is daemon and (s.running.alone or not alone_only)
+                                          for s in self.active.values() if s.running is not None)
 
     def _free(self) -> None:
         for slot in self.slots:
-            self._take(slot)
+            if slot.running is None:
+                self._take(slot)
 
     # -- a task's life ------------------------------------------------------------------------------------------
 
@@ -196,6 +199,7 @@ class Farm:
             if output is None:
                 close_all(files)
         slot.running = Running(task, tries, process, output, alone)
+        self.active[slot.index] = slot
         if output is not None:
             output.forward()
         exit_fd = pidfd(process.pid)
@@ -207,7 +211,7 @@ class Farm:
 
     def _record_running(self) -> None:
         self._unrecorded = False
-        found = [ProcessRef.of(s.running.process.pid) for s in self.slots if s.running is not None]
+        found = [ProcessRef.of(s.running.process.pid) for s in self.active.values() if s.running is not None]
         self.running([ref for ref in found if ref is not None])
 
     def _output_files(self, task: Task) -> list[int]:
@@ -237,6 +241,7 @@ class Farm:
         if running.output is not None:
             running.output.drain()
         slot.running = None
+        del self.active[slot.index]
         if returncode != 0 and self.stopping is None and slot.daemon is not None and self._suspect(slot, running):
             self.loop.after(0, self._free)
             return
@@ -269,7 +274,8 @@ class Farm:
         assert slot.daemon is not None
         key, task = id(slot.daemon), running.task
         if torn := self._torn_down(slot.daemon):  # a new fault: the tasks it tore down, this one and running ones
-            main = {running.process.pid: task.id} | {s.running.process.pid: s.running.task.id for s in self.slots
+            main = {running.process.pid: task.id} | {s.running.process.pid: s.running.task.id
+                                                      for s in self.active.values()
                                                       if s.running is not None and s.daemon is slot.daemon}
             owners = {main[pid] if pid in main else self.whose(pid) for pid in torn}  # a client may be a task's child
             victims = {owner for owner in owners if owner is not None and owner in main.values()}
@@ -301,7 +307,7 @@ class Farm:
         if self.results is not None:
             self.results.write(result)
         if self.progress is not None:
-            running = sum(s.running is not None for s in self.slots)
+            running = len(self.active)
             self.progress.update(self.tally.succeeded + self.tally.failed + self.tally.stopped, self.tally.failed,
                                  running)
         if not result.succeeded and cause != TaskCause.STOPPED:
@@ -321,13 +327,14 @@ class Farm:
         self.signal(sig)
 
     def signal(self, sig: int) -> None:
-        for slot in self.slots:
+        for slot in self.active.values():
             if slot.running is not None:
                 kill_group(slot.running.process.pid, sig)
 
     def pids(self) -> dict[int, int]:
         """``{pid: task}`` of the running tasks."""
-        return {slot.running.process.pid: slot.running.task.id for slot in self.slots if slot.running is not None}
+        return {slot.running.process.pid: slot.running.task.id for slot in self.active.values()
+                if slot.running is not None}
 
     def _say(self, text: str) -> None:
         self.say(f"mpsrun: {text}")

@@ -103,9 +103,9 @@ class FarmRun:
             export=False, gpu_bind=config.gpu_bind, start_timeout=max(0.1, self.deadline.cap(DAEMON_START_TIMEOUT)),
             claim=claim)
         session.resolve()
-        slots = config.ranks
-        plan = NodePlan.make(config, len(session.gpus), slots, session.free_memory(), slots)
-        plans = plan.ranks(slots)
+        slots = max(1, min(config.ranks, self.queue.to_run))  # a slot more than tasks would run nothing
+        plan = NodePlan.make(config, len(session.gpus), config.ranks, session.free_memory(), config.ranks)
+        plans = plan.ranks(config.ranks)[:slots]  # placed as -np asked (its per-slot lists too), the first used
         session.start_lazy(plan.daemon_defaults())
         if session.disabled_reason is not None and not config.quiet:
             for line in without_mps(config, session.disabled_reason, gpus_seen=bool(session.gpus)):
