@@ -30,7 +30,8 @@ from mpsrun.farm.results import ResultsFile, TaskCause, TaskResult
 from mpsrun.farm.tasks import Task
 from mpsrun.mps.daemon import ControlDaemon
 from mpsrun.mps.replies import torn_down_clients
-from mpsrun.rank.streams import RankOutput
+from mpsrun.rank.command import exec_failure_code
+from mpsrun.rank.streams import RankOutput, output_files
 from mpsrun.runtime.files import read_log
 from mpsrun.runtime.loop import EventLoop
 from mpsrun.runtime.processes import ProcessRef, close_all, find_program, kill_group, pidfd
@@ -178,26 +179,15 @@ class Farm:
             self._record(slot, task, tries, code, None, time.time(), None, None)
             self.loop.after(0, self._free)
             return
-        output = None if self.rules.output_dir else \
-            RankOutput(self.loop, f"task {task.id}", self.rules.tag, True, None, aside=self.progress)
-        files: list[int] = []
         try:
-            files = self._output_files(task) if output is None else output.open()
-            # No preexec_fn (a Python function between fork and exec makes each start several times slower): a task
-            # that outlives a killed farm is ended by the session's reaper, which the running tasks are recorded for.
-            process = subprocess.Popen(task.argv, executable=program, env=env, start_new_session=True,
-                                       stdout=files[0], stderr=files[1])
+            process, output = self._start(task, program, env)
         except OSError as exc:
-            if output is not None:
-                output.close()
-            self._say(f"task {task.id}: {task.argv[0]}: {exc.strerror}")
-            self._record(slot, task, tries, ExitCode.NOT_EXECUTABLE if isinstance(exc, PermissionError)
-                         else ExitCode.SETUP, None, time.time(), None, None)
+            what = exc.filename if exc.filename and exc.filename != program else task.argv[0]
+            self._say(f"task {task.id}: {what}: {exc.strerror}")
+            code = exec_failure_code(exc) if what == task.argv[0] else ExitCode.SETUP  # (126, 127, as a shell)
+            self._record(slot, task, tries, code, None, time.time(), None, None)
             self.loop.after(0, self._free)
             return
-        finally:
-            if output is None:
-                close_all(files)
         slot.running = Running(task, tries, process, output, alone)
         self.active[slot.index] = slot
         if output is not None:
@@ -209,24 +199,34 @@ class Farm:
             self._unrecorded = True
             self.loop.after(0, self._record_running)
 
+    def _start(self, task: Task, program: str, env: Mapping[str, str]) -> tuple[subprocess.Popen[bytes],
+                                                                            RankOutput | None]:
+        """Start ``task``: its output through pipes of ours, passed on in whole lines, or to its own files under
+        ``--output-filename``. No preexec_fn (a Python function between fork and exec makes each start several
+        times slower): a task that outlives a killed farm is ended by the session's reaper, which the running tasks
+        are recorded for."""
+        output_dir, output = self.rules.output_dir, None
+        if output_dir:
+            files = output_files(output_dir, f"task.{task.id}")
+        else:
+            output = RankOutput(self.loop, f"task {task.id}", self.rules.tag, True, None, aside=self.progress)
+            files = output.open()
+        try:
+            process = subprocess.Popen(task.argv, executable=program, env=env, start_new_session=True,
+                                       stdout=files[0], stderr=files[1])
+        except OSError:
+            if output is not None:
+                output.close()
+            raise
+        finally:
+            if output is None:
+                close_all(files)
+        return process, output
+
     def _record_running(self) -> None:
         self._unrecorded = False
         found = [ProcessRef.of(s.running.process.pid) for s in self.active.values() if s.running is not None]
         self.running([ref for ref in found if ref is not None])
-
-    def _output_files(self, task: Task) -> list[int]:
-        """``--output-filename DIR``: the task's stdout and stderr files in ``DIR/task.ID/``."""
-        assert self.rules.output_dir is not None
-        directory = os.path.join(self.rules.output_dir, f"task.{task.id}")
-        os.makedirs(directory, exist_ok=True)
-        files: list[int] = []
-        try:
-            for name in ("stdout", "stderr"):
-                files.append(os.open(os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666))
-        except OSError:
-            close_all(files)
-            raise
-        return files
 
     def _exited(self, slot: Slot, exit_fd: int) -> None:
         running = slot.running

@@ -33,7 +33,7 @@ from mpsrun.runtime.constants import DAEMON_START_TIMEOUT, FORWARDED_SIGNALS, PA
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.interrupts import Interrupts
 from mpsrun.runtime.loop import EventLoop
-from mpsrun.runtime.output import escaped, say
+from mpsrun.runtime.output import say
 from mpsrun.session.claim import SessionClaim
 from mpsrun.session.paths import session_base
 from mpsrun.session.session import Session
@@ -259,17 +259,15 @@ def _close(session: Session | None, claim: SessionClaim | None, code: int) -> in
 def show(config: JobConfig) -> int:
     """``--dry-run`` of a farm: its slots (each one's GPU, limits and variables) and its first tasks; 0, or what
     refused them. The task list is read (a bad line is refused as the farm would refuse it); nothing starts."""
-    from mpsrun.job.dryrun import plan_lines
+    from mpsrun.job.dryrun import show as show_plan
 
-    try:
-        tasks, done = farm_tasks(config)
-        lines = plan_lines(config)
-    except MPSError as exc:
-        say(f"mpsrun: error: {exc}")
-        return exc.exit_code
+    return show_plan(config, lambda: _task_lines(config))
+
+
+def _task_lines(config: JobConfig) -> list[str]:
+    tasks, done = farm_tasks(config)
     to_run = [task for task in tasks if done.get(task.id) != task.argv]
     shown = [f"task {task.id}: {task.text}" for task in to_run[:TASKS_SHOWN]]
     more = [f"... and {len(to_run) - TASKS_SHOWN} more"] if len(to_run) > TASKS_SHOWN else []
     resumed = f" ({len(tasks) - len(to_run)} succeeded before: not run again)" if len(tasks) != len(to_run) else ""
-    print("\n".join(map(escaped, [*lines[:-1], f"{len(to_run)} task(s){resumed}:", *shown, *more, lines[-1]])))
-    return ExitCode.OK
+    return [f"{len(to_run)} task(s){resumed}:", *shown, *more]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from mpsrun.agent.welcome import mpi4py_abort, mpi4py_available, rendezvous, welcome
 from mpsrun.config.options import JobConfig
@@ -130,12 +130,13 @@ def _variables(node: NodePlan, rank: int, targets: Sequence[GpuTarget]) -> dict[
     return env
 
 
-def show(config: JobConfig) -> int:
-    """Print the plan; 0, or what refused it."""
+def show(config: JobConfig, more: Callable[[], list[str]] | None = None) -> int:
+    """Print the plan (and ``more`` of it before its last line: a farm's tasks); 0, or what refused it."""
     try:
         lines = plan_lines(config)
+        extra = more() if more is not None else []
     except MPSError as exc:
         say(f"mpsrun: error: {exc}")
         return exc.exit_code
-    print("\n".join(map(escaped, lines)))
+    print("\n".join(map(escaped, [*lines[:-1], *extra, lines[-1]])))
     return ExitCode.OK

@@ -22,7 +22,7 @@ from mpsrun.runtime.loop import EventLoop
 from mpsrun.runtime.output import LineWriter, say, unread
 from mpsrun.runtime.processes import close_all
 
-__all__ = ["RankOutput"]
+__all__ = ["RankOutput", "output_files"]
 
 SINKS = (1, 2)  # the rank's stdout and stderr go to ours
 
@@ -146,3 +146,18 @@ def _like_terminal(fd: int, terminal: int) -> None:
     termios.tcsetattr(fd, termios.TCSANOW, attributes)
     with contextlib.suppress(OSError):
         fcntl.ioctl(fd, termios.TIOCSWINSZ, fcntl.ioctl(terminal, termios.TIOCGWINSZ, bytes(8)))
+
+
+def output_files(output_dir: str, name: str) -> list[int]:
+    """``--output-filename``: the stdout and stderr files of ``name`` (``rank.3``, ``task.17``) in ``output_dir``,
+    made with the user's umask."""
+    directory = os.path.join(output_dir, name)
+    os.makedirs(directory, exist_ok=True)
+    files: list[int] = []
+    try:
+        for stream in ("stdout", "stderr"):
+            files.append(os.open(os.path.join(directory, stream), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666))
+    except OSError:
+        close_all(files)
+        raise
+    return files

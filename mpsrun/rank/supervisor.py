@@ -30,7 +30,7 @@ from mpsrun.rank.command import exec_failure_code, through_mpi4py
 from mpsrun.rank.environ import rank_env
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.rank.join import Join, refused, report_failure, report_interrupt
-from mpsrun.rank.streams import RankOutput
+from mpsrun.rank.streams import RankOutput, output_files
 from mpsrun.runtime.constants import (
     DRAIN_TIMEOUT,
     FORWARDED_SIGNALS,
@@ -148,19 +148,8 @@ class RankSupervisor:
         return self._finish(Outcome("rank-failed", self.returncode), failure_reason(self.env, *self.queue_budget))
 
     def _output_files(self) -> list[int]:
-        """The rank's stdout and stderr files under ``--output-filename`` (made with the user's umask), or none."""
-        if not self.output_dir:
-            return []
-        directory = os.path.join(self.output_dir, f"rank.{self.rank}")
-        os.makedirs(directory, exist_ok=True)
-        files: list[int] = []
-        try:
-            for name in ("stdout", "stderr"):
-                files.append(os.open(os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666))
-        except OSError:
-            close_all(files)
-            raise
-        return files
+        """The rank's stdout and stderr files under ``--output-filename``, or none."""
+        return output_files(self.output_dir, f"rank.{self.rank}") if self.output_dir else []
 
     def _spawn(self, program: str, files: Sequence[int]) -> None:
         """Start the rank: its output to ``files`` (stdout, stderr) when given, else through pipes (or terminals) of
