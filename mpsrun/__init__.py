@@ -19,21 +19,23 @@ __version__ = "0.1.0"
 #: The public API, one list. The errors are :mod:`mpsrun.errors`' own list (``tests/test_api.py`` holds the two equal).
 __all__ = [
     "CommandNotExecutableError", "CommandNotFoundError", "ConfigError", "DaemonError", "DaemonStartError",
-    "DaemonTimeoutError", "GPUError", "GPUNotFoundError", "JobTimeoutError", "MPSError", "MPSUnavailableError",
-    "NoDriverError", "NotMPSClientError", "Session", "SharedArrayError", "TeardownError", "UnsafeDirectoryError",
-    "__version__", "mps_session", "shared", "tune",
+    "DaemonTimeoutError", "Executor", "GPUError", "GPUNotFoundError", "JobTimeoutError", "MPSError",
+    "MPSUnavailableError", "NoDriverError", "NotMPSClientError", "Session", "SharedArrayError", "TeardownError",
+    "UnsafeDirectoryError", "WorkerDiedError", "__version__", "mps_session", "shared", "tune",
 ]
 
 #: Where each name other than an error comes from; all are imported on first use (PEP 562): every process of a job
 #: imports this package (each rank's supervisor, and each Python rank's runner in the rank's own interpreter), and
 #: pays for nothing here.
-_LAZY = {"Session": "mpsrun.session.session", "mps_session": "mpsrun.session.session", "shared": "mpsrun.shared",
-         "tune": "mpsrun.tuning"}
+_LAZY = {"Executor": "mpsrun.farm.executor", "Session": "mpsrun.session.session",
+         "mps_session": "mpsrun.session.session",
+         "shared": "mpsrun.shared", "tune": "mpsrun.tuning"}
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # what the lazy names are, for type checkers
     from mpsrun import shared
     from mpsrun.errors import *  # noqa: F403
+    from mpsrun.farm.executor import Executor
     from mpsrun.session.session import Session, mps_session
     from mpsrun.tuning import tune
 

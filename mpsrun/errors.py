@@ -32,6 +32,7 @@ __all__ = [
     "SharedArrayError",
     "TeardownError",
     "UnsafeDirectoryError",
+    "WorkerDiedError",
 ]
 
 
@@ -208,6 +209,20 @@ class SharedArrayError(MPSError, RuntimeError):
 
     def __init__(self, message: str, *, name: str = "") -> None:
         super().__init__(message, name=name)
+
+
+class WorkerDiedError(MPSError, RuntimeError):
+    """A worker of an :class:`mpsrun.Executor` died while it ran a call (killed, or it ended its process): only that
+    call's future fails, and a fresh worker takes the dead one's place. Attributes: ``worker`` (its number), ``gpu``
+    (its GPU's index, None without one) and ``returncode`` (the process's: -N for signal N)."""
+
+    worker: int
+    gpu: int | None
+    returncode: int | None
+
+    def __init__(self, message: str, *, worker: int = -1, gpu: int | None = None,
+                 returncode: int | None = None) -> None:
+        super().__init__(message, worker=worker, gpu=gpu, returncode=returncode)
 
 
 # -- mpsrun's own: raised and caught inside, never reaching a caller of the public API -------------------

@@ -94,3 +94,17 @@ def test_per_rank_limits_without_a_gpu_is_one_line(no_gpu):
                          capture_output=True, text=True, timeout=120, env=_no_device())
     assert out.returncode == 1, out.stderr
     assert "Traceback" not in out.stderr and out.stderr.count("needs CuPy and an NVIDIA GPU") == 1, out.stderr
+
+
+@pytest.mark.parametrize("cupy", [True, False])
+def test_the_executor_example_says_how_many_workers_were_mps_clients(fake_gpu, monkeypatch, cupy):
+    """examples/executor.py: with CuPy (the double) its four workers are proven MPS clients of the executor's daemon;
+    without it they run on NumPy, and it says none was, rather than calling that a pass."""
+    pytest.importorskip("numpy")
+    if cupy:
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE_CUDA), os.environ["PYTHONPATH"]]))
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "executor.py")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "mean of x^2 over 16 tasks: 0.33" in out.stdout, out.stdout
+    assert f"MPS on; {4 if cupy else 0} of 4 workers proven MPS clients" in out.stdout, out.stdout

@@ -1,0 +1,341 @@
+"""``mpsrun.Executor``: a :class:`concurrent.futures.Executor` whose worker processes share the GPUs through MPS.
+
+The workers are placed on the GPUs as a job's ranks are (the same plan: :class:`~mpsrun.mps.placement.NodePlan`),
+each with its GPU, SM share and memory limit, and each a client of a private MPS daemon per GPU that lives as long as
+the executor. They are spawned (CUDA cannot cross a fork) with their variables in their environment from the start,
+and they stay: a worker keeps its CUDA context and compiled kernels from one call to the next, which is where most of
+a small task's time goes. Functions, arguments and results travel pickled, as :class:`ProcessPoolExecutor`'s do.
+
+A call's exception reaches its future with the worker's traceback as its ``__cause__``. A worker that dies fails only
+the future it was running (:class:`WorkerDiedError` names the worker, its GPU and how it died), and a fresh worker
+takes its place. Without a GPU or MPS (``mps="auto"``) the workers are plain processes, and that is said once.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Executor as _Executor
+from concurrent.futures import Future
+from multiprocessing.connection import Connection, wait
+from typing import Any, NamedTuple
+
+from mpsrun.config import values
+from mpsrun.config.options import JobConfig
+from mpsrun.errors import WorkerDiedError
+from mpsrun.exitcodes import describe_returncode
+from mpsrun.farm.worker import RemoteTraceback, serve
+from mpsrun.mps.environment import MANAGED_VARIABLES
+from mpsrun.mps.placement import NodePlan, slot_environment
+from mpsrun.mps.watch import RankWatch
+from mpsrun.session.session import Session
+
+__all__ = ["Executor", "WorkerAccount"]
+
+_ENVIRONMENT_LOCK = threading.Lock()  # os.environ is lent to one worker's start at a time
+
+
+class WorkerAccount(NamedTuple):
+    """One worker slot's account: the calls it ran (``failed`` of them raised or died), how many processes it took
+    (a dead worker's place is taken by a fresh one), its GPU, whether its processes were MPS clients (None: no
+    context seen, or no MPS) and their seconds alive and of CPU."""
+
+    worker: int
+    gpu: int | None
+    calls: int
+    failed: int
+    processes: int
+    mps: bool | None
+    wall: float
+    cpu: float | None
+
+
+class _Worker:
+    """One worker slot: its process now, its connection, the call it runs, and its account so far."""
+
+    __slots__ = (
+        "calls",
+        "connection",
+        "cpu",
+        "env",
+        "failed",
+        "gpu",
+        "index",
+        "process",
+        "processes",
+        "running",
+        "started",
+        "wall",
+    )
+
+    def __init__(self, index: int, gpu: int | None, env: Mapping[str, str]) -> None:
+        self.index, self.gpu, self.env = index, gpu, dict(env)
+        self.process: Any = None
+        self.connection: Connection | None = None
+        self.running: tuple[int, Future[Any]] | None = None
+        self.started = 0.0
+        self.calls = self.failed = self.processes = 0
+        self.wall, self.cpu = 0.0, 0.0
+
+
+class Executor(_Executor):
+    """``workers`` processes placed on ``gpus`` (``"all"``, ``"0,1"``, a list) by ``map_by`` (``block`` or
+    ``round-robin``), each with ``thread_percentage`` (P, ``auto`` or one per worker) and ``mem_limit`` (``4G``,
+    ``auto``); ``mps``: ``auto`` (plain processes where MPS cannot run, said once), ``on`` (MPSError instead) or
+    ``off``. Use it as a context manager, or call :meth:`shutdown`."""
+
+    def __init__(self, workers: int = 1, *, gpus: object = "all", thread_percentage: object = None,
+                 mem_limit: object = None, map_by: str = "block", mps: str = "auto") -> None:
+        config = JobConfig(command=("python",), nranks=values.parse_count(workers, "workers"),
+                           gpus=values.parse_gpus(gpus, "gpus"),
+                           thread_percentage=values.parse_thread_spec(thread_percentage, "thread_percentage"),
+                           mem_limit=None if mem_limit is None else values.parse_mem_limit(mem_limit),
+                           map_by=values.parse_choice(map_by, values.MAP_POLICIES, "map_by"),
+                           mps=values.parse_choice(mps, values.MPS_MODES, "mps"))
+        self._session = Session(gpus=list(config.gpus) if config.gpus is not None else "all", mps=config.mps,
+                                export=False)
+        self._workers = self._start_session(config)
+        self._watch = RankWatch(self._session.watcher(), False) if self._session.enabled else None
+        self._context = multiprocessing.get_context("spawn")
+        self._pending: collections.deque[tuple[int, Future[Any], Callable[..., Any], tuple[Any, ...],
+                                               dict[str, Any]]] = collections.deque()
+        self._numbers = itertools.count()
+        self._lock = threading.Condition()
+        self._shutdown = False
+        self._wake_read, self._wake_write = multiprocessing.Pipe(duplex=False)
+        try:
+            for worker in self._workers:
+                self._spawn(worker)
+        except BaseException:
+            self._stop_workers()
+            self._session.close()
+            raise
+        self._manager = threading.Thread(target=self._manage, name="mpsrun-executor", daemon=True)
+        self._manager.start()
+
+    def _start_session(self, config: JobConfig) -> list[_Worker]:
+        """The session's daemons started with the plan's defaults; each worker's place and variables."""
+        session = self._session
+        session.resolve()
+        plan = NodePlan.make(config, len(session.gpus), config.ranks, session.free_memory(), config.ranks)
+        session.start_lazy(plan.daemon_defaults())
+        return [_Worker(place.rank, session.gpus[place.gpu].index if session.gpus else None,
+                        slot_environment(session.target(place.gpu) if session.gpus else None, place, None))
+                for place in plan.ranks(config.ranks)]
+
+    # -- the workers --------------------------------------------------------------------------------------------
+
+    def _spawn(self, worker: _Worker) -> None:
+        """Start ``worker``'s process, its variables in its environment from its first instruction (CUDA reads them
+        once, as it initialises)."""
+        ours, theirs = self._context.Pipe()
+        process = self._context.Process(target=serve, args=(theirs,), name=f"mpsrun-worker-{worker.index}",
+                                        daemon=True)
+        with _ENVIRONMENT_LOCK, _environment(worker.env):
+            process.start()
+        theirs.close()
+        worker.process, worker.connection, worker.started = process, ours, time.monotonic()
+        worker.processes += 1
+
+    def _retire(self, worker: _Worker) -> None:
+        """The worker's process has ended (not yet reaped): its time and CPU are counted, its connection closed."""
+        worker.wall += time.monotonic() - worker.started
+        worker.cpu += _cpu(worker.process.pid)
+        if worker.connection is not None:
+            worker.connection.close()
+        worker.process.join()
+
+    # -- the manager thread -------------------------------------------------------------------------------------
+
+    def _manage(self) -> None:
+        """Hand out calls, take results, replace dead workers, until shut down and idle."""
+        while True:
+            with self._lock:
+                self._dispatch()
+                if self._shutdown and not self._pending and all(w.running is None for w in self._workers):
+                    self._lock.notify_all()
+                    return
+                waits: dict[Any, _Worker | None] = {self._wake_read: None}
+                for worker in self._workers:
+                    waits[worker.connection] = worker
+                    waits[worker.process.sentinel] = worker
+            for ready in wait(list(waits)):
+                if ready is self._wake_read:
+                    with contextlib.suppress(EOFError, OSError):
+                        self._wake_read.recv()
+                    continue
+                found = waits[ready]
+                assert found is not None
+                worker = found
+                with self._lock:
+                    if ready is worker.connection:
+                        self._answer(worker)
+                    elif not worker.process.is_alive() and ready is worker.process.sentinel:
+                        self._died(worker)
+
+    def _dispatch(self) -> None:
+        for worker in self._workers:
+            while worker.running is None and self._pending:
+                number, future, function, args, kwargs = self._pending.popleft()
+                if not future.set_running_or_notify_cancel():
+                    continue
+                worker.running = (number, future)
+                assert worker.connection is not None
+                try:
+                    worker.connection.send((number, function, args, kwargs))
+                except Exception as exc:  # the call cannot be pickled: its future says why
+                    worker.running = None
+                    future.set_exception(exc)
+
+    def _answer(self, worker: _Worker) -> None:
+        assert worker.connection is not None
+        try:
+            outcome = worker.connection.recv()
+        except (EOFError, OSError):
+            return  # the process is ending: its sentinel says so
+        except Exception as exc:  # the outcome could not be unpickled here
+            outcome = (worker.running[0] if worker.running else -1, False, exc, "")
+        if worker.running is None or outcome[0] != worker.running[0]:
+            return
+        _, future = worker.running
+        worker.running, worker.calls = None, worker.calls + 1
+        if outcome[1]:
+            future.set_result(outcome[2])
+            return
+        worker.failed += 1
+        raised = outcome[2]
+        if outcome[3]:
+            raised.__cause__ = RemoteTraceback(f'\n"""\n{outcome[3]}"""')
+        future.set_exception(raised)
+
+    def _died(self, worker: _Worker) -> None:
+        """A worker's process ended on its own: the call it ran fails, and a fresh process takes its place."""
+        returncode = worker.process.exitcode
+        self._retire(worker)
+        if worker.running is not None:
+            _, future = worker.running
+            worker.running, worker.calls, worker.failed = None, worker.calls + 1, worker.failed + 1
+            where = f"GPU {worker.gpu}" if worker.gpu is not None else "no GPU"
+            future.set_exception(WorkerDiedError(
+                f"worker {worker.index} ({where}, pid {worker.process.pid}) {describe_returncode(returncode)} while "
+                "it ran this call; a fresh worker takes its place", worker=worker.index, gpu=worker.gpu,
+                returncode=returncode))
+        if not self._shutdown:
+            self._spawn(worker)
+
+    # -- concurrent.futures.Executor ----------------------------------------------------------------------------
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        with self._lock:
+            if self._shutdown:
+                raise RuntimeError("cannot submit to an mpsrun.Executor after shutdown")
+            self._pending.append((next(self._numbers), future, fn, args, kwargs))
+        self._wake()
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """No more calls; ``cancel_futures``: the calls not started are cancelled. With ``wait`` the running ones
+        finish first; then the workers end and the session closes (its daemons and directory go)."""
+        with self._lock:
+            if self._shutdown and not self._manager.is_alive():
+                return
+            self._shutdown = True
+            if cancel_futures:
+                while self._pending:
+                    self._pending.popleft()[1].cancel()
+        self._wake()
+        if wait:
+            self._manager.join()
+        else:
+            threading.Thread(target=self._finish_later, daemon=True).start()
+            return
+        self._finish()
+
+    def _finish_later(self) -> None:
+        self._manager.join()
+        self._finish()
+
+    def _finish(self) -> None:
+        self._stop_workers()
+        self._wake_read.close()
+        self._wake_write.close()
+        self._session.close()
+
+    def _stop_workers(self) -> None:
+        for worker in self._workers:
+            if worker.connection is not None and worker.process is not None and worker.process.is_alive():
+                with contextlib.suppress(OSError, ValueError):
+                    worker.connection.send(None)
+        for worker in self._workers:
+            if worker.process is None:
+                continue
+            with contextlib.suppress(Exception):
+                worker.process.join(timeout=10)  # an exited worker stays a zombie until joined: its CPU is read
+            if worker.process.is_alive():
+                worker.process.kill()
+            if worker.connection is not None and not worker.connection.closed:
+                worker.wall += time.monotonic() - worker.started
+                worker.connection.close()
+            worker.process.join()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._wake_write.send(None)
+
+    # -- what it did ----------------------------------------------------------------------------------------------
+
+    def accounts(self) -> list[WorkerAccount]:
+        """Each worker slot's account so far (its live process's time and CPU count until now)."""
+        now = time.monotonic()
+        with self._lock:
+            live = {w.index: w.connection is not None and not w.connection.closed for w in self._workers}
+            pids = {w.process.pid: w.index for w in self._workers if live[w.index]}
+            proven = self._proven(pids)
+            return [WorkerAccount(w.index, w.gpu, w.calls, w.failed, w.processes, proven.get(w.index),
+                                  round(w.wall + (now - w.started if live[w.index] else 0), 3),
+                                  round(w.cpu + (_cpu(w.process.pid) if live[w.index] else 0), 3))
+                    for w in self._workers]
+
+    def _proven(self, pids: Mapping[int, int]) -> dict[int, bool | None]:
+        """Whether each worker (by number) has been an MPS client of the session's servers (their logs say so)."""
+        if self._watch is None:
+            return {}
+        self._watch.settle(pids)
+        return {index: True if index in self._watch.verified else None for index in pids.values()}
+
+    @property
+    def session(self) -> Session:
+        """The executor's MPS session (its daemons, one per GPU; ``session.enabled``: whether MPS runs)."""
+        return self._session
+
+
+@contextlib.contextmanager
+def _environment(env: Mapping[str, str]) -> Iterator[None]:
+    """``os.environ`` as a worker starts with it: ours, less what mpsrun manages, with the worker's variables."""
+    saved = dict(os.environ)
+    try:
+        for name in MANAGED_VARIABLES:
+            os.environ.pop(name, None)
+        os.environ.update(env)
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _cpu(pid: int) -> float:
+    """The CPU seconds of our child ``pid`` so far (also once it has exited and is not yet reaped); 0 if gone."""
+    import psutil
+
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return 0.0
+    return times.user + times.system

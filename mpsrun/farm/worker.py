@@ -1,0 +1,47 @@
+"""A worker of :class:`mpsrun.farm.executor.Executor`: a spawned process that runs the calls its executor sends.
+
+Each call comes as ``(number, function, args, kwargs)`` over the worker's connection and its outcome goes back as
+``(number, True, result)`` or ``(number, False, exception, traceback text)``; ``None`` ends the worker. The worker's
+GPU and MPS variables were in its environment from its start (the executor's), before anything could initialise
+CUDA. Standard library only.
+"""
+
+from __future__ import annotations
+
+import traceback
+from multiprocessing.connection import Connection
+
+__all__ = ["RemoteTraceback", "serve"]
+
+
+class RemoteTraceback(Exception):  # noqa: N818 - concurrent.futures' own name for it
+    """The traceback of an exception raised in a worker, as its ``__cause__`` (as ProcessPoolExecutor does)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def serve(connection: Connection) -> None:
+    """Run the calls that come until told to end (or the executor is gone)."""
+    while True:
+        try:
+            work = connection.recv()
+        except (EOFError, OSError):
+            return
+        if work is None:
+            return
+        number, function, args, kwargs = work
+        outcome: tuple[object, ...]
+        try:
+            outcome = (number, True, function(*args, **kwargs))
+        except BaseException as exc:
+            outcome = (number, False, exc, "".join(traceback.format_exception(exc)))
+        try:
+            connection.send(outcome)
+        except Exception as exc:  # the result cannot be pickled: the future gets why
+            connection.send((number, False, TypeError(f"the call's outcome cannot be sent back: {exc}"),
+                             "".join(traceback.format_exception(exc))))

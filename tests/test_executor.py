@@ -1,0 +1,104 @@
+"""mpsrun.Executor on the fake GPU: results and their order, each worker's placement, exceptions with the worker's
+traceback, a worker killed (only its own future fails; a fresh worker takes its place), shutdown with and without
+waiting, MPS proof in the accounts, no GPU; and nothing left behind (the fake_gpu fixture checks)."""
+
+import concurrent.futures
+import logging
+import os
+import signal
+import time
+
+import executor_calls as calls
+import pytest
+from helpers import FAKE_MPS
+
+import mpsrun
+
+
+def test_map_gives_every_result_in_order_from_workers_placed_as_ranks(fake_gpu):
+    """map over 12 calls on 2 workers with thread_percentage auto: the results in the calls' order, each worker a
+    client of the session's MPS daemon for GPU 0 with 50% of the SMs (the same plan as a 2-rank job's)."""
+    with mpsrun.Executor(workers=2, thread_percentage="auto") as executor:
+        results = list(executor.map(calls.placed, range(12)))
+        pipe = str(executor.session.dirs.pipe_dir(0))
+    assert [r[0] for r in results] == [x * x for x in range(12)]
+    assert {(r[1], r[2], r[3]) for r in results} == {(pipe, "50", fake_gpu.uuids[0])}
+    assert not fake_gpu.session_dirs()
+
+
+def test_a_calls_exception_reaches_its_future_with_the_workers_traceback(fake_gpu):
+    """A call that raises: its future raises the same exception, whose __cause__ is the worker's traceback (naming
+    the function's line); the other calls succeed."""
+    with mpsrun.Executor(workers=2) as executor:
+        failing, fine = executor.submit(calls.fails, 7), executor.submit(calls.placed, 3)
+        with pytest.raises(ValueError, match="call 7 failed here") as raised:
+            failing.result(timeout=60)
+        assert fine.result(timeout=60)[0] == 9
+    cause = str(raised.value.__cause__)
+    assert "Traceback" in cause and 'raise ValueError(f"call {x} failed here")' in cause, cause
+
+
+def test_a_killed_worker_fails_only_its_own_future_and_is_replaced(fake_gpu):
+    """A worker SIGKILLed while it runs a call: that future fails with WorkerDiedError naming the worker, its GPU and
+    the signal; the calls around it and after it succeed, on a fresh worker in its place."""
+    with mpsrun.Executor(workers=2) as executor:
+        before = [executor.submit(calls.placed, x) for x in range(4)]
+        dead = executor.submit(calls.dies, 0)
+        with pytest.raises(mpsrun.WorkerDiedError) as died:
+            dead.result(timeout=60)
+        after = list(executor.map(calls.placed, range(6)))
+        accounts = executor.accounts()
+    assert [f.result(timeout=60)[0] for f in before] == [0, 1, 4, 9] and [r[0] for r in after] == [0, 1, 4, 9, 16, 25]
+    error = died.value
+    assert error.returncode == -signal.SIGKILL and error.gpu == 0 and error.worker in (0, 1)
+    assert "was killed by signal 9 (SIGKILL) while it ran this call" in str(error)
+    assert sum(a.processes for a in accounts) == 3 and sum(a.failed for a in accounts) == 1
+    assert sum(a.calls for a in accounts) == 11
+
+
+def test_shutdown_without_waiting_cancels_what_has_not_started(fake_gpu, tmp_path):
+    """shutdown(wait=False, cancel_futures=True) while one call runs and others wait: the waiting ones are cancelled,
+    the running one finishes, and the workers and the session then go (the fixture finds nothing left)."""
+    release = tmp_path / "release"
+    executor = mpsrun.Executor(workers=1)
+    running = executor.submit(calls.waits_for, str(release))
+    waiting = [executor.submit(calls.placed, x) for x in range(5)]
+    deadline = time.monotonic() + 60
+    while not running.running() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    executor.shutdown(wait=False, cancel_futures=True)
+    assert all(f.cancelled() for f in waiting)
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        executor.submit(calls.placed, 1)
+    release.touch()
+    assert running.result(timeout=60) is True
+    deadline = time.monotonic() + 30
+    while (fake_gpu.session_dirs() or executor._manager.is_alive()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not fake_gpu.session_dirs()
+
+
+def test_the_accounts_prove_each_worker_an_mps_client(fake_gpu):
+    """Workers that became clients of the session's server (their first CUDA call) are proven so in accounts(), with
+    their calls, time alive and CPU."""
+    with mpsrun.Executor(workers=2) as executor:
+        pids = {executor.submit(calls.cuda_client, str(FAKE_MPS)).result(timeout=60) for _ in range(2)}
+        for future in concurrent.futures.as_completed([executor.submit(calls.sleeps, 0.2) for _ in range(4)]):
+            pids.add(future.result())
+        accounts = executor.accounts()
+    proven = [a for a in accounts if a.mps]
+    assert proven and all(a.calls >= 1 and a.wall > 0 and a.cpu is not None and a.cpu > 0 for a in accounts), accounts
+
+
+def test_without_a_gpu_the_workers_are_plain_processes_said_once(no_gpu, caplog):
+    """No driver (mps="auto"): the workers run the calls as plain processes, with no MPS variable, and the executor
+    says once why it runs without MPS; with mps="on" it refuses, before any worker starts."""
+    with caplog.at_level(logging.WARNING, logger="mpsrun"), mpsrun.Executor(workers=2) as executor:
+        results = list(executor.map(calls.placed, range(4)))
+        assert not executor.session.enabled
+    assert [r[0] for r in results] == [0, 1, 4, 9] and {r[1] for r in results} == {None}
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "running without MPS" in caplog.records[0].getMessage()
+    with pytest.raises(mpsrun.MPSError):
+        mpsrun.Executor(workers=1, mps="on")
+    assert os.environ.get("CUDA_MPS_PIPE_DIRECTORY") is None
