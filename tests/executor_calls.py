@@ -41,3 +41,10 @@ def waits_for(path):
     while not Path(path).exists() and time.monotonic() < end:
         time.sleep(0.02)
     return True
+
+
+def cupy_sum(x):
+    """A small CuPy reduction on the worker's GPU: x times 65,536."""
+    import cupy
+
+    return float((cupy.ones(1 << 16, dtype=cupy.float32) * x).sum())

@@ -75,3 +75,17 @@ def test_an_illegal_address_costs_only_its_own_task(cupy_job, tmp_path):
     assert by_id[7]["cause"] == "fault" and code == by_id[7]["exit_code"] != 0, (lines, err)
     assert "task 7 caused a fatal GPU fault" in err, err
     print(err[-3000:])
+
+
+def test_an_executors_four_workers_are_proven_mps_clients(cupy_job):
+    """mpsrun.Executor with 4 workers on GPU 0 (MPS on): every worker runs CuPy calls and is proven a client of the
+    executor's MPS server; the results are right."""
+    import executor_calls
+
+    import mpsrun
+
+    with mpsrun.Executor(workers=4, gpus="0", mps="on") as executor:
+        sums = list(executor.map(executor_calls.cupy_sum, range(16)))
+        accounts = executor.accounts()
+    assert sums == [float(x * (1 << 16)) for x in range(16)]
+    assert [a.mps for a in accounts] == [True] * 4, accounts
