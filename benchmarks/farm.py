@@ -1,0 +1,81 @@
+"""A farm of small tasks on one GPU: ``mpsrun --tasks`` against ``xargs -P`` with and without MPS (issue 50).
+
+    python benchmarks/farm.py [--tasks 200] [--slots 8] [--launches 1000] [--repeats 3] [--seed 7] [--json FILE]
+
+Two farms, each run every way side by side, in alternating rounds (each round runs every variant once, in an order
+drawn from ``--seed``):
+
+- kernels: ``--tasks`` tasks of ``benchmarks/tune_kernels.py small --launches N`` (8-block kernels, a sliver of the
+  GPU; calibrate N to about 1 s of GPU time alone with ``tune_kernels.py small --calibrate 1.0``), ``--slots`` at a
+  time: ``xargs -P`` time-sliced, ``xargs -P`` under MPS started by a shell script (benchmarks/mps_by_script.sh,
+  as a site's wrapper does it), and ``mpsrun -np SLOTS --array`` (its own daemon, every task proven a client);
+- true: 1,000 tasks of ``true``: ``xargs -P`` against ``mpsrun --array`` (what a task costs mpsrun itself).
+
+Each figure is the wall time of the whole farm from this process. Nothing here is a pass/fail test: the figures go to
+docs/benchmarks.md, with the card's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def variants(tasks: int, slots: int, launches: int) -> dict[str, list[str]]:
+    """Each variant's command line."""
+    kernel = [sys.executable, str(HERE / "tune_kernels.py"), "small", "--launches", str(launches)]
+    xargs = ["xargs", "-P", str(slots), "-I{}", *kernel]
+    seq = ["sh", "-c", f"seq 0 {tasks - 1} | " + " ".join(xargs)]
+    mpsrun = [sys.executable, "-m", "mpsrun", "-q", "--mps", "on", "-np", str(slots)]
+    return {
+        "kernels: xargs -P, time-sliced": seq,
+        "kernels: xargs -P, MPS by script": ["bash", str(HERE / "mps_by_script.sh"), "1", "local", *seq],
+        "kernels: mpsrun --array": [*mpsrun, "--array", f"0-{tasks - 1}", *kernel],
+        "true: xargs -P": ["sh", "-c", f"seq 1000 | xargs -P {slots} -n 1 true"],
+        "true: mpsrun --array": [*mpsrun, "--array", "0-999", "true"],
+    }
+
+
+def timed(command: list[str]) -> float:
+    start = time.monotonic()
+    subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return time.monotonic() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", type=int, default=200)
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--launches", type=int, default=1000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--json", help="write the figures here too")
+    args = parser.parse_args()
+    runs = variants(args.tasks, args.slots, args.launches)
+    order = random.Random(args.seed)  # noqa: S311 - an order of runs, not a secret
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    for round_ in range(args.repeats):
+        names = list(runs)
+        order.shuffle(names)
+        for name in names:
+            seconds[name].append(round(timed(runs[name]), 3))
+            print(f"round {round_ + 1}: {name}: {seconds[name][-1]:.2f} s", file=sys.stderr, flush=True)
+    for name, figures in seconds.items():
+        print(f"{name:<36} median {statistics.median(figures):8.2f} s  min {min(figures):8.2f}  max "
+              f"{max(figures):8.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "seconds": seconds}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
