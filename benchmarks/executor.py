@@ -1,0 +1,108 @@
+"""Small CuPy tasks from Python: ``mpsrun.Executor`` against ``ProcessPoolExecutor`` with and without MPS (issue 51).
+
+    python benchmarks/executor.py [--tasks 2000] [--workers 8] [--size 65536] [--repeats 3] [--seed 5] [--json FILE]
+
+Each round runs every variant once, in an order drawn from ``--seed``, each in a fresh process of its own (so no
+variant inherits another's CUDA state), and times the whole of it from this process:
+
+- ``Executor``: ``mpsrun.Executor(workers=N)`` (its daemon, its workers placed and kept);
+- ``ProcessPoolExecutor``: ``ProcessPoolExecutor(N)`` with spawned workers, time-sliced;
+- ``ProcessPoolExecutor in mps_session``: the same inside ``mps_session()``, MPS by hand;
+- ``mpsrun --array``: the same tasks as fresh processes (a farm), each paying for its interpreter and context.
+
+A task is a few small CuPy kernels on ``--size`` floats. Nothing here is a pass/fail test: the figures go to
+docs/benchmarks.md, with the card's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TASK = """
+def task(seed, size={size}):
+    import cupy
+    x = cupy.random.default_rng(seed).random(size, dtype=cupy.float32)
+    for _ in range(8):
+        x = cupy.sin(x) * 0.5 + x * 0.5
+    return float(x.sum())
+"""
+
+POOL = """
+import concurrent.futures, multiprocessing, sys
+{task}
+def main():
+    {enter}
+    with {pool} as pool:
+        total = sum(pool.map(task, range({tasks}), chunksize=1))
+    print(total)
+if __name__ == "__main__":
+    main()
+"""
+
+
+def programs(tasks: int, workers: int, size: int, where: Path) -> dict[str, list[str]]:
+    """Each variant's command line; the pools' programs are files in ``where`` (spawned workers import their main
+    module, which ``python -c`` has not)."""
+    task = TASK.format(size=size)
+    spawn = "multiprocessing.get_context('spawn')"
+    pools = {
+        "Executor": ("", f"__import__('mpsrun').Executor(workers={workers}, mps='on')"),
+        "ProcessPoolExecutor": ("", f"concurrent.futures.ProcessPoolExecutor({workers}, mp_context={spawn})"),
+        "ProcessPoolExecutor in mps_session": (
+            "import mpsrun; session = mpsrun.mps_session(gpu=0).__enter__()",
+            f"concurrent.futures.ProcessPoolExecutor({workers}, mp_context={spawn})"),
+    }
+    runs = {}
+    for number, (name, (enter, pool)) in enumerate(pools.items()):
+        program = where / f"pool{number}.py"
+        program.write_text(POOL.format(task=task, enter=enter, pool=pool, tasks=tasks))
+        runs[name] = [sys.executable, str(program)]
+    one = task + "\nimport os\ntask(int(os.environ['MPSRUN_TASK_ID']))\n"
+    runs["mpsrun --array"] = [sys.executable, "-m", "mpsrun", "-q", "--mps", "on", "-np", str(workers), "--array",
+                              f"0-{tasks - 1}", sys.executable, "-c", one]
+    return runs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", type=int, default=2000)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--size", type=int, default=1 << 16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument("--json", help="write the figures here too")
+    args = parser.parse_args()
+    where = Path(tempfile.mkdtemp(prefix="mpsrun-bench-"))
+    runs = programs(args.tasks, args.workers, args.size, where)
+    order = random.Random(args.seed)  # noqa: S311 - an order of runs, not a secret
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    for round_ in range(args.repeats):
+        names = list(runs)
+        order.shuffle(names)
+        for name in names:
+            start = time.monotonic()
+            subprocess.run(runs[name], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+            seconds[name].append(round(time.monotonic() - start, 3))
+            print(f"round {round_ + 1}: {name}: {seconds[name][-1]:.2f} s", file=sys.stderr, flush=True)
+    for name, figures in seconds.items():
+        print(f"{name:<36} median {statistics.median(figures):8.2f} s  min {min(figures):8.2f}  max "
+              f"{max(figures):8.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "seconds": seconds}, indent=1))
+    shutil.rmtree(where)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
