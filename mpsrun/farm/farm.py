@@ -24,15 +24,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from mpsrun.exitcodes import Cause, ExitCode, Outcome, describe_returncode, exit_code
+from mpsrun.farm.faults import Fault, ServerFaults
 from mpsrun.farm.progress import Progress
 from mpsrun.farm.queue import TaskQueue
 from mpsrun.farm.results import ResultsFile, TaskCause, TaskResult
 from mpsrun.farm.tasks import Task
 from mpsrun.mps.daemon import ControlDaemon
-from mpsrun.mps.replies import torn_down_clients
 from mpsrun.rank.command import exec_failure_code
 from mpsrun.rank.streams import RankOutput, output_files
-from mpsrun.runtime.files import read_log
 from mpsrun.runtime.loop import EventLoop
 from mpsrun.runtime.processes import ProcessRef, close_all, find_program, kill_group, pidfd
 
@@ -120,10 +119,8 @@ class Farm:
         self.stopping: int | None = None
         self.tries: dict[int, int] = {}
         self.suspects: dict[int, collections.deque[Task]] = {}  # by daemon (id): tasks a fault tore down
-        # By daemon (id): how many tasks its server's last fault tore down, and those whose end is yet to be heard.
-        self.faults: dict[int, tuple[int, set[int]]] = {}
+        self.faults: dict[int, ServerFaults] = {}  # by daemon (id): its server's faults
         self.culprits: set[int] = set()  # tasks that faulted alone: recorded as the fault's, never run again
-        self._log_read: dict[int, int] = {}  # by daemon (id): how far its log was read for faults
 
     # -- taking tasks -------------------------------------------------------------------------------------------
 
@@ -256,38 +253,21 @@ class Farm:
 
     # -- faults ---------------------------------------------------------------------------------------------------
 
-    def _torn_down(self, daemon: ControlDaemon) -> set[int]:
-        """The clients ``daemon``'s server tore down after a fatal fault since its log was last read."""
-        start = self._log_read.get(id(daemon), 0)
-        try:
-            text = read_log(daemon.log_file, start=start)
-        except OSError:
-            return set()
-        whole = text[: text.rfind(b"\n") + 1]
-        self._log_read[id(daemon)] = start + len(whole)
-        return set(torn_down_clients(whole.decode(errors="replace")))
-
     def _suspect(self, slot: Slot, running: Running) -> bool:
-        """Whether the task that failed was torn down by a fatal fault of its server and is a suspect, to run again
-        alone, its try not counted. It is the fault's own (a culprit) where it ran alone, or the fault tore down no
-        other task; a task the fault did not tear down failed on its own."""
+        """Whether the task that failed was torn down by a fatal fault of its server beside other tasks: a suspect,
+        to run again alone, its try not counted. One that ran alone, or was the only one torn down, is the fault's
+        own (a culprit); a task the fault did not tear down failed on its own."""
         assert slot.daemon is not None
         key, task = id(slot.daemon), running.task
-        if torn := self._torn_down(slot.daemon):  # a new fault: the tasks it tore down, this one and running ones
-            main = {running.process.pid: task.id} | {s.running.process.pid: s.running.task.id
-                                                      for s in self.active.values()
-                                                      if s.running is not None and s.daemon is slot.daemon}
-            owners = {main[pid] if pid in main else self.whose(pid) for pid in torn}  # a client may be a task's child
-            victims = {owner for owner in owners if owner is not None and owner in main.values()}
-            self.faults[key] = (len(victims), victims)
-        size, unheard = self.faults.get(key, (0, set()))
-        if task.id not in unheard:
-            return False
-        unheard.discard(task.id)
-        if running.alone or size == 1:
+        faults = self.faults.setdefault(key, ServerFaults(slot.daemon, self.whose))
+        others = {s.running.process.pid: s.running.task.id for s in self.active.values()
+                  if s.running is not None and s.daemon is slot.daemon}
+        verdict = faults.judge(task.id, running.process.pid, others, running.alone)
+        if verdict is Fault.OWN:
             self.culprits.add(task.id)
             how = "it ran alone on its MPS server" if running.alone else "the only task it tore down"
             self._say(f"task {task.id} caused a fatal GPU fault ({how})")
+        if verdict is not Fault.SUSPECT:
             return False
         self.tries[task.id] -= 1
         self.suspects.setdefault(key, collections.deque()).append(task)
