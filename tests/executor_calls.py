@@ -48,3 +48,64 @@ def cupy_sum(x):
     import cupy
 
     return float((cupy.ones(1 << 16, dtype=cupy.float32) * x).sum())
+
+
+_CONTEXT = []  # this worker's (fake) CUDA context, made by its first call that needs one
+
+
+def _context(fake_mps):
+    if not _CONTEXT:
+        sys.path.insert(0, fake_mps)
+        from fakecuda import init
+
+        _CONTEXT.append(init())
+    return _CONTEXT[0]
+
+
+def kernels_until_fault(fake_mps, marks, fault, others):
+    """As a CUDA task: kernels on the worker's (fake) MPS client. ``fault``: once ``others`` other calls hold a
+    context (their marks), make a fatal fault (as an illegal address does); else run kernels until a fault was made
+    (then briefly). A CUDA error is raised as CuPy raises it (an exception), not as the fake's SystemExit."""
+    context = _context(fake_mps)
+    marks = Path(marks)
+    (marks / f"ran.{os.getpid()}.{time.monotonic_ns()}").touch()
+    try:
+        if fault:
+            end = time.monotonic() + 60
+            while len([m for m in marks.glob("ran.*") if not m.name.startswith(f"ran.{os.getpid()}.")]) < others \
+                    and time.monotonic() < end:
+                time.sleep(0.02)
+            (marks / "faulted").touch()
+            context.fault()
+        end = time.monotonic() + (0.2 if (marks / "faulted").exists() else 60)
+        while time.monotonic() < end:
+            context.kernel()
+            time.sleep(0.02)
+    except SystemExit as exc:
+        raise RuntimeError(f"CUDA error: {exc.code}") from None
+    return os.getpid()
+
+
+def cupy_until_fault(marks, fault, others):
+    """As kernels_until_fault, on a real GPU with CuPy: ``fault`` makes an illegal address once ``others`` other calls
+    hold a context; the others run kernels until it was made."""
+    import cupy
+
+    marks = Path(marks)
+    x = cupy.ones(1 << 16, dtype=cupy.float32)
+    cupy.cuda.Device().synchronize()
+    (marks / f"ran.{os.getpid()}.{time.monotonic_ns()}").touch()
+    if fault:
+        end = time.monotonic() + 60
+        while len([m for m in marks.glob("ran.*") if not m.name.startswith(f"ran.{os.getpid()}.")]) < others \
+                and time.monotonic() < end:
+            time.sleep(0.02)
+        (marks / "faulted").touch()
+        bad = cupy.RawKernel(r'extern "C" __global__ void bad(int* p) { p[threadIdx.x] = 1; }', "bad")
+        bad((1,), (32,), (cupy.int64(16),))
+        cupy.cuda.Device().synchronize()
+    end = time.monotonic() + (0.2 if (marks / "faulted").exists() else 60)
+    while time.monotonic() < end:
+        x = x * 1.0000001
+        cupy.cuda.Device().synchronize()
+    return os.getpid()

@@ -102,3 +102,20 @@ def test_without_a_gpu_the_workers_are_plain_processes_said_once(no_gpu, caplog)
     with pytest.raises(mpsrun.MPSError):
         mpsrun.Executor(workers=1, mps="on")
     assert os.environ.get("CUDA_MPS_PIPE_DIRECTORY") is None
+
+
+def test_a_fatal_fault_costs_only_the_call_that_made_it(fake_gpu, tmp_path):
+    """4 workers on one GPU: call 3 makes a fatal fault while calls 0-2 run kernels, and the server tears all four
+    down. Calls 0-2 run again, one at a time alone on fresh workers, and succeed; call 3 faults again alone and its
+    future fails with its CUDA error, noted as the fault's own; the broken workers are replaced."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    with mpsrun.Executor(workers=4) as executor:
+        futures = [executor.submit(calls.kernels_until_fault, str(FAKE_MPS), str(marks), call == 3, 3)
+                   for call in range(4)]
+        done = [f.exception(timeout=120) for f in futures]
+        accounts = executor.accounts()
+    assert done[:3] == [None, None, None], done
+    assert isinstance(done[3], RuntimeError) and "CUDA error" in str(done[3])
+    assert "this call caused a fatal GPU fault (it ran alone" in "".join(getattr(done[3], "__notes__", [])), done[3]
+    assert sum(a.failed for a in accounts) == 1 and sum(a.processes for a in accounts) > 4, accounts

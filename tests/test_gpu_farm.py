@@ -89,3 +89,19 @@ def test_an_executors_four_workers_are_proven_mps_clients(cupy_job):
         accounts = executor.accounts()
     assert sums == [float(x * (1 << 16)) for x in range(16)]
     assert [a.mps for a in accounts] == [True] * 4, accounts
+
+
+def test_an_illegal_address_fails_only_the_executors_call_that_made_it(cupy_job, tmp_path):
+    """mpsrun.Executor, 4 workers on GPU 0: call 3 makes an illegal address while calls 0-2 run kernels. The others
+    run again alone and succeed; call 3's future fails with its CUDA error, noted as the fault's own."""
+    import executor_calls
+
+    import mpsrun
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    with mpsrun.Executor(workers=4, gpus="0", mps="on") as executor:
+        futures = [executor.submit(executor_calls.cupy_until_fault, str(marks), call == 3, 3) for call in range(4)]
+        done = [f.exception(timeout=300) for f in futures]
+    assert done[:3] == [None, None, None], done
+    assert done[3] is not None and "caused a fatal GPU fault" in "".join(getattr(done[3], "__notes__", [])), done[3]

@@ -30,7 +30,9 @@ from mpsrun.config import values
 from mpsrun.config.options import JobConfig
 from mpsrun.errors import WorkerDiedError
 from mpsrun.exitcodes import describe_returncode
+from mpsrun.farm.faults import Fault, ServerFaults
 from mpsrun.farm.worker import RemoteTraceback, serve
+from mpsrun.mps.daemon import ControlDaemon
 from mpsrun.mps.environment import MANAGED_VARIABLES
 from mpsrun.mps.placement import NodePlan, slot_environment
 from mpsrun.mps.watch import RankWatch
@@ -56,29 +58,28 @@ class WorkerAccount(NamedTuple):
     cpu: float | None
 
 
+class _Call(NamedTuple):
+    """A submitted call: its number, its future, and what to run."""
+
+    number: int
+    future: Future[Any]
+    function: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
 class _Worker:
     """One worker slot: its process now, its connection, the call it runs, and its account so far."""
 
-    __slots__ = (
-        "calls",
-        "connection",
-        "cpu",
-        "env",
-        "failed",
-        "gpu",
-        "index",
-        "process",
-        "processes",
-        "running",
-        "started",
-        "wall",
-    )
+    __slots__ = ("alone", "calls", "connection", "cpu", "daemon", "env", "failed", "gpu", "index", "process",
+                 "processes", "running", "started", "wall")
 
-    def __init__(self, index: int, gpu: int | None, env: Mapping[str, str]) -> None:
-        self.index, self.gpu, self.env = index, gpu, dict(env)
+    def __init__(self, index: int, gpu: int | None, daemon: ControlDaemon | None, env: Mapping[str, str]) -> None:
+        self.index, self.gpu, self.daemon, self.env = index, gpu, daemon, dict(env)
         self.process: Any = None
         self.connection: Connection | None = None
-        self.running: tuple[int, Future[Any]] | None = None
+        self.running: _Call | None = None
+        self.alone = False  # the call it runs must run alone on its server (a fault's suspect)
         self.started = 0.0
         self.calls = self.failed = self.processes = 0
         self.wall, self.cpu = 0.0, 0.0
@@ -103,8 +104,9 @@ class Executor(_Executor):
         self._workers = self._start_session(config)
         self._watch = RankWatch(self._session.watcher(), False) if self._session.enabled else None
         self._context = multiprocessing.get_context("spawn")
-        self._pending: collections.deque[tuple[int, Future[Any], Callable[..., Any], tuple[Any, ...],
-                                               dict[str, Any]]] = collections.deque()
+        self._pending: collections.deque[_Call] = collections.deque()
+        self._suspects: dict[int, collections.deque[_Call]] = {}  # by daemon (id): calls a fault tore down
+        self._faults: dict[int, ServerFaults] = {}  # by daemon (id): its server's faults
         self._numbers = itertools.count()
         self._lock = threading.Condition()
         self._shutdown = False
@@ -125,7 +127,9 @@ class Executor(_Executor):
         session.resolve()
         plan = NodePlan.make(config, len(session.gpus), config.ranks, session.free_memory(), config.ranks)
         session.start_lazy(plan.daemon_defaults())
+        daemons = session.daemons
         return [_Worker(place.rank, session.gpus[place.gpu].index if session.gpus else None,
+                        (daemons[place.gpu] if len(daemons) > place.gpu else daemons[0]) if daemons else None,
                         slot_environment(session.target(place.gpu) if session.gpus else None, place, None))
                 for place in plan.ranks(config.ranks)]
 
@@ -158,7 +162,8 @@ class Executor(_Executor):
         while True:
             with self._lock:
                 self._dispatch()
-                if self._shutdown and not self._pending and all(w.running is None for w in self._workers):
+                if self._shutdown and not self._pending and not any(self._suspects.values()) and \
+                        all(w.running is None for w in self._workers):
                     self._lock.notify_all()
                     return
                 waits: dict[Any, _Worker | None] = {self._wake_read: None}
@@ -180,18 +185,33 @@ class Executor(_Executor):
                         self._died(worker)
 
     def _dispatch(self) -> None:
+        """Give each idle worker its next call: a suspect of its server's fault once no other call runs there (it
+        runs alone), else the next call submitted, unless its server is finding a fault's culprit."""
         for worker in self._workers:
-            while worker.running is None and self._pending:
-                number, future, function, args, kwargs = self._pending.popleft()
-                if not future.set_running_or_notify_cancel():
-                    continue
-                worker.running = (number, future)
-                assert worker.connection is not None
-                try:
-                    worker.connection.send((number, function, args, kwargs))
-                except Exception as exc:  # the call cannot be pickled: its future says why
-                    worker.running = None
-                    future.set_exception(exc)
+            while worker.running is None:
+                suspects = self._suspects.get(id(worker.daemon))
+                if suspects and self._busy(worker.daemon):
+                    break
+                queue = suspects or (None if self._busy(worker.daemon, alone=True) else self._pending)
+                if not queue:
+                    break
+                call = queue.popleft()
+                if call.future.running() or call.future.set_running_or_notify_cancel():
+                    self._send(worker, call, alone=bool(suspects))
+
+    def _busy(self, daemon: ControlDaemon | None, alone: bool = False) -> bool:
+        """Whether a call runs on ``daemon``'s server (``alone``: one that must run alone there)."""
+        return daemon is not None and any(w.daemon is daemon and w.running is not None and (w.alone or not alone)
+                                          for w in self._workers)
+
+    def _send(self, worker: _Worker, call: _Call, alone: bool) -> None:
+        assert worker.connection is not None
+        worker.running, worker.alone = call, alone
+        try:
+            worker.connection.send((call.number, call.function, call.args, call.kwargs))
+        except Exception as exc:  # the call cannot be pickled: its future says why
+            worker.running = None
+            call.future.set_exception(exc)
 
     def _answer(self, worker: _Worker) -> None:
         assert worker.connection is not None
@@ -200,34 +220,61 @@ class Executor(_Executor):
         except (EOFError, OSError):
             return  # the process is ending: its sentinel says so
         except Exception as exc:  # the outcome could not be unpickled here
-            outcome = (worker.running[0] if worker.running else -1, False, exc, "")
-        if worker.running is None or outcome[0] != worker.running[0]:
+            outcome = (worker.running.number if worker.running else -1, False, exc, "")
+        call = worker.running
+        if call is None or outcome[0] != call.number:
             return
-        _, future = worker.running
-        worker.running, worker.calls = None, worker.calls + 1
+        worker.running = None
         if outcome[1]:
-            future.set_result(outcome[2])
+            worker.calls += 1
+            call.future.set_result(outcome[2])
             return
-        worker.failed += 1
         raised = outcome[2]
         if outcome[3]:
             raised.__cause__ = RemoteTraceback(f'\n"""\n{outcome[3]}"""')
-        future.set_exception(raised)
+        self._failed(worker, call, raised)
 
     def _died(self, worker: _Worker) -> None:
         """A worker's process ended on its own: the call it ran fails, and a fresh process takes its place."""
         returncode = worker.process.exitcode
         self._retire(worker)
-        if worker.running is not None:
-            _, future = worker.running
-            worker.running, worker.calls, worker.failed = None, worker.calls + 1, worker.failed + 1
+        call, worker.running = worker.running, None
+        if call is not None:
             where = f"GPU {worker.gpu}" if worker.gpu is not None else "no GPU"
-            future.set_exception(WorkerDiedError(
+            self._failed(worker, call, WorkerDiedError(
                 f"worker {worker.index} ({where}, pid {worker.process.pid}) {describe_returncode(returncode)} while "
                 "it ran this call; a fresh worker takes its place", worker=worker.index, gpu=worker.gpu,
-                returncode=returncode))
+                returncode=returncode), died=True)
         if not self._shutdown:
             self._spawn(worker)
+
+    def _failed(self, worker: _Worker, call: _Call, raised: BaseException, died: bool = False) -> None:
+        """A call failed: a fatal fault's suspect runs again alone (its future waits), the fault's own call and any
+        other fail with ``raised``. A worker the fault tore down is replaced (its CUDA context is broken for good)."""
+        verdict, torn = Fault.NONE, set()
+        if worker.daemon is not None and not self._shutdown:
+            faults = self._faults.setdefault(id(worker.daemon), ServerFaults(worker.daemon, self._watch_owner))
+            others = {w.process.pid: w.running.number for w in self._workers
+                      if w is not worker and w.daemon is worker.daemon and w.running is not None}
+            verdict = faults.judge(call.number, worker.process.pid, others, worker.alone)
+            torn = faults.torn
+        if verdict is Fault.SUSPECT:
+            self._suspects.setdefault(id(worker.daemon), collections.deque()).append(call)
+        else:
+            worker.calls, worker.failed = worker.calls + 1, worker.failed + 1
+            if verdict is Fault.OWN:
+                _note(raised, f"this call caused a fatal GPU fault (it ran alone on worker {worker.index}'s MPS server)"
+                      if worker.alone else "this call caused a fatal GPU fault (the only call it tore down)")
+            call.future.set_exception(raised)
+        for broken in [w for w in self._workers if not died or w is not worker]:
+            if broken.process.pid in torn and broken.running is None and broken.process.is_alive():
+                self._replace(broken)
+
+    def _replace(self, worker: _Worker) -> None:
+        """End a worker a fault left broken, and start a fresh one in its place."""
+        worker.process.kill()
+        self._retire(worker)
+        self._spawn(worker)
 
     # -- concurrent.futures.Executor ----------------------------------------------------------------------------
 
@@ -236,7 +283,7 @@ class Executor(_Executor):
         with self._lock:
             if self._shutdown:
                 raise RuntimeError("cannot submit to an mpsrun.Executor after shutdown")
-            self._pending.append((next(self._numbers), future, fn, args, kwargs))
+            self._pending.append(_Call(next(self._numbers), future, fn, args, kwargs))
         self._wake()
         return future
 
@@ -249,7 +296,7 @@ class Executor(_Executor):
             self._shutdown = True
             if cancel_futures:
                 while self._pending:
-                    self._pending.popleft()[1].cancel()
+                    self._pending.popleft().future.cancel()
         self._wake()
         if wait:
             self._manager.join()
@@ -310,6 +357,11 @@ class Executor(_Executor):
         self._watch.settle(pids)
         return {index: True if index in self._watch.verified else None for index in pids.values()}
 
+    def _watch_owner(self, pid: int) -> int | None:
+        """The call a client process belongs to where it is not a worker itself: none (a call's children are the
+        worker's, and fail with it)."""
+        return None
+
     @property
     def session(self) -> Session:
         """The executor's MPS session (its daemons, one per GPU; ``session.enabled``: whether MPS runs)."""
@@ -339,3 +391,11 @@ def _cpu(pid: int) -> float:
     except psutil.Error:
         return 0.0
     return times.user + times.system
+
+
+def _note(exc: BaseException, text: str) -> None:
+    """Add ``text`` to what ``exc`` says when shown (Python 3.11's notes; before them, to its arguments)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(text)
+    else:  # pragma: no cover - Python 3.10
+        exc.args = (*exc.args, text)
