@@ -26,12 +26,11 @@ def sleeps(seconds):
     return os.getpid()
 
 
-def cuda_client(fake_mps):
-    """Become a client of the worker's (fake) MPS server, as a CUDA program's first call does; the worker's pid."""
-    sys.path.insert(0, fake_mps)
-    from fakecuda import init
-
-    init()
+def cuda_client(fake_mps, hold=0.0):
+    """Become a client of the worker's (fake) MPS server, as a CUDA program's first call does, and hold ``hold``
+    seconds; the worker's pid."""
+    _context(fake_mps)
+    time.sleep(hold)
     return os.getpid()
 
 

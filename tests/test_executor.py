@@ -79,15 +79,17 @@ def test_shutdown_without_waiting_cancels_what_has_not_started(fake_gpu, tmp_pat
 
 
 def test_the_accounts_prove_each_worker_an_mps_client(fake_gpu):
-    """Workers that became clients of the session's server (their first CUDA call) are proven so in accounts(), with
-    their calls, time alive and CPU."""
+    """Two workers that became clients of the session's server (their first CUDA call) are proven so in accounts(),
+    with their calls, time alive, CPU and device memory peak (sampled while they run a call: their contexts)."""
     with mpsrun.Executor(workers=2) as executor:
-        pids = {executor.submit(calls.cuda_client, str(FAKE_MPS)).result(timeout=60) for _ in range(2)}
-        for future in concurrent.futures.as_completed([executor.submit(calls.sleeps, 0.2) for _ in range(4)]):
+        clients = [executor.submit(calls.cuda_client, str(FAKE_MPS), 1.0) for _ in range(2)]  # one on each worker
+        pids = {future.result(timeout=60) for future in clients}
+        for future in concurrent.futures.as_completed([executor.submit(calls.sleeps, 0.7) for _ in range(4)]):
             pids.add(future.result())
         accounts = executor.accounts()
-    proven = [a for a in accounts if a.mps]
-    assert proven and all(a.calls >= 1 and a.wall > 0 and a.cpu is not None and a.cpu > 0 for a in accounts), accounts
+    assert [a.mps for a in accounts] == [True, True], accounts
+    assert all(a.calls == 3 and a.wall > 0 and a.cpu is not None and a.cpu > 0 for a in accounts), accounts
+    assert all(a.memory_peak is not None and a.memory_peak >= 500 for a in accounts), accounts  # a context each
 
 
 def test_without_a_gpu_the_workers_are_plain_processes_said_once(no_gpu, caplog):

@@ -35,7 +35,9 @@ from mpsrun.farm.worker import RemoteTraceback, serve
 from mpsrun.mps.daemon import ControlDaemon
 from mpsrun.mps.environment import MANAGED_VARIABLES
 from mpsrun.mps.placement import NodePlan, slot_environment
-from mpsrun.mps.watch import RankWatch
+from mpsrun.mps.usage import UsageSampler
+from mpsrun.mps.watch import RankWatch, with_descendants
+from mpsrun.runtime.constants import USAGE_INTERVAL
 from mpsrun.session.session import Session
 
 __all__ = ["Executor", "WorkerAccount"]
@@ -46,7 +48,7 @@ _ENVIRONMENT_LOCK = threading.Lock()  # os.environ is lent to one worker's start
 class WorkerAccount(NamedTuple):
     """One worker slot's account: the calls it ran (``failed`` of them raised or died), how many processes it took
     (a dead worker's place is taken by a fresh one), its GPU, whether its processes were MPS clients (None: no
-    context seen, or no MPS) and their seconds alive and of CPU."""
+    context seen, or no MPS), their seconds alive and of CPU, and their peak device memory (MiB; None: none seen)."""
 
     worker: int
     gpu: int | None
@@ -56,6 +58,7 @@ class WorkerAccount(NamedTuple):
     mps: bool | None
     wall: float
     cpu: float | None
+    memory_peak: int | None = None  # MiB of device memory, the most its processes held at one sample
 
 
 class _Call(NamedTuple):
@@ -103,6 +106,8 @@ class Executor(_Executor):
                                 export=False)
         self._workers = self._start_session(config)
         self._watch = RankWatch(self._session.watcher(), False) if self._session.enabled else None
+        self._usage = UsageSampler([gpu.uuid for gpu in self._session.gpus]) if self._session.gpus else None
+        self._sampled = 0.0
         self._context = multiprocessing.get_context("spawn")
         self._pending: collections.deque[_Call] = collections.deque()
         self._suspects: dict[int, collections.deque[_Call]] = {}  # by daemon (id): calls a fault tore down
@@ -170,7 +175,7 @@ class Executor(_Executor):
                 for worker in self._workers:
                     waits[worker.connection] = worker
                     waits[worker.process.sentinel] = worker
-            for ready in wait(list(waits)):
+            for ready in wait(list(waits), timeout=USAGE_INTERVAL if self._usage is not None else None):
                 if ready is self._wake_read:
                     with contextlib.suppress(EOFError, OSError):
                         self._wake_read.recv()
@@ -183,6 +188,17 @@ class Executor(_Executor):
                         self._answer(worker)
                     elif not worker.process.is_alive() and ready is worker.process.sentinel:
                         self._died(worker)
+            self._sample()
+
+    def _sample(self) -> None:
+        """Each USAGE_INTERVAL, the device memory of the workers that run a call (for their peaks)."""
+        if self._usage is None or time.monotonic() - self._sampled < USAGE_INTERVAL:
+            return
+        self._sampled = time.monotonic()
+        with self._lock:
+            pids = {w.process.pid: w.index for w in self._workers if w.running is not None and w.process.is_alive()}
+        if pids:
+            self._usage.sample(with_descendants(pids))
 
     def _dispatch(self) -> None:
         """Give each idle worker its next call: a suspect of its server's fault once no other call runs there (it
@@ -345,9 +361,11 @@ class Executor(_Executor):
             live = {w.index: w.connection is not None and not w.connection.closed for w in self._workers}
             pids = {w.process.pid: w.index for w in self._workers if live[w.index]}
             proven = self._proven(pids)
+            peaks = self._usage.peaks if self._usage is not None else {}
             return [WorkerAccount(w.index, w.gpu, w.calls, w.failed, w.processes, proven.get(w.index),
                                   round(w.wall + (now - w.started if live[w.index] else 0), 3),
-                                  round(w.cpu + (_cpu(w.process.pid) if live[w.index] else 0), 3))
+                                  round(w.cpu + (_cpu(w.process.pid) if live[w.index] else 0), 3),
+                                  peaks.get(w.index))
                     for w in self._workers]
 
     def _proven(self, pids: Mapping[int, int]) -> dict[int, bool | None]:
