@@ -61,12 +61,16 @@ def _context(fake_mps):
     return _CONTEXT[0]
 
 
-def kernels_until_fault(fake_mps, marks, fault, others):
+def kernels_until_fault(fake_mps, marks, fault, others, again=None):
     """As a CUDA task: kernels on the worker's (fake) MPS client. ``fault``: once ``others`` other calls hold a
-    context (their marks), make a fatal fault (as an illegal address does); else run kernels until a fault was made
-    (then briefly). A CUDA error is raised as CuPy raises it (an exception), not as the fake's SystemExit."""
-    context = _context(fake_mps)
+    context (their marks), make a fatal fault (as an illegal address does). The others run kernels until the fault
+    tears them down; run again after it (alone), they run briefly, or exit with ``again`` where given. A CUDA error is
+    raised as CuPy raises it (an exception), not as the fake's SystemExit."""
     marks = Path(marks)
+    rerun = (marks / "faulted").exists()  # looked at before this call's mark: a run after the fault
+    if rerun and again is not None:
+        raise SystemExit(again)
+    context = _context(fake_mps)
     (marks / f"ran.{os.getpid()}.{time.monotonic_ns()}").touch()
     try:
         if fault:
@@ -76,7 +80,7 @@ def kernels_until_fault(fake_mps, marks, fault, others):
                 time.sleep(0.02)
             (marks / "faulted").touch()
             context.fault()
-        end = time.monotonic() + (0.2 if (marks / "faulted").exists() else 60)
+        end = time.monotonic() + (0.2 if rerun else 60)
         while time.monotonic() < end:
             context.kernel()
             time.sleep(0.02)

@@ -13,13 +13,14 @@ import time
 
 import psutil
 import pytest
-from helpers import FAKECUDA
+from helpers import FAKE_MPS, FAKECUDA, ROOT
 
 from mpsrun.config.commandline import parse_args
 from mpsrun.errors import ConfigError
 from mpsrun.farm.tasks import Task, array_tasks, task_lines
 
 PY = sys.executable
+TESTS = ROOT / "tests"
 
 
 def mpsrun(*args, stdin=None, timeout=120):
@@ -185,14 +186,23 @@ def test_a_farm_killed_outright_leaves_no_task_running(fake_gpu, tmp_path):
     assert not fake_gpu.session_dirs()
 
 
+def faulting_task(marks, again=None):
+    """A farm's task (the same for each index) as tests/executor_calls.kernels_until_fault runs it: task 3 makes the
+    fault once the three others hold a context; the others run kernels until it tears them down (run again after
+    it, they end at once, or exit with ``again``)."""
+    script = ("import os, sys; sys.path.insert(0, sys.argv[1]); import executor_calls as c; "
+              "c.kernels_until_fault(sys.argv[2], sys.argv[3], os.environ['MPSRUN_TASK_ID'] == '3', 3, "
+              f"{again!r} if os.environ['MPSRUN_TASK_ID'] == '1' else None)")
+    return [PY, "-c", script, str(TESTS), str(FAKE_MPS), str(marks)]
+
+
 def test_a_fatal_fault_requeues_its_victims_and_names_its_culprit(fake_gpu, tmp_path):
-    """Task 3 faults while tasks 0-2 run beside it on one GPU: the server tears all four down. The victims are run
-    again alone and succeed, uncounted as failures; task 3 faults alone and is recorded as the fault's; the farm exits
-    with its code."""
-    reports, out = tmp_path / "reports", tmp_path / "r.jsonl"
-    reports.mkdir()
-    task = f"env RANK={{}} WORLD_SIZE=4 {PY} {FAKECUDA} --report-dir {reports} --fault-rank 3 --hold 1"
-    run = mpsrun("-np", "4", "--results", str(out), "--array", "0-3", *shlex.split(task), timeout=120)
+    """Task 3 faults while tasks 0-2 run kernels beside it on one GPU: the server tears all four down. The victims
+    are run again alone and succeed, uncounted as failures; task 3 faults alone and is recorded as the fault's; the
+    farm exits with its code."""
+    marks, out = tmp_path / "marks", tmp_path / "r.jsonl"
+    marks.mkdir()
+    run = mpsrun("-np", "4", "--results", str(out), "--array", "0-3", *faulting_task(marks), timeout=120)
     lines = {line["id"]: line for line in results(out)}
     assert sorted(lines) == [0, 1, 2, 3], run.stderr
     assert all(lines[i]["cause"] == "ok" and lines[i]["tries"] == 1 for i in (0, 1, 2)), lines
@@ -205,14 +215,9 @@ def test_a_fatal_fault_requeues_its_victims_and_names_its_culprit(fake_gpu, tmp_
 def test_a_suspect_that_fails_alone_without_a_fault_is_a_plain_failure(fake_gpu, tmp_path):
     """Task 1 is torn down by task 3's fault, then fails alone without one (exit 7): it is recorded as failed, not as
     the fault's; task 3 faults alone and is the fault's; the farm exits with the first failure's code."""
-    reports, out, tasks = tmp_path / "reports", tmp_path / "r.jsonl", tmp_path / "tasks.txt"
-    reports.mkdir()
-    fake = f"{PY} {FAKECUDA} --report-dir {reports} --fault-rank 3 --hold 1"
-    again = tmp_path / "again"
-    lines = [f"env RANK={i} WORLD_SIZE=4 {fake}" for i in range(4)]
-    lines[1] = f"sh -c {shlex.quote(f'[ -e {again} ] && exit 7; touch {again}; exec env RANK=1 WORLD_SIZE=4 {fake}')}"
-    tasks.write_text("\n".join(lines) + "\n")
-    run = mpsrun("-np", "4", "--results", str(out), "--tasks", str(tasks), timeout=120)
+    marks, out = tmp_path / "marks", tmp_path / "r.jsonl"
+    marks.mkdir()
+    run = mpsrun("-np", "4", "--results", str(out), "--array", "0-3", *faulting_task(marks, again=7), timeout=120)
     order = results(out)
     lines_by_id = {line["id"]: line for line in order}
     assert (lines_by_id[1]["cause"], lines_by_id[1]["exit_code"]) == ("failed", 7), order

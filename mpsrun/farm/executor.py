@@ -208,12 +208,13 @@ class Executor(_Executor):
                 suspects = self._suspects.get(id(worker.daemon))
                 if suspects and self._busy(worker.daemon):
                     break
+                alone = bool(suspects)  # (before the last suspect is taken from them)
                 queue = suspects or (None if self._busy(worker.daemon, alone=True) else self._pending)
                 if not queue:
                     break
                 call = queue.popleft()
                 if call.future.running() or call.future.set_running_or_notify_cancel():
-                    self._send(worker, call, alone=bool(suspects))
+                    self._send(worker, call, alone)
 
     def _busy(self, daemon: ControlDaemon | None, alone: bool = False) -> bool:
         """Whether a call runs on ``daemon``'s server (``alone``: one that must run alone there)."""
