@@ -121,3 +121,14 @@ def test_a_fatal_fault_costs_only_the_call_that_made_it(fake_gpu, tmp_path):
     assert isinstance(done[3], RuntimeError) and "CUDA error" in str(done[3])
     assert "this call caused a fatal GPU fault (it ran alone" in "".join(getattr(done[3], "__notes__", [])), done[3]
     assert sum(a.failed for a in accounts) == 1 and sum(a.processes for a in accounts) > 4, accounts
+
+
+def test_calls_left_when_a_worker_dies_during_shutdown_still_run(fake_gpu):
+    """shutdown() while the one worker runs a call that kills it and three calls wait: a fresh worker still takes
+    the waiting calls (before, none was started once shutting down, and shutdown waited for ever)."""
+    executor = mpsrun.Executor(workers=1)
+    dead = executor.submit(calls.dies, 0)
+    waiting = [executor.submit(calls.placed, x) for x in range(3)]
+    executor.shutdown(wait=True)
+    assert isinstance(dead.exception(timeout=1), mpsrun.WorkerDiedError)
+    assert [f.result(timeout=1)[0] for f in waiting] == [0, 1, 4]

@@ -17,10 +17,9 @@ import collections
 import contextlib
 import itertools
 import multiprocessing
-import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor as _Executor
 from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
@@ -41,8 +40,6 @@ from mpsrun.runtime.constants import USAGE_INTERVAL
 from mpsrun.session.session import Session
 
 __all__ = ["Executor", "WorkerAccount"]
-
-_ENVIRONMENT_LOCK = threading.Lock()  # os.environ is lent to one worker's start at a time
 
 
 class WorkerAccount(NamedTuple):
@@ -141,13 +138,13 @@ class Executor(_Executor):
     # -- the workers --------------------------------------------------------------------------------------------
 
     def _spawn(self, worker: _Worker) -> None:
-        """Start ``worker``'s process, its variables in its environment from its first instruction (CUDA reads them
-        once, as it initialises)."""
+        """Start ``worker``'s process; it puts its variables in its environment before its first call (CUDA reads
+        them once, as it initialises: code at the top of the main module, which a spawned process imports first,
+        must not use the GPU, as with any spawned pool)."""
         ours, theirs = self._context.Pipe()
-        process = self._context.Process(target=serve, args=(theirs,), name=f"mpsrun-worker-{worker.index}",
-                                        daemon=True)
-        with _ENVIRONMENT_LOCK, _environment(worker.env):
-            process.start()
+        process = self._context.Process(target=serve, args=(theirs, worker.env, list(MANAGED_VARIABLES)),
+                                        name=f"mpsrun-worker-{worker.index}", daemon=True)
+        process.start()
         theirs.close()
         worker.process, worker.connection, worker.started = process, ours, time.monotonic()
         worker.processes += 1
@@ -262,7 +259,7 @@ class Executor(_Executor):
                 f"worker {worker.index} ({where}, pid {worker.process.pid}) {describe_returncode(returncode)} while "
                 "it ran this call; a fresh worker takes its place", worker=worker.index, gpu=worker.gpu,
                 returncode=returncode), died=True)
-        if not self._shutdown:
+        if not self._shutdown or self._pending or any(self._suspects.values()):  # (calls left to run)
             self._spawn(worker)
 
     def _failed(self, worker: _Worker, call: _Call, raised: BaseException, died: bool = False) -> None:
@@ -385,20 +382,6 @@ class Executor(_Executor):
     def session(self) -> Session:
         """The executor's MPS session (its daemons, one per GPU; ``session.enabled``: whether MPS runs)."""
         return self._session
-
-
-@contextlib.contextmanager
-def _environment(env: Mapping[str, str]) -> Iterator[None]:
-    """``os.environ`` as a worker starts with it: ours, less what mpsrun manages, with the worker's variables."""
-    saved = dict(os.environ)
-    try:
-        for name in MANAGED_VARIABLES:
-            os.environ.pop(name, None)
-        os.environ.update(env)
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def _cpu(pid: int) -> float:

@@ -2,13 +2,15 @@
 
 Each call comes as ``(number, function, args, kwargs)`` over the worker's connection and its outcome goes back as
 ``(number, True, result)`` or ``(number, False, exception, traceback text)``; ``None`` ends the worker. The worker's
-GPU and MPS variables were in its environment from its start (the executor's), before anything could initialise
-CUDA. Standard library only.
+GPU and MPS variables come with its start, and are put in its environment before its first call, so before CUDA
+initialises. Standard library only.
 """
 
 from __future__ import annotations
 
+import os
 import traceback
+from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
 
 __all__ = ["RemoteTraceback", "serve"]
@@ -25,8 +27,12 @@ class RemoteTraceback(Exception):  # noqa: N818 - concurrent.futures' own name f
         return self.text
 
 
-def serve(connection: Connection) -> None:
-    """Run the calls that come until told to end (or the executor is gone)."""
+def serve(connection: Connection, env: Mapping[str, str], managed: Sequence[str]) -> None:
+    """Put the worker's variables in its environment (``managed``: those of the caller's that mpsrun sets, taken
+    out first), then run the calls that come until told to end (or the executor is gone)."""
+    for name in managed:
+        os.environ.pop(name, None)
+    os.environ.update(env)
     while True:
         try:
             work = connection.recv()
