@@ -267,7 +267,8 @@ class Executor(_Executor):
         other fail with ``raised``. A worker the fault tore down is replaced (its CUDA context is broken for good)."""
         verdict, torn = Fault.NONE, set()
         if worker.daemon is not None and not self._shutdown:
-            faults = self._faults.setdefault(id(worker.daemon), ServerFaults(worker.daemon, self._watch_owner))
+            # A client that is not a worker is no call's (a call's children are its worker's, and fail with it).
+            faults = self._faults.setdefault(id(worker.daemon), ServerFaults(worker.daemon, lambda pid: None))
             others = {w.process.pid: w.running.number for w in self._workers
                       if w is not worker and w.daemon is worker.daemon and w.running is not None}
             verdict = faults.judge(call.number, worker.process.pid, others, worker.alone)
@@ -372,11 +373,6 @@ class Executor(_Executor):
             return {}
         self._watch.settle(pids)
         return {index: True if index in self._watch.verified else None for index in pids.values()}
-
-    def _watch_owner(self, pid: int) -> int | None:
-        """The call a client process belongs to where it is not a worker itself: none (a call's children are the
-        worker's, and fail with it)."""
-        return None
 
     @property
     def session(self) -> Session:
