@@ -393,3 +393,144 @@ def test_slots_beyond_the_tasks_are_not_started(fake_gpu):
                  "import os; print(os.environ['MPSRUN_SLOT'], os.environ['CUDA_MPS_ACTIVE_THREAD_PERCENTAGE'])")
     assert run.returncode == 0, run.stderr
     assert sorted(run.stdout.split("\n")[:-1]) == ["0 10", "1 20"], run.stdout
+
+
+# -- what a hostile pass found (each failed before its fix) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(("line", "said"), [("echo a\0b", "a NUL character"), ("echo " + "x" * 300_000, "longer than")])
+def test_a_task_line_no_command_can_be_is_refused_before_anything_starts(fake_gpu, tmp_path, line, said):
+    """A NUL in a task line (a traceback, and the running tasks left behind) or a line of 300 KB (splitting it took
+    minutes) is one line naming the line, exit 2, and nothing starts."""
+    tasks = tmp_path / "tasks.txt"
+    tasks.write_text(f"true\n{line}\n")
+    run = mpsrun("--tasks", str(tasks), timeout=60)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and f"line 2: {said}" in run.stderr, run.stderr
+    assert not fake_gpu.session_dirs()
+
+
+def test_results_that_cannot_be_written_stop_the_farm_and_leave_no_task(fake_gpu, tmp_path):
+    """--results on a full disk (/dev/full): one line naming --results and the task, exit 3, and the task still
+    running is ended (it was left running when the error left the farm's loop)."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    script = "import os, sys, time, pathlib; pathlib.Path(sys.argv[1], str(os.getpid())).touch(); time.sleep(int(sys.argv[2]))"
+    tasks = tmp_path / "tasks.txt"
+    tasks.write_text(f"{PY} -c '{script}' {marks} 0\n{PY} -c '{script}' {marks} 95\n")
+    run = mpsrun("-np", "2", "--tasks", str(tasks), "--results", "/dev/full", timeout=60)
+    assert run.returncode == 3 and "--results /dev/full: cannot write task 0's result" in run.stderr, run.stderr
+    pids = [int(mark.name) for mark in marks.iterdir()]
+    assert pids and not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+def test_resume_after_a_line_cut_short_writes_whole_lines(fake_gpu, tmp_path):
+    """A results file whose last line was cut short (a farm killed as it wrote): --resume ends that line first, so
+    the task it reruns is recorded whole, and a second --resume runs nothing (before, the new line was glued to the
+    cut one and lost, and every --resume ran the task again)."""
+    out = tmp_path / "c.jsonl"
+    assert mpsrun("-q", "--array", "0-3", "--results", str(out), "true").returncode == 0
+    out.write_bytes(out.read_bytes()[:-40])
+    assert mpsrun("--resume", "--array", "0-3", "--results", str(out), "true").returncode == 0
+    again = mpsrun("--resume", "--array", "0-3", "--results", str(out), "true")
+    assert again.returncode == 0 and "0 task(s) (4 succeeded before)" in again.stderr, again.stderr
+
+
+@pytest.mark.parametrize("planted", ["device", "deep"])
+def test_resume_reads_back_only_a_regular_file_and_skips_what_is_no_line_of_ours(fake_gpu, tmp_path, planted):
+    """--resume with --results /dev/zero (it read without end, gigabytes) is refused in one line, exit 2; a line
+    nested a hundred thousand deep (RecursionError, a traceback) is skipped like any line that is not a result."""
+    if planted == "device":
+        run = mpsrun("--resume", "--array", "1-2", "--results", "/dev/zero", "true", timeout=60)
+        assert run.returncode == 2 and "not a regular file" in run.stderr, run.stderr
+        return
+    out = tmp_path / "d.jsonl"
+    out.write_text("[" * 100_000 + "\n")
+    run = mpsrun("--resume", "--array", "0-1", "--results", str(out), "true", timeout=60)
+    assert run.returncode == 0 and "2 task(s): 2 succeeded" in run.stderr, run.stderr
+
+
+def test_a_farms_timeout_is_said_and_exits_124_even_as_the_daemons_start(fake_gpu):
+    """--timeout that passes as the farm runs says so (it said only the tally), exit 124; one that passes while the
+    daemons start (0.01 s) is exit 124 too (sometimes 3 before, as a daemon that did not answer)."""
+    run = mpsrun("--timeout", "1", "--array", "0-1", "sleep", "5", timeout=60)
+    assert run.returncode == 124 and "timed out after 1 s" in run.stderr, run.stderr
+    for _ in range(3):
+        run = mpsrun("-np", "2", "--timeout", "0.01", "--array", "0-3", PY, str(FAKECUDA), "--hold", "3", timeout=60)
+        assert run.returncode == 124, run.stderr
+
+
+def test_fifos_without_a_reader_never_hold_a_farm(fake_gpu, tmp_path):
+    """A FIFO with no reader as --results is refused in one line (the farm waited for a reader); one planted as a
+    task's --output-filename file fails that task alone (the farm hung, deaf to SIGTERM)."""
+    fifo = tmp_path / "r.fifo"
+    os.mkfifo(fifo)
+    run = mpsrun("--array", "0-1", "--results", str(fifo), "true", timeout=60)
+    assert run.returncode == 2 and "a FIFO that no one reads" in run.stderr, run.stderr
+    (tmp_path / "od" / "task.0").mkdir(parents=True)
+    os.mkfifo(tmp_path / "od" / "task.0" / "stdout")
+    run = mpsrun("--array", "0-1", "--output-filename", str(tmp_path / "od"), "echo", "{}", timeout=60)
+    assert run.returncode == 3 and "1 succeeded, 1 failed" in run.stderr, run.stderr
+
+
+def test_a_launcher_that_names_no_job_gets_no_shared_farm(fake_gpu):
+    """Two farms under an MPI launcher that names no job (MPICH's Hydra: PMI_RANK, PMI_SIZE): each node's key
+    differed, so a later node started the list anew and tasks ran twice. Now it is refused, naming the variable to
+    set; with MPSRUN_JOB_ID set they share the list."""
+    env = {**os.environ, "PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1"}
+    env = {name: value for name, value in env.items() if name != "MPSRUN_JOB_ID"}
+    run = subprocess.run([PY, "-m", "mpsrun", "--array", "0-3", "--results", "/tmp/never-written.jsonl", "true"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "set MPSRUN_JOB_ID" in run.stderr, run.stderr
+    assert not os.path.exists("/tmp/never-written.jsonl.queue")
+
+
+def test_a_node_that_cannot_start_its_farm_is_counted_out(fake_gpu, tmp_path):
+    """One node of two whose task file is missing (exit 2) still counts itself out of the shared list, so the other
+    node's end removes the counter and its lock (they were left beside the results)."""
+    out = tmp_path / "r.jsonl"
+    for node in "AB":
+        (fake_gpu.tmpdir / node).mkdir(mode=0o700)
+    tasks = tmp_path / "tasks.txt"
+    tasks.write_text("true\n" * 4)
+    failed = start_node_farm(fake_gpu.tmpdir / "B", "B", 2, "--tasks", str(tmp_path / "missing"), "--results",
+                             str(out))
+    assert failed.wait(timeout=60) == 2
+    farm = start_node_farm(fake_gpu.tmpdir / "A", "A", 2, "--tasks", str(tasks), "--results", str(out))
+    assert farm.wait(timeout=60) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl", "tasks.txt"]
+
+
+def test_a_counter_changed_under_the_farm_stops_it_in_one_line(fake_gpu, tmp_path):
+    """A shared list's counter another program changed (a negative next task ran tasks twice; a non-number count of
+    ends was a traceback) stops the node's farm in one line, exit 3, with nothing left running."""
+    out = tmp_path / "r.jsonl"
+    (fake_gpu.tmpdir / "A").mkdir(mode=0o700)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    script = "import sys, time, pathlib; pathlib.Path(sys.argv[1], 'ran').touch(); time.sleep(1)"
+    farm = start_node_farm(fake_gpu.tmpdir / "A", "A", 2, "--array", "0-3", "--results", str(out), PY, "-c", script,
+                           str(marks))
+    deadline = time.monotonic() + 60
+    while not (marks / "ran").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    queue = tmp_path / "r.jsonl.queue"
+    queue.write_text(json.dumps({**json.loads(queue.read_text()), "next": -5, "ended": "x"}))
+    _, err = farm.communicate(timeout=60)
+    assert farm.returncode == 3 and "was removed or changed by another program" in err, err
+    assert "Traceback" not in err
+
+
+def test_a_task_over_the_kernels_argument_limit_is_126(fake_gpu, tmp_path):
+    """A task line whose words exceed what exec takes (E2BIG) fails 126, not-executable, as a shell says it (it was
+    recorded as a task that ran and exited 3); an id of true in a results file is no task's."""
+    out = tmp_path / "r.jsonl"
+    tasks = tmp_path / "tasks.txt"
+    tasks.write_text("echo " + "x" * 200_000 + "\n")  # a word of 200 KB: under a line's limit, over exec's 128 KiB
+    run = mpsrun("-np", "1", "--tasks", str(tasks), "--results", str(out), timeout=60)
+    if run.returncode == 0:
+        pytest.skip("this kernel takes an argument of 200 KB")
+    assert run.returncode == 126 and results(out)[0]["cause"] == "not-executable", run.stderr
+    from mpsrun.farm.results import succeeded_tasks
+
+    out.write_text(json.dumps({"id": True, "cause": "ok", "command": ["true"]}) + "\n")
+    assert succeeded_tasks(str(out)) == {}

@@ -15,6 +15,7 @@ recorded as the fault's, and the others are the fault's victims (run as any task
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import os
 import signal
@@ -151,7 +152,7 @@ class Farm:
                 self._spawn(slot, suspects.popleft(), alone=True)
             return
         if self.queue.left() and not self._server_busy(slot.daemon, alone_only=True) and \
-                (task := self.queue.take()) is not None:
+                (task := self.queue.take(give_up=lambda: self.loop.signal_noted)) is not None:
             self._spawn(slot, task, alone=False)
 
     def _server_busy(self, daemon: ControlDaemon | None, alone_only: bool = False) -> bool:
@@ -305,6 +306,17 @@ class Farm:
             self.stopping = sig
             self.loop.after(self.rules.grace, lambda: self.signal(signal.SIGKILL))
         self.signal(sig)
+
+    def abandon(self) -> None:
+        """The farm's loop has ended before its tasks (an error): each running task's group is killed and reaped."""
+        for slot in list(self.active.values()):
+            if slot.running is not None:
+                kill_group(slot.running.process.pid, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(slot.running.process.pid, 0)
+                if slot.running.output is not None:
+                    slot.running.output.drain()
+        self.active.clear()
 
     def signal(self, sig: int) -> None:
         for slot in self.active.values():

@@ -13,7 +13,8 @@ import collections
 import contextlib
 import json
 import os
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,8 +27,9 @@ if TYPE_CHECKING:
 
 __all__ = ["SharedList", "TaskQueue"]
 
-#: How long a node waits for the shared list's lock before it gives up (another node holds it that long: hung).
-LOCK_PATIENCE = 60.0
+#: How long a node waits for the shared list's lock before it gives up (another node holds it that long: hung), and
+#: how often it looks whether a signal came meanwhile.
+LOCK_PATIENCE, LOCK_POLL = 60.0, 0.1
 
 
 class SharedList:
@@ -44,16 +46,28 @@ class SharedList:
             self._write({"job": job, "next": 0, "ended": 0} if state.get("job") != job else state)
 
     @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """The list's lock held (MPSError naming the lock when another node holds it past LOCK_PATIENCE)."""
+    def held(self, give_up: Callable[[], bool] = lambda: False) -> Iterator[bool]:
+        """The list's lock held (True), or not where ``give_up`` says so while waiting for it (False: a signal came,
+        and the farm's loop has it to deliver); MPSError naming the lock when another node holds it past
+        LOCK_PATIENCE."""
         from filelock import Timeout
 
+        deadline = time.monotonic() + LOCK_PATIENCE
+        while True:
+            try:
+                self.lock.acquire(timeout=LOCK_POLL)
+                break
+            except Timeout:
+                if give_up():
+                    yield False
+                    return
+                if time.monotonic() > deadline:
+                    raise MPSError(f"the farm's shared task list is locked by another node for more than "
+                                   f"{LOCK_PATIENCE:g} s ({self.lock.lock_file}): is a node hung?") from None
         try:
-            with self.lock:
-                yield
-        except Timeout:
-            raise MPSError(f"the farm's shared task list is locked by another node for more than {LOCK_PATIENCE:g} "
-                           f"s ({self.lock.lock_file}): is a node hung?") from None
+            yield True
+        finally:
+            self.lock.release()
 
     def _read(self) -> dict[str, object]:
         with contextlib.suppress(OSError, ValueError):
@@ -69,14 +83,18 @@ class SharedList:
         except OSError as exc:
             raise MPSError(f"cannot write the farm's shared task list {self.path}: {exc.strerror}") from None
 
-    def take(self, skip: Sequence[bool]) -> int | None:
-        """The next task's place in the list, taken for this node; None when every task is taken. ``skip``: the
-        places this node does not run (they succeeded before: --resume), passed over."""
-        with self.held():
+    def take(self, skip: Sequence[bool], give_up: Callable[[], bool]) -> int | bool | None:
+        """The next task's place in the list, taken for this node; None when every task is taken; False where
+        ``give_up`` said so as the lock was awaited. ``skip``: the places this node does not run (they succeeded
+        before: --resume), passed over."""
+        with self.held(give_up) as held:
+            if not held:
+                return False
             state = self._read()
             place = state.get("next") if state.get("job") == self.job else None
-            if not isinstance(place, int):  # the counter was removed or replaced under us: nothing more to take
-                return None
+            if type(place) is not int or place < 0:  # removed or replaced under us: each task is this node's no more
+                raise MPSError(f"the farm's shared task list {self.path} was removed or changed by another program: "
+                               "no task is taken from it any more")
             while place < len(skip) and skip[place]:
                 place += 1
             if place >= len(skip):
@@ -91,7 +109,8 @@ class SharedList:
             state = self._read()
             if state.get("job") != self.job:
                 return
-            ended = int(state.get("ended", 0)) + 1  # type: ignore[call-overload]
+            ended = state.get("ended", 0)
+            ended = (ended if type(ended) is int and ended >= 0 else 0) + 1
             if ended < self.nodes:
                 self._write({**state, "ended": ended})
                 return
@@ -120,16 +139,17 @@ class TaskQueue:
         """How many tasks of the list are to run (all nodes together)."""
         return self._skip.count(False)
 
-    def take(self) -> Task | None:
+    def take(self, give_up: Callable[[], bool] = lambda: False) -> Task | None:
+        """The next task, or None (none left; or ``give_up`` said so as the shared list's lock was awaited)."""
         if self._again:
             return self._again.popleft()
         if self.shared is None:
             return self._own.popleft() if self._own else None
         if self._exhausted:
             return None
-        place = self.shared.take(self._skip)
+        place = self.shared.take(self._skip, give_up)
         self._exhausted = place is None
-        return None if place is None else self._tasks[place]
+        return None if place is None or place is False else self._tasks[place]
 
     def again(self, task: Task) -> None:
         """Run ``task`` again, before the tasks not yet taken."""

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import json
+import os
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import IO, NamedTuple
 
-from mpsrun.errors import ConfigError
+from mpsrun.errors import ConfigError, MPSError
 
 __all__ = ["ResultsFile", "TaskCause", "TaskResult", "succeeded_tasks"]
 
@@ -58,37 +61,70 @@ class TaskResult(NamedTuple):
         return self.cause == TaskCause.OK
 
 
+#: The longest results line read back by --resume (a task's command line is at most the kernel's 2 MiB).
+LINE_LIMIT = 1 << 22
+
+
 class ResultsFile:
     """The results file, open for appending; each :meth:`write` is one whole line, flushed at once (with ``lock()``
-    held, where the farms of several nodes append to it: appends over a network file system are not atomic)."""
+    held, where the farms of several nodes append to it: appends over a network file system are not atomic). A last
+    line cut short (a farm killed as it wrote) is ended first, so the next line is whole."""
 
     def __init__(self, path: str, lock: Callable[[], AbstractContextManager[object]] | None = None) -> None:
         self.path, self.lock = path, lock
         try:
-            self._file: IO[str] | None = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
-        except OSError as exc:
-            raise ConfigError(f"--results {path}: {exc.strerror}", setting="--results", value=path) from None
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+        except OSError as exc:  # ENXIO: a FIFO that no one reads (opened blocking, the farm would wait for one)
+            why = "a FIFO that no one reads" if exc.errno == errno.ENXIO else exc.strerror
+            raise ConfigError(f"--results {path}: {why}", setting="--results", value=path) from None
+        os.set_blocking(fd, True)
+        self._file: IO[str] | None = os.fdopen(fd, "a", encoding="utf-8")
+        if not _ends_whole(path):
+            self._file.write("\n")
 
     def write(self, result: TaskResult) -> None:
+        """One result's line; MPSError naming the file where it cannot be written (a full disk): the farm stops."""
         assert self._file is not None
-        with self.lock() if self.lock is not None else contextlib.nullcontext():
-            self._file.write(json.dumps(result._asdict(), separators=(",", ":")) + "\n")
-            self._file.flush()
+        try:
+            with self.lock() if self.lock is not None else contextlib.nullcontext():
+                self._file.write(json.dumps(result._asdict(), separators=(",", ":")) + "\n")
+                self._file.flush()
+        except OSError as exc:
+            raise MPSError(f"--results {self.path}: cannot write task {result.id}'s result: {exc.strerror}") from None
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            with contextlib.suppress(OSError):  # what could not be written was said as it failed
+                self._file.close()
             self._file = None
 
 
+def _ends_whole(path: str) -> bool:
+    """Whether a regular file at ``path`` is empty or ends with a newline (anything else: as if it did)."""
+    with contextlib.suppress(OSError):
+        if stat.S_ISREG(os.stat(path).st_mode):  # (a FIFO opened to be read would wait for a writer)
+            with open(path, "rb") as file:
+                if file.seek(0, os.SEEK_END) > 0:
+                    file.seek(-1, os.SEEK_END)
+                    return file.read(1) == b"\n"
+    return True
+
+
 def _lines(path: str) -> Iterator[dict[str, object]]:
-    """The JSON objects of a results file, in order; a line that is not one (cut short as its job was killed) is
-    skipped."""
+    """The JSON objects of a results file, in order; a line that is not one (cut short as its job was killed, or
+    longer than LINE_LIMIT) is skipped. A results file that is no regular file is not read back."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as file:
-            for line in file:
-                with contextlib.suppress(ValueError):
-                    found = json.loads(line)
+        if not stat.S_ISREG(os.stat(path).st_mode):  # (a FIFO opened to be read would wait for a writer)
+            raise ConfigError(f"--resume reads back --results {path}: not a regular file", setting="--resume",
+                              value=path)
+        with open(path, "rb") as file:
+            while line := file.readline(LINE_LIMIT):
+                if not line.endswith(b"\n") and len(line) == LINE_LIMIT:
+                    while (rest := file.readline(LINE_LIMIT)) and not rest.endswith(b"\n"):
+                        pass
+                    continue
+                with contextlib.suppress(ValueError, RecursionError):
+                    found = json.loads(line.decode(errors="replace"))
                     if isinstance(found, dict):
                         yield found
     except FileNotFoundError:
@@ -104,6 +140,6 @@ def succeeded_tasks(path: str) -> dict[int, tuple[str, ...]]:
     done: dict[int, tuple[str, ...]] = {}
     for line in _lines(path):
         task, command = line.get("id"), line.get("command")
-        if line.get("cause") == TaskCause.OK and isinstance(task, int) and isinstance(command, list):
+        if line.get("cause") == TaskCause.OK and type(task) is int and isinstance(command, list):
             done[task] = tuple(map(str, command))
     return done

@@ -15,13 +15,13 @@ from collections.abc import Mapping
 
 from mpsrun.agent.outcome import Policy
 from mpsrun.config.options import JobConfig
-from mpsrun.errors import ConfigError, MPSError
+from mpsrun.errors import ConfigError, DaemonTimeoutError, JobTimeoutError, MPSError
 from mpsrun.exitcodes import Cause, ExitCode, Outcome, exit_code
 from mpsrun.farm.farm import Farm, FarmRules, Slot
 from mpsrun.farm.progress import PLAIN_INTERVAL, Progress
 from mpsrun.farm.queue import SharedList, TaskQueue
 from mpsrun.farm.results import ResultsFile
-from mpsrun.farm.tasks import Task, farm_tasks
+from mpsrun.farm.tasks import farm_tasks
 from mpsrun.job.run import make_output_dir
 from mpsrun.mps import gpus
 from mpsrun.mps.environment import MANAGED_VARIABLES
@@ -29,7 +29,7 @@ from mpsrun.mps.placement import NodePlan, slot_environment, without_mps
 from mpsrun.mps.usage import UsageSampler
 from mpsrun.mps.watch import RankWatch, with_descendants
 from mpsrun.rank.identity import LOCAL_RANK_VARIABLES, identity_from_env, job_key
-from mpsrun.runtime.constants import DAEMON_START_TIMEOUT, FORWARDED_SIGNALS, PASS_SIGNALS
+from mpsrun.runtime.constants import DAEMON_START_TIMEOUT, FORWARDED_SIGNALS, JOB_ID_VARIABLE, PASS_SIGNALS
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.interrupts import Interrupts
 from mpsrun.runtime.loop import EventLoop
@@ -61,15 +61,20 @@ def farm_nodes(environ: Mapping[str, str]) -> int:
     return identity.world_size or 1
 
 
-def _queue(config: JobConfig, tasks: list[Task], done: Mapping[int, tuple[str, ...]]) -> TaskQueue:
-    """The farm's queue: its own list, or the list the farms of several nodes share through ``--results``."""
+def shared_list(config: JobConfig) -> SharedList | None:
+    """The list the farms of several nodes share through ``--results`` (this node counted in at once, so that it is
+    counted out whatever fails next), or None for a farm of its own."""
     nodes = farm_nodes(os.environ)
     if nodes == 1:
-        return TaskQueue(tasks, done)
+        return None
     if config.results is None:
         raise ConfigError(f"this farm is one of {nodes} (its launcher's processes): they share the task list through "
                           "--results FILE.jsonl on a file system they all see; give it", setting="--results")
-    return TaskQueue(tasks, done, SharedList(config.results, job_key(os.environ), nodes))
+    job = job_key(os.environ)
+    if job.startswith("ppid-"):  # (each node's would differ: each would take the whole list)
+        raise ConfigError(f"this farm is one of {nodes}, but its launcher names no job they share: set "
+                          f"{JOB_ID_VARIABLE} to one value for all of them (the batch job's id)", setting="--results")
+    return SharedList(config.results, job, nodes)
 
 
 def _base_env(config: JobConfig) -> dict[str, str]:
@@ -106,7 +111,13 @@ class FarmRun:
         slots = max(1, min(config.ranks, self.queue.to_run))  # a slot more than tasks would run nothing
         plan = NodePlan.make(config, len(session.gpus), config.ranks, session.free_memory(), config.ranks)
         plans = plan.ranks(config.ranks)[:slots]  # placed as -np asked (its per-slot lists too), the first used
-        session.start_lazy(plan.daemon_defaults())
+        try:
+            session.start_lazy(plan.daemon_defaults())
+        except DaemonTimeoutError as exc:
+            if not self.deadline.expired():
+                raise
+            raise JobTimeoutError(f"timed out after {config.timeout:g} s while the MPS daemons started ({exc})",
+                                  timeout=config.timeout or 0.0) from None
         if session.disabled_reason is not None and not config.quiet:
             for line in without_mps(config, session.disabled_reason, gpus_seen=bool(session.gpus)):
                 log.warning(f"mpsrun: {line}")
@@ -136,8 +147,9 @@ class FarmRun:
                 self.loop.after(PLAIN_INTERVAL, self._say_progress)
             try:
                 self.loop.run_until(lambda: farm.done)
-            finally:
+            finally:  # also when the loop ended in an error (the results file cannot be written): no task outlives it
                 self.progress.close()
+                farm.abandon()
         self.loop.close()
         return self._summary()
 
@@ -161,6 +173,7 @@ class FarmRun:
         assert self.farm is not None
         if self.farm.stopping is None:
             self.failure = (ExitCode.TIMEOUT, f"timed out after {self.config.timeout:g} s")
+            say(f"mpsrun: timed out after {self.config.timeout:g} s: stopping the running tasks")
             self.farm.stop(signal.SIGTERM)
 
     def _check(self, watch: RankWatch) -> None:
@@ -215,30 +228,39 @@ def _proven(watch: RankWatch | None, task: int, pid: int) -> bool | None:
 def run_farm(config: JobConfig) -> int:
     """Run ``config``'s farm to its end; its exit code. ConfigError (exit 2) for a task list that cannot be read,
     MPSError for a node that cannot run it (InterruptionError for a signal), before any task starts."""
-    tasks, done = farm_tasks(config)
-    make_output_dir(config.output_filename)
-    queue = _queue(config, tasks, done)
-    results = ResultsFile(config.results, queue.shared.held if queue.shared else None) if config.results else None
-    claim: SessionClaim | None = None
-    farm, code = FarmRun(config, queue, len(tasks)), ExitCode.SETUP
+    shared = shared_list(config)
     try:
-        with Interrupts() as interrupts:
-            try:
-                claim = SessionClaim.make(session_base(None), "job", keep_logs=config.keep_logs)
-                code = farm.run(config, claim, results)
-            finally:  # from here on a signal is only remembered: the teardown is not cut short
-                interrupts.defer_to_the_end()
-                code = _close(farm.session, claim, code)
-            if interrupts.received:  # while the farm ended
-                code = exit_code(Outcome(Cause.OK if code == ExitCode.OK else Cause.DECIDED, code,
-                                         late_signal=interrupts.received[0]))
-    finally:
-        if results is not None:
-            results.close()
+        tasks, done = farm_tasks(config)
+        make_output_dir(config.output_filename)
+        queue = TaskQueue(tasks, done, shared)
+        results = ResultsFile(config.results, shared.held if shared else None) if config.results else None
         try:
-            queue.close()
-        except MPSError as exc:  # the farm's own outcome stands
-            say(f"mpsrun: {exc}")
+            return _run(config, queue, len(tasks), results)
+        finally:
+            if results is not None:
+                results.close()
+    finally:
+        if shared is not None:
+            try:
+                shared.close()
+            except MPSError as exc:  # the farm's own outcome stands
+                say(f"mpsrun: {exc}")
+
+
+def _run(config: JobConfig, queue: TaskQueue, count: int, results: ResultsFile | None) -> int:
+    """The node's session claimed and the farm run; its teardown whatever happens, a signal only noted meanwhile."""
+    claim: SessionClaim | None = None
+    farm, code = FarmRun(config, queue, count), ExitCode.SETUP
+    with Interrupts() as interrupts:
+        try:
+            claim = SessionClaim.make(session_base(None), "job", keep_logs=config.keep_logs)
+            code = farm.run(config, claim, results)
+        finally:  # from here on a signal is only remembered: the teardown is not cut short
+            interrupts.defer_to_the_end()
+            code = _close(farm.session, claim, code)
+        if interrupts.received:  # while the farm ended
+            code = exit_code(Outcome(Cause.OK if code == ExitCode.OK else Cause.DECIDED, code,
+                                     late_signal=interrupts.received[0]))
     return code
 
 

@@ -18,7 +18,11 @@ from mpsrun.config.values import MAX_TASKS
 from mpsrun.errors import ConfigError
 from mpsrun.farm.results import succeeded_tasks
 
-__all__ = ["Task", "array_tasks", "farm_tasks", "read_task_lines", "task_lines"]
+__all__ = ["LINE_MOST", "Task", "array_tasks", "farm_tasks", "read_task_lines", "task_lines"]
+
+#: The longest task line: longer ones are typos (a file read as tasks), and splitting a word takes time quadratic in
+#: its length (a 1 MB line took 50 s).
+LINE_MOST = 1 << 18
 
 
 
@@ -38,6 +42,10 @@ def task_lines(lines: Iterable[str], source: str = "--tasks") -> list[Task]:
     """The tasks of a task file's ``lines``; ConfigError naming the line for one a shell could not split."""
     tasks: list[Task] = []
     for number, line in enumerate(lines, 1):
+        why = "a NUL character (no command line can hold one)" if "\0" in line else \
+            f"longer than {LINE_MOST >> 10} KiB" if len(line) > LINE_MOST else ""
+        if why:
+            raise ConfigError(f"{source} line {number}: {why}", setting="--tasks", value=number)
         try:
             argv = shlex.split(line, comments=True)
         except ValueError as exc:  # "No closing quotation", "No escaped character"

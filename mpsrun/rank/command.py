@@ -15,11 +15,12 @@ __all__ = ["PYRUN", "exec_failure_code", "through_mpi4py"]
 
 
 def exec_failure_code(exc: OSError) -> int:
-    """The program could not be found (127) or executed (126), as a shell says it; or the machine refused to start
-    it (too many open files or processes, no memory): a set-up failure (3)."""
+    """The program could not be found (127) or executed (126: also an argument list too long), as a shell says it;
+    or the machine refused to start it (too many open files or processes, no memory): a set-up failure (3)."""
     if isinstance(exc, FileNotFoundError):
         return ExitCode.NOT_FOUND
-    if isinstance(exc, PermissionError) or exc.errno in (errno.ENOEXEC, errno.EISDIR, errno.ENOTDIR, errno.ELOOP):
+    if isinstance(exc, PermissionError) or exc.errno in (errno.ENOEXEC, errno.EISDIR, errno.ENOTDIR, errno.ELOOP,
+                                                         errno.E2BIG):
         return ExitCode.NOT_EXECUTABLE
     return ExitCode.SETUP
 

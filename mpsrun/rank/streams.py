@@ -155,8 +155,10 @@ def output_files(output_dir: str, name: str) -> list[int]:
     os.makedirs(directory, exist_ok=True)
     files: list[int] = []
     try:
-        for stream in ("stdout", "stderr"):
-            files.append(os.open(os.path.join(directory, stream), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666))
+        for stream in ("stdout", "stderr"):  # not blocking to open: a FIFO there with no reader is ENXIO, no hang
+            files.append(os.open(os.path.join(directory, stream),
+                                 os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, 0o666))
+            os.set_blocking(files[-1], True)
     except OSError:
         close_all(files)
         raise

@@ -40,6 +40,12 @@ class EventLoop:
         self._selector = selectors.DefaultSelector()
         self._timers: list[tuple[float, int, Timer]] = []
         self._order = itertools.count()
+        self._noted: list[int] = []  # signals noted by signals()'s handler, not yet delivered
+
+    @property
+    def signal_noted(self) -> bool:
+        """Whether a signal came that the loop has yet to deliver (for a callback that waits: it may stop waiting)."""
+        return bool(self._noted)
 
     def watch(self, fd: int, callback: Callable[[], object]) -> None:
         """Call ``callback()`` whenever ``fd`` is readable (or at its end of file).
@@ -67,6 +73,7 @@ class EventLoop:
         shut down, left the job to exit 0). Only the main thread receives signals; elsewhere this does nothing."""
         read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         noted: list[int] = []  # taken by our handler, not yet delivered
+        self._noted = noted
 
         def note(number: int, frame: FrameType | None) -> None:
             noted.append(number)
