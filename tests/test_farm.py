@@ -472,16 +472,16 @@ def test_fifos_without_a_reader_never_hold_a_farm(fake_gpu, tmp_path):
     assert run.returncode == 3 and "1 succeeded, 1 failed" in run.stderr, run.stderr
 
 
-def test_a_launcher_that_names_no_job_gets_no_shared_farm(fake_gpu):
+def test_a_launcher_that_names_no_job_gets_no_shared_farm(fake_gpu, tmp_path):
     """Two farms under an MPI launcher that names no job (MPICH's Hydra: PMI_RANK, PMI_SIZE): each node's key
     differed, so a later node started the list anew and tasks ran twice. Now it is refused, naming the variable to
-    set; with MPSRUN_JOB_ID set they share the list."""
+    set, and nothing is written beside the results file."""
     env = {**os.environ, "PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1"}
     env = {name: value for name, value in env.items() if name != "MPSRUN_JOB_ID"}
-    run = subprocess.run([PY, "-m", "mpsrun", "--array", "0-3", "--results", "/tmp/never-written.jsonl", "true"],
+    run = subprocess.run([PY, "-m", "mpsrun", "--array", "0-3", "--results", str(tmp_path / "r.jsonl"), "true"],
                          env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "set MPSRUN_JOB_ID" in run.stderr, run.stderr
-    assert not os.path.exists("/tmp/never-written.jsonl.queue")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_node_that_cannot_start_its_farm_is_counted_out(fake_gpu, tmp_path):

@@ -25,7 +25,7 @@ from mpsrun.farm.tasks import farm_tasks
 from mpsrun.job.run import make_output_dir
 from mpsrun.mps import gpus
 from mpsrun.mps.environment import MANAGED_VARIABLES
-from mpsrun.mps.placement import NodePlan, slot_environment, without_mps
+from mpsrun.mps.placement import NodePlan, RankPlan, slot_environment, without_mps
 from mpsrun.mps.usage import UsageSampler
 from mpsrun.mps.watch import RankWatch, with_descendants
 from mpsrun.rank.identity import LOCAL_RANK_VARIABLES, identity_from_env, job_key
@@ -103,24 +103,7 @@ class FarmRun:
 
     def run(self, config: JobConfig, claim: SessionClaim, results: ResultsFile | None) -> int:
         """Open the node's session on ``claim``, run the farm to its end, say its tally; the farm's exit code."""
-        self.session = session = Session(
-            gpus=list(config.gpus) if config.gpus is not None else "all", mps=config.mps, keep_logs=config.keep_logs,
-            export=False, gpu_bind=config.gpu_bind, start_timeout=max(0.1, self.deadline.cap(DAEMON_START_TIMEOUT)),
-            claim=claim)
-        session.resolve()
-        slots = max(1, min(config.ranks, self.queue.to_run))  # a slot more than tasks would run nothing
-        plan = NodePlan.make(config, len(session.gpus), config.ranks, session.free_memory(), config.ranks)
-        plans = plan.ranks(config.ranks)[:slots]  # placed as -np asked (its per-slot lists too), the first used
-        try:
-            session.start_lazy(plan.daemon_defaults())
-        except DaemonTimeoutError as exc:
-            if not self.deadline.expired():
-                raise
-            raise JobTimeoutError(f"timed out after {config.timeout:g} s while the MPS daemons started ({exc})",
-                                  timeout=config.timeout or 0.0) from None
-        if session.disabled_reason is not None and not config.quiet:
-            for line in without_mps(config, session.disabled_reason, gpus_seen=bool(session.gpus)):
-                log.warning(f"mpsrun: {line}")
+        session, plans = self._open(config, claim)
         watch = RankWatch(session.watcher(), config.mps == "on") if session.enabled else None
         usage = UsageSampler([gpu.uuid for gpu in session.gpus]) if session.gpus else None
         daemons = session.daemons
@@ -152,6 +135,29 @@ class FarmRun:
                 farm.abandon()
         self.loop.close()
         return self._summary()
+
+    def _open(self, config: JobConfig, claim: SessionClaim) -> tuple[Session, list[RankPlan]]:
+        """The node's session, its daemons started with the slots' plan (--timeout passing meanwhile is exit 124),
+        and the slots' places: as -np asked, but no more than there are tasks."""
+        self.session = session = Session(
+            gpus=list(config.gpus) if config.gpus is not None else "all", mps=config.mps, keep_logs=config.keep_logs,
+            export=False, gpu_bind=config.gpu_bind, start_timeout=max(0.1, self.deadline.cap(DAEMON_START_TIMEOUT)),
+            claim=claim)
+        session.resolve()
+        slots = max(1, min(config.ranks, self.queue.to_run))  # a slot more than tasks would run nothing
+        plan = NodePlan.make(config, len(session.gpus), config.ranks, session.free_memory(), config.ranks)
+        plans = plan.ranks(config.ranks)[:slots]  # placed as -np asked (its per-slot lists too), the first used
+        try:
+            session.start_lazy(plan.daemon_defaults())
+        except DaemonTimeoutError as exc:
+            if not self.deadline.expired():
+                raise
+            raise JobTimeoutError(f"timed out after {config.timeout:g} s while the MPS daemons started ({exc})",
+                                  timeout=config.timeout or 0.0) from None
+        if session.disabled_reason is not None and not config.quiet:
+            for line in without_mps(config, session.disabled_reason, gpus_seen=bool(session.gpus)):
+                log.warning(f"mpsrun: {line}")
+        return session, plans
 
     def _say_progress(self) -> None:
         assert self.farm is not None

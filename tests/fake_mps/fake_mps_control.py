@@ -125,6 +125,7 @@ class State:
                 stdout=sys.stdout,
                 stderr=subprocess.STDOUT,
             )
+            self._await_server_entry()
             self.server_atp = self.default_atp
             self.server_mem = dict(self.default_mem)
             self.log(f"Starting new server {self.server.pid} for user {os.getuid()}", pid=self.server.pid)
@@ -134,6 +135,17 @@ class State:
             self.server_log("Server has started")
             self.log(f"NEW SERVER {self.server.pid}: Ready")
         return self.server.pid
+
+    def _await_server_entry(self) -> None:
+        """Until the new server shows in the fake NVML (a real server exists before its clients connect to it: a
+        client answered first was listed before its server, once, under load)."""
+        nvml_dir = os.environ.get("MPSRUN_FAKE_NVML")
+        assert self.server is not None
+        if not nvml_dir:
+            return
+        entry, deadline = os.path.join(nvml_dir, "procs", str(self.server.pid)), time.monotonic() + 5
+        while not os.path.exists(entry) and self.server.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.002)
 
     def server_pid(self) -> int | None:
         if self.server is not None and self.server.poll() is None:
