@@ -9,6 +9,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
@@ -520,17 +521,16 @@ def test_a_counter_changed_under_the_farm_stops_it_in_one_line(fake_gpu, tmp_pat
     assert "Traceback" not in err
 
 
-def test_a_task_over_the_kernels_argument_limit_is_126(fake_gpu, tmp_path):
-    """A task line whose words exceed what exec takes (E2BIG) fails 126, not-executable, as a shell says it (it was
+def test_an_argument_list_too_long_is_126_and_an_id_of_true_is_no_tasks():
+    """A task whose words exceed what exec takes (E2BIG) fails 126, not-executable, as a shell says it (it was
     recorded as a task that ran and exited 3); an id of true in a results file is no task's."""
-    out = tmp_path / "r.jsonl"
-    tasks = tmp_path / "tasks.txt"
-    tasks.write_text("echo " + "x" * 200_000 + "\n")  # a word of 200 KB: under a line's limit, over exec's 128 KiB
-    run = mpsrun("-np", "1", "--tasks", str(tasks), "--results", str(out), timeout=60)
-    if run.returncode == 0:
-        pytest.skip("this kernel takes an argument of 200 KB")
-    assert run.returncode == 126 and results(out)[0]["cause"] == "not-executable", run.stderr
-    from mpsrun.farm.results import succeeded_tasks
+    import errno
 
-    out.write_text(json.dumps({"id": True, "cause": "ok", "command": ["true"]}) + "\n")
-    assert succeeded_tasks(str(out)) == {}
+    from mpsrun.farm.results import succeeded_tasks
+    from mpsrun.rank.command import exec_failure_code
+
+    assert exec_failure_code(OSError(errno.E2BIG, "Argument list too long")) == 126
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl") as out:
+        out.write(json.dumps({"id": True, "cause": "ok", "command": ["true"]}) + "\n")
+        out.flush()
+        assert succeeded_tasks(out.name) == {}
