@@ -97,10 +97,10 @@ class Tally:
 
 class Farm:
     """The node's slots, taking the tasks of ``queue`` (``count``: the whole list's length, for MPSRUN_TASK_COUNT);
-    ``base``: the environment tasks start from; ``rules``: the command line's; ``results``: the results file, if
-    any, where each finished task's line goes; ``proven``: whether a task (by number and pid) was an MPS client; ``peak``: its
-    device memory peak; ``whose``: the task a process of the node's GPUs belongs to, where known; ``say``: a line for
-    the user; ``running``: the running tasks, for the session's record (its reaper ends them should we die);
+    ``base``: the environment tasks start from; ``rules``: the command line's; ``results``: the results file, if any,
+    where each finished task's line goes; ``proven``: whether a task (by number and pid) was an MPS client; ``peak``:
+    its device memory peak; ``whose``: the task a process of the node's GPUs belongs to, where known; ``say``: a line
+    for the user; ``running``: the running tasks, for the session's record (its reaper ends them should we die);
     ``progress``: where the farm stands, for the user."""
 
     def __init__(self, loop: EventLoop, slots: Sequence[Slot], queue: TaskQueue, count: int,
