@@ -17,15 +17,12 @@ docs/benchmarks.md, with the card's name.
 from __future__ import annotations
 
 import argparse
-import json
-import random
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from rounds import report, timed_rounds
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -85,21 +82,8 @@ def main() -> int:
     args = parser.parse_args()
     where = Path(tempfile.mkdtemp(prefix="mpsrun-bench-"))
     runs = programs(args.tasks, args.workers, args.size, where)
-    order = random.Random(args.seed)  # noqa: S311 - an order of runs, not a secret
-    seconds: dict[str, list[float]] = {name: [] for name in runs}
-    for round_ in range(args.repeats):
-        names = list(runs)
-        order.shuffle(names)
-        for name in names:
-            start = time.monotonic()
-            subprocess.run(runs[name], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-            seconds[name].append(round(time.monotonic() - start, 3))
-            print(f"round {round_ + 1}: {name}: {seconds[name][-1]:.2f} s", file=sys.stderr, flush=True)
-    for name, figures in seconds.items():
-        print(f"{name:<36} median {statistics.median(figures):8.2f} s  min {min(figures):8.2f}  max "
-              f"{max(figures):8.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "seconds": seconds}, indent=1))
+    seconds = timed_rounds(runs, args.repeats, args.seed, ROOT)
+    report(seconds, vars(args), args.json)
     shutil.rmtree(where)
     return 0
 

@@ -18,13 +18,10 @@ docs/benchmarks.md, with the card's name.
 from __future__ import annotations
 
 import argparse
-import json
-import random
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from rounds import report, timed_rounds
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -45,12 +42,6 @@ def variants(tasks: int, slots: int, launches: int) -> dict[str, list[str]]:
     }
 
 
-def timed(command: list[str]) -> float:
-    start = time.monotonic()
-    subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    return time.monotonic() - start
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=200)
@@ -61,19 +52,8 @@ def main() -> int:
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
     runs = variants(args.tasks, args.slots, args.launches)
-    order = random.Random(args.seed)  # noqa: S311 - an order of runs, not a secret
-    seconds: dict[str, list[float]] = {name: [] for name in runs}
-    for round_ in range(args.repeats):
-        names = list(runs)
-        order.shuffle(names)
-        for name in names:
-            seconds[name].append(round(timed(runs[name]), 3))
-            print(f"round {round_ + 1}: {name}: {seconds[name][-1]:.2f} s", file=sys.stderr, flush=True)
-    for name, figures in seconds.items():
-        print(f"{name:<36} median {statistics.median(figures):8.2f} s  min {min(figures):8.2f}  max "
-              f"{max(figures):8.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "seconds": seconds}, indent=1))
+    seconds = timed_rounds(runs, args.repeats, args.seed, ROOT)
+    report(seconds, vars(args), args.json)
     return 0
 
 

@@ -61,6 +61,14 @@ def _context(fake_mps):
     return _CONTEXT[0]
 
 
+def _wait_for_others(marks, others):
+    """Until ``others`` calls of other workers have left their marks (each holds a context then; at most a minute)."""
+    end = time.monotonic() + 60
+    while len([m for m in marks.glob("ran.*") if not m.name.startswith(f"ran.{os.getpid()}.")]) < others \
+            and time.monotonic() < end:
+        time.sleep(0.02)
+
+
 def kernels_until_fault(fake_mps, marks, fault, others, again=None):
     """As a CUDA task: kernels on the worker's (fake) MPS client. ``fault``: once ``others`` other calls hold a
     context (their marks), make a fatal fault (as an illegal address does). The others run kernels until the fault
@@ -74,10 +82,7 @@ def kernels_until_fault(fake_mps, marks, fault, others, again=None):
     (marks / f"ran.{os.getpid()}.{time.monotonic_ns()}").touch()
     try:
         if fault:
-            end = time.monotonic() + 60
-            while len([m for m in marks.glob("ran.*") if not m.name.startswith(f"ran.{os.getpid()}.")]) < others \
-                    and time.monotonic() < end:
-                time.sleep(0.02)
+            _wait_for_others(marks, others)
             (marks / "faulted").touch()
             context.fault()
         end = time.monotonic() + (0.2 if rerun else 60)
@@ -99,10 +104,7 @@ def cupy_until_fault(marks, fault, others):
     cupy.cuda.Device().synchronize()
     (marks / f"ran.{os.getpid()}.{time.monotonic_ns()}").touch()
     if fault:
-        end = time.monotonic() + 60
-        while len([m for m in marks.glob("ran.*") if not m.name.startswith(f"ran.{os.getpid()}.")]) < others \
-                and time.monotonic() < end:
-            time.sleep(0.02)
+        _wait_for_others(marks, others)
         (marks / "faulted").touch()
         bad = cupy.RawKernel(r'extern "C" __global__ void bad(int* p) { p[threadIdx.x] = 1; }', "bad")
         bad((1,), (32,), (cupy.int64(16),))
