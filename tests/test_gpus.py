@@ -218,8 +218,11 @@ def test_a_job_killed_outright_takes_its_gpu_reading_along(fake_gpu, monkeypatch
     assert reader is not None, "no GPU-list child appeared"
     job.kill()
     job.wait()
-    ready, _, _ = select.select([job.stdout, job.stderr], [], [], 5)
-    assert len(ready) == 2 and job.stdout.read() == b"", "the job's output stayed open"
+    waiting, deadline = [job.stdout, job.stderr], time.monotonic() + 5
+    while waiting and time.monotonic() < deadline:  # select answers at the first stream that ends: each is awaited
+        ready, _, _ = select.select(waiting, [], [], max(0.0, deadline - time.monotonic()))
+        waiting = [stream for stream in waiting if stream not in ready]
+    assert not waiting and job.stdout.read() == b"", "the job's output stayed open"
     assert psutil.wait_procs([reader], timeout=5)[1] == [], "the GPU-list child outlived the job"
     job.stdout.close()
     job.stderr.close()
