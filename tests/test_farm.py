@@ -534,3 +534,13 @@ def test_an_argument_list_too_long_is_126_and_an_id_of_true_is_no_tasks():
         out.write(json.dumps({"id": True, "cause": "ok", "command": ["true"]}) + "\n")
         out.flush()
         assert succeeded_tasks(out.name) == {}
+
+
+@pytest.mark.parametrize("fake_gpu", [2], indirect=True)
+def test_a_results_line_names_the_gpu_by_its_index(fake_gpu, tmp_path):
+    """With --gpus 1, each results line's GPU is 1, the GPU's index as nvidia-smi and mpsrun's -v name it (it was 0,
+    the GPU's place among the job's)."""
+    out = tmp_path / "r.jsonl"
+    run = mpsrun("--gpus", "1", "--array", "0-1", "--results", str(out), "true")
+    assert run.returncode == 0, run.stderr
+    assert [line["gpu"] for line in results(out)] == [1, 1]

@@ -29,11 +29,12 @@ from mpsrun.config import values
 from mpsrun.config.options import JobConfig
 from mpsrun.errors import WorkerDiedError
 from mpsrun.exitcodes import describe_returncode
+from mpsrun.farm.farm import slots_of
 from mpsrun.farm.faults import Fault, ServerFaults
 from mpsrun.farm.worker import RemoteTraceback, serve
 from mpsrun.mps.daemon import ControlDaemon
 from mpsrun.mps.environment import MANAGED_VARIABLES
-from mpsrun.mps.placement import NodePlan, slot_environment
+from mpsrun.mps.placement import NodePlan
 from mpsrun.mps.usage import UsageSampler
 from mpsrun.mps.watch import RankWatch, with_descendants
 from mpsrun.runtime.constants import USAGE_INTERVAL
@@ -129,11 +130,8 @@ class Executor(_Executor):
         session.resolve()
         plan = NodePlan.make(config, len(session.gpus), config.ranks, session.free_memory(), config.ranks)
         session.start_lazy(plan.daemon_defaults())
-        daemons = session.daemons
-        return [_Worker(place.rank, session.gpus[place.gpu].index if session.gpus else None,
-                        (daemons[place.gpu] if len(daemons) > place.gpu else daemons[0]) if daemons else None,
-                        slot_environment(session.target(place.gpu) if session.gpus else None, place, None))
-                for place in plan.ranks(config.ranks)]
+        return [_Worker(slot.index, slot.gpu, slot.daemon, slot.env)
+                for slot in slots_of(session, plan.ranks(config.ranks), None)]
 
     # -- the workers --------------------------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from mpsrun.config.values import Queues
 from mpsrun.exitcodes import Cause, ExitCode, Outcome, describe_returncode, exit_code
 from mpsrun.farm.faults import Fault, ServerFaults
 from mpsrun.farm.progress import Progress
@@ -31,12 +32,14 @@ from mpsrun.farm.queue import TaskQueue
 from mpsrun.farm.results import ResultsFile, TaskCause, TaskResult
 from mpsrun.farm.tasks import Task
 from mpsrun.mps.daemon import ControlDaemon
+from mpsrun.mps.placement import RankPlan, slot_environment
 from mpsrun.rank.command import exec_failure_code
 from mpsrun.rank.streams import RankOutput, output_files
 from mpsrun.runtime.loop import EventLoop
 from mpsrun.runtime.processes import ProcessRef, close_all, find_program, kill_group, pidfd
+from mpsrun.session.session import Session
 
-__all__ = ["Farm", "FarmRules", "Slot", "Tally"]
+__all__ = ["Farm", "FarmRules", "Slot", "Tally", "slots_of"]
 
 #: Variables every task gets: its number and how many tasks the farm has.
 TASK_ID_VARIABLE, TASK_COUNT_VARIABLE, SLOT_VARIABLE = "MPSRUN_TASK_ID", "MPSRUN_TASK_COUNT", "MPSRUN_SLOT"
@@ -54,14 +57,22 @@ class FarmRules:
 
 
 class Slot:
-    """One slot: its number, its GPU (position in the session, None: no GPU), its server's daemon (None: no MPS)
-    and the variables its tasks get."""
+    """One slot: its number, its GPU (its index, None: no GPU), its server's daemon (None: no MPS) and the variables
+    its tasks get."""
 
     __slots__ = ("daemon", "env", "gpu", "index", "running")
 
     def __init__(self, index: int, gpu: int | None, daemon: ControlDaemon | None, env: Mapping[str, str]) -> None:
         self.index, self.gpu, self.daemon, self.env = index, gpu, daemon, dict(env)
         self.running: Running | None = None
+
+
+def slots_of(session: Session, plans: Sequence[RankPlan], queues: Queues) -> list[Slot]:
+    """A slot for each plan, on the started ``session``: its GPU's index, the daemon serving it, and the variables its
+    work gets (``queues``: --queues)."""
+    return [Slot(index, session.gpus[plan.gpu].index if session.gpus else None, session.daemon(plan.gpu),
+                 slot_environment(session.target(plan.gpu) if session.gpus else None, plan, queues))
+            for index, plan in enumerate(plans)]
 
 
 class Running:

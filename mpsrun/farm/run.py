@@ -17,7 +17,7 @@ from mpsrun.agent.outcome import Policy
 from mpsrun.config.options import JobConfig
 from mpsrun.errors import ConfigError, DaemonTimeoutError, JobTimeoutError, MPSError
 from mpsrun.exitcodes import Cause, ExitCode, Outcome, exit_code
-from mpsrun.farm.farm import Farm, FarmRules, Slot
+from mpsrun.farm.farm import Farm, FarmRules, slots_of
 from mpsrun.farm.progress import PLAIN_INTERVAL, Progress
 from mpsrun.farm.queue import SharedList, TaskQueue
 from mpsrun.farm.results import ResultsFile
@@ -25,7 +25,7 @@ from mpsrun.farm.tasks import farm_tasks
 from mpsrun.job.run import make_output_dir
 from mpsrun.mps import gpus
 from mpsrun.mps.environment import MANAGED_VARIABLES
-from mpsrun.mps.placement import NodePlan, RankPlan, slot_environment, without_mps
+from mpsrun.mps.placement import NodePlan, RankPlan, without_mps
 from mpsrun.mps.usage import UsageSampler
 from mpsrun.mps.watch import RankWatch, with_descendants
 from mpsrun.rank.identity import LOCAL_RANK_VARIABLES, identity_from_env, job_key
@@ -106,13 +106,8 @@ class FarmRun:
         session, plans = self._open(config, claim)
         watch = RankWatch(session.watcher(), config.mps == "on") if session.enabled else None
         usage = UsageSampler([gpu.uuid for gpu in session.gpus]) if session.gpus else None
-        daemons = session.daemons
-        farm_slots = [Slot(index, plan.gpu if session.gpus else None,
-                           (daemons[plan.gpu] if len(daemons) > plan.gpu else daemons[0]) if daemons else None,
-                           slot_environment(session.target(plan.gpu) if session.gpus else None, plan, config.queues))
-                      for index, plan in enumerate(plans)]
         self.farm = farm = Farm(
-            self.loop, farm_slots, self.queue, self.count, _base_env(config),
+            self.loop, slots_of(session, plans, config.queues), self.queue, self.count, _base_env(config),
             FarmRules(config.retries, config.max_failures, config.grace, config.tag_output, config.output_filename),
             results, proven=lambda task, pid: _proven(watch, task, pid),
             peak=lambda task: usage.peaks.get(task) if usage is not None else None,

@@ -219,6 +219,10 @@ class Session:
         """The session's control daemons (one per GPU, or one for all under gpu_bind='none')."""
         return self._daemons.daemons
 
+    def daemon(self, position: int) -> ControlDaemon | None:
+        """The daemon serving the session's GPU at ``position`` (None without MPS)."""
+        return self._daemons.of(position) if self._daemons.daemons else None
+
     def watcher(self) -> ClientWatcher:
         """The client watcher over every GPU of the session and the daemon that serves it."""
         return self._daemons.watcher()
