@@ -123,8 +123,8 @@ LARGER = {
                             "watch, the stop, the verdicts), one owner by design"),
     "job/run.py": (490, "the command: one job's whole life, on one node or several, what its launchers' ends mean, "
                         "and its report"),
-    "runtime/protocol.py": (450, "every message declared with its fields, and the link that carries them (descriptors "
-                                 "too, and what came with an awaited message)"),
+    "runtime/protocol.py": (480, "every message declared with its fields, and the link that carries them (descriptors "
+                                 "too, what came with an awaited message, and its peer's process)"),
     "config/values.py": (450, "every option's value, read and checked once, where it is parsed (a farm's ranges and "
                               "files too)"),
     "session/session.py": (420, "the public Session: its arguments and docstrings are the Python API's documentation"),

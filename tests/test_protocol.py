@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 
 import pytest
 
@@ -24,6 +25,7 @@ from mpsrun.runtime.protocol import (
     SignalRanks,
     Verdict,
     Welcome,
+    connect,
     decode,
     encode,
 )
@@ -165,3 +167,20 @@ def test_descriptors_that_come_with_a_message_are_kept_only_where_asked(keep):
             os.close(fd)
         link.close()
         theirs.close()
+
+
+def test_a_link_outlives_its_peers_process_not_only_its_end_of_the_link(tmp_path):
+    """``outlive_peer`` returns once the peer's process has ended, not when the peer's end of the link closes: a
+    process's descriptors close a moment before it is gone, and a node's last rank that ended in that moment left
+    its node keeper running (seen in CI). The peer here closes its end, then lives on a while: the wait lasts until
+    it has ended."""
+    path = tmp_path / "peer.sock"
+    peer = subprocess.Popen([sys.executable, "-c", (
+        "import socket, sys, time\n"
+        "s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(); print('ready', flush=True)\n"
+        "c, _ = s.accept(); c.close(); s.close(); time.sleep(1.0)"), str(path)], stdout=subprocess.PIPE, text=True)
+    assert peer.stdout is not None and peer.stdout.readline() == "ready\n"
+    link = connect(f"unix:{path}")
+    link.outlive_peer(Deadline(60))
+    assert link.closed and peer.poll() is not None  # ended (a zombie until now), not merely closed its end
+    peer.stdout.close()

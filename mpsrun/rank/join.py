@@ -103,6 +103,6 @@ def refused(link: Link, answer: Refusal | None, identity: RankIdentity) -> int:
     if message:
         say(f"mpsrun: {message.removeprefix('mpsrun: ')}")
     if answer is not None and answer.linger:  # the node's last rank: wait until its keeper is gone
-        link.expect((), Deadline(LINGER_TIMEOUT))
+        link.outlive_peer(Deadline(LINGER_TIMEOUT))
     link.close()
     return exit_code(Outcome("decided", ExitCode.SETUP if answer is None else answer.exit_code))

@@ -280,7 +280,7 @@ class RankSupervisor:
             verdict = self.link.expect((Verdict,), Deadline(wait), others=self._said)
             assert verdict is None or isinstance(verdict, Verdict)
             if verdict is not None and verdict.linger:  # the node keeper's last rank: wait until it is gone
-                self.link.expect((), Deadline(LINGER_TIMEOUT), others=self._said)
+                self.link.outlive_peer(Deadline(LINGER_TIMEOUT), others=self._said)
         # A rank about to call MPI_Abort: the link stays open until this process ends, for its closing tells the
         # controller that the launcher has ended us (ABORT_WAIT). Closed at the verdict, it let the controller stop
         # the other ranks before the MPI_Abort; under Hydra their supervisors' ends then closed their PMI

@@ -14,7 +14,9 @@ import contextlib
 import functools
 import json
 import os
+import select
 import socket
+import struct
 import time
 import types
 from collections.abc import Callable, Sequence
@@ -24,6 +26,7 @@ from mpsrun.exitcodes import ExitCode
 from mpsrun.runtime.constants import CONNECT_TIMEOUT
 from mpsrun.runtime.deadline import Deadline, backoff
 from mpsrun.runtime.keepalive import keep_alive
+from mpsrun.runtime.processes import pidfd
 
 __all__ = ["HELLO_MAX", "LINE_MAX", "MESSAGES", "Admitted", "Ended", "Exited", "Found", "Hello", "Interrupted",
            "Link", "Listener", "Message", "Note", "Peaks", "Refusal", "Say", "SignalRanks", "Started", "Stop",
@@ -363,6 +366,31 @@ class Link:
                 if others is not None:
                     others(message)
         return None
+
+    def outlive_peer(self, deadline: Deadline, others: Callable[[Message], object] | None = None) -> None:
+        """Wait until the peer's process is gone, not only its end of the link: a process's descriptors close a
+        moment before it ends. Where the kernel cannot name the peer (another host, another pid namespace), the
+        link's end is all there is to wait for."""
+        process = self._peer_process()
+        try:
+            self.expect((), deadline, others)
+            if process is not None:
+                select.select([process], [], [], max(0.0, deadline.remaining()))
+        finally:
+            if process is not None:
+                os.close(process)
+
+    def _peer_process(self) -> int | None:
+        """A pidfd of the process at the other end of a Unix socket (taken while the link is open, so the pid is
+        still that process's)."""
+        if self.closed or self.sock.family != socket.AF_UNIX:
+            return None
+        try:
+            pid, _, _ = struct.unpack("3i", self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                 struct.calcsize("3i")))
+        except OSError:
+            return None
+        return pidfd(pid) if pid > 0 else None
 
     def close(self) -> None:
         if not self.closed:
