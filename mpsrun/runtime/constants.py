@@ -58,8 +58,8 @@ TMPDIR_VARIABLE = "MPSRUN_TMPDIR"
 # -- waits, in seconds -----------------------------------------------------------------------------------
 #: A supervisor waits this long for its welcome: the controller may be starting the MPS daemons meanwhile.
 WELCOME_TIMEOUT = 300.0
-#: A supervisor waits this long for its verdict after its rank ended; the node's last rank waits for the node's
-#: teardown (LINGER_TIMEOUT), and a relaying keeper for the job's verdicts (VERDICT_WAIT): both shorter.
+#: A supervisor waits this long for its verdict after its rank ended; the node's last rank then waits for the node's
+#: teardown (LINGER_TIMEOUT), shorter.
 VERDICT_TIMEOUT = 300.0
 #: The node keeper's teardown (a hanging quit, then SIGTERM, SIGKILL) after its last verdict.
 LINGER_TIMEOUT = 60.0
@@ -89,8 +89,6 @@ DETACH_TIMEOUT = 5.0
 #: A control command of the job's watch (a server's state once its first client is in): it runs in the controller's
 #: loop, which must stay free for its ranks and timers, so a daemon that stops answering is found within this.
 WATCH_COMMAND_TIMEOUT = 2.0
-#: How long a relaying node keeper waits for the job's verdicts once its ranks have ended.
-VERDICT_WAIT = 30.0
 #: How long a node keeper keeps its session for ranks the launcher said would come.
 LATE_WAIT = 30.0
 #: How long a node keeper waits for its first rank before it gives up.
