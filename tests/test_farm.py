@@ -473,6 +473,23 @@ def test_fifos_without_a_reader_never_hold_a_farm(fake_gpu, tmp_path):
     assert run.returncode == 3 and "1 succeeded, 1 failed" in run.stderr, run.stderr
 
 
+def test_a_results_fifo_whose_reader_stops_reading_stops_the_farm_in_one_line(fake_gpu, tmp_path):
+    """--results into a FIFO whose reader holds it open but reads nothing: once the pipe is full (64 KiB of results),
+    the farm stops in one line, exit 3, and leaves nothing running (it blocked in the write for good, deaf to
+    --timeout, SIGTERM and SIGINT: only SIGKILL ended it)."""
+    fifo = tmp_path / "r.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # open, never read
+    try:
+        run = mpsrun("-q", "-np", "2", "--array", "0-3000", "--timeout", "100", "--results", str(fifo), "true",
+                     timeout=90)
+    finally:
+        os.close(reader)
+    said = [line for line in run.stderr.splitlines() if line.startswith("mpsrun")]
+    assert run.returncode == 3 and "whose reader took nothing" in run.stderr, run.stderr
+    assert len(said) <= 2, said  # the write's failure, and the tally
+
+
 def test_a_launcher_that_names_no_job_gets_no_shared_farm(fake_gpu, tmp_path):
     """Two farms under an MPI launcher that names no job (MPICH's Hydra: PMI_RANK, PMI_SIZE): each node's key
     differed, so a later node started the list anew and tasks ran twice. Now it is refused, naming the variable to

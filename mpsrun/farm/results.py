@@ -13,9 +13,10 @@ import os
 import stat
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import IO, NamedTuple
+from typing import NamedTuple
 
 from mpsrun.errors import ConfigError, MPSError
+from mpsrun.runtime.files import write_all
 
 __all__ = ["ResultsFile", "TaskCause", "TaskResult", "succeeded_tasks"]
 
@@ -77,26 +78,32 @@ class ResultsFile:
         except OSError as exc:  # ENXIO: a FIFO that no one reads (opened blocking, the farm would wait for one)
             why = "a FIFO that no one reads" if exc.errno == errno.ENXIO else exc.strerror
             raise ConfigError(f"--results {path}: {why}", setting="--results", value=path) from None
-        os.set_blocking(fd, True)
-        self._file: IO[str] | None = os.fdopen(fd, "a", encoding="utf-8")
+        self._fd: int | None = fd  # left non-blocking: a FIFO's reader that stops reading is an error, not a wait
         if not _ends_whole(path):
-            self._file.write("\n")
+            try:
+                self._write(b"\n", "the end of its cut-short last line")
+            except MPSError:
+                self.close()
+                raise
 
     def write(self, result: TaskResult) -> None:
-        """One result's line; MPSError naming the file where it cannot be written (a full disk): the farm stops."""
-        assert self._file is not None
+        """One result's line; MPSError naming the file where it cannot be written (a full disk, a FIFO no longer
+        read): the farm stops."""
+        line = json.dumps(result._asdict(), separators=(",", ":")) + "\n"
+        self._write(line.encode(), f"task {result.id}'s result")
+
+    def _write(self, data: bytes, what: str) -> None:
+        assert self._fd is not None
         try:
             with self.lock() if self.lock is not None else contextlib.nullcontext():
-                self._file.write(json.dumps(result._asdict(), separators=(",", ":")) + "\n")
-                self._file.flush()
+                write_all(self._fd, data, self.path)
         except OSError as exc:
-            raise MPSError(f"--results {self.path}: cannot write task {result.id}'s result: {exc.strerror}") from None
+            raise MPSError(f"--results {self.path}: cannot write {what}: {exc.strerror}") from None
 
     def close(self) -> None:
-        if self._file is not None:
-            with contextlib.suppress(OSError):  # what could not be written was said as it failed
-                self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def _ends_whole(path: str) -> bool:

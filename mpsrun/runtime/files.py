@@ -19,7 +19,7 @@ import stat
 from pathlib import Path
 
 __all__ = ["LOG_READ_LIMIT", "WRITE_PATIENCE", "publish", "read_file", "read_log", "remove_tree", "replace_file",
-           "write_into"]
+           "write_all", "write_into"]
 
 #: The most bytes one read returns: far more than any log mpsrun reads holds in a job.
 LOG_READ_LIMIT = 1 << 26
@@ -104,18 +104,24 @@ def write_into(path: str, data: bytes, patience: float = WRITE_PATIENCE) -> None
             raise OSError(exc.errno, "a FIFO that no one reads", path) from None
         raise
     try:
-        writable = select.poll()
-        writable.register(fd, select.POLLOUT)
-        view = memoryview(data)
-        while view:
-            try:
-                view = view[os.write(fd, view) :]
-            except BlockingIOError:
-                if not writable.poll(patience * 1000):
-                    raise OSError(errno.ETIMEDOUT, f"a FIFO whose reader took nothing for {patience:g} s",
-                                  path) from None
+        write_all(fd, data, path, patience)
     finally:
         os.close(fd)
+
+
+def write_all(fd: int, data: bytes, path: str, patience: float = WRITE_PATIENCE) -> None:
+    """Write all of ``data`` to the non-blocking descriptor ``fd`` (of ``path``), waiting at most ``patience`` seconds
+    for a pipe's reader to take more (a reader that stopped reading is an ``OSError``, never a wait for ever)."""
+    writable = select.poll()
+    writable.register(fd, select.POLLOUT)
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except BlockingIOError:
+            if not writable.poll(patience * 1000):
+                raise OSError(errno.ETIMEDOUT, f"a FIFO whose reader took nothing for {patience:g} s",
+                              path) from None
 
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
