@@ -410,6 +410,28 @@ def test_a_task_line_no_command_can_be_is_refused_before_anything_starts(fake_gp
     assert not fake_gpu.session_dirs()
 
 
+@pytest.mark.parametrize("source", ["file", "stdin"])
+def test_a_task_file_without_a_newline_is_refused_without_reading_it_whole(fake_gpu, source):
+    """--tasks /dev/zero (or standard input from it) is refused at its first line, exit 2: the whole "line" was read
+    before it was measured (a MemoryError traceback under a memory limit, all the memory without one)."""
+    if source == "file":
+        run = mpsrun("--tasks", "/dev/zero", timeout=60)
+    else:
+        with open("/dev/zero", "rb") as zero:
+            run = subprocess.run([PY, "-m", "mpsrun", "--tasks", "-"], stdin=zero, capture_output=True, text=True,
+                                 timeout=60)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "line 1: longer than 64 KiB" in run.stderr, \
+        run.stderr
+
+
+def test_a_plain_task_line_is_split_as_shlex_splits_it():
+    """Lines with no quote, backslash or comment take a quicker way than shlex's: the same words (tabs, carriage
+    returns and other blanks between them; other characters, as shlex keeps them, within)."""
+    lines = ["a  b\tc\r\n", " x\x0by  z\n", "f=1 g\u00a0h $HOME * ; && |\n", "\t \n"]
+    assert task_lines(lines) == [Task(number, tuple(shlex.split(line, comments=True)))
+                                 for number, line in enumerate(line for line in lines if line.strip(" \t\r\n"))]
+
+
 def test_results_that_cannot_be_written_stop_the_farm_and_leave_no_task(fake_gpu, tmp_path):
     """--results on a full disk (/dev/full): one line naming --results and the task, exit 3, and the task still
     running is ended (it was left running when the error left the farm's loop)."""
