@@ -6,7 +6,10 @@ import concurrent.futures
 import logging
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import executor_calls as calls
 import pytest
@@ -133,3 +136,47 @@ def test_calls_left_when_a_worker_dies_during_shutdown_still_run(fake_gpu):
     executor.shutdown(wait=True)
     assert isinstance(dead.exception(timeout=1), mpsrun.WorkerDiedError)
     assert [f.result(timeout=1)[0] for f in waiting] == [0, 1, 4]
+
+
+def test_a_worker_that_died_idle_fails_no_call(fake_gpu):
+    """A worker killed between calls, the next call submitted at once: it runs on the fresh worker in its place and
+    succeeds (it was sent to the dying worker and failed with WorkerDiedError, 20 times in 20); a call that kills its
+    worker still fails, as it ran."""
+    with mpsrun.Executor(workers=1) as executor:
+        for x in range(10):
+            pid = executor.submit(calls.sleeps, 0).result(timeout=60)
+            os.kill(pid, signal.SIGKILL)
+            assert executor.submit(calls.placed, x).result(timeout=60)[0] == x * x
+        with pytest.raises(mpsrun.WorkerDiedError):
+            executor.submit(calls.dies, 0).result(timeout=60)
+        assert executor.accounts()[0].failed == 1
+
+
+def test_a_ctrl_c_interrupts_the_running_calls_and_spares_the_idle_workers(fake_gpu, tmp_path):
+    """SIGINT to the whole process group, as a Ctrl-C at the terminal sends it: the running call's future fails with
+    KeyboardInterrupt, the idle worker lives on (it died with a traceback, and the next call failed), and later calls
+    succeed."""
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(f"""
+import os, signal, sys, time
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import executor_calls as calls
+import mpsrun
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the caller's own Ctrl-C is its business)
+    with mpsrun.Executor(workers=2) as executor:
+        idle = executor.submit(calls.sleeps, 0).result()
+        running = executor.submit(calls.sleeps, 60)
+        time.sleep(1.0)
+        os.killpg(0, signal.SIGINT)
+        try:
+            running.result(timeout=60)
+            print("not interrupted")
+        except KeyboardInterrupt:
+            print("interrupted")
+        print("later", executor.submit(calls.placed, 4).result(timeout=60)[0])
+""")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         start_new_session=True)
+    assert run.returncode == 0 and run.stdout.split("\n") == ["interrupted", "later 16", ""], (run.stdout, run.stderr)
+    assert "Traceback" not in run.stderr, run.stderr

@@ -73,13 +73,14 @@ class _Worker:
     """One worker slot: its process now, its connection, the call it runs, and its account so far."""
 
     __slots__ = ("alone", "calls", "connection", "cpu", "daemon", "env", "failed", "gpu", "index", "process",
-                 "processes", "running", "started", "wall")
+                 "processes", "running", "started", "taken", "wall")
 
     def __init__(self, index: int, gpu: int | None, daemon: ControlDaemon | None, env: Mapping[str, str]) -> None:
         self.index, self.gpu, self.daemon, self.env = index, gpu, daemon, dict(env)
         self.process: Any = None
         self.connection: Connection | None = None
         self.running: _Call | None = None
+        self.taken = False  # the worker said it took the call it was sent (a death before that is not the call's)
         self.alone = False  # the call it runs must run alone on its server (a fault's suspect)
         self.started = 0.0
         self.calls = self.failed = self.processes = 0
@@ -110,6 +111,7 @@ class Executor(_Executor):
         self._pending: collections.deque[_Call] = collections.deque()
         self._suspects: dict[int, collections.deque[_Call]] = {}  # by daemon (id): calls a fault tore down
         self._faults: dict[int, ServerFaults] = {}  # by daemon (id): its server's faults
+        self._resent: set[int] = set()  # calls sent again: their first worker died before it took them
         self._numbers = itertools.count()
         self._lock = threading.Condition()
         self._shutdown = False
@@ -199,7 +201,7 @@ class Executor(_Executor):
         """Give each idle worker its next call: a suspect of its server's fault once no other call runs there (it
         runs alone), else the next call submitted, unless its server is finding a fault's culprit."""
         for worker in self._workers:
-            while worker.running is None:
+            while worker.running is None and worker.process.is_alive():  # (a dead one is replaced first)
                 suspects = self._suspects.get(id(worker.daemon))
                 if suspects and self._busy(worker.daemon):
                     break
@@ -208,50 +210,69 @@ class Executor(_Executor):
                 if not queue:
                     break
                 call = queue.popleft()
-                if call.future.running() or call.future.set_running_or_notify_cancel():
-                    self._send(worker, call, alone)
+                if (call.future.running() or call.future.set_running_or_notify_cancel()) and \
+                        not self._send(worker, call, alone):
+                    queue.appendleft(call)  # the worker died idle: the call waits for the one in its place
+                    break
 
     def _busy(self, daemon: ControlDaemon | None, alone: bool = False) -> bool:
         """Whether a call runs on ``daemon``'s server (``alone``: one that must run alone there)."""
         return daemon is not None and any(w.daemon is daemon and w.running is not None and (w.alone or not alone)
                                           for w in self._workers)
 
-    def _send(self, worker: _Worker, call: _Call, alone: bool) -> None:
+    def _send(self, worker: _Worker, call: _Call, alone: bool) -> bool:
+        """Send ``call`` to ``worker``: False where the worker is gone (the call is not sent)."""
         assert worker.connection is not None
-        worker.running, worker.alone = call, alone
+        worker.running, worker.alone, worker.taken = call, alone, False
         try:
             worker.connection.send((call.number, call.function, call.args, call.kwargs))
+        except OSError:  # (a broken pipe: the worker died since it was found alive)
+            worker.running = None
+            return False
         except Exception as exc:  # the call cannot be pickled: its future says why
             worker.running = None
             call.future.set_exception(exc)
+        return True
 
-    def _answer(self, worker: _Worker) -> None:
+    def _answer(self, worker: _Worker) -> bool:
+        """Take what the worker sent (that it took its call, or the call's outcome); False once it is gone."""
         assert worker.connection is not None
         try:
             outcome = worker.connection.recv()
         except (EOFError, OSError):
-            return  # the process is ending: its sentinel says so
+            return False  # the process is ending: its sentinel says so
         except Exception as exc:  # the outcome could not be unpickled here
             outcome = (worker.running.number if worker.running else -1, False, exc, "")
         call = worker.running
-        if call is None or outcome[0] != call.number:
-            return
+        if call is not None and outcome == call.number:
+            worker.taken = True
+            return True
+        if call is None or not isinstance(outcome, tuple) or outcome[0] != call.number:
+            return True
         worker.running = None
         if outcome[1]:
             worker.calls += 1
             call.future.set_result(outcome[2])
-            return
+            return True
         raised = outcome[2]
         if outcome[3]:
             raised.__cause__ = RemoteTraceback(f'\n"""\n{outcome[3]}"""')
         self._failed(worker, call, raised)
+        return True
 
     def _died(self, worker: _Worker) -> None:
-        """A worker's process ended on its own: the call it ran fails, and a fresh process takes its place."""
+        """A worker's process ended on its own: the call it ran fails, one it had not yet taken is sent again (once),
+        and a fresh process takes its place."""
+        assert worker.connection is not None
+        while worker.connection.poll() and self._answer(worker):  # what it sent before it died comes first
+            pass
         returncode = worker.process.exitcode
         self._retire(worker)
         call, worker.running = worker.running, None
-        if call is not None:
+        if call is not None and not worker.taken and call.number not in self._resent:
+            self._resent.add(call.number)
+            (self._suspects[id(worker.daemon)] if worker.alone else self._pending).appendleft(call)
+        elif call is not None:
             where = f"GPU {worker.gpu}" if worker.gpu is not None else "no GPU"
             self._failed(worker, call, WorkerDiedError(
                 f"worker {worker.index} ({where}, pid {worker.process.pid}) {describe_returncode(returncode)} while "

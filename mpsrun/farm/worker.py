@@ -1,7 +1,8 @@
 """A worker of :class:`mpsrun.farm.executor.Executor`: a spawned process that runs the calls its executor sends.
 
 Each call comes as ``(number, function, args, kwargs)`` over the worker's connection and its outcome goes back as
-``(number, True, result)`` or ``(number, False, exception, traceback text)``; ``None`` ends the worker. The worker's
+``(number, True, result)`` or ``(number, False, exception, traceback text)``, once the worker has said it took the
+call (its ``number``); ``None`` ends the worker. The worker's
 GPU and MPS variables come with its start, and are put in its environment before its first call, so before CUDA
 initialises. Standard library only.
 """
@@ -9,6 +10,7 @@ initialises. Standard library only.
 from __future__ import annotations
 
 import os
+import signal
 import traceback
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
@@ -33,6 +35,9 @@ def serve(connection: Connection, env: Mapping[str, str], managed: Sequence[str]
     for name in managed:
         os.environ.pop(name, None)
     os.environ.update(env)
+    # A Ctrl-C at the terminal reaches every worker: it interrupts the calls that run (their futures get the
+    # KeyboardInterrupt), never an idle worker (it died, with a traceback, and failed the next call sent to it).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     while True:
         try:
             work = connection.recv()
@@ -41,11 +46,15 @@ def serve(connection: Connection, env: Mapping[str, str], managed: Sequence[str]
         if work is None:
             return
         number, function, args, kwargs = work
+        connection.send(number)  # taken: a worker that dies from now on dies running this call
         outcome: tuple[object, ...]
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             outcome = (number, True, function(*args, **kwargs))
         except BaseException as exc:
             outcome = (number, False, exc, "".join(traceback.format_exception(exc)))
+        finally:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             connection.send(outcome)
         except Exception as exc:  # the result cannot be pickled: the future gets why
