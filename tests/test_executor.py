@@ -180,3 +180,26 @@ if __name__ == "__main__":
                          start_new_session=True)
     assert run.returncode == 0 and run.stdout.split("\n") == ["interrupted", "later 16", ""], (run.stdout, run.stderr)
     assert "Traceback" not in run.stderr, run.stderr
+
+
+def test_a_shutdown_from_a_futures_callback_still_ends_everything(fake_gpu, caplog):
+    """A done-callback (it runs in the executor's manager thread) that calls shutdown(): no error, and the workers
+    and the session go once the calls are done; a later shutdown() waits for that (the callback's shutdown raised
+    "cannot join current thread", and every later shutdown returned at once with the workers and daemons left)."""
+    executor = mpsrun.Executor(workers=1)
+    done = executor.submit(calls.placed, 2)
+    done.add_done_callback(lambda _: executor.shutdown())
+    assert done.result(timeout=60)[0] == 4
+    executor.shutdown()
+    assert not fake_gpu.session_dirs() and "exception calling callback" not in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("cancel", [False, True])
+def test_a_shutdown_without_waiting_then_one_that_waits_end_everything_once(fake_gpu, cancel):
+    """shutdown(wait=False) then shutdown(wait=True) at once, with calls running: the second waits for the first's
+    end, and nothing is closed twice (an OSError traceback, Bad file descriptor, from one of the two)."""
+    executor = mpsrun.Executor(workers=2)
+    futures = [executor.submit(calls.sleeps, 0.2) for _ in range(4)]
+    executor.shutdown(wait=False, cancel_futures=cancel)
+    executor.shutdown(wait=True)
+    assert all(f.done() for f in futures) and not fake_gpu.session_dirs()

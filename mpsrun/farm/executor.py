@@ -17,6 +17,7 @@ import collections
 import contextlib
 import itertools
 import multiprocessing
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -115,15 +116,17 @@ class Executor(_Executor):
         self._numbers = itertools.count()
         self._lock = threading.Condition()
         self._shutdown = False
-        self._wake_read, self._wake_write = multiprocessing.Pipe(duplex=False)
+        # Wakes the manager: non-blocking, as a full pipe already holds a wake-up (a callback that submits runs in
+        # the manager's own thread), and closed under its own lock (a closed descriptor's number may be reused).
+        self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake_lock = threading.Lock()
         try:
             for worker in self._workers:
                 self._spawn(worker)
         except BaseException:
-            self._stop_workers()
-            self._session.close()
+            self._finish()
             raise
-        self._manager = threading.Thread(target=self._manage, name="mpsrun-executor", daemon=True)
+        self._manager = threading.Thread(target=self._run, name="mpsrun-executor", daemon=True)
         self._manager.start()
 
     def _start_session(self, config: JobConfig) -> list[_Worker]:
@@ -159,6 +162,14 @@ class Executor(_Executor):
 
     # -- the manager thread -------------------------------------------------------------------------------------
 
+    def _run(self) -> None:
+        """The manager thread's life: it manages until shut down and idle, then ends the workers and the session
+        (here, whoever shut down and however often: a future's callback that shuts down runs in this thread)."""
+        try:
+            self._manage()
+        finally:
+            self._finish()
+
     def _manage(self) -> None:
         """Hand out calls, take results, replace dead workers, until shut down and idle."""
         while True:
@@ -173,9 +184,9 @@ class Executor(_Executor):
                     waits[worker.connection] = worker
                     waits[worker.process.sentinel] = worker
             for ready in wait(list(waits), timeout=USAGE_INTERVAL if self._usage is not None else None):
-                if ready is self._wake_read:
-                    with contextlib.suppress(EOFError, OSError):
-                        self._wake_read.recv()
+                if ready == self._wake_read:
+                    with contextlib.suppress(OSError):
+                        os.read(self._wake_read, 1 << 16)
                     continue
                 found = waits[ready]
                 assert found is not None
@@ -325,28 +336,20 @@ class Executor(_Executor):
         """No more calls; ``cancel_futures``: the calls not started are cancelled. With ``wait`` the running ones
         finish first; then the workers end and the session closes (its daemons and directory go)."""
         with self._lock:
-            if self._shutdown and not self._manager.is_alive():
-                return
             self._shutdown = True
             if cancel_futures:
                 while self._pending:
                     self._pending.popleft().future.cancel()
         self._wake()
-        if wait:
+        if wait and threading.current_thread() is not self._manager:  # (a callback's shutdown cannot wait for it)
             self._manager.join()
-        else:
-            threading.Thread(target=self._finish_later, daemon=True).start()
-            return
-        self._finish()
-
-    def _finish_later(self) -> None:
-        self._manager.join()
-        self._finish()
 
     def _finish(self) -> None:
         self._stop_workers()
-        self._wake_read.close()
-        self._wake_write.close()
+        with self._wake_lock:
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+            self._wake_write = -1
         self._session.close()
 
     def _stop_workers(self) -> None:
@@ -367,8 +370,9 @@ class Executor(_Executor):
             worker.process.join()
 
     def _wake(self) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            self._wake_write.send(None)
+        with self._wake_lock, contextlib.suppress(OSError):  # (BlockingIOError: a wake-up is there already)
+            if self._wake_write >= 0:
+                os.write(self._wake_write, b"\0")
 
     # -- what it did ----------------------------------------------------------------------------------------------
 
