@@ -583,3 +583,35 @@ def test_a_results_line_names_the_gpu_by_its_index(fake_gpu, tmp_path):
     run = mpsrun("--gpus", "1", "--array", "0-1", "--results", str(out), "true")
     assert run.returncode == 0, run.stderr
     assert [line["gpu"] for line in results(out)] == [1, 1]
+
+
+def test_a_farms_own_variables_do_not_reach_its_tasks(fake_gpu, tmp_path):
+    """A farm set by variables (MPSRUN_ARRAY, MPSRUN_RESULTS): its tasks get neither, so an mpsrun a task runs is a
+    job of its own (it became a farm too, and appended its own tasks' lines to the same results: 14 lines for 3
+    tasks); the task's own variables are there."""
+    out = tmp_path / "r.jsonl"
+    show = "import os; print(' '.join(sorted(n for n in os.environ if n.startswith('MPSRUN_'))))"
+    env = {**os.environ, "MPSRUN_ARRAY": "0-1", "MPSRUN_RESULTS": str(out), "MPSRUN_RETRIES": "0"}
+    run = subprocess.run([PY, "-m", "mpsrun", "-q", "-np", "2", PY, "-c", show], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0 and len(results(out)) == 2, run.stderr
+    for line in run.stdout.splitlines():
+        names = set(line.split())
+        assert "MPSRUN_TASK_ID" in names and not names & {"MPSRUN_ARRAY", "MPSRUN_RESULTS", "MPSRUN_RETRIES"}, line
+
+
+def test_results_into_the_task_file_itself_are_refused(tmp_path):
+    """--tasks F --results F (the same file, by any name): refused, exit 2 (the results were appended to the task
+    list, and --resume then ran them as commands)."""
+    tasks = tmp_path / "tasks.txt"
+    tasks.write_text("true\n")
+    os.symlink(tasks, tmp_path / "also.txt")
+    with pytest.raises(ConfigError, match="names the task file"):
+        parse_args(["--tasks", str(tasks), "--results", str(tmp_path / "also.txt")], environ={})
+
+
+def test_a_task_reads_nothing_from_the_farms_standard_input(fake_gpu):
+    """Each task's standard input is /dev/null: tasks that run at once shared the farm's, and split what came."""
+    run = mpsrun("-q", "-np", "2", "--array", "0-1", PY, "-c", "import sys; print(repr(sys.stdin.read()))",
+                 stdin="what the farm was given\n", timeout=60)
+    assert run.returncode == 0 and run.stdout == "''\n''\n", run.stdout

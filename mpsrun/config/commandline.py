@@ -8,6 +8,8 @@ the command line wins.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
 import shlex
 import sys
@@ -199,8 +201,17 @@ def _check_farm(found: Mapping[str, Any], command: Sequence[str]) -> None:
         raise ConfigError("--array runs a command once per index: give it after the options", setting="--array")
     if found.get("resume") and not found.get("results"):
         raise ConfigError("--resume reads the results file: give --results FILE.jsonl", setting="--resume")
+    if tasks not in (None, "-") and found.get("results") and _same_file(tasks, found["results"]):
+        raise ConfigError("--results names the task file: the results would be appended to the tasks",
+                          setting="--results")
     refused = [flag for name, flag in _NOT_IN_A_FARM.items() if found.get(name)]
     refused += ["--launcher mpiexec"] if found.get("launcher") == "mpiexec" else []
     if refused:
         raise ConfigError(f"a farm runs its slots itself, one mpsrun per node: not with {refused[0]} (on several "
                           "nodes: srun --ntasks-per-node=1 mpsrun -np N --tasks FILE)", setting=refused[0])
+
+
+def _same_file(path: str, other: str) -> bool:
+    with contextlib.suppress(OSError):
+        return os.path.samefile(path, other)
+    return False

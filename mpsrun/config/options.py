@@ -16,7 +16,7 @@ from typing import Annotated, Any, NamedTuple, get_args
 from mpsrun.config import values
 from mpsrun.errors import ConfigError
 
-__all__ = ["JobConfig", "Option", "differing_options", "option_variables", "options"]
+__all__ = ["FARM_OPTIONS", "JobConfig", "Option", "differing_options", "option_variables", "options"]
 
 
 class Option(NamedTuple):
@@ -250,6 +250,11 @@ def differing_options(settings: Mapping[str, Any], others: Mapping[str, Any]) ->
     declared = options()
     return [declared[name].flags[-1] if name in declared else name
             for name in sorted(set(settings) | set(others)) if settings.get(name) != others.get(name)]
+
+
+#: The options that make a job a farm, and the farm's own: its tasks get none of their variables (a task that runs
+#: mpsrun runs a job of its own, not another farm into the same results).
+FARM_OPTIONS = ("tasks", "array", "results", "resume", "retries", "max_failures")
 
 
 def option_variables() -> set[str]:

@@ -211,7 +211,7 @@ class Farm:
     def _start(self, task: Task, program: str, env: Mapping[str, str]) -> tuple[subprocess.Popen[bytes],
                                                                             RankOutput | None]:
         """Start ``task``: its output through pipes of ours, passed on in whole lines, or to its own files under
-        ``--output-filename``. No preexec_fn (a Python function between fork and exec makes each start several
+        ``--output-filename``; it reads nothing (tasks at once would split what came). No preexec_fn (a Python function between fork and exec makes each start several
         times slower): a task that outlives a killed farm is ended by the session's reaper, which the running tasks
         are recorded for."""
         output_dir, output = self.rules.output_dir, None
@@ -222,7 +222,7 @@ class Farm:
             files = output.open()
         try:
             process = subprocess.Popen(task.argv, executable=program, env=env, start_new_session=True,
-                                       stdout=files[0], stderr=files[1])
+                                       stdin=subprocess.DEVNULL, stdout=files[0], stderr=files[1])
         except OSError:
             if output is not None:
                 output.close()

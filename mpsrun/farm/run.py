@@ -14,7 +14,7 @@ import socket
 from collections.abc import Mapping
 
 from mpsrun.agent.outcome import Policy
-from mpsrun.config.options import JobConfig
+from mpsrun.config.options import FARM_OPTIONS, JobConfig, options
 from mpsrun.errors import ConfigError, DaemonTimeoutError, JobTimeoutError, MPSError
 from mpsrun.exitcodes import Cause, ExitCode, Outcome, exit_code
 from mpsrun.farm.farm import Farm, FarmRules, slots_of
@@ -78,8 +78,10 @@ def shared_list(config: JobConfig) -> SharedList | None:
 
 
 def _base_env(config: JobConfig) -> dict[str, str]:
-    """The environment every task starts from: ours, less what mpsrun manages, with ``-x``'s values."""
-    env = {name: value for name, value in os.environ.items() if name not in MANAGED_VARIABLES}
+    """The environment every task starts from: ours, less what mpsrun manages and the farm's own options, with
+    ``-x``'s values."""
+    farm = {options()[name].variable for name in FARM_OPTIONS}
+    env = {name: value for name, value in os.environ.items() if name not in MANAGED_VARIABLES and name not in farm}
     for item in config.exports:
         name, given, value = item.partition("=")
         if given:
