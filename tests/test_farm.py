@@ -14,7 +14,7 @@ import time
 
 import psutil
 import pytest
-from helpers import FAKE_MPS, FAKECUDA, ROOT
+from helpers import FAKE_MPS, FAKECUDA, ROOT, wait_for
 
 from mpsrun.config.commandline import parse_args
 from mpsrun.errors import ConfigError
@@ -615,3 +615,24 @@ def test_a_task_reads_nothing_from_the_farms_standard_input(fake_gpu):
     run = mpsrun("-q", "-np", "2", "--array", "0-1", PY, "-c", "import sys; print(repr(sys.stdin.read()))",
                  stdin="what the farm was given\n", timeout=60)
     assert run.returncode == 0 and run.stdout == "''\n''\n", run.stdout
+
+
+def test_a_second_sigterm_leaves_the_tasks_their_grace(fake_gpu, tmp_path):
+    """Two SIGTERMs (GNU timeout sends one to mpsrun and one to its group): the tasks still get --grace to finish
+    (the second killed them at once, as only a second Ctrl-C should); the farm exits 143."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    task = ("import pathlib, signal, sys, time\n"
+            "def term(*_):\n"
+            f"    pathlib.Path({str(marks)!r}, 'term').touch(); time.sleep(1.0)\n"
+            f"    pathlib.Path({str(marks)!r}, 'cleaned').touch(); sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, term)\n"
+            f"pathlib.Path({str(marks)!r}, 'started').touch(); time.sleep(60)")
+    farm = subprocess.Popen([PY, "-m", "mpsrun", "-q", "--grace", "30", "--array", "0-0", PY, "-c", task],
+                            stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (marks / "started").exists(), what="the task did not start", proc=farm)
+    farm.send_signal(signal.SIGTERM)
+    wait_for(lambda: (marks / "term").exists(), what="the task got no SIGTERM", proc=farm)
+    farm.send_signal(signal.SIGTERM)
+    _, err = farm.communicate(timeout=60)
+    assert farm.returncode == 143 and (marks / "cleaned").exists(), err

@@ -166,8 +166,9 @@ class FarmRun:
         assert self.farm is not None
         if sig in PASS_SIGNALS:
             self.farm.signal(sig)
-        elif self.signalled is not None or (self.farm.stopping is not None and sig == signal.SIGINT):
-            self.farm.signal(signal.SIGKILL)  # a second Ctrl-C: now
+        elif self.signalled is not None or self.farm.stopping is not None:
+            if sig == signal.SIGINT:  # a second Ctrl-C: now; another SIGTERM (`timeout` sends two) waits out --grace
+                self.farm.signal(signal.SIGKILL)
         else:
             self.signalled = sig
             self.farm.stop(signal.SIGTERM if sig == signal.SIGHUP else sig)
