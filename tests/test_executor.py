@@ -203,3 +203,14 @@ def test_a_shutdown_without_waiting_then_one_that_waits_end_everything_once(fake
     executor.shutdown(wait=False, cancel_futures=cancel)
     executor.shutdown(wait=True)
     assert all(f.done() for f in futures) and not fake_gpu.session_dirs()
+
+
+def test_more_workers_on_a_gpu_than_its_mps_server_takes_are_warned_of(fake_gpu, caplog):
+    """Executor(workers=50) on one GPU warns, as 50 ranks do (it said nothing); 2 workers do not."""
+    with caplog.at_level(logging.WARNING, logger="mpsrun"), mpsrun.Executor(workers=50, gpus="0"):
+        pass
+    assert "50 workers share GPU 0, but an MPS server accepts at most 48" in caplog.text, caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mpsrun"), mpsrun.Executor(workers=2, gpus="0"):
+        pass
+    assert "share GPU" not in caplog.text, caplog.text

@@ -636,3 +636,12 @@ def test_a_second_sigterm_leaves_the_tasks_their_grace(fake_gpu, tmp_path):
     farm.send_signal(signal.SIGTERM)
     _, err = farm.communicate(timeout=60)
     assert farm.returncode == 143 and (marks / "cleaned").exists(), err
+
+
+def test_more_slots_on_a_gpu_than_its_mps_server_takes_are_warned_of(fake_gpu):
+    """-np 50 slots on one GPU: warned of once, as 50 ranks are (a farm said nothing, and its 49th client would
+    fail on a real server); 48 slots are not."""
+    run = mpsrun("-np", "50", "--gpus", "0", "--array", "0-49", "true", timeout=120)
+    assert run.returncode == 0 and run.stderr.count("50 slots share GPU 0, but an MPS server accepts at most 48") == 1
+    run = mpsrun("-np", "48", "--gpus", "0", "--array", "0-47", "true", timeout=120)
+    assert run.returncode == 0 and "share GPU" not in run.stderr, run.stderr

@@ -74,10 +74,12 @@ def verified_line(watch: RankWatch, ranks: Iterable[int], where: str = "") -> st
     return line
 
 
-def crowding_warnings(per_gpu: Mapping[int, int]) -> list[str]:
+def crowding_warnings(per_gpu: Mapping[int, int], what: str = "ranks") -> list[str]:
+    """A warning for each GPU that ``what`` (ranks, a farm's slots, an executor's workers) would crowd past what its
+    MPS server takes."""
     return [
-        f"warning: {n} ranks share GPU {gpu}, but an MPS server accepts at most {MPS_CLIENT_LIMIT} clients on "
-        "Volta and later GPUs; use more GPUs or fewer ranks"
+        f"warning: {n} {what} share GPU {gpu}, but an MPS server accepts at most {MPS_CLIENT_LIMIT} clients on "
+        f"Volta and later GPUs; use more GPUs or fewer {what}"
         for gpu, n in sorted(per_gpu.items())
         if n > MPS_CLIENT_LIMIT
     ]

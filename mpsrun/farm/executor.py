@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import logging
 import multiprocessing
 import os
 import threading
@@ -26,6 +27,7 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
 from typing import Any, NamedTuple
 
+from mpsrun.agent.findings import crowding_warnings
 from mpsrun.config import values
 from mpsrun.config.options import JobConfig
 from mpsrun.errors import WorkerDiedError
@@ -35,11 +37,13 @@ from mpsrun.farm.faults import Fault, ServerFaults
 from mpsrun.farm.worker import RemoteTraceback, serve
 from mpsrun.mps.daemon import ControlDaemon
 from mpsrun.mps.environment import MANAGED_VARIABLES
-from mpsrun.mps.placement import NodePlan
+from mpsrun.mps.placement import NodePlan, ranks_on_gpus
 from mpsrun.mps.usage import UsageSampler
 from mpsrun.mps.watch import RankWatch, with_descendants
 from mpsrun.runtime.constants import USAGE_INTERVAL
 from mpsrun.session.session import Session
+
+log = logging.getLogger("mpsrun")
 
 __all__ = ["Executor", "WorkerAccount"]
 
@@ -96,7 +100,7 @@ class Executor(_Executor):
 
     def __init__(self, workers: int = 1, *, gpus: object = "all", thread_percentage: object = None,
                  mem_limit: object = None, map_by: str = "block", mps: str = "auto") -> None:
-        config = JobConfig(command=("python",), nranks=values.parse_count(workers, "workers"),
+        config = JobConfig(command=("python",), nranks=values.parse_ranks(workers, "workers"),
                            gpus=values.parse_gpus(gpus, "gpus"),
                            thread_percentage=values.parse_thread_spec(thread_percentage, "thread_percentage"),
                            mem_limit=None if mem_limit is None else values.parse_mem_limit(mem_limit),
@@ -135,6 +139,9 @@ class Executor(_Executor):
         session.resolve()
         plan = NodePlan.make(config, len(session.gpus), config.ranks, session.free_memory(), config.ranks)
         session.start_lazy(plan.daemon_defaults())
+        if session.enabled:
+            for line in crowding_warnings(ranks_on_gpus(plan.ranks(config.ranks)), "workers"):
+                log.warning(f"mpsrun: {line}")
         return [_Worker(slot.index, slot.gpu, slot.daemon, slot.env)
                 for slot in slots_of(session, plan.ranks(config.ranks), None)]
 

@@ -211,9 +211,9 @@ class Farm:
     def _start(self, task: Task, program: str, env: Mapping[str, str]) -> tuple[subprocess.Popen[bytes],
                                                                             RankOutput | None]:
         """Start ``task``: its output through pipes of ours, passed on in whole lines, or to its own files under
-        ``--output-filename``; it reads nothing (tasks at once would split what came). No preexec_fn (a Python function between fork and exec makes each start several
-        times slower): a task that outlives a killed farm is ended by the session's reaper, which the running tasks
-        are recorded for."""
+        ``--output-filename``; it reads nothing (tasks at once would split what came). No preexec_fn (a Python
+        function between fork and exec makes each start several times slower): a task that outlives a killed farm is
+        ended by the session's reaper, which the running tasks are recorded for."""
         output_dir, output = self.rules.output_dir, None
         if output_dir:
             files = output_files(output_dir, f"task.{task.id}")

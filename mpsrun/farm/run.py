@@ -13,6 +13,7 @@ import signal
 import socket
 from collections.abc import Mapping
 
+from mpsrun.agent.findings import crowding_warnings
 from mpsrun.agent.outcome import Policy
 from mpsrun.config.options import FARM_OPTIONS, JobConfig, options
 from mpsrun.errors import ConfigError, DaemonTimeoutError, JobTimeoutError, MPSError
@@ -25,7 +26,7 @@ from mpsrun.farm.tasks import farm_tasks
 from mpsrun.job.run import make_output_dir
 from mpsrun.mps import gpus
 from mpsrun.mps.environment import MANAGED_VARIABLES
-from mpsrun.mps.placement import NodePlan, RankPlan, without_mps
+from mpsrun.mps.placement import NodePlan, RankPlan, ranks_on_gpus, without_mps
 from mpsrun.mps.usage import UsageSampler
 from mpsrun.mps.watch import RankWatch, with_descendants
 from mpsrun.rank.identity import LOCAL_RANK_VARIABLES, identity_from_env, job_key
@@ -153,6 +154,9 @@ class FarmRun:
                                   timeout=config.timeout or 0.0) from None
         if session.disabled_reason is not None and not config.quiet:
             for line in without_mps(config, session.disabled_reason, gpus_seen=bool(session.gpus)):
+                log.warning(f"mpsrun: {line}")
+        elif session.disabled_reason is None and config.gpu_bind == "single":
+            for line in crowding_warnings(ranks_on_gpus(plans), "slots"):
                 log.warning(f"mpsrun: {line}")
         return session, plans
 
