@@ -645,3 +645,24 @@ def test_more_slots_on_a_gpu_than_its_mps_server_takes_are_warned_of(fake_gpu):
     assert run.returncode == 0 and run.stderr.count("50 slots share GPU 0, but an MPS server accepts at most 48") == 1
     run = mpsrun("-np", "48", "--gpus", "0", "--array", "0-47", "true", timeout=120)
     assert run.returncode == 0 and "share GPU" not in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("text", ["1-" + "9" * 5000, "\uff11-\uff13", "0-" + "9" * 26])
+def test_an_array_range_of_odd_digits_is_refused_in_a_short_line(text):
+    """--array with 5,000 digits (a message naming parse_index_range_text and echoing them all; as a variable,
+    Python's int digits limit), other scripts' digits (full-width ones ran 1-3), or a range past 2**63 (len()
+    overflows): a ConfigError of one short line."""
+    with pytest.raises(ConfigError) as refused:
+        parse_args(["--array", text, "true"], environ={})
+    said = str(refused.value)
+    assert "parse_" not in said and len(said) < 160 and "\n" not in said, said
+
+
+def test_a_count_of_many_digits_is_refused_in_a_short_line():
+    """-np, --retries and --max-failures with 5,000 digits: refused in a line that shows the start of the value
+    (Python's int digits limit reached argparse, which named the parsing function and echoed every digit)."""
+    for option in ("-np", "--retries", "--max-failures"):
+        with pytest.raises(ConfigError) as refused:
+            parse_args([option, "9" * 5000, "--array", "0-1", "true"], environ={})
+        said = str(refused.value)
+        assert "parse_" not in said and len(said) < 160, said

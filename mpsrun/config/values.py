@@ -104,15 +104,23 @@ def _whole(value: object) -> int | None:
     """A whole number from an int (not a bool) or from ASCII digits; None otherwise."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
-        return int(value.strip())
+    text = value.strip() if isinstance(value, str) else ""
+    if text.isascii() and text.isdigit() and len(text) <= 30:  # (more is no number any setting takes)
+        return int(text)
     return None
+
+
+def _shown(value: object) -> str:
+    """A value as a message shows it: its repr, cut to a length a line can hold."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def parse_choice(value: object, choices: Sequence[str], setting: str) -> str:
     text = value.strip().lower() if isinstance(value, str) else None
     if text is None or text not in choices:
-        raise ConfigError(f"{setting} must be one of {', '.join(choices)}, not {value!r}", setting=setting, value=value)
+        raise ConfigError(f"{setting} must be one of {', '.join(choices)}, not {_shown(value)}", setting=setting,
+                          value=value)
     return text
 
 
@@ -120,7 +128,7 @@ def _bounded(value: object, low: int, high: int, setting: str, unit: str = "") -
     """A whole number from ``low`` to ``high`` (an int, or ASCII digits: ``1e2`` is refused)."""
     number = _whole(value)
     if number is None or not low <= number <= high:
-        raise ConfigError(f"{setting} must be a whole number from {low} to {high}{unit}, not {value!r}",
+        raise ConfigError(f"{setting} must be a whole number from {low} to {high}{unit}, not {_shown(value)}",
                           setting=setting, value=value)
     return number
 
@@ -132,7 +140,7 @@ def parse_ranks(value: object, setting: str = "-np") -> int:
 
 #: A farm's most retries of one task, and most tasks (each is a process; a typo in a range is refused).
 MAX_RETRIES, MAX_TASKS = 1000, 10_000_000
-_INDEX_RANGE = re.compile(r"(\d+)-(\d+)(?::(\d+))?|(\d+)")
+_INDEX_RANGE = re.compile(r"([0-9]{1,30})-([0-9]{1,30})(?::([0-9]{1,30}))?|([0-9]{1,30})")  # (ASCII digits only)
 
 
 def parse_retries(value: object, setting: str = "--retries") -> int:
@@ -144,7 +152,7 @@ def parse_index_range(value: object, setting: str = "--array") -> range:
     """``A-B[:STEP]`` (or one index ``A``): the indices A, A+STEP, ... up to B included."""
     match = _INDEX_RANGE.fullmatch(value.strip()) if isinstance(value, str) else None
     if match is None:
-        raise ConfigError(f"{setting} takes A-B or A-B:STEP (whole numbers), not {value!r}", setting=setting,
+        raise ConfigError(f"{setting} takes A-B or A-B:STEP (whole numbers), not {_shown(value)}", setting=setting,
                           value=value)
     first, last, step, single = match.groups()
     if single is not None:
@@ -153,7 +161,7 @@ def parse_index_range(value: object, setting: str = "--array") -> range:
     if int(step or 1) < 1 or not indices:
         raise ConfigError(f"{setting} {value}: no index (the range must not be empty and its step at least 1)",
                           setting=setting, value=value)
-    if len(indices) > MAX_TASKS:
+    if (indices[-1] - indices[0]) // indices.step >= MAX_TASKS:  # (len() of a range past 2**63 overflows)
         raise ConfigError(f"{setting} {value}: more than {MAX_TASKS} tasks", setting=setting, value=value)
     return indices
 
@@ -178,7 +186,8 @@ def parse_count(value: object, setting: str) -> int:
     """A positive whole number (of workers, of repeats), as an int or its ASCII digits."""
     number = _whole(value)
     if number is None or number < 1:
-        raise ConfigError(f"{setting} must be a positive whole number, not {value!r}", setting=setting, value=value)
+        raise ConfigError(f"{setting} must be a positive whole number, not {_shown(value)}", setting=setting,
+                          value=value)
     return number
 
 
