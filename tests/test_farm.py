@@ -666,3 +666,20 @@ def test_a_count_of_many_digits_is_refused_in_a_short_line():
             parse_args([option, "9" * 5000, "--array", "0-1", "true"], environ={})
         said = str(refused.value)
         assert "parse_" not in said and len(said) < 160, said
+
+
+def test_a_fifo_planted_as_the_shared_counter_holds_no_farm(fake_gpu, tmp_path):
+    """A FIFO planted where a shared list keeps its counter (RESULTS.queue): the farm replaces it (never opens it)
+    and runs every task; it waited at its start for a writer that never came."""
+    out = tmp_path / "r.jsonl"
+    os.mkfifo(tmp_path / "r.jsonl.queue")
+    farms = []
+    for node in "AB":
+        (fake_gpu.tmpdir / node).mkdir(mode=0o700)
+        farms.append(start_node_farm(fake_gpu.tmpdir / node, node, 2, "--array", "0-3", "--results", str(out),
+                                     "true"))
+    for farm in farms:
+        _, err = farm.communicate(timeout=60)
+        assert farm.returncode == 0, err
+    assert sorted(line["id"] for line in results(out)) == [0, 1, 2, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl"]

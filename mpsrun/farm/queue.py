@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from mpsrun.errors import MPSError
 from mpsrun.farm.tasks import Task
-from mpsrun.runtime.files import replace_file
+from mpsrun.runtime.files import read_file, replace_file
 
 if TYPE_CHECKING:
     from filelock import BaseFileLock
@@ -70,9 +70,10 @@ class SharedList:
             self.lock.release()
 
     def _read(self) -> dict[str, object]:
+        """The counter's state; {} where there is none (or no regular file of ours: a planted FIFO is never opened,
+        it would wait for a writer)."""
         with contextlib.suppress(OSError, ValueError):
-            with open(self.path, encoding="utf-8") as file:
-                found = json.load(file)
+            found = json.loads(read_file(self.path, 1 << 16))
             if isinstance(found, dict):
                 return found
         return {}
