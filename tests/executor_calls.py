@@ -114,3 +114,11 @@ def cupy_until_fault(marks, fault, others):
         x = x * 1.0000001
         cupy.cuda.Device().synchronize()
     return os.getpid()
+
+
+def nested(x):
+    """An Executor inside a worker."""
+    import mpsrun
+
+    with mpsrun.Executor(workers=1) as inner:
+        return inner.submit(placed, x).result()

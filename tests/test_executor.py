@@ -214,3 +214,12 @@ def test_more_workers_on_a_gpu_than_its_mps_server_takes_are_warned_of(fake_gpu,
     with caplog.at_level(logging.WARNING, logger="mpsrun"), mpsrun.Executor(workers=2, gpus="0"):
         pass
     assert "share GPU" not in caplog.text, caplog.text
+
+
+def test_an_executor_inside_a_worker_is_refused_in_words(fake_gpu):
+    """A call that starts an Executor of its own fails with a RuntimeError that says why (a bare AssertionError,
+    "daemonic processes are not allowed to have children", before), and its worker goes on."""
+    with mpsrun.Executor(workers=1) as executor:
+        with pytest.raises(RuntimeError, match="cannot start inside a worker of another"):
+            executor.submit(calls.nested, 2).result(timeout=60)
+        assert executor.submit(calls.placed, 3).result(timeout=60)[0] == 9

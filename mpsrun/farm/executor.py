@@ -100,6 +100,9 @@ class Executor(_Executor):
 
     def __init__(self, workers: int = 1, *, gpus: object = "all", thread_percentage: object = None,
                  mem_limit: object = None, map_by: str = "block", mps: str = "auto") -> None:
+        if multiprocessing.current_process().daemon:  # (multiprocessing says only "daemonic processes are not ...")
+            raise RuntimeError("an mpsrun.Executor cannot start inside a worker of another: its workers are daemonic "
+                               "processes, which cannot have children")
         config = JobConfig(command=("python",), nranks=values.parse_ranks(workers, "workers"),
                            gpus=values.parse_gpus(gpus, "gpus"),
                            thread_percentage=values.parse_thread_spec(thread_percentage, "thread_percentage"),
