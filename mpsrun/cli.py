@@ -159,7 +159,7 @@ def _main(args: list[str]) -> int:
     subcommand = _subcommand(args)
     if subcommand is not None:
         return subcommand
-    if args[:1] in (["-h"], ["--help"]) or not args:
+    if args[:1] in (["-h"], ["--help"]) or (not args and "MPSRUN_TASKS" not in os.environ):  # (a farm needs none)
         parser: argparse.ArgumentParser = build_parser(DESCRIPTION, EPILOG, __version__)
         parser.print_help(sys.stdout if args else sys.stderr)
         return ExitCode.OK if args else ExitCode.USAGE

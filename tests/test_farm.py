@@ -683,3 +683,16 @@ def test_a_fifo_planted_as_the_shared_counter_holds_no_farm(fake_gpu, tmp_path):
         assert farm.returncode == 0, err
     assert sorted(line["id"] for line in results(out)) == [0, 1, 2, 3]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl"]
+
+
+def test_a_farm_set_wholly_by_variables_runs_with_no_argument(fake_gpu, tmp_path):
+    """MPSRUN_TASKS=FILE and a bare `mpsrun` (a batch script that sets its farm in variables): the farm runs (the
+    bare command printed the help and exited 2); a bare `mpsrun` without it still prints the help."""
+    tasks = tmp_path / "tasks.txt"
+    tasks.write_text("echo a\necho b\n")
+    run = subprocess.run([PY, "-m", "mpsrun"], env={**os.environ, "MPSRUN_TASKS": str(tasks)}, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0 and sorted(run.stdout.split()) == ["a", "b"], run.stderr
+    env = {name: value for name, value in os.environ.items() if name != "MPSRUN_TASKS"}
+    run = subprocess.run([PY, "-m", "mpsrun"], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "usage:" in run.stderr
