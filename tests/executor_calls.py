@@ -122,3 +122,10 @@ def nested(x):
 
     with mpsrun.Executor(workers=1) as inner:
         return inner.submit(placed, x).result()
+
+
+def leaves_a_process(seconds):
+    """Start a process and return its pid without waiting for it."""
+    import subprocess
+
+    return subprocess.Popen(["sleep", str(seconds)]).pid

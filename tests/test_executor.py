@@ -223,3 +223,14 @@ def test_an_executor_inside_a_worker_is_refused_in_words(fake_gpu):
         with pytest.raises(RuntimeError, match="cannot start inside a worker of another"):
             executor.submit(calls.nested, 2).result(timeout=60)
         assert executor.submit(calls.placed, 3).result(timeout=60)[0] == 9
+
+
+def test_what_calls_leave_running_ends_with_the_executor(fake_gpu):
+    """A call that starts a process and returns without waiting for it: the process ends with the executor (it
+    outlived the `with` block: a sleep of minutes, found by a hostile pass)."""
+    import psutil
+
+    with mpsrun.Executor(workers=1) as executor:
+        pid = executor.submit(calls.leaves_a_process, 300).result(timeout=60)
+        left = psutil.Process(pid)
+    assert not left.is_running() or left.status() == psutil.STATUS_ZOMBIE

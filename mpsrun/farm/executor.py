@@ -41,6 +41,7 @@ from mpsrun.mps.placement import NodePlan, ranks_on_gpus
 from mpsrun.mps.usage import UsageSampler
 from mpsrun.mps.watch import RankWatch, with_descendants
 from mpsrun.runtime.constants import USAGE_INTERVAL
+from mpsrun.runtime.processes import descendants, end_processes
 from mpsrun.session.session import Session
 
 log = logging.getLogger("mpsrun")
@@ -363,6 +364,9 @@ class Executor(_Executor):
         self._session.close()
 
     def _stop_workers(self) -> None:
+        """End the workers (asked, then killed after 10 s), then what their calls started and left running."""
+        left = [process for w in self._workers if w.process is not None and w.process.is_alive()
+                for process in descendants(w.process.pid)]
         for worker in self._workers:
             if worker.connection is not None and worker.process is not None and worker.process.is_alive():
                 with contextlib.suppress(OSError, ValueError):
@@ -378,6 +382,7 @@ class Executor(_Executor):
                 worker.wall += time.monotonic() - worker.started
                 worker.connection.close()
             worker.process.join()
+        end_processes(left, _LEFTOVER_GRACE)  # (found before their workers ended: then they were init's)
 
     def _wake(self) -> None:
         with self._wake_lock, contextlib.suppress(OSError):  # (BlockingIOError: a wake-up is there already)
@@ -411,6 +416,10 @@ class Executor(_Executor):
     def session(self) -> Session:
         """The executor's MPS session (its daemons, one per GPU; ``session.enabled``: whether MPS runs)."""
         return self._session
+
+
+#: What calls left running gets this long between SIGTERM and SIGKILL once its worker has ended.
+_LEFTOVER_GRACE = 2.0
 
 
 def _cpu(pid: int) -> float:

@@ -15,16 +15,18 @@ import resource
 import shutil
 import signal
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple, NoReturn
 
 from mpsrun.errors import MPSError
 from mpsrun.exitcodes import ExitCode
+from mpsrun.runtime.deadline import Deadline, poll_until
 
 __all__ = [
     "ProcessRef",
     "close_all",
     "descendants",
+    "end_processes",
     "ensure_descriptors",
     "exit_now",
     "find_program",
@@ -278,3 +280,12 @@ def wait(pid: int, block: bool = True) -> int | None:
     runs (``block=False``)."""
     done, status = os.waitpid(pid, 0 if block else os.WNOHANG)
     return os.waitstatus_to_exitcode(status) if done else None
+
+
+def end_processes(processes: Sequence[ProcessRef], grace: float) -> None:
+    """End ``processes``: SIGTERM, then SIGKILL for those still running ``grace`` seconds later."""
+    for process in processes:
+        process.signal(signal.SIGTERM)
+    poll_until(lambda: not any(process.alive() for process in processes) or None, Deadline(grace))
+    for process in processes:
+        process.signal(signal.SIGKILL)
