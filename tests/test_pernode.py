@@ -51,6 +51,9 @@ def test_job_key_and_identity_from_launcher_variables():
     """The job key comes from Slurm, else the MPI job, else the launcher process; a rank's place comes from the
     launcher's variables (Slurm's compressed task counts included)."""
     assert job_key({"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "2"}) == "slurm-5.2"
+    # A requeued job keeps its id and its steps' numbers: its restart count tells its runs apart (a farm's rerun
+    # took up the killed run's shared counter, and skipped the tasks that run had taken and not finished).
+    assert job_key({"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "2", "SLURM_RESTART_COUNT": "1"}) == "slurm-5.2.r1"
     assert job_key({"PMIX_NAMESPACE": "ns"}) == "PMIX_NAMESPACE-ns"
     assert job_key({"MPSRUN_JOB_ID": "abc"}) == "MPSRUN_JOB_ID-abc"
     assert job_key({}).startswith("ppid-")

@@ -107,9 +107,12 @@ def identity_from_env(env: Mapping[str, str]) -> RankIdentity | None:
 
 
 def job_key(env: Mapping[str, str]) -> str:
-    """What every local rank of one job step shares: Slurm's job and step, the MPI job, or the launcher process."""
+    """What every local rank of one job step shares: Slurm's job and step (and the job's restart: a requeued job
+    keeps its id and numbers its steps from 0 again), the MPI job, or the launcher process."""
     if env.get("SLURM_JOB_ID"):
-        return f"slurm-{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '0')}"
+        restart = env.get("SLURM_RESTART_COUNT", "0")
+        run = f".r{restart}" if restart != "0" else ""
+        return f"slurm-{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '0')}{run}"
     for name in JOB_VARIABLES:
         if env.get(name):
             return f"{name}-{env[name]}"
