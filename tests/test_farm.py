@@ -696,3 +696,22 @@ def test_a_farm_set_wholly_by_variables_runs_with_no_argument(fake_gpu, tmp_path
     env = {name: value for name, value in os.environ.items() if name != "MPSRUN_TASKS"}
     run = subprocess.run([PY, "-m", "mpsrun"], env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "usage:" in run.stderr
+
+
+def test_a_results_fifo_read_slowly_a_little_at_a_time_holds_the_farm_up_without_failing_it(fake_gpu, tmp_path):
+    """A --results FIFO whose reader takes a few hundred bytes at a time, slowly, then the rest: the farm waits for it
+    and succeeds (a pipe says it has room only once a whole page is free, so such a reader was taken for one that
+    stopped reading: exit 3 after 2 s)."""
+    fifo = tmp_path / "r.fifo"
+    os.mkfifo(fifo)
+    reader = subprocess.Popen([PY, "-c", (
+        "import sys, time\n"
+        "f = open(sys.argv[1], 'rb', buffering=0)\n"
+        "time.sleep(0.5)\n"  # (the pipe fills)
+        "n = 0\n"
+        "for _ in range(8): n += f.read(200).count(b'\\n'); time.sleep(0.35)\n"
+        "while chunk := f.read(65536): n += chunk.count(b'\\n')\n"
+        "print(n)"), str(fifo)], stdout=subprocess.PIPE, text=True)
+    run = mpsrun("-q", "-np", "2", "--array", "0-999", "--results", str(fifo), "true", timeout=90)
+    out, _ = reader.communicate(timeout=60)
+    assert run.returncode == 0 and int(out) == 1000, run.stderr

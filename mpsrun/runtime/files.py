@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import select
 import stat
+import struct
+import termios
+import time
 from pathlib import Path
 
 __all__ = ["LOG_READ_LIMIT", "WRITE_PATIENCE", "publish", "read_file", "read_log", "remove_tree", "replace_file",
@@ -110,18 +114,39 @@ def write_into(path: str, data: bytes, patience: float = WRITE_PATIENCE) -> None
 
 
 def write_all(fd: int, data: bytes, path: str, patience: float = WRITE_PATIENCE) -> None:
-    """Write all of ``data`` to the non-blocking descriptor ``fd`` (of ``path``), waiting at most ``patience`` seconds
-    for a pipe's reader to take more (a reader that stopped reading is an ``OSError``, never a wait for ever)."""
+    """Write all of ``data`` to the non-blocking descriptor ``fd`` (of ``path``), waiting while a pipe's reader takes
+    something within each ``patience`` seconds (one that stopped reading is an ``OSError``, never a wait for ever)."""
     writable = select.poll()
     writable.register(fd, select.POLLOUT)
     view = memoryview(data)
+    unread, since = _unread(fd), time.monotonic()
     while view:
         try:
             view = view[os.write(fd, view) :]
         except BlockingIOError:
-            if not writable.poll(patience * 1000):
+            # A pipe says it has room only once a whole page of it is free: a reader that takes a line at a time is
+            # seen taking by what is left unread.
+            if writable.poll(_WRITE_POLL * 1000):
+                continue
+            now = _unread(fd)
+            if now is not None and unread is not None and now < unread:
+                since = time.monotonic()
+            unread = now
+            if time.monotonic() - since > patience:
                 raise OSError(errno.ETIMEDOUT, f"a FIFO whose reader took nothing for {patience:g} s",
                               path) from None
+
+
+#: How often a write into a full pipe looks whether its reader took anything.
+_WRITE_POLL = 0.1
+
+
+def _unread(fd: int) -> int | None:
+    """The bytes a pipe holds unread (None where ``fd`` is no pipe, or the kernel does not say)."""
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0])
+    except OSError:
+        return None
 
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
