@@ -715,3 +715,19 @@ def test_a_results_fifo_read_slowly_a_little_at_a_time_holds_the_farm_up_without
     run = mpsrun("-q", "-np", "2", "--array", "0-999", "--results", str(fifo), "true", timeout=90)
     out, _ = reader.communicate(timeout=60)
     assert run.returncode == 0 and int(out) == 1000, run.stderr
+
+
+def test_too_few_open_files_for_the_slots_is_refused_before_any_task(fake_gpu, tmp_path):
+    """A hard limit of 40 open files for 30 slots: refused in one line before anything starts, exit 3, and no task
+    recorded (83 of 100 tasks were recorded as failed with "/dev/null: Too many open files", mpsrun's own failure);
+    a soft limit as low is raised, and the farm runs."""
+    import resource
+
+    out = tmp_path / "r.jsonl"
+    argv = [PY, "-m", "mpsrun", "-q", "-np", "30", "--array", "0-99", "--results", str(out), "true"]
+    hard = subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40)))
+    assert hard.returncode == 3 and "30 slot(s) need about" in hard.stderr and results(out) == [], hard.stderr
+    soft = subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (40, 4096)))
+    assert soft.returncode == 0 and len(results(out)) == 100, soft.stderr

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import functools
 import os
 import signal
@@ -25,6 +26,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from mpsrun.config.values import Queues
+from mpsrun.errors import MPSError
 from mpsrun.exitcodes import Cause, ExitCode, Outcome, describe_returncode, exit_code
 from mpsrun.farm.faults import Fault, ServerFaults
 from mpsrun.farm.progress import Progress
@@ -104,6 +106,11 @@ class Tally:
             self.failed += 1
             if self.first_failure is None:
                 self.first_failure = result
+
+
+#: A task that cannot start for these is refused by the machine (mpsrun's open files, its processes, memory): the
+#: farm stops, and no task is recorded as failed for them.
+_REFUSALS = (errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM)
 
 
 class Farm:
@@ -191,6 +198,8 @@ class Farm:
         try:
             process, output = self._start(task, program, env)
         except OSError as exc:
+            if exc.errno in _REFUSALS:  # the machine's, not the task's: the farm cannot go on
+                raise MPSError(f"cannot start task {task.id}: {exc.strerror}") from None
             what = exc.filename if exc.filename and exc.filename != program else task.argv[0]
             self._say(f"task {task.id}: {what}: {exc.strerror}")
             code = exec_failure_code(exc) if what == task.argv[0] else ExitCode.SETUP  # (126, 127, as a shell)

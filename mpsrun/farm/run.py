@@ -35,6 +35,7 @@ from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.interrupts import Interrupts
 from mpsrun.runtime.loop import EventLoop
 from mpsrun.runtime.output import say
+from mpsrun.runtime.processes import ensure_descriptors
 from mpsrun.session.claim import SessionClaim
 from mpsrun.session.paths import session_base
 from mpsrun.session.session import Session
@@ -90,6 +91,11 @@ def _base_env(config: JobConfig) -> dict[str, str]:
     return env
 
 
+#: A slot's descriptors: its task's output pipes and pidfd, and while a task starts its three standard ones and
+#: subprocess's error pipe.
+_DESCRIPTORS_PER_SLOT = 8
+
+
 class FarmRun:
     """One farm on this node, from its session's start to its end."""
 
@@ -143,6 +149,7 @@ class FarmRun:
             claim=claim)
         session.resolve()
         slots = max(1, min(config.ranks, self.queue.to_run))  # a slot more than tasks would run nothing
+        ensure_descriptors(slots, _DESCRIPTORS_PER_SLOT, "slot(s)")
         plan = NodePlan.make(config, len(session.gpus), config.ranks, session.free_memory(), config.ranks)
         plans = plan.ranks(config.ranks)[:slots]  # placed as -np asked (its per-slot lists too), the first used
         try:

@@ -231,17 +231,18 @@ _BASE_DESCRIPTORS = 64
 _DESCRIPTORS_PER_RANK = 3
 
 
-def ensure_descriptors(ranks: int) -> None:
-    """Make sure this process may open the descriptors a controller of ``ranks`` ranks holds: raise the soft limit
-    (``ulimit -n``) up to the hard one if it is lower; MPSError (exit 3) if even the hard limit is too low, before
-    anything starts (a job that ran out of descriptors half-way could not even end cleanly)."""
-    needed = _BASE_DESCRIPTORS + _DESCRIPTORS_PER_RANK * ranks
+def ensure_descriptors(ranks: int, per_rank: int = _DESCRIPTORS_PER_RANK, what: str = "rank(s)") -> None:
+    """Make sure this process may open the descriptors a controller of ``ranks`` ranks (``what``: a farm's slots,
+    ``per_rank`` each) holds: raise the soft limit (``ulimit -n``) up to the hard one if it is lower; MPSError (exit
+    3) if even the hard limit is too low, before anything starts (a job that ran out of descriptors half-way could not
+    even end cleanly)."""
+    needed = _BASE_DESCRIPTORS + per_rank * ranks
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= needed:
         return
     if hard != resource.RLIM_INFINITY and hard < needed:
-        raise MPSError(f"{ranks} rank(s) need about {needed} open files here, and this process may open only {hard} "
-                       "(ulimit -n); raise the limit or start fewer ranks per node")
+        raise MPSError(f"{ranks} {what} need about {needed} open files here, and this process may open only {hard} "
+                       f"(ulimit -n); raise the limit or start fewer {what.removesuffix('(s)')}s per node")
     resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
 
 
