@@ -234,3 +234,53 @@ def test_what_calls_leave_running_ends_with_the_executor(fake_gpu):
         pid = executor.submit(calls.leaves_a_process, 300).result(timeout=60)
         left = psutil.Process(pid)
     assert not left.is_running() or left.status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_function_the_worker_cannot_find_fails_its_call_not_the_worker(fake_gpu):
+    """A function defined in ``python -c`` (the spawned worker cannot import it): the future fails with the
+    unpickling error, and no worker dies (it died twice, with two tracebacks, and the future said WorkerDiedError)."""
+    script = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+              "import mpsrun\n"
+              "def here(): return 1\n"
+              "with mpsrun.Executor(workers=1) as executor:\n"
+              "    try:\n"
+              "        executor.submit(here).result(timeout=60)\n"
+              "    except AttributeError as exc:\n"
+              "        print('failed:', exc)\n"
+              "    print('processes', executor.accounts()[0].processes)\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "failed: Can't get attribute 'here'" in run.stdout, (run.stdout, run.stderr)
+    assert "processes 1" in run.stdout and "Traceback" not in run.stderr, (run.stdout, run.stderr)
+
+
+def test_two_quick_ctrl_cs_interrupt_the_calls_and_no_worker(fake_gpu, tmp_path):
+    """Two SIGINTs to the process group back to back (GNU timeout passes a Ctrl-C on to its group, so each worker
+    gets two): each running call's future fails with KeyboardInterrupt, and no worker dies (the second landed in the
+    first's traceback, 2 runs in 3: a worker's traceback, and WorkerDiedError)."""
+    script = tmp_path / "ctrl_c_twice.py"
+    script.write_text(f"""
+import os, signal, sys, time
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import executor_calls as calls
+import mpsrun
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with mpsrun.Executor(workers=2) as executor:
+        running = [executor.submit(calls.sleeps, 30) for _ in range(2)]
+        while not all(f.running() for f in running):
+            time.sleep(0.05)
+        time.sleep(0.5)
+        os.killpg(0, signal.SIGINT)
+        os.killpg(0, signal.SIGINT)
+        for future in running:
+            try:
+                future.result(timeout=60)
+            except KeyboardInterrupt:
+                print("interrupted")
+        print("processes", sum(a.processes for a in executor.accounts()))
+""")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         start_new_session=True)
+    assert run.returncode == 0 and run.stdout.split("\n") == ["interrupted", "interrupted", "processes 2", ""], \
+        (run.stdout, run.stderr)
+    assert "Traceback" not in run.stderr, run.stderr

@@ -731,3 +731,32 @@ def test_too_few_open_files_for_the_slots_is_refused_before_any_task(fake_gpu, t
     soft = subprocess.run(argv, capture_output=True, text=True, timeout=60,
                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (40, 4096)))
     assert soft.returncode == 0 and len(results(out)) == 100, soft.stderr
+
+
+def test_results_into_the_task_list_read_from_standard_input_are_refused(tmp_path):
+    """--tasks - with standard input from the results file: refused, exit 2 (the results were appended to the task
+    file, which the next run ran as tasks)."""
+    tasks = tmp_path / "tasks.txt"
+    tasks.write_text("true\n")
+    with open(tasks) as stdin:
+        run = subprocess.run([PY, "-m", "mpsrun", "--tasks", "-", "--results", str(tasks)], stdin=stdin,
+                             capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "names the task file" in run.stderr and tasks.read_text() == "true\n", run.stderr
+
+
+def test_the_command_lines_tasks_or_array_wins_over_the_others_variable(fake_gpu, tmp_path):
+    """MPSRUN_TASKS exported and --array on the command line (or MPSRUN_ARRAY and --tasks): the command line wins,
+    as for every option (it was refused: "give --tasks or --array, not both"); MPSRUN_ARRAY with a bare mpsrun is one
+    line, not the help."""
+    tasks = tmp_path / "tasks.txt"
+    tasks.write_text("echo from-file\n")
+    env = {**os.environ, "MPSRUN_TASKS": str(tasks)}
+    run = subprocess.run([PY, "-m", "mpsrun", "-q", "--array", "0-0", "echo", "from-array"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout == "from-array\n", run.stderr
+    env = {**os.environ, "MPSRUN_ARRAY": "0-1"}
+    run = subprocess.run([PY, "-m", "mpsrun", "-q", "--tasks", str(tasks)], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0 and run.stdout == "from-file\n", run.stderr
+    run = subprocess.run([PY, "-m", "mpsrun"], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "--array runs a command" in run.stderr, run.stderr

@@ -26,7 +26,7 @@ __all__ = ["EXCLUSIVE", "OneLineParser", "build_parser", "parse_args", "parse_op
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 #: Options that exclude each other: one given on the command line silences the others' variables.
-EXCLUSIVE = (("verbose", "quiet"), ("hosts", "hostfile"))
+EXCLUSIVE = (("verbose", "quiet"), ("hosts", "hostfile"), ("tasks", "array"))
 _GLUED_NP = re.compile(r"-np[0-9]+")
 
 
@@ -201,7 +201,7 @@ def _check_farm(found: Mapping[str, Any], command: Sequence[str]) -> None:
         raise ConfigError("--array runs a command once per index: give it after the options", setting="--array")
     if found.get("resume") and not found.get("results"):
         raise ConfigError("--resume reads the results file: give --results FILE.jsonl", setting="--resume")
-    if tasks not in (None, "-") and found.get("results") and _same_file(tasks, found["results"]):
+    if tasks is not None and found.get("results") and _same_file(tasks, found["results"]):
         raise ConfigError("--results names the task file: the results would be appended to the tasks",
                           setting="--results")
     refused = [flag for name, flag in _NOT_IN_A_FARM.items() if found.get(name)]
@@ -212,6 +212,7 @@ def _check_farm(found: Mapping[str, Any], command: Sequence[str]) -> None:
 
 
 def _same_file(path: str, other: str) -> bool:
+    """Whether ``path`` (``-``: standard input) and ``other`` are one file."""
     with contextlib.suppress(OSError):
-        return os.path.samefile(path, other)
+        return os.path.samestat(os.fstat(0) if path == "-" else os.stat(path), os.stat(other))
     return False

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Executor as _Executor
 from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, NamedTuple
 
 from mpsrun.agent.findings import crowding_warnings
@@ -247,7 +248,7 @@ class Executor(_Executor):
         assert worker.connection is not None
         worker.running, worker.alone, worker.taken = call, alone, False
         try:
-            worker.connection.send((call.number, call.function, call.args, call.kwargs))
+            worker.connection.send((call.number, bytes(ForkingPickler.dumps((call.function, call.args, call.kwargs)))))
         except OSError:  # (a broken pipe: the worker died since it was found alive)
             worker.running = None
             return False

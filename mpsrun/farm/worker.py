@@ -1,15 +1,16 @@
 """A worker of :class:`mpsrun.farm.executor.Executor`: a spawned process that runs the calls its executor sends.
 
-Each call comes as ``(number, function, args, kwargs)`` over the worker's connection and its outcome goes back as
+Each call comes as ``(number, pickled (function, args, kwargs))`` over the worker's connection (unpickled here, so a
+function the worker cannot find is the call's error, not the worker's end) and its outcome goes back as
 ``(number, True, result)`` or ``(number, False, exception, traceback text)``, once the worker has said it took the
-call (its ``number``); ``None`` ends the worker. The worker's
-GPU and MPS variables come with its start, and are put in its environment before its first call, so before CUDA
-initialises. Standard library only.
+call (its ``number``); ``None`` ends the worker. The worker's GPU and MPS variables come with its start, and are put
+in its environment before its first call, so before CUDA initialises. Standard library only.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import traceback
 from collections.abc import Mapping, Sequence
@@ -45,16 +46,19 @@ def serve(connection: Connection, env: Mapping[str, str], managed: Sequence[str]
             return
         if work is None:
             return
-        number, function, args, kwargs = work
+        number, call = work
         connection.send(number)  # taken: a worker that dies from now on dies running this call
         outcome: tuple[object, ...]
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
-            outcome = (number, True, function(*args, **kwargs))
+            function, args, kwargs = pickle.loads(call)  # noqa: S301 - our executor's own call: a function it cannot find is the call's error
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            try:
+                result = function(*args, **kwargs)
+            finally:  # (before the traceback is written: a second Ctrl-C must not end the worker there)
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+            outcome = (number, True, result)
         except BaseException as exc:
             outcome = (number, False, exc, "".join(traceback.format_exception(exc)))
-        finally:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             connection.send(outcome)
         except Exception as exc:  # the result cannot be pickled: the future gets why
