@@ -129,3 +129,10 @@ def leaves_a_process(seconds):
     import subprocess
 
     return subprocess.Popen(["sleep", str(seconds)]).pid
+
+
+def marks_then_sleeps(marks, seconds):
+    """Mark this worker's pid in ``marks``, then sleep."""
+    Path(marks, str(os.getpid())).touch()
+    time.sleep(seconds)
+    return os.getpid()

@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 import executor_calls as calls
+import psutil
 import pytest
-from helpers import FAKE_MPS
+from helpers import FAKE_MPS, settle, wait_for
 
 import mpsrun
 
@@ -284,3 +285,51 @@ if __name__ == "__main__":
     assert run.returncode == 0 and run.stdout.split("\n") == ["interrupted", "interrupted", "processes 2", ""], \
         (run.stdout, run.stderr)
     assert "Traceback" not in run.stderr, run.stderr
+
+
+def _script(tmp_path, body):
+    script = tmp_path / "script.py"
+    script.write_text(f"import os, sys, time\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                      "import executor_calls as calls\nimport mpsrun\nif __name__ == '__main__':\n" + body)
+    return script
+
+
+def test_the_workers_of_a_killed_executor_die_with_it(fake_gpu, tmp_path):
+    """The executor's process SIGKILLed while its workers run calls: the workers die with it (they ran on, orphans,
+    until their calls ended: hours for a long GPU call), and the session's reaper removes the rest."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    script = _script(tmp_path, f"""    executor = mpsrun.Executor(workers=2)
+    running = [executor.submit(calls.marks_then_sleeps, {str(marks)!r}, 60) for _ in range(2)]
+    time.sleep(60)
+""")
+    owner = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: len(list(marks.iterdir())) == 2, what="the calls did not start", proc=owner)
+    owner.kill()
+    owner.communicate(timeout=60)
+    workers = [int(mark.name) for mark in marks.iterdir()]
+    wait_for(lambda: not any(_running(pid) for pid in workers), what="a worker outlived its executor")
+    settle(fake_gpu)  # (the reaper, at work)
+
+
+def _running(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_the_calls_submitted_run_before_the_program_exits(fake_gpu, tmp_path):
+    """A program that submits calls, shuts down without waiting and ends: its exit waits for the calls, as
+    concurrent.futures' executors do (they were dropped, the program gone in a fraction of a second)."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    script = _script(tmp_path, f"""    executor = mpsrun.Executor(workers=1)
+    for number in range(3):
+        executor.submit(calls.marks_then_sleeps, os.path.join({str(marks)!r}, str(number)), 0.3)
+    executor.shutdown(wait=False)
+""")
+    for number in range(3):
+        (marks / str(number)).mkdir()
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and all(list((marks / str(n)).iterdir()) for n in range(3)), run.stderr

@@ -13,8 +13,10 @@ takes its place. Without a GPU or MPS (``mps="auto"``) the workers are plain pro
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -129,14 +131,19 @@ class Executor(_Executor):
         # the manager's own thread), and closed under its own lock (a closed descriptor's number may be reused).
         self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._wake_lock = threading.Lock()
-        try:
-            for worker in self._workers:
-                self._spawn(worker)
-        except BaseException:
-            self._finish()
-            raise
+        # Workers are started (and replaced) by the manager thread alone: each dies with the thread that started it
+        # (its parent-death signal), so none outlives a killed executor, and none dies with a caller's short thread.
+        self._started = threading.Event()
+        self._start_failure: list[BaseException] = []  # (what the manager met as it started the workers)
         self._manager = threading.Thread(target=self._run, name="mpsrun-executor", daemon=True)
         self._manager.start()
+        self._started.wait()
+        if self._start_failure:
+            self._manager.join()
+            raise self._start_failure[0]
+        # As concurrent.futures' own executors: the interpreter's exit waits for the calls submitted.
+        self._at_exit = functools.partial(self.shutdown, wait=True)
+        atexit.register(self._at_exit)
 
     def _start_session(self, config: JobConfig) -> list[_Worker]:
         """The session's daemons started with the plan's defaults; each worker's place and variables."""
@@ -157,7 +164,7 @@ class Executor(_Executor):
         them once, as it initialises: code at the top of the main module, which a spawned process imports first,
         must not use the GPU, as with any spawned pool)."""
         ours, theirs = self._context.Pipe()
-        process = self._context.Process(target=serve, args=(theirs, worker.env, list(MANAGED_VARIABLES)),
+        process = self._context.Process(target=serve, args=(theirs, worker.env, list(MANAGED_VARIABLES), os.getpid()),
                                         name=f"mpsrun-worker-{worker.index}", daemon=True)
         process.start()
         theirs.close()
@@ -178,6 +185,14 @@ class Executor(_Executor):
         """The manager thread's life: it manages until shut down and idle, then ends the workers and the session
         (here, whoever shut down and however often: a future's callback that shuts down runs in this thread)."""
         try:
+            try:
+                for worker in self._workers:
+                    self._spawn(worker)
+            except BaseException as exc:  # (said by the constructor, once this thread has cleaned up)
+                self._start_failure.append(exc)
+                return
+            finally:
+                self._started.set()
             self._manage()
         finally:
             self._finish()
@@ -357,6 +372,8 @@ class Executor(_Executor):
             self._manager.join()
 
     def _finish(self) -> None:
+        if hasattr(self, "_at_exit"):
+            atexit.unregister(self._at_exit)
         self._stop_workers()
         with self._wake_lock:
             os.close(self._wake_read)

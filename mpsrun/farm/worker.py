@@ -4,7 +4,8 @@ Each call comes as ``(number, pickled (function, args, kwargs))`` over the worke
 function the worker cannot find is the call's error, not the worker's end) and its outcome goes back as
 ``(number, True, result)`` or ``(number, False, exception, traceback text)``, once the worker has said it took the
 call (its ``number``); ``None`` ends the worker. The worker's GPU and MPS variables come with its start, and are put
-in its environment before its first call, so before CUDA initialises. Standard library only.
+in its environment before its first call, so before CUDA initialises. Light: the standard library, and mpsrun's
+processes module.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import signal
 import traceback
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
+
+from mpsrun.runtime.processes import set_parent_death_signal
 
 __all__ = ["RemoteTraceback", "serve"]
 
@@ -30,9 +33,11 @@ class RemoteTraceback(Exception):  # noqa: N818 - concurrent.futures' own name f
         return self.text
 
 
-def serve(connection: Connection, env: Mapping[str, str], managed: Sequence[str]) -> None:
+def serve(connection: Connection, env: Mapping[str, str], managed: Sequence[str], parent: int) -> None:
     """Put the worker's variables in its environment (``managed``: those of the caller's that mpsrun sets, taken
-    out first), then run the calls that come until told to end (or the executor is gone)."""
+    out first), then run the calls that come until told to end (or the executor is gone). The worker dies with the
+    executor's thread that started it (``parent``: the executor's process), also in the middle of a call."""
+    set_parent_death_signal(signal.SIGKILL, parent)
     for name in managed:
         os.environ.pop(name, None)
     os.environ.update(env)
