@@ -760,3 +760,17 @@ def test_the_command_lines_tasks_or_array_wins_over_the_others_variable(fake_gpu
     assert run.returncode == 0 and run.stdout == "from-file\n", run.stderr
     run = subprocess.run([PY, "-m", "mpsrun"], env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "--array runs a command" in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("planted", ["directory", "link loop"])
+def test_a_shared_lists_lock_planted_as_no_file_is_said_as_the_farms_lock(fake_gpu, tmp_path, planted):
+    """A directory, or a link to itself, where several nodes' farms keep their lock (RESULTS.lock): one line naming
+    the farm's lock, exit 3 (a bare "Is a directory: PATH")."""
+    lock = tmp_path / "r.jsonl.lock"
+    lock.mkdir() if planted == "directory" else os.symlink(lock, lock)
+    (fake_gpu.tmpdir / "A").mkdir(mode=0o700)
+    farm = start_node_farm(fake_gpu.tmpdir / "A", "A", 2, "--array", "0-3", "--results", str(tmp_path / "r.jsonl"),
+                           "true")
+    _, err = farm.communicate(timeout=60)
+    assert farm.returncode == 3 and "cannot lock the farm's shared task list" in err, err
+    assert err.count("\n") == 1, err

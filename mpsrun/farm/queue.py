@@ -64,6 +64,9 @@ class SharedList:
                 if time.monotonic() > deadline:
                     raise MPSError(f"the farm's shared task list is locked by another node for more than "
                                    f"{LOCK_PATIENCE:g} s ({self.lock.lock_file}): is a node hung?") from None
+            except OSError as exc:  # (a directory, a loop of links, planted there)
+                raise MPSError(f"cannot lock the farm's shared task list ({self.lock.lock_file}): "
+                               f"{exc.strerror}") from None
         try:
             yield True
         finally:
