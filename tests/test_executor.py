@@ -333,3 +333,12 @@ def test_the_calls_submitted_run_before_the_program_exits(fake_gpu, tmp_path):
         (marks / str(number)).mkdir()
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and all(list((marks / str(n)).iterdir()) for n in range(3)), run.stderr
+
+
+def test_a_list_of_shares_not_one_per_worker_is_said_in_the_apis_words(fake_gpu):
+    """Executor(workers=1, thread_percentage=[10, 20]): a ConfigError naming the argument and the workers (it said
+    "--thread-percentage ... 1 ranks; give one value per rank"), before anything starts."""
+    with pytest.raises(mpsrun.ConfigError, match=r"thread_percentage lists 2 values but there are 1 workers; give "
+                                                 r"one value per worker"):
+        mpsrun.Executor(workers=1, thread_percentage=[10, 20])
+    assert not fake_gpu.session_dirs()

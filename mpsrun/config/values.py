@@ -236,11 +236,12 @@ def parse_thread_spec(value: object, setting: str = "--thread-percentage") -> Th
     return parse_thread_percentage(value, setting=setting)
 
 
-def check_shares(spec: ThreadSpec, ranks: int | None) -> None:
-    """A --thread-percentage list gives one value per rank of the job (``ranks``, when known)."""
+def check_shares(spec: ThreadSpec, ranks: int | None, setting: str = "--thread-percentage", what: str = "rank") -> None:
+    """A --thread-percentage list gives one value per rank of the job (``ranks``, when known; ``what``: an
+    executor's workers)."""
     if isinstance(spec, tuple) and ranks is not None and len(spec) != ranks:
-        raise ConfigError(f"--thread-percentage lists {len(spec)} values but there are {ranks} ranks; give one value "
-                          "per rank, a single value, or auto", setting="--thread-percentage", value=spec)
+        raise ConfigError(f"{setting} lists {len(spec)} values but there are {ranks} {what}s; give one value per "
+                          f"{what}, a single value, or auto", setting=setting, value=spec)
 
 
 def parse_mem_limit(value: object, setting: str = "mem_limit") -> int | Auto:

@@ -107,9 +107,11 @@ class Executor(_Executor):
         if multiprocessing.current_process().daemon:  # (multiprocessing says only "daemonic processes are not ...")
             raise RuntimeError("an mpsrun.Executor cannot start inside a worker of another: its workers are daemonic "
                                "processes, which cannot have children")
-        config = JobConfig(command=("python",), nranks=values.parse_ranks(workers, "workers"),
-                           gpus=values.parse_gpus(gpus, "gpus"),
-                           thread_percentage=values.parse_thread_spec(thread_percentage, "thread_percentage"),
+        count, shares = values.parse_ranks(workers, "workers"), values.parse_thread_spec(thread_percentage,
+                                                                                           "thread_percentage")
+        values.check_shares(shares, count, "thread_percentage", "worker")
+        config = JobConfig(command=("python",), nranks=count, gpus=values.parse_gpus(gpus, "gpus"),
+                           thread_percentage=shares,
                            mem_limit=None if mem_limit is None else values.parse_mem_limit(mem_limit),
                            map_by=values.parse_choice(map_by, values.MAP_POLICIES, "map_by"),
                            mps=values.parse_choice(mps, values.MPS_MODES, "mps"))
