@@ -503,8 +503,9 @@ def test_a_results_fifo_whose_reader_stops_reading_stops_the_farm_in_one_line(fa
     os.mkfifo(fifo)
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # open, never read
     try:
-        run = mpsrun("-q", "-np", "2", "--array", "0-3000", "--timeout", "100", "--results", str(fifo), "true",
-                     timeout=90)
+        # (each result's line holds its 4 KiB command: a few tasks fill the pipe)
+        run = mpsrun("-q", "-np", "2", "--array", "0-999", "--timeout", "100", "--results", str(fifo), "true",
+                     "x" * 4096, timeout=90)
     finally:
         os.close(reader)
     said = [line for line in run.stderr.splitlines() if line.startswith("mpsrun")]
@@ -707,14 +708,14 @@ def test_a_results_fifo_read_slowly_a_little_at_a_time_holds_the_farm_up_without
     reader = subprocess.Popen([PY, "-c", (
         "import sys, time\n"
         "f = open(sys.argv[1], 'rb', buffering=0)\n"
-        "time.sleep(0.5)\n"  # (the pipe fills)
+        "time.sleep(1.5)\n"  # (the pipe fills: each result's line holds its 1 KiB command)
         "n = 0\n"
         "for _ in range(8): n += f.read(200).count(b'\\n'); time.sleep(0.35)\n"
         "while chunk := f.read(65536): n += chunk.count(b'\\n')\n"
         "print(n)"), str(fifo)], stdout=subprocess.PIPE, text=True)
-    run = mpsrun("-q", "-np", "2", "--array", "0-999", "--results", str(fifo), "true", timeout=90)
+    run = mpsrun("-q", "-np", "2", "--array", "0-149", "--results", str(fifo), "true", "x" * 1024, timeout=90)
     out, _ = reader.communicate(timeout=60)
-    assert run.returncode == 0 and int(out) == 1000, run.stderr
+    assert run.returncode == 0 and int(out) == 150, run.stderr
 
 
 def test_too_few_open_files_for_the_slots_is_refused_before_any_task(fake_gpu, tmp_path):
