@@ -342,3 +342,54 @@ def test_a_list_of_shares_not_one_per_worker_is_said_in_the_apis_words(fake_gpu)
                                                  r"one value per worker"):
         mpsrun.Executor(workers=1, thread_percentage=[10, 20])
     assert not fake_gpu.session_dirs()
+
+
+def test_a_worker_that_cannot_be_replaced_fails_the_calls_left_instead_of_hanging_them(fake_gpu, tmp_path):
+    """A worker dies and its replacement cannot start (no descriptor left): every call not done fails with why, and
+    later submits are refused (the manager thread died; submit() still took calls, whose futures never ended)."""
+    script = _script(tmp_path, """    import resource
+    with mpsrun.Executor(workers=1) as executor:
+        executor.submit(calls.placed, 0).result(timeout=60)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir('/proc/self/fd')) + 1, hard))
+        dead, later = executor.submit(calls.dies, 0), executor.submit(calls.placed, 1)
+        for future in (dead, later):
+            try:
+                future.result(timeout=60)
+            except Exception as exc:
+                print(type(exc).__name__, exc)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        try:
+            executor.submit(calls.placed, 2)
+        except mpsrun.MPSError as exc:
+            print("refused:", exc)
+""")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.count("cannot go on") >= 2 and "refused:" in run.stdout, \
+        (run.stdout, run.stderr)
+
+
+def test_a_ctrl_c_as_the_workers_start_leaves_nothing_running(fake_gpu, tmp_path):
+    """A KeyboardInterrupt while Executor() waits for its workers: the executor is shut down before it propagates
+    (its thread, workers, daemon and session lived on, with no handle to end them)."""
+    script = _script(tmp_path, """    import signal, threading
+    import psutil
+    def worker_started():
+        try:
+            return any("multiprocessing" in " ".join(c.cmdline()) for c in psutil.Process().children())
+        except psutil.Error:  # (a child gone as it was read)
+            return False
+    def interrupt():  # once the executor's thread has started its first worker
+        while not worker_started():
+            time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGINT)
+    threading.Thread(target=interrupt, daemon=True).start()
+    try:
+        executor = mpsrun.Executor(workers=16)
+        print("started")
+    except KeyboardInterrupt:
+        print("interrupted", [t.name for t in threading.enumerate() if t.name == "mpsrun-executor"])
+""")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout == "interrupted []\n", (run.stdout, run.stderr)
+    settle(fake_gpu)

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 from mpsrun.agent.findings import crowding_warnings
 from mpsrun.config import values
 from mpsrun.config.options import JobConfig
-from mpsrun.errors import WorkerDiedError
+from mpsrun.errors import MPSError, WorkerDiedError
 from mpsrun.exitcodes import describe_returncode
 from mpsrun.farm.farm import slots_of
 from mpsrun.farm.faults import Fault, ServerFaults
@@ -44,7 +44,7 @@ from mpsrun.mps.placement import NodePlan, ranks_on_gpus
 from mpsrun.mps.usage import UsageSampler
 from mpsrun.mps.watch import RankWatch, with_descendants
 from mpsrun.runtime.constants import USAGE_INTERVAL
-from mpsrun.runtime.processes import descendants, end_processes
+from mpsrun.runtime.processes import descendants, end_processes, ensure_descriptors
 from mpsrun.session.session import Session
 
 log = logging.getLogger("mpsrun")
@@ -110,6 +110,7 @@ class Executor(_Executor):
         count, shares = values.parse_ranks(workers, "workers"), values.parse_thread_spec(thread_percentage,
                                                                                            "thread_percentage")
         values.check_shares(shares, count, "thread_percentage", "worker")
+        ensure_descriptors(count, _DESCRIPTORS_PER_WORKER, "worker(s)")
         config = JobConfig(command=("python",), nranks=count, gpus=values.parse_gpus(gpus, "gpus"),
                            thread_percentage=shares,
                            mem_limit=None if mem_limit is None else values.parse_mem_limit(mem_limit),
@@ -129,6 +130,7 @@ class Executor(_Executor):
         self._numbers = itertools.count()
         self._lock = threading.Condition()
         self._shutdown = False
+        self._broken: MPSError | None = None  # why the executor cannot go on, once it cannot
         # Wakes the manager: non-blocking, as a full pipe already holds a wake-up (a callback that submits runs in
         # the manager's own thread), and closed under its own lock (a closed descriptor's number may be reused).
         self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -139,7 +141,11 @@ class Executor(_Executor):
         self._start_failure: list[BaseException] = []  # (what the manager met as it started the workers)
         self._manager = threading.Thread(target=self._run, name="mpsrun-executor", daemon=True)
         self._manager.start()
-        self._started.wait()
+        try:
+            self._started.wait()
+        except BaseException:  # (a Ctrl-C as the workers start: nothing is left running without a handle)
+            self.shutdown(wait=True)
+            raise
         if self._start_failure:
             self._manager.join()
             raise self._start_failure[0]
@@ -195,9 +201,27 @@ class Executor(_Executor):
                 return
             finally:
                 self._started.set()
-            self._manage()
+            try:
+                self._manage()
+            except Exception as exc:  # (a worker that cannot be replaced: out of processes, memory, descriptors)
+                self._break(exc)
         finally:
             self._finish()
+
+    def _break(self, cause: Exception) -> None:
+        """The executor cannot go on: every call not done fails with why, and no call is taken any more."""
+        broken = MPSError(f"the mpsrun.Executor cannot go on: {cause}")
+        with self._lock:
+            self._shutdown, self._broken = True, broken
+            calls = [*self._pending, *(c for s in self._suspects.values() for c in s),
+                     *(w.running for w in self._workers if w.running is not None)]
+            self._pending.clear()
+            self._suspects.clear()
+            for worker in self._workers:
+                worker.running = None
+        for call in calls:
+            if not call.future.done():
+                call.future.set_exception(broken)
 
     def _manage(self) -> None:
         """Hand out calls, take results, replace dead workers, until shut down and idle."""
@@ -355,6 +379,8 @@ class Executor(_Executor):
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         future: Future[Any] = Future()
         with self._lock:
+            if self._broken is not None:
+                raise self._broken
             if self._shutdown:
                 raise RuntimeError("cannot submit to an mpsrun.Executor after shutdown")
             self._pending.append(_Call(next(self._numbers), future, fn, args, kwargs))
@@ -374,14 +400,14 @@ class Executor(_Executor):
             self._manager.join()
 
     def _finish(self) -> None:
-        if hasattr(self, "_at_exit"):
-            atexit.unregister(self._at_exit)
         self._stop_workers()
         with self._wake_lock:
             os.close(self._wake_read)
             os.close(self._wake_write)
             self._wake_write = -1
         self._session.close()
+        if hasattr(self, "_at_exit"):  # (last: the program's exit waits for all of the above)
+            atexit.unregister(self._at_exit)
 
     def _stop_workers(self) -> None:
         """End the workers (asked, then killed after 10 s), then what their calls started and left running."""
@@ -438,6 +464,8 @@ class Executor(_Executor):
         return self._session
 
 
+#: A worker's descriptors here: its connection and sentinel, and while it starts its pipes to the new process.
+_DESCRIPTORS_PER_WORKER = 6
 #: What calls left running gets this long between SIGTERM and SIGKILL once its worker has ended.
 _LEFTOVER_GRACE = 2.0
 

@@ -43,8 +43,8 @@ def serve(connection: Connection, env: Mapping[str, str], managed: Sequence[str]
     os.environ.update(env)
     # A Ctrl-C at the terminal reaches every worker: it interrupts the calls that run (their futures get the
     # KeyboardInterrupt), never an idle worker (it died, with a traceback, and failed the next call sent to it).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     while True:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # (each time: a Ctrl-C may have cut the last reset short)
         try:
             work = connection.recv()
         except (EOFError, OSError):
