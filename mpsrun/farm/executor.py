@@ -135,11 +135,15 @@ class Executor(_Executor):
         # the manager's own thread), and closed under its own lock (a closed descriptor's number may be reused).
         self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._wake_lock = threading.Lock()
-        # Workers are started (and replaced) by the manager thread alone: each dies with the thread that started it
-        # (its parent-death signal), so none outlives a killed executor, and none dies with a caller's short thread.
         self._started = threading.Event()
         self._start_failure: list[BaseException] = []  # (what the manager met as it started the workers)
         self._manager = threading.Thread(target=self._run, name="mpsrun-executor", daemon=True)
+        self._start_workers()
+
+    def _start_workers(self) -> None:
+        """Start the manager thread, and wait until it has started the workers. They are started (and replaced) by
+        that thread alone: each dies with the thread that started it (its parent-death signal), so none outlives a
+        killed executor, and none dies with a caller's short-lived thread."""
         self._manager.start()
         try:
             self._started.wait()
