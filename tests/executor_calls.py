@@ -136,3 +136,14 @@ def marks_then_sleeps(marks, seconds):
     Path(marks, str(os.getpid())).touch()
     time.sleep(seconds)
     return os.getpid()
+
+
+def forks_then_dies(marks, seconds):
+    """Fork a child that lives ``seconds`` (holding the worker's descriptors; its pid marked in ``marks``), then
+    end the worker."""
+    if os.fork() == 0:
+        Path(marks, str(os.getpid())).touch()
+        time.sleep(seconds)
+        os._exit(0)
+    time.sleep(0.2)
+    os._exit(1)

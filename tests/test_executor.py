@@ -3,6 +3,7 @@ traceback, a worker killed (only its own future fails; a fresh worker takes its 
 waiting, MPS proof in the accounts, no GPU; and nothing left behind (the fake_gpu fixture checks)."""
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import signal
@@ -393,3 +394,21 @@ def test_a_ctrl_c_as_the_workers_start_leaves_nothing_running(fake_gpu, tmp_path
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout == "interrupted []\n", (run.stdout, run.stderr)
     settle(fake_gpu)
+
+
+def test_a_worker_whose_call_forked_is_seen_dead_at_once(fake_gpu, tmp_path):
+    """A call that forks a long-lived child, then ends its worker: the future fails with WorkerDiedError at once
+    (the child held the worker's sentinel pipe, and the death went unseen until it ended: 20 s, or never), and a
+    fresh worker runs the next call. (The child, orphaned with its worker, is the test's to end.)"""
+    try:
+        with mpsrun.Executor(workers=1) as executor:
+            began = time.monotonic()
+            with pytest.raises(mpsrun.WorkerDiedError):
+                executor.submit(calls.forks_then_dies, str(tmp_path), 30).result(timeout=60)
+            assert time.monotonic() - began < 20
+            assert executor.submit(calls.placed, 2).result(timeout=60)[0] == 4
+    finally:
+        for mark in tmp_path.iterdir():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(mark.name), signal.SIGKILL)
+        settle(fake_gpu)

@@ -127,7 +127,7 @@ LARGER = {
                                  "too, what came with an awaited message, and its peer's process)"),
     "config/values.py": (450, "every option's value, read and checked once, where it is parsed (a farm's ranges and "
                               "files too)"),
-    "farm/executor.py": (500, "a concurrent.futures.Executor whole: its manager thread, its workers' lives and "
+    "farm/executor.py": (520, "a concurrent.futures.Executor whole: its manager thread, its workers' lives and "
                               "deaths, a fault's triage, its shutdown on every path, and its accounts"),
     "session/session.py": (420, "the public Session: its arguments and docstrings are the Python API's documentation"),
 }

@@ -44,7 +44,7 @@ from mpsrun.mps.placement import NodePlan, ranks_on_gpus
 from mpsrun.mps.usage import UsageSampler
 from mpsrun.mps.watch import RankWatch, with_descendants
 from mpsrun.runtime.constants import USAGE_INTERVAL
-from mpsrun.runtime.processes import descendants, end_processes, ensure_descriptors
+from mpsrun.runtime.processes import close_all, descendants, end_processes, ensure_descriptors, pidfd
 from mpsrun.session.session import Session
 
 log = logging.getLogger("mpsrun")
@@ -81,13 +81,14 @@ class _Call(NamedTuple):
 class _Worker:
     """One worker slot: its process now, its connection, the call it runs, and its account so far."""
 
-    __slots__ = ("alone", "calls", "connection", "cpu", "daemon", "env", "failed", "gpu", "index", "process",
-                 "processes", "running", "started", "taken", "wall")
+    __slots__ = ("alone", "calls", "connection", "cpu", "daemon", "env", "exit_fd", "failed", "gpu", "index",
+                 "process", "processes", "running", "started", "taken", "wall")
 
     def __init__(self, index: int, gpu: int | None, daemon: ControlDaemon | None, env: Mapping[str, str]) -> None:
         self.index, self.gpu, self.daemon, self.env = index, gpu, daemon, dict(env)
         self.process: Any = None
         self.connection: Connection | None = None
+        self.exit_fd = -1  # a pidfd of its process: readable once it ends (its sentinel pipe may live on in a child)
         self.running: _Call | None = None
         self.taken = False  # the worker said it took the call it was sent (a death before that is not the call's)
         self.alone = False  # the call it runs must run alone on its server (a fault's suspect)
@@ -181,6 +182,7 @@ class Executor(_Executor):
         process.start()
         theirs.close()
         worker.process, worker.connection, worker.started = process, ours, time.monotonic()
+        worker.exit_fd = _exit_fd(process)
         worker.processes += 1
 
     def _retire(self, worker: _Worker) -> None:
@@ -190,6 +192,7 @@ class Executor(_Executor):
         if worker.connection is not None:
             worker.connection.close()
         worker.process.join()
+        close_all([worker.exit_fd])
 
     # -- the manager thread -------------------------------------------------------------------------------------
 
@@ -239,7 +242,7 @@ class Executor(_Executor):
                 waits: dict[Any, _Worker | None] = {self._wake_read: None}
                 for worker in self._workers:
                     waits[worker.connection] = worker
-                    waits[worker.process.sentinel] = worker
+                    waits[worker.exit_fd] = worker
             for ready in wait(list(waits), timeout=USAGE_INTERVAL if self._usage is not None else None):
                 if ready == self._wake_read:
                     with contextlib.suppress(OSError):
@@ -251,7 +254,7 @@ class Executor(_Executor):
                 with self._lock:
                     if ready is worker.connection:
                         self._answer(worker)
-                    elif not worker.process.is_alive() and ready is worker.process.sentinel:
+                    elif ready == worker.exit_fd and not worker.process.is_alive():
                         self._died(worker)
             self._sample()
 
@@ -431,6 +434,7 @@ class Executor(_Executor):
             if worker.connection is not None and not worker.connection.closed:
                 worker.wall += time.monotonic() - worker.started
                 worker.connection.close()
+                close_all([worker.exit_fd])
             worker.process.join()
         end_processes(left, _LEFTOVER_GRACE)  # (found before their workers ended: then they were init's)
 
@@ -472,6 +476,14 @@ class Executor(_Executor):
 _DESCRIPTORS_PER_WORKER = 6
 #: What calls left running gets this long between SIGTERM and SIGKILL once its worker has ended.
 _LEFTOVER_GRACE = 2.0
+
+
+def _exit_fd(process: Any) -> int:
+    """A pidfd of a worker's process: a call's child that inherits the worker's sentinel pipe keeps it open after the
+    worker's end (its death went unseen until that child ended)."""
+    fd = pidfd(process.pid)
+    assert fd is not None, "Linux 5.3 or later: pidfd_open"
+    return fd
 
 
 def _cpu(pid: int) -> float:
