@@ -26,15 +26,20 @@ def _no_device() -> dict[str, str]:
     return {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 
+def _run_example(name, cupy, monkeypatch):
+    """examples/NAME run with the CuPy double on the path, or without it (on NumPy)."""
+    pytest.importorskip("numpy")
+    if cupy:
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE_CUDA), os.environ["PYTHONPATH"]]))
+    return subprocess.run([sys.executable, str(ROOT / "examples" / name)], capture_output=True, text=True,
+                          timeout=120)
+
+
 @pytest.mark.parametrize("cupy", [True, False])
 def test_the_pool_example_counts_only_workers_that_used_the_gpu(fake_gpu, monkeypatch, cupy):
     """With CuPy (the double) the four workers are GPU clients and verified as MPS clients; without it they run on
     NumPy, and the example says none used the GPU instead of calling zero verified a pass."""
-    pytest.importorskip("numpy")
-    if cupy:
-        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE_CUDA), os.environ["PYTHONPATH"]]))
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "pool.py")], capture_output=True, text=True,
-                         timeout=120)
+    out = _run_example("pool.py", cupy, monkeypatch)
     assert out.returncode == 0, out.stderr
     expected = "workers on the GPU: 4, verified as MPS clients: 4" if cupy else \
         "workers on the GPU: 0, verified as MPS clients: 0"
@@ -100,11 +105,7 @@ def test_per_rank_limits_without_a_gpu_is_one_line(no_gpu):
 def test_the_executor_example_says_how_many_workers_were_mps_clients(fake_gpu, monkeypatch, cupy):
     """examples/executor.py: with CuPy (the double) its four workers are proven MPS clients of the executor's daemon;
     without it they run on NumPy, and it says none was, rather than calling that a pass."""
-    pytest.importorskip("numpy")
-    if cupy:
-        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE_CUDA), os.environ["PYTHONPATH"]]))
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "executor.py")], capture_output=True, text=True,
-                         timeout=120)
+    out = _run_example("executor.py", cupy, monkeypatch)
     assert out.returncode == 0, out.stderr
     assert "mean of x^2 over 16 tasks: 0.33" in out.stdout, out.stdout
     assert f"MPS on; {4 if cupy else 0} of 4 workers proven MPS clients" in out.stdout, out.stdout

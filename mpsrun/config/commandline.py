@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from mpsrun.config import values
-from mpsrun.config.options import JobConfig, Option, options
+from mpsrun.config.options import FARM_OPTIONS, JobConfig, Option, options
 from mpsrun.errors import ConfigError
 from mpsrun.exitcodes import ExitCode
 from mpsrun.runtime.output import escaped
@@ -178,9 +178,8 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str], version: str = "
     return JobConfig(command=tuple(command), **found)
 
 
-#: The options of a farm alone, and the ways of running ranks a farm does not take (it runs its slots itself: one
-#: mpsrun per node, as ``srun --ntasks-per-node=1`` starts it).
-_FARM_ONLY = {"results": "--results", "resume": "--resume", "retries": "--retries", "max_failures": "--max-failures"}
+#: The ways of running ranks a farm does not take (it runs its slots itself: one mpsrun per node, as
+#: ``srun --ntasks-per-node=1`` starts it).
 _NOT_IN_A_FARM = {"per_node": "--per-node", "hosts": "--hosts", "hostfile": "--hostfile"}
 
 
@@ -188,7 +187,7 @@ def _check_farm(found: Mapping[str, Any], command: Sequence[str]) -> None:
     """What a farm's options must agree on (ConfigError, exit 2, otherwise)."""
     tasks, array = found.get("tasks"), found.get("array")
     if tasks is None and array is None:
-        given = [flag for name, flag in _FARM_ONLY.items() if found.get(name)]
+        given = [options()[name].flags[-1] for name in FARM_OPTIONS if found.get(name)]  # (not --tasks, --array)
         if given:
             raise ConfigError(f"{given[0]} is an option of a farm: give --tasks FILE or --array A-B", setting=given[0])
         return

@@ -182,7 +182,9 @@ class Executor(_Executor):
         process.start()
         theirs.close()
         worker.process, worker.connection, worker.started = process, ours, time.monotonic()
-        worker.exit_fd = _exit_fd(process)
+        exit_fd = pidfd(process.pid) if process.pid is not None else None
+        assert exit_fd is not None, "Linux 5.3 or later: pidfd_open"
+        worker.exit_fd = exit_fd
         worker.processes += 1
 
     def _retire(self, worker: _Worker) -> None:
@@ -476,14 +478,6 @@ class Executor(_Executor):
 _DESCRIPTORS_PER_WORKER = 6
 #: What calls left running gets this long between SIGTERM and SIGKILL once its worker has ended.
 _LEFTOVER_GRACE = 2.0
-
-
-def _exit_fd(process: Any) -> int:
-    """A pidfd of a worker's process: a call's child that inherits the worker's sentinel pipe keeps it open after the
-    worker's end (its death went unseen until that child ended)."""
-    fd = pidfd(process.pid)
-    assert fd is not None, "Linux 5.3 or later: pidfd_open"
-    return fd
 
 
 def _cpu(pid: int) -> float:
