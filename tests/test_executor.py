@@ -255,10 +255,43 @@ def test_a_function_the_worker_cannot_find_fails_its_call_not_the_worker(fake_gp
     assert "processes 1" in run.stdout and "Traceback" not in run.stderr, (run.stdout, run.stderr)
 
 
+def test_a_ctrl_c_once_the_worker_took_the_call_interrupts_it_even_while_its_function_loads(fake_gpu, tmp_path):
+    """A SIGINT to the group once the worker has taken the call but still imports the call's module (slow to
+    import): the call is interrupted (its future fails with KeyboardInterrupt), not run to its end (the worker said
+    it took the call before it listened for Ctrl-C, and the signal was lost)."""
+    (tmp_path / "slow_calls.py").write_text(
+        f"import os, time\nopen(os.path.join({str(tmp_path)!r}, f'importing.{{os.getpid()}}'), 'w').close()\n"
+        "time.sleep(2)\ndef sleeps(s):\n    time.sleep(s)\n")
+    script = tmp_path / "ctrl_c_early.py"
+    script.write_text(f"""
+import os, signal, sys, time
+sys.path.insert(0, {str(tmp_path)!r})
+import mpsrun
+if __name__ == "__main__":
+    import slow_calls
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with mpsrun.Executor(workers=1) as executor:
+        future = executor.submit(slow_calls.sleeps, 30)
+        mine = f"importing.{{os.getpid()}}"
+        while not [p for p in os.listdir({str(tmp_path)!r}) if p.startswith("importing.") and p != mine]:
+            time.sleep(0.01)
+        os.killpg(0, signal.SIGINT)
+        try:
+            future.result(timeout=60)
+        except KeyboardInterrupt:
+            print("interrupted")
+""")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         start_new_session=True)
+    assert run.returncode == 0 and run.stdout == "interrupted\n", (run.stdout, run.stderr)
+
+
 def test_two_quick_ctrl_cs_interrupt_the_calls_and_no_worker(fake_gpu, tmp_path):
     """Two SIGINTs to the process group back to back (GNU timeout passes a Ctrl-C on to its group, so each worker
-    gets two): each running call's future fails with KeyboardInterrupt, and no worker dies (the second landed in the
-    first's traceback, 2 runs in 3: a worker's traceback, and WorkerDiedError)."""
+    gets two) once both calls run in their workers: each call's future fails with KeyboardInterrupt, and no worker
+    dies (the second landed in the first's traceback, 2 runs in 3: a worker's traceback, and WorkerDiedError)."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
     script = tmp_path / "ctrl_c_twice.py"
     script.write_text(f"""
 import os, signal, sys, time
@@ -268,10 +301,9 @@ import mpsrun
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with mpsrun.Executor(workers=2) as executor:
-        running = [executor.submit(calls.sleeps, 30) for _ in range(2)]
-        while not all(f.running() for f in running):
+        running = [executor.submit(calls.marks_then_sleeps, {str(marks)!r}, 30) for _ in range(2)]
+        while len(os.listdir({str(marks)!r})) < 2:
             time.sleep(0.05)
-        time.sleep(0.5)
         os.killpg(0, signal.SIGINT)
         os.killpg(0, signal.SIGINT)
         for future in running:

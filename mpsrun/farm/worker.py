@@ -52,12 +52,16 @@ def serve(connection: Connection, env: Mapping[str, str], managed: Sequence[str]
         if work is None:
             return
         number, call = work
+        # A Ctrl-C that comes once the future shows running interrupts the call: it waits, blocked, until the call
+        # can take it (it was lost while the call's function was still being unpickled).
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         connection.send(number)  # taken: a worker that dies from now on dies running this call
         outcome: tuple[object, ...]
         try:
-            function, args, kwargs = pickle.loads(call)  # noqa: S301 - our executor's own call: a function it cannot find is the call's error
-            signal.signal(signal.SIGINT, signal.default_int_handler)
             try:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+                function, args, kwargs = pickle.loads(call)  # noqa: S301 - our executor's own call: a function it cannot find is the call's error
                 result = function(*args, **kwargs)
             finally:  # (before the traceback is written: a second Ctrl-C must not end the worker there)
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
