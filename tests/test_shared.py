@@ -186,10 +186,22 @@ def test_a_sigkilled_rank_leaves_nothing(fake_gpu, fake_cuda, short_tmp, monkeyp
 
 def test_a_mismatched_shape_is_refused(fake_gpu, fake_cuda, short_tmp):
     """Ranks that ask for different shapes under one name: the later ones get a clear error naming both."""
-    program = ("import os, time\nfrom mpsrun import shared\nn = 10 if os.environ['RANK'] == '0' else 11\n"
-               "ready = os.path.join(os.environ['REPORT_DIR'], 'published')\nend = time.monotonic() + 30\n"
-               "while n == 11 and not os.path.exists(ready) and time.monotonic() < end:\n    time.sleep(0.01)\n"
-               "shared.array('t', (n,), 'int64', data=list(range(n)))\nopen(ready, 'w').close()\ntime.sleep(1)\n")
+    program = """
+import os, time
+from mpsrun import shared
+n = 10 if os.environ['RANK'] == '0' else 11
+def wait(name):  # (rank 0 holds its table until rank 1 has asked: once the table is gone, 11 is a fresh table)
+    end = time.monotonic() + 30
+    while not os.path.exists(os.path.join(os.environ['REPORT_DIR'], name)) and time.monotonic() < end:
+        time.sleep(0.01)
+if n == 11:
+    wait('published')
+try:
+    shared.array('t', (n,), 'int64', data=list(range(n)))
+finally:
+    open(os.path.join(os.environ['REPORT_DIR'], 'published' if n == 10 else 'asked'), 'w').close()
+wait('asked')
+"""
     out = run(program, ranks=2, options=["--grace", "1"])
     assert out.returncode == 1
     assert "shared array 't' is (10,) int64 for rank 0, but (11,) int64 was asked for here" in out.stderr
