@@ -26,6 +26,7 @@ from helpers import (
     GPU_BUSY,
     ROOT,
     TESTS,
+    multiprocessing_helper,
     other_user_venv,
     real_gpu_available,
     tagged_processes,
@@ -263,9 +264,7 @@ def _cmdline(proc: psutil.Process) -> list[str] | str:
 def _ours(proc: psutil.Process) -> bool:
     """A live child started by a test (multiprocessing's own helper process lives on by design)."""
     try:
-        return proc.status() != psutil.STATUS_ZOMBIE and "multiprocessing.resource_tracker" not in " ".join(
-            proc.cmdline()
-        )
+        return proc.status() != psutil.STATUS_ZOMBIE and not multiprocessing_helper(proc)
     except psutil.NoSuchProcess:
         return False
 

@@ -239,8 +239,15 @@ def gpu_job_argv(path: str, options: list[str], program: list[str], ranks: int =
     return [*mpsrun, "-np", str(ranks), "--hosts", "localhost", "--mpiexec", gpu_mpiexec(), *options, *program]
 
 
+def multiprocessing_helper(proc: Any) -> bool:
+    """Whether ``proc`` (a psutil.Process) is multiprocessing's resource tracker: the first spawned process of a
+    test's own process (an Executor's worker) starts it, and it lives on with that process by design."""
+    return "multiprocessing.resource_tracker" in " ".join(proc.cmdline())
+
+
 def tagged_processes(tag: str, base: Path) -> list[tuple[int, str]]:
-    """Live processes carrying MPSRUN_TEST_TAG=``tag``, or an MPS pipe directory under ``base``."""
+    """Live processes carrying MPSRUN_TEST_TAG=``tag``, or an MPS pipe directory under ``base`` (not this process's
+    resource tracker, which an Executor's first worker starts with the tag in its environment)."""
     import psutil
 
     found = []
@@ -248,7 +255,8 @@ def tagged_processes(tag: str, base: Path) -> list[tuple[int, str]]:
         try:
             environ = proc.environ()
             if environ.get("MPSRUN_TEST_TAG") == tag or str(base) in environ.get("CUDA_MPS_PIPE_DIRECTORY", ""):
-                if proc.status() != psutil.STATUS_ZOMBIE:
+                if proc.status() != psutil.STATUS_ZOMBIE and not (
+                        proc.ppid() == os.getpid() and multiprocessing_helper(proc)):
                     found.append((proc.pid, proc.info["name"]))
         except psutil.Error:
             continue
