@@ -1,6 +1,7 @@
 """Small CuPy tasks from Python: ``mpsrun.Executor`` against ``ProcessPoolExecutor`` with and without MPS (issue 51).
 
-    python benchmarks/executor.py [--tasks 2000] [--workers 8] [--size 65536] [--repeats 3] [--seed 5] [--json FILE]
+    python benchmarks/executor.py [--task sum|spin] [--tasks 2000] [--workers 8] [--size N] [--repeats 3]
+                                  [--seed 5] [--without VARIANT]... [--json FILE]
 
 Each round runs every variant once, in an order drawn from ``--seed``, each in a fresh process of its own (so no
 variant inherits another's CUDA state), and times the whole of it from this process:
@@ -10,8 +11,10 @@ variant inherits another's CUDA state), and times the whole of it from this proc
 - ``ProcessPoolExecutor in mps_session``: the same inside ``mps_session()``, MPS by hand;
 - ``mpsrun --array``: the same tasks as fresh processes (a farm), each paying for its interpreter and context.
 
-A task is a few small CuPy kernels on ``--size`` floats. Nothing here is a pass/fail test: the figures go to
-docs/benchmarks.md, with the card's name.
+A ``sum`` task is a few small CuPy kernels on ``--size`` floats (default 65536): the GPU is idle most of the time,
+and the figures measure the pools themselves. A ``spin`` task is 20 launches of a kernel of 8 blocks that spins for
+``--size`` GPU clock cycles (default 2,000,000, about 1 ms): a sliver of the GPU, busy, where time-slicing costs and
+MPS does not. Nothing here is a pass/fail test: the figures go to docs/benchmarks.md, with the card's name.
 """
 
 from __future__ import annotations
@@ -26,14 +29,27 @@ from rounds import report, timed_rounds
 
 ROOT = Path(__file__).resolve().parent.parent
 
-TASK = """
+TASKS = {
+    "sum": ("""
 def task(seed, size={size}):
     import cupy
     x = cupy.random.default_rng(seed).random(size, dtype=cupy.float32)
     for _ in range(8):
         x = cupy.sin(x) * 0.5 + x * 0.5
     return float(x.sum())
-"""
+""", 1 << 16),
+    # (no empty braces in the kernel: --array puts the task's index in place of "{{}}" in its arguments)
+    "spin": ("""
+def task(seed, size={size}):
+    import cupy
+    spin = cupy.RawKernel(r'''extern "C" __global__ void spin(long long n)
+        {{ long long t = clock64(); while (clock64() - t < n) {{ ; }} }}''', "spin")
+    for _ in range(20):
+        spin((8,), (128,), (cupy.int64(size),))
+    cupy.cuda.Device().synchronize()
+    return seed
+""", 2_000_000),
+}
 
 POOL = """
 import concurrent.futures, multiprocessing, sys
@@ -48,10 +64,10 @@ if __name__ == "__main__":
 """
 
 
-def programs(tasks: int, workers: int, size: int, where: Path) -> dict[str, list[str]]:
+def programs(kind: str, tasks: int, workers: int, size: int, where: Path) -> dict[str, list[str]]:
     """Each variant's command line; the pools' programs are files in ``where`` (spawned workers import their main
     module, which ``python -c`` has not)."""
-    task = TASK.format(size=size)
+    task = TASKS[kind][0].format(size=size)
     spawn = "multiprocessing.get_context('spawn')"
     pools = {
         "Executor": ("", f"__import__('mpsrun').Executor(workers={workers}, mps='on')"),
@@ -73,15 +89,20 @@ def programs(tasks: int, workers: int, size: int, where: Path) -> dict[str, list
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", choices=sorted(TASKS), default="sum")
     parser.add_argument("--tasks", type=int, default=2000)
     parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--size", type=int, default=1 << 16)
+    parser.add_argument("--size", type=int, help="floats of a sum task, cycles of a spin kernel")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument("--without", action="append", default=[], help="leave this variant out (repeatable)")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
+    args.size = args.size or TASKS[args.task][1]
     where = Path(tempfile.mkdtemp(prefix="mpsrun-bench-"))
-    runs = programs(args.tasks, args.workers, args.size, where)
+    runs = programs(args.task, args.tasks, args.workers, args.size, where)
+    for name in args.without:
+        del runs[name]
     seconds = timed_rounds(runs, args.repeats, args.seed, ROOT)
     report(seconds, vars(args), args.json)
     shutil.rmtree(where)
