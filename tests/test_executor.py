@@ -94,7 +94,8 @@ def test_the_accounts_prove_each_worker_an_mps_client(fake_gpu):
             pids.add(future.result())
         accounts = executor.accounts()
     assert [a.mps for a in accounts] == [True, True], accounts
-    assert all(a.calls == 3 and a.wall > 0 and a.cpu is not None and a.cpu > 0 for a in accounts), accounts
+    assert sum(a.calls for a in accounts) == 6, accounts  # (how the sleeps fell between the workers is the OS's)
+    assert all(a.calls >= 1 and a.wall > 0 and a.cpu is not None and a.cpu > 0 for a in accounts), accounts
     assert all(a.memory_peak is not None and a.memory_peak >= 500 for a in accounts), accounts  # a context each
 
 
@@ -158,6 +159,8 @@ def test_a_ctrl_c_interrupts_the_running_calls_and_spares_the_idle_workers(fake_
     """SIGINT to the whole process group, as a Ctrl-C at the terminal sends it: the running call's future fails with
     KeyboardInterrupt, the idle worker lives on (it died with a traceback, and the next call failed), and later calls
     succeed."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
     script = tmp_path / "ctrl_c.py"
     script.write_text(f"""
 import os, signal, sys, time
@@ -168,8 +171,9 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the caller's own Ctrl-C is its business)
     with mpsrun.Executor(workers=2) as executor:
         idle = executor.submit(calls.sleeps, 0).result()
-        running = executor.submit(calls.sleeps, 60)
-        time.sleep(1.0)
+        running = executor.submit(calls.marks_then_sleeps, {str(marks)!r}, 60)
+        while not os.listdir({str(marks)!r}):  # (the call runs in its worker)
+            time.sleep(0.05)
         os.killpg(0, signal.SIGINT)
         try:
             running.result(timeout=60)

@@ -82,7 +82,7 @@ def test_mpsruns_own_detaching_is_said_with_v(fake_gpu, clean):
     """A job stopped by its --timeout detaches its ranks from MPS before signalling them; with -v mpsrun says so, and
     that their CUDA calls then fail as ended by the server (on the H100 each rank's 'the MPS client has been
     terminated by the server' looked like the server's own doing)."""
-    out = run_job("local", ["-v", "--timeout", "3"], fake("--hold", "60"), ranks=2)
+    out = run_job("local", ["-v", "--timeout", "8"], fake("--hold", "60"), ranks=2)  # (both ranks clients by then)
     assert out.returncode == 124, out.stderr
     assert "mpsrun: detached 2 rank process(es) from MPS before stopping them: their CUDA calls now fail with " \
            "CUDA_ERROR_MPS_CLIENT_TERMINATED" in out.stderr, out.stderr

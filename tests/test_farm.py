@@ -19,6 +19,7 @@ from helpers import FAKE_MPS, FAKECUDA, ROOT, wait_for
 from mpsrun.config.commandline import parse_args
 from mpsrun.errors import ConfigError
 from mpsrun.farm.tasks import Task, array_tasks, task_lines
+from mpsrun.session.record import SessionRecord
 
 PY = sys.executable
 TESTS = ROOT / "tests"
@@ -144,7 +145,9 @@ def test_a_sigint_stops_the_farm_and_resume_runs_exactly_the_rest(fake_gpu, tmp_
     out, marks = tmp_path / "r.jsonl", tmp_path / "marks"
     marks.mkdir()
     script = ("import os, sys, time, pathlib; t = os.environ['MPSRUN_TASK_ID']; "
-              "pathlib.Path(sys.argv[1], t + '.' + str(os.getpid())).touch(); time.sleep(0.3)")
+              "pathlib.Path(sys.argv[1], t + '.' + str(os.getpid())).touch(); time.sleep(0.3); end = time.monotonic() + 60\n"
+              "while int(t) >= 6 and not pathlib.Path(sys.argv[1]).with_name('go').exists() and time.monotonic() < end:\n"
+              "    time.sleep(0.02)")  # (tasks 6 and on run until the SIGINT)
     args = ["-np", "2", "--results", str(out), "--array", "0-19", PY, "-c", script, str(marks)]
     farm = subprocess.Popen([PY, "-m", "mpsrun", *args], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
@@ -156,6 +159,7 @@ def test_a_sigint_stops_the_farm_and_resume_runs_exactly_the_rest(fake_gpu, tmp_
     first = results(out)
     done = {line["id"] for line in first if line["cause"] == "ok"}
     assert 0 < len(done) < 20 and any(line["cause"] == "stopped" for line in first), first
+    (tmp_path / "go").touch()
     again = mpsrun("--resume", *args)
     assert again.returncode == 0, again.stderr
     rerun = {line["id"] for line in results(out)[len(first):]}
@@ -175,7 +179,10 @@ def test_a_farm_killed_outright_leaves_no_task_running(fake_gpu, tmp_path):
     deadline = time.monotonic() + 60
     while len(list(marks.iterdir())) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(0.2)  # the running tasks recorded (the turn of the loop after their start)
+    running = {int(mark.name) for mark in marks.iterdir()}
+    wait_for(lambda: running <= {group.pid for root in fake_gpu.session_dirs()
+                                 for group in SessionRecord.read(root / "session.json").ranks},
+             what="the running tasks were not recorded", proc=farm)  # (as the loop turns after their start)
     farm.kill()
     farm.wait()
     tasks = [psutil.Process(int(mark.name)) for mark in marks.iterdir()]
@@ -548,7 +555,8 @@ def test_a_counter_changed_under_the_farm_stops_it_in_one_line(fake_gpu, tmp_pat
     (fake_gpu.tmpdir / "A").mkdir(mode=0o700)
     marks = tmp_path / "marks"
     marks.mkdir()
-    script = "import sys, time, pathlib; pathlib.Path(sys.argv[1], 'ran').touch(); time.sleep(1)"
+    script = ("import sys, time, pathlib; pathlib.Path(sys.argv[1], 'ran').touch(); end = time.monotonic() + 60\n"
+              "while not pathlib.Path(sys.argv[1], 'go').exists() and time.monotonic() < end: time.sleep(0.02)")
     farm = start_node_farm(fake_gpu.tmpdir / "A", "A", 2, "--array", "0-3", "--results", str(out), PY, "-c", script,
                            str(marks))
     deadline = time.monotonic() + 60
@@ -556,6 +564,7 @@ def test_a_counter_changed_under_the_farm_stops_it_in_one_line(fake_gpu, tmp_pat
         time.sleep(0.02)
     queue = tmp_path / "r.jsonl.queue"
     queue.write_text(json.dumps({**json.loads(queue.read_text()), "next": -5, "ended": "x"}))
+    (marks / "go").touch()  # (the tasks ran on until the counter was changed)
     _, err = farm.communicate(timeout=60)
     assert farm.returncode == 3 and "was removed or changed by another program" in err, err
     assert "Traceback" not in err
@@ -706,9 +715,10 @@ def test_a_results_fifo_read_slowly_a_little_at_a_time_holds_the_farm_up_without
     fifo = tmp_path / "r.fifo"
     os.mkfifo(fifo)
     reader = subprocess.Popen([PY, "-c", (
-        "import sys, time\n"
+        "import array, fcntl, sys, termios, time\n"
         "f = open(sys.argv[1], 'rb', buffering=0)\n"
-        "time.sleep(1.5)\n"  # (the pipe fills: each result's line holds its 1 KiB command)
+        "held = array.array('i', [0])\n"  # (until the pipe is half full: each result's line holds its 1 KiB command)
+        "while fcntl.ioctl(f, termios.FIONREAD, held) or held[0] < 32768: time.sleep(0.05)\n"
         "n = 0\n"
         "for _ in range(8): n += f.read(200).count(b'\\n'); time.sleep(0.35)\n"
         "while chunk := f.read(65536): n += chunk.count(b'\\n')\n"

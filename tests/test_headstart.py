@@ -195,7 +195,7 @@ def test_an_abandoned_launch_lets_a_slow_mpiexec_start_its_ranks(fake_gpu, short
     'BAD TERMINATION' banner. One line, exit 3."""
     fake_gpu.daemon_env(FAKE_MPS_START_FAIL="1")
     slow = wrapper(short_tmp, "slow", 'if [ "$1" != --version ]; then sleep 0.3; fi')
-    out = subprocess.run([sys.executable, "-m", "mpsrun", "-np", "16", "--grace", "0", "--mps", "on", "--launcher",
+    out = subprocess.run([sys.executable, "-m", "mpsrun", "-np", "8", "--grace", "0", "--mps", "on", "--launcher",
                           "mpiexec", "--mpiexec", str(slow), "true"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 3, out.stderr
     assert "BAD TERMINATION" not in out.stdout + out.stderr

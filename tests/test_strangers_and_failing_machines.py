@@ -83,11 +83,13 @@ def _send(address: tuple[str, int], data: bytes, hold: float = 0.0) -> None:
         time.sleep(hold)
 
 
-def test_strangers_on_the_control_port_do_not_end_a_hosts_job(fake_gpu):
+def test_strangers_on_the_control_port_do_not_end_a_hosts_job(fake_gpu, short_tmp):
     """The line ``{x`` used to kill any --hosts job (a SystemError out of the private JSON scanner). Now garbage,
     unterminated and oversized lines, nested JSON, a wrong token, valid messages before a hello, a seeded fuzz of
     200 random lines and 100 held connections all reach a live controller, and the job still ends with exit 0."""
-    job = subprocess.Popen(job_argv("hosts", [], fake("--hold", "6"), ranks=2), stderr=subprocess.PIPE, text=True)
+    release = short_tmp / "release"  # (the ranks run until every stranger has come)
+    job = subprocess.Popen(job_argv("hosts", [], fake("--hold", "0", "--until-file", str(release)), ranks=2),
+                           stderr=subprocess.PIPE, text=True)
     address = _control_port(job)
     rng = random.Random(25)  # noqa: S311 - a reproducible fuzz, not a secret
     lines = [b"{x\n", b"[" * 100_000 + b"\n", b"\xff\xfe\x00\n", b'{"type": "exited", "rank": 0, "returncode": 3}\n',
@@ -96,6 +98,7 @@ def test_strangers_on_the_control_port_do_not_end_a_hosts_job(fake_gpu):
     for line in lines:
         _send(address, line)
     held = [socket.create_connection(address, timeout=5) for _ in range(100)]
+    release.touch()
     _, err = job.communicate(timeout=120)
     for conn in held:
         conn.close()
@@ -314,13 +317,13 @@ def test_a_base_reached_through_another_users_link_is_refused(fake_gpu, stranger
 @pytest.mark.parametrize("fake_gpu", [2], indirect=True)
 @pytest.mark.parametrize("path", PATHS)
 def test_hanging_quits_are_waited_out_together_and_said_once(fake_gpu, path):
-    """Two GPUs whose daemons' quit hangs, after every rank succeeded, under --timeout 5: exit 0 (--hosts exited 124,
+    """Two GPUs whose daemons' quit hangs, after every rank succeeded, under --timeout 9: exit 0 (--hosts exited 124,
     the job's timeout firing while the hosts tore down) and one line naming both daemons, on every path, and both
     daemons were sent quit together, as their kept logs show (they were stopped one after another, 10 s apart, each
     said in a line of its own; per-node and --hosts said nothing, their keepers' warnings went to the keepers'
     logs). Slow on purpose: a hanging quit is waited out."""
     fake_gpu.daemon_env(FAKE_MPS_QUIT_HANG="1")
-    out = subprocess.run(job_argv(path, ["--gpus", "all", "--keep-logs", "--timeout", "5"], ["true"], ranks=2),
+    out = subprocess.run(job_argv(path, ["--gpus", "all", "--keep-logs", "--timeout", "9"], ["true"], ranks=2),
                          capture_output=True, text=True, timeout=120)
     quits = [line for line in out.stderr.splitlines() if "did not quit" in line]
     assert out.returncode == 0, out.stderr
@@ -449,7 +452,7 @@ def test_a_stopped_node_keeper_cannot_outlast_the_timeout(fake_gpu, short_tmp, p
     once the controller's own way (SIGTERM, --grace, its verdict) is overdue (it hung until killed, over 60 s). Slow
     on purpose: the supervisors give the keeper --grace and 10 s more before they act on their own. The timeout leaves
     the ranks time to start under load (with 2 s, --hosts timed out before its ranks ran, on a loaded CI machine)."""
-    options = ["--timeout", "6", "--grace", "0.5"]
+    options = ["--timeout", "8", "--grace", "0.5"]
     job = subprocess.Popen(job_argv(path, options, fake("--hold", "60", "--report-dir", str(short_tmp)), ranks=2),
                            stderr=subprocess.PIPE, text=True)
     wait_for(lambda: len(list(short_tmp.glob("*.json"))) >= 2, what="the ranks did not start", proc=job)
@@ -461,7 +464,7 @@ def test_a_stopped_node_keeper_cannot_outlast_the_timeout(fake_gpu, short_tmp, p
         keeper.resume()  # it then finds its ranks gone and ends its session
     lines = [line for line in err.splitlines() if line.startswith("mpsrun")]
     assert job.returncode == 124 and 1 <= len(lines) <= 2 and all("time" in line for line in lines), err
-    assert "timed out after 6 s" in err, err
+    assert "timed out after 8 s" in err, err
     settle(fake_gpu)
 
 
@@ -483,7 +486,7 @@ def test_a_stopped_rank_supervisor_does_not_keep_its_program_past_the_timeout(fa
     program = ("import json, os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                f"open({report} + '.tmp', 'w').write(json.dumps({{'pid': os.getpid()}})); "
                f"os.replace({report} + '.tmp', {report} + '.json'); time.sleep(60)")
-    job = subprocess.Popen(job_argv(path, ["--timeout", "6", "--grace", "0.5"], [sys.executable, "-c", program],
+    job = subprocess.Popen(job_argv(path, ["--timeout", "8", "--grace", "0.5"], [sys.executable, "-c", program],
                                     ranks=2), stderr=subprocess.PIPE, text=True)
     wait_for(lambda: len(list(short_tmp.glob("*.json"))) >= 2, what="the ranks did not start", proc=job)
     programs = [json.loads(report.read_text())["pid"] for report in short_tmp.glob("*.json")]
@@ -494,7 +497,7 @@ def test_a_stopped_rank_supervisor_does_not_keep_its_program_past_the_timeout(fa
     finally:
         stopped.resume()
     _, err = job.communicate(timeout=60)
-    assert job.returncode == 124 and "timed out after 6 s" in err, err
+    assert job.returncode == 124 and "timed out after 8 s" in err, err
     settle(fake_gpu)
 
 
@@ -534,7 +537,7 @@ def test_a_stopped_daemon_cannot_turn_a_timeout_into_a_rank_failure(fake_gpu, sh
     ranks' supervisors' backstop, and the timeout was said twice). Slow on purpose: the first unanswered command
     waits out its deadline. The timeout leaves the ranks time to start under load, and the fake ranks' kernels wait
     as long for the stopped daemon (a real rank's kernels run on its server, which is not stopped)."""
-    job = subprocess.Popen(job_argv(path, ["--timeout", "6", "--grace", "0.5", "--gpus", "all"],
+    job = subprocess.Popen(job_argv(path, ["--timeout", "8", "--grace", "0.5", "--gpus", "all"],
                                     fake("--hold", "30", "--report-dir", str(short_tmp)), ranks=2),
                            stderr=subprocess.PIPE, text=True, env={**os.environ, "FAKE_KERNEL_WAIT": "60"})
     wait_for(lambda: len(list(short_tmp.glob("*.json"))) >= 2, what="the ranks did not start", proc=job)
@@ -549,7 +552,7 @@ def test_a_stopped_daemon_cannot_turn_a_timeout_into_a_rank_failure(fake_gpu, sh
                 daemon.resume()
     lines = [line for line in err.splitlines() if line.startswith("mpsrun")]
     assert job.returncode == 124 and len(daemons) == len(fake_gpu.uuids), err
-    assert "timed out after 6 s" in err and "first" not in err and "supervisors did" not in err, err
+    assert "timed out after 8 s" in err and "first" not in err and "supervisors did" not in err, err
     assert err.count("timed out after") == 1 and err.count("stopped answering") <= 1, err
     assert len(lines) <= 3 and "did not quit" not in err, err  # its silence is said once, not again at its quit
     settle(fake_gpu)
@@ -561,7 +564,7 @@ def test_a_ctrl_c_to_the_group_does_not_cut_the_daemons_quit(fake_gpu, path):
     that command before the daemon had it: the teardown then waited out its 10 s and terminated the daemon. The
     control commands now run in a session of their own: the job ends with 130 and one line, at once. (Under
     --per-node and --hosts the commands come from the node keepers, which had sessions of their own already.)"""
-    fake_gpu.daemon_env(FAKE_MPS_QUIT_CLIENT_WAIT="1.5")
+    fake_gpu.daemon_env(FAKE_MPS_QUIT_CLIENT_WAIT="4")  # (the Ctrl-C must come while it runs)
     job = subprocess.Popen(job_argv(path, ["-v"], ["true"], ranks=2), stderr=subprocess.PIPE, text=True,
                            start_new_session=True)  # its own group, as a terminal's foreground job
     output = Output(job.stderr)
