@@ -54,7 +54,7 @@ def test_first_failing_rank_sets_the_exit_code(fake_gpu, short_tmp):
     """Rank 2 exits 7: mpsrun exits 7, names rank 2, and the other ranks are detached and stopped."""
     start = time.monotonic()
     out = mpsrun("-np", 4, "--launcher", "local", "--tag-output", "--grace", "2",
-                 *fake("--hold", "60", "--fail-rank", "2", "--exit", "7"))
+                 *fake("--hold", "60", "--fail-rank", "2", "--exit", "7", "--report-dir", str(short_tmp)))
     assert out.returncode == 7
     assert "rank 2 (pid" in out.stderr and "exited with code 7 first" in out.stderr
     assert time.monotonic() - start < 30

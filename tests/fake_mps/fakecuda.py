@@ -183,6 +183,8 @@ def main() -> int:
     if args.kill_rank == rank:
         os.kill(os.getpid(), 9)
     if args.fail_rank == rank:
+        if args.report_dir:  # every rank a client first, so that the others have something to be detached from
+            _wait_for_reports(args.report_dir, int(os.environ.get("WORLD_SIZE", "1")))
         ctx.kernel()
         return args.exit
     end = time.monotonic() + args.hold
