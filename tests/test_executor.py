@@ -161,13 +161,7 @@ def test_a_ctrl_c_interrupts_the_running_calls_and_spares_the_idle_workers(fake_
     succeed."""
     marks = tmp_path / "marks"
     marks.mkdir()
-    script = tmp_path / "ctrl_c.py"
-    script.write_text(f"""
-import os, signal, sys, time
-sys.path.insert(0, {str(Path(__file__).parent)!r})
-import executor_calls as calls
-import mpsrun
-if __name__ == "__main__":
+    script = _script(tmp_path, f"""    import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the caller's own Ctrl-C is its business)
     with mpsrun.Executor(workers=2) as executor:
         idle = executor.submit(calls.sleeps, 0).result()
@@ -296,13 +290,7 @@ def test_two_quick_ctrl_cs_interrupt_the_calls_and_no_worker(fake_gpu, tmp_path)
     dies (the second landed in the first's traceback, 2 runs in 3: a worker's traceback, and WorkerDiedError)."""
     marks = tmp_path / "marks"
     marks.mkdir()
-    script = tmp_path / "ctrl_c_twice.py"
-    script.write_text(f"""
-import os, signal, sys, time
-sys.path.insert(0, {str(Path(__file__).parent)!r})
-import executor_calls as calls
-import mpsrun
-if __name__ == "__main__":
+    script = _script(tmp_path, f"""    import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with mpsrun.Executor(workers=2) as executor:
         running = [executor.submit(calls.marks_then_sleeps, {str(marks)!r}, 30) for _ in range(2)]
