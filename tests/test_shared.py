@@ -400,7 +400,11 @@ def test_release_waits_for_the_others_and_says_when_it_gives_up(fake_gpu, fake_c
                "    while api._held['t'].holder.subscribers < 1 and time.monotonic() < end:\n"
                "        time.sleep(0.01)  # until the other rank holds it\n"
                "    try:\n        shared.release('t', timeout=1)\n    except shared.SharedArrayError as e:\n"
-               "        print('gave up:', e, flush=True)\nelse:\n    time.sleep(4)\n")
+               "        print('gave up:', e, flush=True)\n"
+               "    open(os.path.join(os.environ['REPORT_DIR'], 'tried'), 'w').close()\nelse:\n"
+               "    end = time.monotonic() + 30  # (held until the publisher has given up, however slow it is)\n"
+               "    while not os.path.exists(os.path.join(os.environ['REPORT_DIR'], 'tried')) and time.monotonic() < end:\n"
+               "        time.sleep(0.01)\n")
     out = run(program, ranks=2)
     assert out.returncode == 0, out.stderr
     assert "gave up: shared array 't': 1 rank(s) still used it after 1 s" in out.stdout
