@@ -159,7 +159,7 @@ def _main(args: list[str]) -> int:
     subcommand = _subcommand(args)
     if subcommand is not None:
         return subcommand
-    farm = "MPSRUN_TASKS" in os.environ or "MPSRUN_ARRAY" in os.environ  # (a farm's variables: its errors are said)
+    farm = any(options()[name].variable in os.environ for name in ("tasks", "array"))  # (its errors are said)
     if args[:1] in (["-h"], ["--help"]) or (not args and not farm):
         parser: argparse.ArgumentParser = build_parser(DESCRIPTION, EPILOG, __version__)
         parser.print_help(sys.stdout if args else sys.stderr)

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from mpsrun.errors import ConfigError
 from mpsrun.runtime.constants import MOST_QUEUES
 from mpsrun.runtime.files import read_file
-from mpsrun.runtime.output import printable
+from mpsrun.runtime.output import clipped, printable
 
 __all__ = [
     "AUTO",
@@ -112,8 +112,7 @@ def _whole(value: object) -> int | None:
 
 def _shown(value: object) -> str:
     """A value as a message shows it: its repr, cut to a length a line can hold."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return clipped(repr(value), 60)
 
 
 def parse_choice(value: object, choices: Sequence[str], setting: str) -> str:

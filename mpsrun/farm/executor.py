@@ -313,7 +313,7 @@ class Executor(_Executor):
         try:
             outcome = worker.connection.recv()
         except (EOFError, OSError):
-            return False  # the process is ending: its sentinel says so
+            return False  # the process is ending: its pidfd says so
         except Exception as exc:  # the outcome could not be unpickled here
             outcome = (worker.running.number if worker.running else -1, False, exc, "")
         call = worker.running
@@ -474,7 +474,7 @@ class Executor(_Executor):
         return self._session
 
 
-#: A worker's descriptors here: its connection and sentinel, and while it starts its pipes to the new process.
+#: A worker's descriptors here: its connection, sentinel and pidfd, and while it starts its pipes to the new process.
 _DESCRIPTORS_PER_WORKER = 6
 #: What calls left running gets this long between SIGTERM and SIGKILL once its worker has ended.
 _LEFTOVER_GRACE = 2.0

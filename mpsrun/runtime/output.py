@@ -27,7 +27,7 @@ from contextlib import AbstractContextManager
 from mpsrun.runtime.constants import OUTPUT_LOCK_PATIENCE
 from mpsrun.runtime.deadline import Deadline
 
-__all__ = ["LineWriter", "printable", "say", "unread", "unread_output"]
+__all__ = ["LineWriter", "clipped", "printable", "say", "unread", "unread_output"]
 
 PIPE_BUF = select.PIPE_BUF
 
@@ -36,6 +36,11 @@ def printable(text: str) -> str:
     """``text`` as it is, or quoted with its escapes where it holds a newline or another control character (a file
     name may): a message of ours stays one line."""
     return text if text.isprintable() else repr(text)
+
+
+def clipped(text: str, most: int) -> str:
+    """``text`` cut to ``most`` characters, its end marked (a value of thousands would stretch a line or a row)."""
+    return text if len(text) <= most else text[: most - 3] + "..."
 
 
 def escaped(text: str) -> str:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from mpsrun.agent.account import cell
 from mpsrun.config.commandline import OneLineParser
 from mpsrun.exitcodes import ExitCode
-from mpsrun.runtime.output import printable
+from mpsrun.runtime.output import clipped, printable
 from mpsrun.tools.topsnapshot import CPU_WINDOW, GpuRow, JobRow, RankRow, Snapshot, Top
 
 if TYPE_CHECKING:  # imported where the live view starts: a pipe or --once needs no curses
@@ -62,8 +62,7 @@ def _table(header: Sequence[str], rows: list[list[str]]) -> list[str]:
 def _text(value: object, most: int = _CELL_MOST) -> str:
     """What a rank, a record or the machine says, for a terminal: escaped where it holds a control character or an
     escape sequence (never raw), and cut at ``most`` characters (a value of thousands would stretch every row)."""
-    text = printable(cell(value) if not isinstance(value, str) else value)
-    return text if len(text) <= most else text[: most - 3] + "..."
+    return clipped(printable(cell(value) if not isinstance(value, str) else value), most)
 
 
 def _rank(row: RankRow) -> str:
