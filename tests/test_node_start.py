@@ -20,13 +20,22 @@ import pytest
 from helpers import MPSRUN, descendants, fake, job_argv, mpiexec, settle, wait_for
 
 from mpsrun.agent.ranks import Doorway
+from mpsrun.errors import MPSError
 from mpsrun.rank.identity import RankIdentity
 from mpsrun.runtime.constants import LATE_WAIT
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.loop import EventLoop
 from mpsrun.runtime.protocol import Hello, Listener, Refusal, Welcome, connect
 from mpsrun.session import registry
-from mpsrun.session.paths import RESERVATION, SessionDirs, drop_reservation, reserve_session_name, user_root
+from mpsrun.session.claim import SessionClaim
+from mpsrun.session.paths import (
+    RESERVATION,
+    SessionDirs,
+    drop_reservation,
+    holds_reservation,
+    reserve_session_name,
+    user_root,
+)
 from mpsrun.session.record import SessionRecord
 
 
@@ -179,14 +188,33 @@ from mpsrun.session.paths import base_directory, make_user_root, user_root
 
 base, name = base_directory(os.environ), pernode.node_session_name(os.environ)
 make_user_root(base)
-assert isinstance(pernode._connect_or_reserve(base, name, f"unix:{user_root(base) / name / 'control'}"), str)
-pipe = pernode._start_keeper(base, name, _config(["--per-node", "true"]), identity_from_env(os.environ))
+token = pernode._connect_or_reserve(base, name, f"unix:{user_root(base) / name / 'control'}")
+assert isinstance(token, str)
+pipe = pernode._start_keeper(base, name, token, _config(["--per-node", "true"]), identity_from_env(os.environ))
 print("ready", flush=True)
 sys.stdin.read()
 if sys.argv[1:] == ["join"]:
     os.set_inheritable(pipe.fileno(), True)
     os.execv(sys.executable, [sys.executable, "-m", "mpsrun", "--per-node", "true"])
 """
+
+
+def test_a_keeper_whose_reservation_was_dropped_claims_nothing_of_the_names_next_owner(short_tmp):
+    """The rank that reserved a node session's directory saw its keeper die (SIGKILL before its fork returned) and
+    dropped the reservation; another rank reserved the name again. The first keeper, which lived on past its fork,
+    claims nothing there: it fails with one line, and the new reservation stays whole for its own keeper (it took
+    that directory, and the second keeper failed with 'node keeper failed: OSError(98, 'Address already in use')',
+    binding the control socket the first had bound there)."""
+    name = "jc0ffee01"
+    first = reserve_session_name(short_tmp, name)
+    drop_reservation(short_tmp, name, first)
+    second = reserve_session_name(short_tmp, name)
+    with pytest.raises(MPSError, match=f"directory {name} was given up before its keeper could claim it"):
+        SessionClaim.make(short_tmp, "node", name, reservation=first)
+    assert holds_reservation(short_tmp, name, second)
+    claim = SessionClaim.make(short_tmp, "node", name, reservation=second)
+    assert claim.dirs is not None and not holds_reservation(short_tmp, name, second) and claim.dirs.record_file.exists()
+    assert not claim.release() and not (user_root(short_tmp) / name).exists()
 
 
 def _node_rank_env(rank: int, local_size: bool = True) -> dict[str, str]:
@@ -329,4 +357,4 @@ def test_a_keeper_killed_before_it_reads_its_request_is_named(monkeypatch, short
     suicide = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGUSR1)"]
     monkeypatch.setattr(pernode, "own_module", lambda module: suicide)
     with pytest.raises(JoinError, match=r"keeper was killed by signal 10 \(SIGUSR1\) before its session was ready"):
-        pernode._start_keeper(short_tmp, "j0", JobConfig(command=("true",)), RankIdentity(0, 0, 1, 1))
+        pernode._start_keeper(short_tmp, "j0", "token", JobConfig(command=("true",)), RankIdentity(0, 0, 1, 1))

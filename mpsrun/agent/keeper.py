@@ -168,12 +168,15 @@ class Keeper:
         self.arrivals = Arrivals(loop, self.agent, request.local_size, request.starter, starter_pipe, launcher)
 
     @classmethod
-    def open(cls, request: KeeperRequest, starter_pipe: int) -> Keeper:
+    def open(cls, request: KeeperRequest, starter_pipe: int, abandoned: threading.Event) -> Keeper:
         """Claim the node session's reserved directory and listen in it (the node's other ranks connect and wait);
-        under --hosts join the job's command; start the session (bounded by --timeout)."""
+        under --hosts join the job's command; start the session (bounded by --timeout). ``abandoned``: set once the
+        rank that started us has left (we are then stopped): the ranks that wait come again, to a keeper of their
+        own, as nothing failed that another keeper would meet."""
         config = JobConfig.from_json(request.config)
         ensure_descriptors(request.local_size or 1)
-        claim = SessionClaim.make(Path(request.base), "node", request.name, config.keep_logs, reserved=True)
+        claim = SessionClaim.make(Path(request.base), "node", request.name, config.keep_logs,
+                                  reservation=request.reservation)
         assert claim.dirs is not None
         try:
             listener = Listener(f"unix:{claim.dirs.control_socket}")  # the node's other ranks connect and wait
@@ -187,7 +190,8 @@ class Keeper:
             keeper.agent.start()
         except BaseException as exc:  # the node's ranks that wait hear why, and start no keeper of their own
             code, why = failure_answer(exc)  # heard: whether the rank that started us gets it too
-            turn_away(listener, Path(request.base), Refusal(code, why, failed=True, heard=_starter_listens()))
+            turn_away(listener, Path(request.base), Refusal(retry=True) if abandoned.is_set()
+                      else Refusal(code, why, failed=True, heard=_starter_listens()))
             if keeper is not None:
                 with contextlib.suppress(MPSError):
                     keeper.agent.close()
@@ -343,12 +347,13 @@ def _starter_listens(wait: float = 0.0) -> bool:
     return not poller.poll(int(wait * 1000))
 
 
-def _abandon_when_alone(started: threading.Event) -> None:
+def _abandon_when_alone(started: threading.Event, abandoned: threading.Event) -> None:
     """The rank waiting for our answer is gone (interrupted, killed: the reading end of our stdout closed)
     before we are ready: stop starting, as if told to."""
     while not started.is_set():
         # Ready is said only after `started` is set, so a reader gone before then was not answered.
         if not _starter_listens(0.1) and not started.is_set():
+            abandoned.set()
             os.kill(os.getpid(), signal.SIGTERM)
             return
 
@@ -360,11 +365,11 @@ def _answer(message: Admitted | Refusal) -> None:
 
 def _open(request: KeeperRequest, starter_pipe: int) -> Keeper | int:
     """The keeper, started; or, when it cannot start, its exit code once the starting rank has heard why."""
-    started = threading.Event()
-    threading.Thread(target=_abandon_when_alone, args=(started,), daemon=True).start()
+    started, abandoned = threading.Event(), threading.Event()
+    threading.Thread(target=_abandon_when_alone, args=(started, abandoned), daemon=True).start()
     try:
         with Interrupts():  # a stopping signal while the session starts: undo it, say why, exit
-            keeper = Keeper.open(request, starter_pipe)
+            keeper = Keeper.open(request, starter_pipe, abandoned)
     except Exception as exc:  # the starting rank must hear why, whatever it was
         started.set()
         code, why = failure_answer(exc)

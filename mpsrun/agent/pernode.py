@@ -51,14 +51,16 @@ JOIN_ATTEMPTS = 3  # a keeper may close just as a late rank arrives; the rank th
 
 class KeeperRequest(NamedTuple):
     """What the rank that starts a keeper tells it: the node session's name and base, the job's configuration (as
-    the rank read it), how many ranks the launcher put on the node and in the job, the CUDA_VISIBLE_DEVICES every
-    local rank must share, under ``--hosts`` the job's command and token and the starting rank's stdout and stderr
-    (their descriptors in the keeper: see :func:`_start_keeper`), the starting rank's number, and its parent (pid,
-    start time): the node's launcher."""
+    the rank read it), the token of the directory it reserved for the keeper (see :func:`_reserve`), how many ranks
+    the launcher put on the node and in the job, the CUDA_VISIBLE_DEVICES every local rank must share, under
+    ``--hosts`` the job's command and token and the starting rank's stdout and stderr (their descriptors in the
+    keeper: see :func:`_start_keeper`), the starting rank's number, and its parent (pid, start time): the node's
+    launcher."""
 
     name: str
     base: str
     config: dict[str, Any]
+    reservation: str
     local_size: int | None = None
     world_size: int | None = None
     devices: str | None = None
@@ -79,8 +81,9 @@ def node_session_name(env: Mapping[str, str]) -> str:
     return f"j{zlib.crc32(f'{node}:{job_key(env)}'.encode()):08x}"  # 32 bits, as a sha256 prefix was, without OpenSSL
 
 
-def _start_keeper(base: Path, name: str, config: JobConfig, identity: RankIdentity) -> IO[bytes]:
-    """Start the node keeper in the directory reserved for it and wait until it answers or says why it cannot.
+def _start_keeper(base: Path, name: str, reservation: str, config: JobConfig, identity: RankIdentity) -> IO[bytes]:
+    """Start the node keeper in the directory reserved for it (``reservation``: its token) and wait until it answers
+    or says why it cannot.
 
     Returns the keeper's answering pipe, still open: the keeper knows by its closing that this rank will not come,
     so it is closed only once this rank has joined (or when this process ends).
@@ -91,8 +94,9 @@ def _start_keeper(base: Path, name: str, config: JobConfig, identity: RankIdenti
     the user's, and so is each rank's output (its tags and its files per rank)."""
     upstream = os.environ.get(CONTROL_VARIABLE)
     output = (os.dup(1), os.dup(2)) if upstream else None
-    request = KeeperRequest(name=name, base=str(base), config=config.to_json(), local_size=identity.local_world_size,
-                            world_size=identity.world_size, devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+    request = KeeperRequest(name=name, base=str(base), config=config.to_json(), reservation=reservation,
+                            local_size=identity.local_world_size, world_size=identity.world_size,
+                            devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
                             upstream=upstream, token=os.environ.get(TOKEN_VARIABLE, ""), starter=identity.rank,
                             launcher=ProcessRef.of(os.getppid()), output=output)
     try:
@@ -177,7 +181,7 @@ def _join_node(base: Path, name: str, config: JobConfig, identity: RankIdentity)
     if isinstance(found, Link):
         return found, None
     try:
-        pipe = _start_keeper(base, name, config, identity)
+        pipe = _start_keeper(base, name, found, config, identity)
     except BaseException:
         with user_root_lock(base):
             drop_reservation(base, name, found)

@@ -274,13 +274,20 @@ def reserve_session_name(base: Path, name: str) -> str:
     return token
 
 
+def holds_reservation(base: Path, name: str, token: str) -> bool:
+    """Whether the directory of the node session ``name`` is still the one :func:`reserve_session_name` made with
+    ``token``, unclaimed (under the user's lock: its maker may drop it, and another rank reserve the name again)."""
+    with contextlib.suppress(OSError):  # (read safely: a rank may have planted a FIFO there)
+        return read_file(user_root(base) / name / RESERVATION, len(token)) == token.encode()
+    return False
+
+
 def drop_reservation(base: Path, name: str, token: str) -> None:
     """Remove the directory :func:`reserve_session_name` made with ``token``, if no keeper claimed it (the keeper
     died first, or refused)."""
-    path = user_root(base) / name
-    with contextlib.suppress(OSError):
-        if read_file(path / RESERVATION, len(token)) == token.encode():  # a rank may have planted a FIFO there
-            remove_tree(path)
+    if holds_reservation(base, name, token):
+        with contextlib.suppress(OSError):
+            remove_tree(user_root(base) / name)
 
 
 def validate_base(base: Path) -> None:
