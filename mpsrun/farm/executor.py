@@ -38,6 +38,7 @@ from mpsrun.exitcodes import describe_returncode
 from mpsrun.farm.farm import slots_of
 from mpsrun.farm.faults import Fault, ServerFaults
 from mpsrun.farm.worker import RemoteTraceback, serve
+from mpsrun.mps import gpus as gpu_info
 from mpsrun.mps.daemon import ControlDaemon
 from mpsrun.mps.environment import MANAGED_VARIABLES
 from mpsrun.mps.placement import NodePlan, ranks_on_gpus
@@ -122,7 +123,6 @@ class Executor(_Executor):
         self._workers = self._start_session(config)
         self._watch = RankWatch(self._session.watcher(), False) if self._session.enabled else None
         self._usage = UsageSampler([gpu.uuid for gpu in self._session.gpus]) if self._session.gpus else None
-        self._sampled = 0.0
         self._context = multiprocessing.get_context("spawn")
         self._pending: collections.deque[_Call] = collections.deque()
         self._suspects: dict[int, collections.deque[_Call]] = {}  # by daemon (id): calls a fault tore down
@@ -139,6 +139,8 @@ class Executor(_Executor):
         self._started = threading.Event()
         self._start_failure: list[BaseException] = []  # (what the manager met as it started the workers)
         self._manager = threading.Thread(target=self._run, name="mpsrun-executor", daemon=True)
+        self._sampling_ends = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, name="mpsrun-executor-usage", daemon=True)
         self._start_workers()
 
     def _start_workers(self) -> None:
@@ -146,6 +148,8 @@ class Executor(_Executor):
         that thread alone: each dies with the thread that started it (its parent-death signal), so none outlives a
         killed executor, and none dies with a caller's short-lived thread."""
         self._manager.start()
+        if self._usage is not None:
+            self._sampler.start()
         try:
             self._started.wait()
         except BaseException:  # (a Ctrl-C as the workers start: nothing is left running without a handle)
@@ -245,7 +249,7 @@ class Executor(_Executor):
                 for worker in self._workers:
                     waits[worker.connection] = worker
                     waits[worker.exit_fd] = worker
-            for ready in wait(list(waits), timeout=USAGE_INTERVAL if self._usage is not None else None):
+            for ready in wait(list(waits)):
                 if ready == self._wake_read:
                     with contextlib.suppress(OSError):
                         os.read(self._wake_read, 1 << 16)
@@ -258,17 +262,19 @@ class Executor(_Executor):
                         self._answer(worker)
                     elif ready == worker.exit_fd and not worker.process.is_alive():
                         self._died(worker)
-            self._sample()
 
     def _sample(self) -> None:
-        """Each USAGE_INTERVAL, the device memory of the workers that run a call (for their peaks)."""
-        if self._usage is None or time.monotonic() - self._sampled < USAGE_INTERVAL:
-            return
-        self._sampled = time.monotonic()
-        with self._lock:
-            pids = {w.process.pid: w.index for w in self._workers if w.running is not None and w.process.is_alive()}
-        if pids:
-            self._usage.sample(with_descendants(pids))
+        """The usage thread: each USAGE_INTERVAL, the device memory of the workers that run a call (for their peaks).
+        Apart from the manager, with NVML kept initialised: NVML's pace (its start and end can take long) never holds
+        up a call's dispatch."""
+        assert self._usage is not None
+        with gpu_info.nvml_kept():
+            while not self._sampling_ends.wait(USAGE_INTERVAL):
+                with self._lock:
+                    pids = {w.process.pid: w.index for w in self._workers
+                            if w.running is not None and w.process is not None and w.process.is_alive()}
+                if pids:
+                    self._usage.sample(with_descendants(pids))
 
     def _dispatch(self) -> None:
         """Give each idle worker its next call: a suspect of its server's fault once no other call runs there (it
@@ -409,6 +415,9 @@ class Executor(_Executor):
             self._manager.join()
 
     def _finish(self) -> None:
+        self._sampling_ends.set()
+        if self._sampler.is_alive():
+            self._sampler.join()
         self._stop_workers()
         with self._wake_lock:
             os.close(self._wake_read)
