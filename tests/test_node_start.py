@@ -28,15 +28,9 @@ from mpsrun.runtime.loop import EventLoop
 from mpsrun.runtime.protocol import Hello, Listener, Refusal, Welcome, connect
 from mpsrun.session import registry
 from mpsrun.session.claim import SessionClaim
-from mpsrun.session.paths import (
-    RESERVATION,
-    SessionDirs,
-    drop_reservation,
-    holds_reservation,
-    reserve_session_name,
-    user_root,
-)
+from mpsrun.session.paths import SessionDirs, user_root
 from mpsrun.session.record import SessionRecord
+from mpsrun.session.reservation import RESERVATION, drop_reservation, holds_reservation, reserve_session_name
 
 
 def _without_faults() -> dict[str, str]:
@@ -133,7 +127,8 @@ def test_a_dead_owners_reaper_leaves_the_next_owner_of_its_name_alone(short_tmp)
 
 
 def test_a_reservation_is_claimed_by_its_keeper_and_dropped_only_by_its_maker(short_tmp):
-    """A reserved directory loses its mark when claimed; a reservation is dropped only with its own token."""
+    """A reservation is dropped only with its own token; a reserved directory is taken as it is, its mark kept
+    until its keeper's claim (test_a_keeper_whose_reservation_was_dropped_claims_nothing_of_the_names_next_owner)."""
     name = "jc0ffee00"
     token = reserve_session_name(short_tmp, name)
     drop_reservation(short_tmp, name, "another token")
@@ -142,8 +137,7 @@ def test_a_reservation_is_claimed_by_its_keeper_and_dropped_only_by_its_maker(sh
     assert not (user_root(short_tmp) / name).exists()
     reserve_session_name(short_tmp, name)
     dirs = SessionDirs.create(short_tmp, [0], name=name, reserved=True)
-    dirs.end_reservation()
-    assert not (dirs.root / RESERVATION).exists() and (dirs.root / "gpu0" / "pipe").is_dir()
+    assert (dirs.root / RESERVATION).exists() and (dirs.root / "gpu0" / "pipe").is_dir()
     dirs.remove()
     assert not dirs.root.exists()
 

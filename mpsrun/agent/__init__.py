@@ -5,8 +5,8 @@ watched, stopped and given their verdicts), the peers that join it (:mod:`~mpsru
 job's events mean (:mod:`~mpsrun.agent.decision`, :mod:`~mpsrun.agent.outcome`), the placement of ranks on GPUs with
 their limits and the one rank environment (:mod:`~mpsrun.agent.welcome`), each rank's account and the report
 (:mod:`~mpsrun.agent.account`), what a job's end says of MPS (:mod:`~mpsrun.agent.findings`), and the agent as a
-process of its own under ``--per-node`` and ``--hosts`` (:mod:`~mpsrun.agent.keeper`) with the rank's side that
-finds or starts it (:mod:`~mpsrun.agent.pernode`).
+process of its own under ``--per-node`` and ``--hosts`` (:mod:`~mpsrun.agent.keeper`, with the ranks it awaits:
+:mod:`~mpsrun.agent.arrivals`) with the rank's side that finds or starts it (:mod:`~mpsrun.agent.pernode`).
 
 Imports: :mod:`mpsrun.session`, :mod:`mpsrun.mps`, :mod:`mpsrun.rank`, :mod:`mpsrun.config`, :mod:`mpsrun.runtime`
 and the bottom layer; never :mod:`mpsrun.job` (the command, which builds on it).

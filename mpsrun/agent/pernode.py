@@ -34,15 +34,8 @@ from mpsrun.runtime.deadline import Deadline, poll_until
 from mpsrun.runtime.output import say
 from mpsrun.runtime.processes import ProcessRef, own_module
 from mpsrun.runtime.protocol import Admitted, Hello, Link, Refusal, Welcome, connect, decode
-from mpsrun.session.paths import (
-    base_directory,
-    drop_reservation,
-    make_user_root,
-    reserve_session_name,
-    user_root,
-    user_root_lock,
-    validate_base,
-)
+from mpsrun.session.paths import base_directory, make_user_root, user_root, user_root_lock, validate_base
+from mpsrun.session.reservation import drop_reservation, reserve_session_name
 
 __all__ = ["KeeperRequest", "node_session_name", "run_per_node"]
 

@@ -21,9 +21,10 @@ from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.interrupts import uninterrupted
 from mpsrun.runtime.output import printable
 from mpsrun.runtime.processes import ProcessRef
-from mpsrun.session.paths import SessionDirs, holds_reservation, new_session_name, user_root, user_root_lock
+from mpsrun.session.paths import SessionDirs, new_session_name, user_root
 from mpsrun.session.reaper import Reaper
 from mpsrun.session.record import SessionRecord
+from mpsrun.session.reservation import claim_reserved
 
 __all__ = ["SessionClaim"]
 
@@ -55,23 +56,6 @@ def _undo(dirs: SessionDirs | None, reaper: Reaper | None) -> None:
         reaper.release()
 
 
-def _claim_reserved(base: Path, name: str, token: str, record: SessionRecord) -> SessionDirs:
-    """The node session's directory, reserved for us with ``token``, claimed: our record in it, its mark gone. Under
-    the user's lock, as its maker drops it (it saw our start-up fail, or end before we were ready: then ours is no
-    longer that name's directory, which may be another keeper's by now, and we touch nothing there)."""
-    with user_root_lock(base):
-        if not holds_reservation(base, name, token):
-            raise MPSError(f"this node's session directory {name} was given up before its keeper could claim it")
-        dirs = SessionDirs.create(base, [], name=name, reserved=True)
-        try:
-            record.write(dirs.record_file)
-        except BaseException:
-            dirs.remove()
-            raise
-        dirs.end_reservation()  # after the record, which names us: the directory is never without an owner's mark
-    return dirs
-
-
 class SessionClaim:
     """A session's directory (``dirs``), its record (``record``, rewritten by :meth:`update`) and its reaper. Make
     one with :meth:`make`."""
@@ -90,7 +74,7 @@ class SessionClaim:
 
         ``kind``: ``api``, ``job`` or ``node`` (see :mod:`mpsrun.session.record`); ``name``: a fixed name (a node
         session's, which every local rank computes), else a fresh random one; ``reservation``: the token of the
-        directory the node's starting rank made for us (:func:`~mpsrun.session.paths.reserve_session_name`).
+        directory the node's starting rank made for us (:mod:`mpsrun.session.reservation`).
         """
         _remove_stale(base)
         reaper: Reaper | None = None
@@ -104,7 +88,7 @@ class SessionClaim:
                 dirs = SessionDirs.create(base, [], name=name)
                 record.write(dirs.record_file)
             else:
-                dirs = _claim_reserved(base, name, reservation, record)
+                dirs = claim_reserved(base, name, reservation, record)
             return cls(dirs, record, reaper, keep_logs)
         except BaseException as exc:
             _undo(dirs, reaper)

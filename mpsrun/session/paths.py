@@ -27,18 +27,17 @@ from typing import NamedTuple
 from mpsrun.errors import ConfigError, MPSError, UnsafeDirectoryError
 from mpsrun.runtime.constants import LOCK_TIMEOUT, TMPDIR_VARIABLE
 from mpsrun.runtime.deadline import Deadline, poll_until
-from mpsrun.runtime.files import read_file, remove_tree
+from mpsrun.runtime.files import remove_tree
 
 __all__ = [
-    "RESERVATION",
+    "DIRECTORY_FLAGS",
     "SOCKET_PATH_MAX",
     "SessionDirs",
     "base_directory",
     "check_private_dir",
-    "drop_reservation",
     "make_user_root",
     "new_session_name",
-    "reserve_session_name",
+    "open_user_root",
     "session_base",
     "user_root",
     "user_root_lock",
@@ -85,7 +84,7 @@ def longest_socket_path(root: Path) -> int:
     return len(os.fsencode(sample))
 
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _refuse(path: Path, reason: str) -> UnsafeDirectoryError:
@@ -185,7 +184,7 @@ def _open_private(name: str, parent_fd: int, path: Path, create: bool) -> int:
         with contextlib.suppress(FileExistsError):
             os.mkdir(name, 0o700, dir_fd=parent_fd)  # an existing one is checked below
     try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+        fd = os.open(name, DIRECTORY_FLAGS, dir_fd=parent_fd)
     except OSError:
         _check_private(os.lstat(name, dir_fd=parent_fd), path)  # says why (a link, not a directory)
         raise
@@ -197,7 +196,7 @@ def _make_gpu_dirs(session_fd: int, gpu_indices: list[int]) -> None:
     try:
         for index in gpu_indices:
             os.mkdir(f"gpu{index}", 0o700, dir_fd=session_fd)
-            gpu_fd = os.open(f"gpu{index}", _DIR_FLAGS, dir_fd=session_fd)
+            gpu_fd = os.open(f"gpu{index}", DIRECTORY_FLAGS, dir_fd=session_fd)
             try:
                 for part in ("pipe", "log"):
                     os.mkdir(part, 0o700, dir_fd=gpu_fd)
@@ -207,7 +206,7 @@ def _make_gpu_dirs(session_fd: int, gpu_indices: list[int]) -> None:
         os.close(session_fd)
 
 
-def _user_root_fd(base: Path) -> int:
+def open_user_root(base: Path) -> int:
     """This user's private root under ``base``: made 0700 if missing, refused if unsafe; an open descriptor. All is
     checked on descriptors, in a base no other user may move entries in: what was checked is what is used."""
     base_fd = _open_base(base)
@@ -221,7 +220,7 @@ def make_user_root(base: Path) -> Path:
     """This user's private root under ``base``, made 0700 if missing, refused if unsafe (MPSError, also for what
     the machine refuses: a base under /proc, no space left)."""
     try:
-        os.close(_user_root_fd(base))
+        os.close(open_user_root(base))
     except OSError as exc:
         if isinstance(exc, MPSError):
             raise
@@ -251,45 +250,6 @@ def _new_directory(root_fd: int) -> str:
         return name
 
 
-RESERVATION = "reserved"  # the file in a node session's directory until its keeper claims it
-
-
-def reserve_session_name(base: Path, name: str) -> str:
-    """Make the directory of the node session ``name`` for the keeper that will claim it, with a file that holds
-    a fresh token (returned), which tells this reservation from a later one of that name. FileExistsError if
-    there is a directory of that name."""
-    token = os.urandom(8).hex()
-    root_fd = _user_root_fd(base)
-    try:
-        os.mkdir(name, 0o700, dir_fd=root_fd)
-        session_fd = os.open(name, _DIR_FLAGS, dir_fd=root_fd)
-    finally:
-        os.close(root_fd)
-    try:
-        marker = os.open(RESERVATION, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=session_fd)
-        with open(marker, "w") as stream:
-            stream.write(token)
-    finally:
-        os.close(session_fd)
-    return token
-
-
-def holds_reservation(base: Path, name: str, token: str) -> bool:
-    """Whether the directory of the node session ``name`` is still the one :func:`reserve_session_name` made with
-    ``token``, unclaimed (under the user's lock: its maker may drop it, and another rank reserve the name again)."""
-    with contextlib.suppress(OSError):  # (read safely: a rank may have planted a FIFO there)
-        return read_file(user_root(base) / name / RESERVATION, len(token)) == token.encode()
-    return False
-
-
-def drop_reservation(base: Path, name: str, token: str) -> None:
-    """Remove the directory :func:`reserve_session_name` made with ``token``, if no keeper claimed it (the keeper
-    died first, or refused)."""
-    if holds_reservation(base, name, token):
-        with contextlib.suppress(OSError):
-            remove_tree(user_root(base) / name)
-
-
 def validate_base(base: Path) -> None:
     """Raise :class:`ConfigError` if sessions under ``base`` would overflow a socket path."""
     length = longest_socket_path(user_root(base))
@@ -303,7 +263,7 @@ def validate_base(base: Path) -> None:
 def user_root_lock(base: Path, timeout: float = LOCK_TIMEOUT) -> Iterator[Path]:
     """Hold this user's lock on the session root under ``base`` (node sessions start and end under it): flock on
     the root directory itself, which outlives every session, so no lock file is ever left behind."""
-    fd = _user_root_fd(base)
+    fd = open_user_root(base)
     try:
         if not poll_until(lambda: _try_lock(fd), Deadline(timeout)):
             raise MPSError(f"another mpsrun of yours held the lock on {user_root(base)} for more than {timeout:g} s")
@@ -336,7 +296,7 @@ class SessionDirs(NamedTuple):
         descriptors from the checked user root down: no path is resolved twice.
         """
         validate_base(base)
-        root_fd = _user_root_fd(base)
+        root_fd = open_user_root(base)
         try:
             if name is None:
                 name = _new_directory(root_fd)
@@ -350,17 +310,12 @@ class SessionDirs(NamedTuple):
 
     def add_gpus(self, gpu_indices: list[int]) -> None:
         """Make the pipe and log directories of more GPUs (a session's directory is made before its GPUs are read)."""
-        parent_fd = os.open(self.root.parent, _DIR_FLAGS)
+        parent_fd = os.open(self.root.parent, DIRECTORY_FLAGS)
         try:
             session_fd = _open_private(self.root.name, parent_fd, self.root, create=False)
         finally:
             os.close(parent_fd)
         _make_gpu_dirs(session_fd, gpu_indices)
-
-    def end_reservation(self) -> None:
-        """Claimed (its record written): the rank that reserved this directory leaves it to its owner now."""
-        with contextlib.suppress(FileNotFoundError):
-            (self.root / RESERVATION).unlink()
 
     @property
     def session_id(self) -> str:

@@ -28,8 +28,9 @@ from mpsrun.runtime.deadline import Deadline, poll_until
 from mpsrun.runtime.files import remove_tree
 from mpsrun.runtime.output import printable
 from mpsrun.runtime.processes import ProcessRef
-from mpsrun.session.paths import RESERVATION, base_directory, user_root, user_root_lock
+from mpsrun.session.paths import base_directory, user_root, user_root_lock
 from mpsrun.session.record import DaemonRecord, SessionRecord
+from mpsrun.session.reservation import RESERVATION
 
 __all__ = ["SessionState", "SessionUsers", "cleanup", "list_sessions", "main", "reap"]
 
