@@ -239,3 +239,24 @@ def test_gpus_named_without_a_driver_are_said_to_have_no_effect(no_gpu, gpus):
     out = mpsrun("--gpus", gpus, "-np", "2", "--launcher", "local", sys.executable, "-c", "print(1)")
     assert out.returncode == 0, out.stderr
     assert "warning: --gpus has no effect without MPS and a GPU" in out.stderr, out.stderr
+
+
+def test_a_line_of_ours_is_cut_however_long_what_it_quotes(fake_gpu, short_tmp):
+    """What a line of ours quotes (a host file's line, a value given) is cut: the line stays within LINE_MOST
+    characters (a 15 MB host file of NULs was one 63 MB line, a 120 kB --gpus value one 120 kB line)."""
+    from mpsrun.runtime.output import LINE_MOST
+
+    hostfile = short_tmp / "hosts"
+    with hostfile.open("wb") as stream:
+        stream.truncate(15 << 20)
+    for out in (mpsrun("--hostfile", str(hostfile), "--launcher", "mpiexec", "-np", "2", "true"),
+                mpsrun("--gpus", "1" * 120_000, "-np", "1", "true")):
+        assert len(one_line(out)) <= LINE_MOST and out.stderr.endswith("...\n"), out.stderr[:300]
+
+
+@pytest.mark.parametrize("command", ["cleanup --force", "top --once"])
+def test_a_session_named_with_escapes_is_not_printed_raw(fake_gpu, command):
+    """A session or job named with a terminal escape and a newline (a rank can name a directory so, and a script
+    passes on what `mpsrun status --json` lists): the one line says it escaped (both printed it raw)."""
+    line = one_line(mpsrun(*command.split(), "x\x1b[2J\nsecond"))
+    assert "\x1b" not in line and "x\\x1b[2J\\nsecond" in line, line

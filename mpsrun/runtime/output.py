@@ -27,7 +27,7 @@ from contextlib import AbstractContextManager
 from mpsrun.runtime.constants import OUTPUT_LOCK_PATIENCE
 from mpsrun.runtime.deadline import Deadline
 
-__all__ = ["LineWriter", "clipped", "printable", "say", "unread", "unread_output"]
+__all__ = ["LINE_MOST", "LineWriter", "clipped", "printable", "say", "unread", "unread_output"]
 
 PIPE_BUF = select.PIPE_BUF
 
@@ -49,13 +49,17 @@ def escaped(text: str) -> str:
     return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+#: The most characters a line of ours holds: what it quotes (a daemon's log, a file's line, a value given) is cut.
+LINE_MOST = 2000
+
+
 def say(line: str) -> None:
-    """Write a line of ours to stderr, escaped, in one write (print writes the newline apart: with unbuffered output
-    the lines of several processes then run into each other); nothing if stderr is gone."""
+    """Write a line of ours to stderr, escaped and cut to LINE_MOST, in one write (print writes the newline apart:
+    with unbuffered output the lines of several processes then run into each other); nothing if stderr is gone."""
     if sys.stderr is None:  # started with stderr closed
         return
     try:
-        sys.stderr.write(escaped(line) + "\n")
+        sys.stderr.write(clipped(escaped(line), LINE_MOST) + "\n")
         sys.stderr.flush()
     except (OSError, ValueError):
         pass

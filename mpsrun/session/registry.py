@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +25,7 @@ from mpsrun.mps.daemon import CONTROL_EXECUTABLE, find_control_executable
 from mpsrun.runtime.constants import SESSION_DIR_VARIABLE
 from mpsrun.runtime.deadline import Deadline, poll_until
 from mpsrun.runtime.files import remove_tree
-from mpsrun.runtime.output import printable
+from mpsrun.runtime.output import printable, say
 from mpsrun.runtime.processes import ProcessRef
 from mpsrun.session.paths import base_directory, user_root, user_root_lock
 from mpsrun.session.record import DaemonRecord, SessionRecord
@@ -312,12 +311,12 @@ def main(argv: Sequence[str], command: str) -> int:
     if command == "cleanup":
         unknown = set(args.force) - {s.session_id for s in list_sessions(args.tmpdir)}
         if unknown:
-            print(f"mpsrun cleanup: error: no session {', '.join(sorted(unknown))} of yours here", file=sys.stderr)
+            say(f"mpsrun cleanup: error: no session {', '.join(sorted(unknown))} of yours here")
             return ExitCode.USAGE
         try:
             done = cleanup(args.tmpdir, args.force, args.dry_run)
         except MPSError as exc:
-            print(f"mpsrun cleanup: error: {exc}", file=sys.stderr)
+            say(f"mpsrun cleanup: error: {exc}")
             return exc.exit_code
         for session, what in done:
             print(f"{printable(session)}: {printable(what)}")

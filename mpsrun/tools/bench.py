@@ -32,6 +32,7 @@ from mpsrun.errors import MPSError, NoDriverError
 from mpsrun.exitcodes import ExitCode
 from mpsrun.mps import gpus as gpu_info
 from mpsrun.mps.daemon import unavailable_reason
+from mpsrun.runtime.output import say
 from mpsrun.runtime.processes import own_module
 from mpsrun.tools.plotting import pyplot
 
@@ -260,7 +261,7 @@ def main(argv: Sequence[str]) -> int:
         if args.plot:
             plot(rows, args.plot)
     except MPSError as exc:
-        print(f"mpsrun bench: error: {exc}", file=sys.stderr)
+        say(f"mpsrun bench: error: {exc}")
         if args.json:  # a script reading stdout learns why, too
             print(json.dumps({"error": str(exc)}))
         return exc.exit_code

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from mpsrun.agent.account import cell
 from mpsrun.config.commandline import OneLineParser
 from mpsrun.exitcodes import ExitCode
-from mpsrun.runtime.output import clipped, printable
+from mpsrun.runtime.output import clipped, printable, say
 from mpsrun.tools.topsnapshot import CPU_WINDOW, GpuRow, JobRow, RankRow, Snapshot, Top
 
 if TYPE_CHECKING:  # imported where the live view starts: a pipe or --once needs no curses
@@ -166,8 +166,7 @@ def main(argv: Sequence[str]) -> int:
         signal.signal(number, signal.SIG_DFL)
     top = Top(args.tmpdir, args.job)
     if args.job is not None and not top.jobs():
-        print(f"mpsrun top: error: no running job {args.job} of yours here (mpsrun status lists them)",
-              file=sys.stderr)
+        say(f"mpsrun top: error: no running job {args.job} of yours here (mpsrun status lists them)")
         return ExitCode.USAGE
     try:
         if args.once and not top.jobs():
