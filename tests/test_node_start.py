@@ -182,9 +182,10 @@ from mpsrun.session.paths import base_directory, make_user_root, user_root
 
 base, name = base_directory(os.environ), pernode.node_session_name(os.environ)
 make_user_root(base)
-token = pernode._connect_or_reserve(base, name, f"unix:{user_root(base) / name / 'control'}")
+config, identity = _config(["--per-node", "true"]), identity_from_env(os.environ)
+token = pernode._connect_or_reserve(base, name, f"unix:{user_root(base) / name / 'control'}", config, identity)
 assert isinstance(token, str)
-pipe = pernode._start_keeper(base, name, token, _config(["--per-node", "true"]), identity_from_env(os.environ))
+pipe = pernode._start_keeper(base, name, token, config, identity)
 print("ready", flush=True)
 sys.stdin.read()
 if sys.argv[1:] == ["join"]:

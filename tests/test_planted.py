@@ -103,6 +103,62 @@ def test_a_fifo_planted_at_the_records_old_temporary_name_stops_no_job(fake_gpu,
     settle(fake_gpu)
 
 
+def _node_session_of(fake_gpu, job: str) -> Path:
+    """Where a bare --per-node job whose MPSRUN_JOB_ID is ``job`` keeps this machine's node session (a name anyone
+    can work out: the host's and the job's)."""
+    from mpsrun.agent.pernode import node_session_name
+    from mpsrun.session.paths import make_user_root
+
+    return make_user_root(fake_gpu.tmpdir) / node_session_name({"MPSRUN_JOB_ID": job})
+
+
+def _plant(where: Path, what: str) -> None:
+    if what == "fifo":
+        os.mkfifo(where)
+    elif what == "file":
+        where.write_text("x")
+    elif what == "link":
+        where.symlink_to("/dev/zero")
+    else:
+        where.mkdir(0o700)
+        if what == "directory with a fifo as its reservation":
+            os.mkfifo(where / "reserved")
+
+
+@pytest.mark.parametrize("what", ["fifo", "file", "link", "empty directory", "directory with a fifo as its reservation"])
+def test_what_is_planted_at_a_node_sessions_name_holds_no_job(fake_gpu, monkeypatch, what):
+    """Something planted where a --per-node job's node session will be (no keeper's: no record and no reservation of
+    regular files): the job starts at once and ends 0, and what was planted is gone. The ranks waited 60 s, past
+    --timeout, and the job then ended 0 without a word (third hostile pass)."""
+    monkeypatch.setenv("MPSRUN_JOB_ID", "planted")
+    where = _node_session_of(fake_gpu, "planted")
+    _plant(where, what)
+    out = subprocess.run(job_argv("per-node", ["--timeout", "10"], ["true"], ranks=2), capture_output=True,
+                         text=True, timeout=50)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert not os.path.lexists(where) and not list(where.parent.iterdir())
+    settle(fake_gpu)
+
+
+def test_a_node_sessions_name_held_by_a_live_reservation_is_waited_for_until_the_timeout(fake_gpu, monkeypatch):
+    """A reservation that looks alive (a regular file, new) at a --per-node job's node session: the ranks wait for
+    it until --timeout, not past it, and the node's local rank 0 says so once, naming the directory: exit 124 (they
+    waited 60 s, then ran; with the file touched, 120 s, and each rank said it)."""
+    monkeypatch.setenv("MPSRUN_JOB_ID", "held")
+    where = _node_session_of(fake_gpu, "held")
+    where.mkdir(0o700)
+    (where / "reserved").write_text("0123456789abcdef")
+    try:
+        out = subprocess.run(job_argv("per-node", ["--timeout", "2"], ["true"], ranks=2), capture_output=True,
+                             text=True, timeout=50)
+    finally:
+        shutil.rmtree(where)
+    assert out.returncode == 124, out.stderr
+    assert out.stderr.splitlines() == [f"mpsrun: error: timed out after 2 s while this node's session started: "
+                                       f"{where} held by a live process of yours"], out.stderr
+    settle(fake_gpu)
+
+
 def test_a_file_larger_than_its_bound_is_not_read(tmp_path):
     """read_file reads a regular file whole up to its bound, and refuses a larger one (EFBIG) rather than read a part
     or all of it: a rank can make its session's record as large as the disk allows."""
@@ -401,6 +457,28 @@ def test_a_read_only_directory_in_a_session_is_removed(tmp_path: Path):
         for directory in (session, session / "ro"):
             with contextlib.suppress(OSError):
                 directory.chmod(0o755)
+
+
+@pytest.mark.parametrize("modes", [{"gpu0": 0o700, "gpu0/log": 0o500}, {"x": 0o000, "x/y": 0o000},
+                                   {"gpu0": 0o500, "gpu0/log": 0o000}])
+def test_a_directory_a_rank_locked_deep_in_a_session_is_removed(tmp_path: Path, modes):
+    """Directories a rank made unwritable or unreadable below the session's top (``chmod 0500 gpu0/log``, ``chmod
+    000 x/y x``) are removed by an ordinary user: moving such a directory up rewrites its '..', which its mode
+    refused ('[Errno 13] Permission denied: 'log' -> '.e888...'', exit 3, the session left; third hostile pass)."""
+    session = tmp_path / "s"
+    for name in modes:
+        (session / name).mkdir(parents=True, exist_ok=True)
+        (session / name / "f").write_text("x")
+    for name in sorted(modes, key=len, reverse=True):
+        (session / name).chmod(modes[name])
+    try:
+        done = subprocess.run(_without_mode_override([sys.executable, "-c", _REMOVE, str(session)]),
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and not session.exists(), done.stderr
+    finally:
+        for name in modes:
+            with contextlib.suppress(OSError):
+                (session / name).chmod(0o755)
 
 
 @pytest.mark.skipif(os.getuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")

@@ -17,6 +17,7 @@ import json
 import os
 import select
 import socket
+import stat
 import subprocess
 import zlib
 from collections.abc import Mapping
@@ -34,8 +35,15 @@ from mpsrun.runtime.deadline import Deadline, poll_until
 from mpsrun.runtime.output import say
 from mpsrun.runtime.processes import ProcessRef, own_module
 from mpsrun.runtime.protocol import Admitted, Hello, Link, Refusal, Welcome, connect, decode
-from mpsrun.session.paths import base_directory, make_user_root, user_root, user_root_lock, validate_base
-from mpsrun.session.reservation import drop_reservation, reserve_session_name
+from mpsrun.session.paths import (
+    RECORD_FILE,
+    base_directory,
+    make_user_root,
+    user_root,
+    user_root_lock,
+    validate_base,
+)
+from mpsrun.session.reservation import RESERVATION, drop_reservation, reserve_session_name
 
 __all__ = ["KeeperRequest", "node_session_name", "run_per_node"]
 
@@ -137,22 +145,40 @@ def _starter_says(exit_code: int, local_rank: int) -> bool:
 
 def _reserve(base: Path, name: str) -> str | None:
     """Under the user's lock: reserve the node session's directory for a keeper of ours; None while another
-    keeper starts or closes in it. A dead keeper's directory is reaped first (or set aside, its logs kept)."""
+    keeper starts or closes in it. A dead keeper's directory is reaped first (or set aside, its logs kept), and what
+    no keeper left there (a file, a FIFO, a link, a directory of neither record nor reservation) goes at once."""
     directory = user_root(base) / name
     if directory.exists() or directory.is_symlink():
         from mpsrun.session import registry  # rarely needed: not imported by every rank
 
-        if not registry.read_state(directory).stale:
+        planted = _left_behind(directory)
+        if not planted and not registry.read_state(directory).stale:
             return None
-        registry.reap(directory, locked=True)
-        if directory.exists():
+        if not stat.S_ISDIR(os.lstat(directory).st_mode):
+            directory.unlink()  # (a link only: never followed)
+        else:
+            registry.reap(directory, force=planted, locked=True)
+        if directory.exists() or directory.is_symlink():
             directory.rename(directory.with_name(f"{name}-{os.urandom(3).hex()}"))  # (secrets: OpenSSL's import)
     return reserve_session_name(base, name)
 
 
-def _connect_or_reserve(base: Path, name: str, address: str) -> Link | str:
+def _left_behind(directory: Path) -> bool:
+    """Under the user's lock: whether what holds a node session's name is no keeper's. A keeper's directory always
+    holds its record or its starting rank's reservation, regular files (each made, and the one replaced by the
+    other, under that lock); anything else there was planted, or left by what died."""
+    try:
+        if not stat.S_ISDIR(os.lstat(directory).st_mode):
+            return True
+        return not any(stat.S_ISREG(os.lstat(directory / mark).st_mode) for mark in (RECORD_FILE, RESERVATION)
+                       if os.path.lexists(directory / mark))
+    except OSError:  # (gone meanwhile: nothing to wait for)
+        return True
+
+
+def _connect_or_reserve(base: Path, name: str, address: str, config: JobConfig, identity: RankIdentity) -> Link | str:
     """The node keeper's link; or, with no keeper, the directory reserved for ours. The user's lock is held only to
-    look and to reserve: another keeper's start-up or closing is waited for without it."""
+    look and to reserve: another keeper's start-up or closing is waited for without it, until --timeout at most."""
 
     def attempt() -> Link | str | None:
         with user_root_lock(base):
@@ -160,17 +186,24 @@ def _connect_or_reserve(base: Path, name: str, address: str) -> Link | str:
                 return connect(address, keep_descriptors=True)
             return _reserve(base, name)
 
-    found = cast("Link | str | None", poll_until(attempt, Deadline(KEEPER_START_TIMEOUT)))  # mypy solves no unions
-    if found is None:
-        raise JoinError(f"this node's session was neither ready nor gone within {KEEPER_START_TIMEOUT:g} s",
-                        speaks=True)
-    return found
+    timed = config.timeout is not None and config.timeout < KEEPER_START_TIMEOUT
+    deadline = Deadline(config.timeout if timed else KEEPER_START_TIMEOUT)
+    found = cast("Link | str | None", poll_until(attempt, deadline))  # mypy solves no unions
+    if found is not None:
+        return found
+    said = identity.local_rank == 0  # (every rank of the node waited for the same directory)
+    if timed:
+        raise JoinError(f"timed out after {config.timeout:g} s while this node's session started: "
+                        f"{user_root(base) / name} held by a live process of yours", speaks=said,
+                        exit_code=ExitCode.TIMEOUT)
+    raise JoinError(f"this node's session was neither ready nor gone within {KEEPER_START_TIMEOUT:g} s: "
+                    f"{user_root(base) / name} held by a live process of yours", speaks=said)
 
 
 def _join_node(base: Path, name: str, config: JobConfig, identity: RankIdentity) -> tuple[Link, IO[bytes] | None]:
     """Connect to the node's keeper, starting it if there is none (then also the pipe that tells it we are here)."""
     address = f"unix:{user_root(base) / name / 'control'}"
-    found = _connect_or_reserve(base, name, address)
+    found = _connect_or_reserve(base, name, address, config, identity)
     if isinstance(found, Link):
         return found, None
     try:

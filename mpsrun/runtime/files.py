@@ -198,7 +198,7 @@ def _remove_entry(top: int, name: str) -> None:
         try:
             fd = os.open(here, _DIRECTORY, dir_fd=top)
         except PermissionError:  # a rank made it unreadable (its own directory: the rank could undo it too)
-            os.chmod(here, 0o700, dir_fd=top)
+            _make_ours_by_name(here, top)
             fd = os.open(here, _DIRECTORY, dir_fd=top)
         try:
             _make_ours(fd)
@@ -207,10 +207,30 @@ def _remove_entry(top: int, name: str) -> None:
                     try:
                         os.unlink(entry, dir_fd=fd)
                     except IsADirectoryError:
-                        os.rename(entry, f".{os.urandom(8).hex()}", src_dir_fd=fd, dst_dir_fd=top)
+                        _move_up(entry, fd, top)
         finally:
             os.close(fd)
         os.rmdir(here, dir_fd=top)
+
+
+def _move_up(name: str, parent: int, top: int) -> None:
+    """Move the directory ``name`` in ``parent`` into ``top``, under a fresh name. Moving a directory rewrites its
+    ``..``: one a rank made read-only (0500, 000) is made writable first."""
+    try:
+        os.rename(name, f".{os.urandom(8).hex()}", src_dir_fd=parent, dst_dir_fd=top)
+    except PermissionError:
+        _make_ours_by_name(name, parent)
+        os.rename(name, f".{os.urandom(8).hex()}", src_dir_fd=parent, dst_dir_fd=top)
+
+
+def _make_ours_by_name(name: str, parent: int) -> None:
+    """:func:`_make_ours` for the directory ``name`` in ``parent``, which we may not even read (mode 000): through a
+    path descriptor (O_PATH, never a link), as fchmod cannot take one."""
+    fd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+    try:
+        os.chmod(f"/proc/self/fd/{fd}", 0o700)
+    finally:
+        os.close(fd)
 
 
 def _make_ours(directory: int) -> None:

@@ -31,6 +31,7 @@ from mpsrun.runtime.files import remove_tree
 
 __all__ = [
     "DIRECTORY_FLAGS",
+    "RECORD_FILE",
     "SOCKET_PATH_MAX",
     "SessionDirs",
     "base_directory",
@@ -51,6 +52,8 @@ _LONGEST_SOCKET = "control_privileged"
 #: Length of a session id made by :func:`tempfile.mkdtemp` with our prefix.
 _SESSION_ID_LEN = len("s") + 8
 _MAX_GPU_DIGITS = 3
+#: A session's record, in its directory.
+RECORD_FILE = "session.json"
 
 
 def base_directory(environ: Mapping[str, str] | None = None) -> Path:
@@ -323,7 +326,7 @@ class SessionDirs(NamedTuple):
 
     @property
     def record_file(self) -> Path:
-        return self.root / "session.json"
+        return self.root / RECORD_FILE
 
     @property
     def usage_file(self) -> Path:  # for mpsrun top: each rank's host, pid and peak device memory so far

@@ -27,7 +27,7 @@ from mpsrun.runtime.deadline import Deadline, poll_until
 from mpsrun.runtime.files import remove_tree
 from mpsrun.runtime.output import printable, say
 from mpsrun.runtime.processes import ProcessRef
-from mpsrun.session.paths import base_directory, user_root, user_root_lock
+from mpsrun.session.paths import RECORD_FILE, base_directory, user_root, user_root_lock
 from mpsrun.session.record import DaemonRecord, SessionRecord
 from mpsrun.session.reservation import RESERVATION
 
@@ -122,7 +122,7 @@ def read_state(root: Path, users: SessionUsers | None = None) -> SessionState:
     if root.is_symlink():
         return SessionState(root, None, users, "a symbolic link, not a session directory")
     try:
-        return SessionState(root, SessionRecord.read(root / "session.json"), users)
+        return SessionState(root, SessionRecord.read(root / RECORD_FILE), users)
     except RecordError as exc:
         return SessionState(root, None, users, f"unreadable record: {exc}")
 
@@ -217,11 +217,15 @@ def reap(root: Path, force: bool = False, keep_logs: bool | None = None, lock_ti
             if _ours(group):
                 group.signal_group(signal.SIGKILL)
         keep = record.keep_logs if keep_logs is None and record is not None else bool(keep_logs)
+        done = "kept" if keep else "removed"
         if not keep:
-            with contextlib.suppress(OSError):
+            try:
                 remove_tree(root)
+            except OSError as exc:  # (said: the directory is still there)
+                where = f": {printable(str(exc.filename))}" if exc.filename else ""
+                done = f"not removed ({exc.strerror or exc}{where})"
     whose = f"owner {record.owner.pid}" if record is not None else f"no record ({state.problem})"
-    return f"{'kept' if keep else 'removed'} ({'forced, ' if forced else ''}{whose}, {stopped} daemon(s) stopped)"
+    return f"{done} ({'forced, ' if forced else ''}{whose}, {stopped} daemon(s) stopped)"
 
 
 def cleanup(base: Path | None = None, force: Sequence[str] = (), dry_run: bool = False,
