@@ -155,7 +155,8 @@ def test_a_node_sessions_name_held_by_a_live_reservation_is_waited_for_until_the
         shutil.rmtree(where)
     assert out.returncode == 124, out.stderr
     assert out.stderr.splitlines() == [f"mpsrun: error: timed out after 2 s while this node's session started: "
-                                       f"{where} held by a live process of yours"], out.stderr
+                                       f"{where} looks in use (a live keeper's record, or a reservation of the last "
+                                       "minute)"], out.stderr
     settle(fake_gpu)
 
 
@@ -297,6 +298,23 @@ def test_records_naming_processes_as_daemons_do_not_hold_a_job_past_its_timeout(
     if named == "any process":
         assert all(untouched), untouched
     settle(fake_gpu)
+
+
+def test_status_and_a_dry_run_cut_what_would_stretch_a_line(fake_gpu):
+    """A record naming 3,000 daemons (a rank can write one) and a command of 120,000 characters: `mpsrun status`
+    and `--dry-run` keep every line within a line of ours (status printed 39 kB in one row, 2.8 MB for 200,000
+    daemons; the dry run the whole command; fourth hostile pass)."""
+    from mpsrun.runtime.output import LINE_MOST
+
+    session = stale_record(fake_gpu, "smany", daemons=[os.getpid()] * 3000)
+    try:
+        status = bounded([*MPSRUN, "status"], timeout=60)
+    finally:
+        shutil.rmtree(session)
+    dry = bounded([*MPSRUN, "-np", "2", "--dry-run", "true", "N" * 120_000], timeout=60)
+    for out in (status, dry):
+        assert out.returncode == 0 and max(map(len, out.stdout.splitlines())) <= LINE_MOST, out.stdout[:2000]
+    assert "smany" in status.stdout and "..." in status.stdout
 
 
 def stale_record_daemon(session: Path, pid: int) -> None:
@@ -460,11 +478,12 @@ def test_a_read_only_directory_in_a_session_is_removed(tmp_path: Path):
 
 
 @pytest.mark.parametrize("modes", [{"gpu0": 0o700, "gpu0/log": 0o500}, {"x": 0o000, "x/y": 0o000},
-                                   {"gpu0": 0o500, "gpu0/log": 0o000}])
+                                   {"gpu0": 0o500, "gpu0/log": 0o000}, {".": 0o000}])
 def test_a_directory_a_rank_locked_deep_in_a_session_is_removed(tmp_path: Path, modes):
     """Directories a rank made unwritable or unreadable below the session's top (``chmod 0500 gpu0/log``, ``chmod
-    000 x/y x``) are removed by an ordinary user: moving such a directory up rewrites its '..', which its mode
-    refused ('[Errno 13] Permission denied: 'log' -> '.e888...'', exit 3, the session left; third hostile pass)."""
+    000 x/y x``), or the top itself unreadable, are removed by an ordinary user: moving such a directory up rewrites
+    its '..', which its mode refused ('[Errno 13] Permission denied: 'log' -> '.e888...'', exit 3, the session left),
+    and the top was opened without a way round its mode (third and fourth hostile passes)."""
     session = tmp_path / "s"
     for name in modes:
         (session / name).mkdir(parents=True, exist_ok=True)
@@ -497,6 +516,24 @@ def test_a_bind_mount_in_a_session_is_not_entered(tmp_path: Path):
     done = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", code, str(outside),
                            str(session)], capture_output=True, text=True, timeout=60)
     assert (outside / "sentinel").read_text() == "keep", done
+    assert "a mount point, not entered" in done.stdout, done
+
+
+@pytest.mark.skipif(os.getuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
+def test_a_session_directory_that_is_a_mount_point_is_not_entered(tmp_path: Path):
+    """A directory outside the sessions bind-mounted at a session's own name (where a --per-node job's node session
+    will be, or a stale session's place): its removal fails with one reason, and the directory outside keeps its
+    files and its mode. They were deleted and its mode set to 0700 (fourth hostile pass)."""
+    outside, session = tmp_path / "outside", tmp_path / "s"
+    outside.mkdir(mode=0o755)
+    (outside / "sentinel").write_text("keep")
+    session.mkdir()
+    code = ("import subprocess, sys\nsubprocess.run(['mount', '--bind', sys.argv[1], sys.argv[2]], check=True)\n"
+            "from mpsrun.runtime.files import remove_tree\ntry:\n    remove_tree(sys.argv[2])\nexcept OSError as exc:\n"
+            "    print(exc)\n")
+    done = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", code, str(outside),
+                           str(session)], capture_output=True, text=True, timeout=60)
+    assert (outside / "sentinel").read_text() == "keep" and stat.S_IMODE(outside.stat().st_mode) == 0o755, done
     assert "a mount point, not entered" in done.stdout, done
 
 

@@ -160,7 +160,10 @@ def _reserve(base: Path, name: str) -> str | None:
             registry.reap(directory, force=planted, locked=True)
         if directory.exists() or directory.is_symlink():
             directory.rename(directory.with_name(f"{name}-{os.urandom(3).hex()}"))  # (secrets: OpenSSL's import)
-    return reserve_session_name(base, name)
+    try:
+        return reserve_session_name(base, name)
+    except FileExistsError:  # made there just now, not under the lock (so no keeper's): looked at again
+        return None
 
 
 def _left_behind(directory: Path) -> bool:
@@ -192,12 +195,12 @@ def _connect_or_reserve(base: Path, name: str, address: str, config: JobConfig, 
     if found is not None:
         return found
     said = identity.local_rank == 0  # (every rank of the node waited for the same directory)
+    held = f"{user_root(base) / name} looks in use (a live keeper's record, or a reservation of the last minute)"
     if timed:
-        raise JoinError(f"timed out after {config.timeout:g} s while this node's session started: "
-                        f"{user_root(base) / name} held by a live process of yours", speaks=said,
-                        exit_code=ExitCode.TIMEOUT)
-    raise JoinError(f"this node's session was neither ready nor gone within {KEEPER_START_TIMEOUT:g} s: "
-                    f"{user_root(base) / name} held by a live process of yours", speaks=said)
+        raise JoinError(f"timed out after {config.timeout:g} s while this node's session started: {held}",
+                        speaks=said, exit_code=ExitCode.TIMEOUT)
+    raise JoinError(f"this node's session was neither ready nor gone within {KEEPER_START_TIMEOUT:g} s: {held}",
+                    speaks=said)
 
 
 def _join_node(base: Path, name: str, config: JobConfig, identity: RankIdentity) -> tuple[Link, IO[bytes] | None]:

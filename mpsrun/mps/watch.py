@@ -24,6 +24,7 @@ from mpsrun.mps.gpus import GPU
 from mpsrun.mps.replies import ServerStatus, connected_clients, started_servers
 from mpsrun.runtime.constants import WATCH_COMMAND_TIMEOUT
 from mpsrun.runtime.files import read_log
+from mpsrun.runtime.output import LINE_MOST, clipped
 
 __all__ = ["ClientWatcher", "ConnectionLog", "Finding", "LogNews", "Look", "RankWatch", "with_descendants"]
 
@@ -241,7 +242,7 @@ class RankWatch:
     def _dead(self, positions: list[int]) -> Finding:
         daemon = self.watcher.daemons[positions[0]]
         tail = daemon.log_tail(5)
-        last = f"; its log ends: {tail.splitlines()[-1]}" if tail else ""
+        last = f"; its log ends: {clipped(tail.splitlines()[-1], LINE_MOST)}" if tail else ""  # (a rank can write it)
         gpus = ",".join(str(self.watcher.gpus[p].index) for p in positions)
         return Finding(f"the MPS control daemon of GPU {gpus} died under the job{last}", fatal=True)
 

@@ -154,52 +154,70 @@ _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 def remove_tree(path: str | os.PathLike[str]) -> None:
     """Remove the directory ``path`` and all below it, a link only unlinked, never followed, a mount point never
-    entered; nothing there is no error.
+    entered (``path`` itself neither); nothing there is no error.
 
     A rank can plant a tree thousands of levels deep, past Python's recursion (``shutil.rmtree`` recurses per level)
     and the descriptors one process may hold: each directory's subdirectories are moved up into the top one before
     it is emptied and removed, so a tree of any depth takes two descriptors. Raises ``OSError`` for what cannot go."""
+    where = os.path.abspath(os.fspath(path))
     try:
-        top = os.open(path, _DIRECTORY)
+        parent = os.open(os.path.dirname(where), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
         return
-    except OSError as exc:
-        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-            raise
-        os.unlink(path)  # a link, or a file where the directory was
-        return
     try:
-        _make_ours(top)
-        while names := os.listdir(top):
-            for name in names:
-                _remove_entry(top, name)
+        with contextlib.suppress(FileNotFoundError):
+            try:
+                os.unlink(os.path.basename(where), dir_fd=parent)  # a link, or a file where the directory was
+                return
+            except IsADirectoryError:
+                pass
+            doomed = _renamed(os.path.basename(where), parent)
+            top = _opened(doomed, parent)
+            try:
+                _make_ours(top)
+                while names := os.listdir(top):
+                    for name in names:
+                        _remove_entry(top, name)
+            finally:
+                os.close(top)
+            os.rmdir(doomed, dir_fd=parent)
     finally:
-        os.close(top)
-    os.rmdir(path)
+        os.close(parent)
+
+
+def _renamed(name: str, parent: int) -> str:
+    """The directory ``name`` in ``parent`` under a fresh name there, before it is entered: a mount point refuses
+    that, and is never entered (a bind mount of another directory would lose that directory's files)."""
+    here = f".{os.urandom(8).hex()}"
+    try:
+        os.rename(name, here, src_dir_fd=parent, dst_dir_fd=parent)
+    except OSError as exc:
+        if exc.errno == errno.EBUSY:
+            raise OSError(exc.errno, "a mount point, not entered", name) from None
+        raise
+    return here
+
+
+def _opened(name: str, parent: int) -> int:
+    """The directory ``name`` in ``parent``, opened (never a link); one a rank made unreadable is made ours first."""
+    try:
+        return os.open(name, _DIRECTORY, dir_fd=parent)
+    except PermissionError:  # (its own directory: the rank could undo it too)
+        _make_ours_by_name(name, parent)
+        return os.open(name, _DIRECTORY, dir_fd=parent)
 
 
 def _remove_entry(top: int, name: str) -> None:
-    """Remove ``name`` in ``top``: a file or link at once; a directory once its subdirectories are moved up into
-    ``top`` (which removes them in their turn) and its files unlinked. It is renamed first: a mount point refuses
-    that, and is never entered (a bind mount of another directory would lose that directory's files)."""
+    """Remove ``name`` in ``top``: a file or link at once; a directory (renamed first: see :func:`_renamed`) once
+    its subdirectories are moved up into ``top`` (which removes them in their turn) and its files unlinked."""
     with contextlib.suppress(FileNotFoundError):
         try:
             os.unlink(name, dir_fd=top)
             return
         except IsADirectoryError:
             pass
-        here = f".{os.urandom(8).hex()}"
-        try:
-            os.rename(name, here, src_dir_fd=top, dst_dir_fd=top)
-        except OSError as exc:
-            if exc.errno == errno.EBUSY:
-                raise OSError(exc.errno, "a mount point, not entered", name) from None
-            raise
-        try:
-            fd = os.open(here, _DIRECTORY, dir_fd=top)
-        except PermissionError:  # a rank made it unreadable (its own directory: the rank could undo it too)
-            _make_ours_by_name(here, top)
-            fd = os.open(here, _DIRECTORY, dir_fd=top)
+        here = _renamed(name, top)
+        fd = _opened(here, top)
         try:
             _make_ours(fd)
             for entry in os.listdir(fd):

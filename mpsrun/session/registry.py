@@ -25,7 +25,7 @@ from mpsrun.mps.daemon import CONTROL_EXECUTABLE, find_control_executable
 from mpsrun.runtime.constants import SESSION_DIR_VARIABLE
 from mpsrun.runtime.deadline import Deadline, poll_until
 from mpsrun.runtime.files import remove_tree
-from mpsrun.runtime.output import printable, say
+from mpsrun.runtime.output import clipped, printable, say
 from mpsrun.runtime.processes import ProcessRef
 from mpsrun.session.paths import RECORD_FILE, base_directory, user_root, user_root_lock
 from mpsrun.session.record import DaemonRecord, SessionRecord
@@ -278,6 +278,10 @@ def _as_json(state: SessionState) -> dict[str, object]:
     }
 
 
+#: The most characters of a status row's daemons (a record may name thousands).
+_CELL_MOST = 120
+
+
 def _print_status(states: Sequence[SessionState]) -> None:
     if not states:
         print("mpsrun status: no sessions")
@@ -291,7 +295,7 @@ def _print_status(states: Sequence[SessionState]) -> None:
             if record else state.problem
         kind = record.kind if record else "?"
         print(f"{printable(state.session_id):<11} {kind:<5} {owner:<14} {_age(state.age):>7}  "
-              f"{printable(daemons) or '-':<28} {printable(str(state.root))}")
+              f"{clipped(printable(daemons), _CELL_MOST) or '-':<28} {printable(str(state.root))}")
     stale = sum(state.stale and not state.kept for state in states)
     if stale:
         print(f"{stale} stale session(s): run `mpsrun cleanup`")
