@@ -584,14 +584,37 @@ def test_a_ctrl_c_to_the_group_does_not_cut_the_daemons_quit(fake_gpu, path):
     settle(fake_gpu)
 
 
+def test_hosts_slow_to_resolve_are_looked_up_only_until_the_timeout(monkeypatch):
+    """Names that each take a resolver's time (unreachable DNS): the controller stops looking them up when the job's
+    --timeout has passed, and listens on every interface (the timeout then ends the job). A host file of 100 such
+    names under --timeout 3 took 22 s, 3,000 more than 40 s, before the job's clock could say a word (fourth
+    hostile pass)."""
+    import time
+
+    from mpsrun.job import hosts
+    from mpsrun.runtime.deadline import Deadline
+
+    looked_up = []
+
+    def slow(host, *args, **kwargs):
+        looked_up.append(host)
+        time.sleep(0.1)
+        raise OSError("no resolver")
+
+    monkeypatch.setattr(hosts.socket, "getaddrinfo", slow)
+    assert hosts.listen_address([f"h{i}" for i in range(100)], Deadline(0.5)) == ""
+    assert 0 < len(looked_up) <= 6, looked_up  # (a loaded machine sleeps longer: fewer)
+
+
 def test_a_hosts_controller_listens_on_the_address_its_hosts_reach(fake_gpu):
     """The --hosts controller listens where its hosts reach it, not on every interface: over loopback for
     ``--hosts localhost`` (its per-node ranks are told 127.0.0.1). Only hosts that resolve to nothing (the launcher
     then says why) leave it on every interface. tests/test_two_hosts.py checks the same across two hosts."""
     from mpsrun.job.hosts import listen_address
+    from mpsrun.runtime.deadline import Deadline
 
-    assert listen_address(["localhost"]) == "127.0.0.1"
-    assert listen_address(["no-such-host.invalid"]) == listen_address([]) == ""
+    assert listen_address(["localhost"], Deadline(None)) == "127.0.0.1"
+    assert listen_address(["no-such-host.invalid"], Deadline(None)) == listen_address([], Deadline(None)) == ""
     job = subprocess.Popen(job_argv("hosts", [], fake("--hold", "1"), ranks=2), stderr=subprocess.PIPE, text=True)
     host, port = _control_port(job)
     _, err = job.communicate(timeout=120)

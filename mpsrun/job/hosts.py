@@ -17,6 +17,7 @@ from mpsrun.agent.agent import Top
 from mpsrun.agent.ranks import Doorway
 from mpsrun.exitcodes import ExitCode
 from mpsrun.runtime.constants import NODE_CLOSE_WAIT, RELAYED_INTERRUPT_WAIT
+from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.files import publish
 from mpsrun.runtime.loop import EventLoop
 from mpsrun.runtime.protocol import (
@@ -39,13 +40,15 @@ from mpsrun.runtime.protocol import (
 __all__ = ["HostAgents", "listen_address", "unheard"]
 
 
-def listen_address(hosts: Sequence[str]) -> str:
+def listen_address(hosts: Sequence[str], deadline: Deadline) -> str:
     """Where the command of a job over ``hosts`` (names or addresses) listens: this host's address on the way to
     them, as the kernel would send from it; one other than loopback where some are reached over loopback and the
-    rest one other way. Every interface ("") only where they are reached over several, or none resolves (the
-    launcher then says why)."""
+    rest one other way. Every interface ("") only where they are reached over several, none resolves (the launcher
+    then says why), or the names take past ``deadline`` to resolve (the job's --timeout then says so)."""
     found: set[str] = set()
-    for host in hosts:
+    for host in dict.fromkeys(hosts):
+        if deadline.expired():  # (each name can cost a resolver's timeout)
+            return ""
         try:
             target = socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:

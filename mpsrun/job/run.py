@@ -146,7 +146,8 @@ class Job:
             return Listener(f"unix:{claim.dirs.control_socket}")
         from mpsrun.job.hosts import listen_address
 
-        return Listener(f"tcp:{listen_address(values.host_names(self.config.hosts, self.config.hostfile))}")
+        hosts = values.host_names(self.config.hosts, self.config.hostfile)
+        return Listener(f"tcp:{listen_address(hosts, self.deadline)}")
 
     def _environment(self, listener: Listener) -> dict[str, str]:
         """What every rank's supervisor starts with: the caller's environment, where to join, the job's token, and
