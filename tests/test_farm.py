@@ -68,6 +68,7 @@ def test_an_array_replaces_braces_by_each_index():
     (["--tasks", "f", "--per-node"], "not with --per-node"),
     (["--tasks", "f", "--launcher", "mpiexec"], "not with --launcher mpiexec"),
     (["--tasks", "f", "--retries", "-1"], "--retries"),
+    (["--array", "0-3", "--report", "r.json", "true"], "a farm records each task in --results"),  # (it was ignored)
 ])
 def test_farm_options_that_cannot_go_together_are_refused(tmp_path, monkeypatch, args, said):
     """Each wrong combination of a farm's options is a usage error naming what is wrong."""

@@ -203,6 +203,9 @@ def _check_farm(found: Mapping[str, Any], command: Sequence[str]) -> None:
     if tasks is not None and found.get("results") and _same_file(tasks, found["results"]):
         raise ConfigError("--results names the task file: the results would be appended to the tasks",
                           setting="--results")
+    if found.get("report"):
+        raise ConfigError("--report is a job's report of its ranks: a farm records each task in --results FILE.jsonl",
+                          setting="--report")
     refused = [flag for name, flag in _NOT_IN_A_FARM.items() if found.get(name)]
     refused += ["--launcher mpiexec"] if found.get("launcher") == "mpiexec" else []
     if refused:
