@@ -13,13 +13,13 @@ kernels, like a real client's next CUDA call), then exits with N.
 
 from __future__ import annotations
 
-import argparse
 import atexit
+import contextlib
 import json
 import os
 import sys
 import time
-from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,7 +34,7 @@ CONTEXT_MIB, SERVER_MIB, DEFAULT_ALLOC_MIB = 518, 66, 12
 class Context:
     def __init__(self, device: int = 0, alloc_mib: int = DEFAULT_ALLOC_MIB) -> None:
         self.pid = os.getpid()
-        self.pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps")
+        self.pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
         chosen = _visible_uuid(device)
         queues = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "2")
         reply = send(f"__client_connect {self.pid} {chosen} {queues}", self.pipe, timeout=5)
@@ -51,11 +51,12 @@ class Context:
             self.mps, self.server, self.uuid = False, 0, chosen
         nvml_dir = os.environ.get("MPSRUN_FAKE_NVML")
         if nvml_dir:
-            entry = Path(nvml_dir, "procs", str(self.pid))
-            entry.parent.mkdir(parents=True, exist_ok=True)
-            entry.write_text(json.dumps({"uuid": self.uuid, "type": "M+C" if self.mps else "C",
+            entry = os.path.join(nvml_dir, "procs", str(self.pid))
+            os.makedirs(os.path.dirname(entry), exist_ok=True)
+            with open(entry, "w") as stream:
+                stream.write(json.dumps({"uuid": self.uuid, "type": "M+C" if self.mps else "C",
                                          "mib": CONTEXT_MIB + alloc_mib}))
-            atexit.register(entry.unlink, missing_ok=True)
+            atexit.register(_remove, entry)
 
     def kernel(self) -> None:
         """One 'kernel launch': an MPS client learns here that it was terminated or faulted."""
@@ -95,7 +96,10 @@ def _fail(error: str, logged: str = "") -> int:
 def _visible_uuid(device: int = 0) -> str:
     """The UUID of CUDA device ``device`` as this process numbers them (CUDA_VISIBLE_DEVICES, else every GPU)."""
     nvml_dir = os.environ.get("MPSRUN_FAKE_NVML")
-    gpus = json.loads(Path(nvml_dir, "gpus.json").read_text()) if nvml_dir else []
+    gpus = []
+    if nvml_dir:
+        with open(os.path.join(nvml_dir, "gpus.json")) as stream:
+            gpus = json.load(stream)
     value = os.environ.get("CUDA_VISIBLE_DEVICES")
     visible = [v.strip() for v in value.split(",")] if value else [str(i) for i in range(max(1, len(gpus)))]
     if device >= len(visible):
@@ -106,6 +110,11 @@ def _visible_uuid(device: int = 0) -> str:
         return visible[device]
     index = int(visible[device]) if visible[device].isdigit() else 0
     return gpus[index]["uuid"] if index < len(gpus) else "GPU-none"
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def _lines(path: str) -> int:
@@ -134,26 +143,42 @@ def _device(choice: str) -> int:
     return local % int(choice[6:]) if choice.startswith("local%") else local
 
 
+#: The program's options: each one's type (None: a flag) and default. Parsed by hand: argparse (and pathlib) were
+#: most of a fake rank's start, and the suite starts thousands of them.
+OPTIONS: dict[str, tuple[type | None, object]] = {
+    "--hold": (float, 0.0),  # seconds of 'kernels' before exiting
+    "--exit": (int, 0),  # exit code (for --fail-rank, or everyone)
+    "--fail-rank": (int, None),  # only this rank exits, at once, with --exit
+    "--kill-rank": (int, None),  # this rank SIGKILLs itself
+    "--fault": (None, False),  # trigger a fatal GPU fault
+    "--fault-rank": (int, None),  # this rank triggers a fatal GPU fault
+    "--alloc": (str, str(DEFAULT_ALLOC_MIB)),  # device memory to hold, MiB: one value, or one per rank (512,1024)
+    "--report": (str, None),  # write what this process saw to this JSON file
+    "--report-dir": (str, None),  # write <RANK>.json here
+    "--no-cuda-rank": (int, None),  # this rank never initialises CUDA
+    "--device": (str, "0"),  # a number, local (LOCAL_RANK) or local%N (LOCAL_RANK modulo N), as codes choose
+    "--in-child": (None, False),  # CUDA is used by a child process for --hold seconds
+    "--until-file": (str, ""),  # hold also until this file exists
+    "--until-looks": (int, 0),  # hold also until NVML was asked this many times for the GPU's processes (counted
+    # in $FAKE_NVML_LOOK_LOG) since this process's context began
+}
+
+
+def parse_options(argv: list[str]) -> SimpleNamespace:
+    """``--name value``, ``--name=value`` and flags, as OPTIONS declares them."""
+    found = {name[2:].replace("-", "_"): default for name, (_, default) in OPTIONS.items()}
+    words = iter(argv)
+    for word in words:
+        name, equals, given = word.partition("=")
+        if name not in OPTIONS:
+            raise SystemExit(f"fakecuda: unknown option {word!r}")
+        kind = OPTIONS[name][0]
+        found[name[2:].replace("-", "_")] = True if kind is None else kind(given if equals else next(words))
+    return SimpleNamespace(**found)
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--hold", type=float, default=0.0, help="seconds of 'kernels' before exiting")
-    parser.add_argument("--exit", type=int, default=0, help="exit code (for --fail-rank, or everyone)")
-    parser.add_argument("--fail-rank", type=int, default=None, help="only this rank exits, at once, with --exit")
-    parser.add_argument("--kill-rank", type=int, default=None, help="this rank SIGKILLs itself")
-    parser.add_argument("--fault", action="store_true", help="trigger a fatal GPU fault")
-    parser.add_argument("--fault-rank", type=int, default=None, help="this rank triggers a fatal GPU fault")
-    parser.add_argument("--alloc", default=str(DEFAULT_ALLOC_MIB), help="device memory to hold, MiB: one value, or "
-                        "one per rank (512,1024)")
-    parser.add_argument("--report", help="write what this process saw to this JSON file")
-    parser.add_argument("--report-dir", help="write <RANK>.json here")
-    parser.add_argument("--no-cuda-rank", type=int, default=None, help="this rank never initialises CUDA")
-    parser.add_argument("--device", default="0", help="the CUDA device to use: a number, local (LOCAL_RANK) or "
-                        "local%%N (LOCAL_RANK modulo N), as codes that choose their own device do")
-    parser.add_argument("--in-child", action="store_true", help="CUDA is used by a child process for --hold seconds")
-    parser.add_argument("--until-file", default="", help="hold also until this file exists")
-    parser.add_argument("--until-looks", type=int, default=0, help="hold also until NVML was asked this many times "
-                        "for the GPU's processes (counted in $FAKE_NVML_LOOK_LOG) since this process's context began")
-    args = parser.parse_args()
+    args = parse_options(sys.argv[1:])
     rank = int(os.environ.get("RANK", "0"))
     if args.no_cuda_rank == rank:
         return 0
@@ -171,11 +196,10 @@ def main() -> int:
                 "env": {k: v for k, v in os.environ.items()
                         if k.startswith(("CUDA_", "MPSRUN_")) or k in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
                                                                         "LOCAL_WORLD_SIZE")}}
-        if args.report:  # a path of the caller's (/dev/stdout, say): written as it is
-            Path(report).write_text(json.dumps(info))
-        else:  # whole when it appears in the directory: tests read a rank's report as soon as it does
-            Path(f"{report}.tmp").write_text(json.dumps(info))
-            os.replace(f"{report}.tmp", report)
+        with open(report if args.report else f"{report}.tmp", "w") as stream:
+            stream.write(json.dumps(info))
+        if not args.report:  # whole when it appears in the directory: tests read a rank's report as soon as it does
+            os.replace(f"{report}.tmp", report)  # (a path of the caller's, /dev/stdout say, is written as it is)
     if args.fault or args.fault_rank == rank:
         if args.fault_rank is not None and args.report_dir:  # every rank a client first, with work in flight
             _wait_for_reports(args.report_dir, int(os.environ.get("WORLD_SIZE", "1")))
