@@ -148,8 +148,6 @@ class Executor(_Executor):
         that thread alone: each dies with the thread that started it (its parent-death signal), so none outlives a
         killed executor, and none dies with a caller's short-lived thread."""
         self._manager.start()
-        if self._usage is not None:
-            self._sampler.start()
         try:
             self._started.wait()
         except BaseException:  # (a Ctrl-C as the workers start: nothing is left running without a handle)
@@ -209,6 +207,8 @@ class Executor(_Executor):
             try:
                 for worker in self._workers:
                     self._spawn(worker)
+                if self._usage is not None:  # (here: the caller's thread can take a Ctrl-C from start to the wait)
+                    self._sampler.start()
             except BaseException as exc:  # (said by the constructor, once this thread has cleaned up)
                 self._start_failure.append(exc)
                 return
