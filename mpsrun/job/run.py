@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from mpsrun.agent.decision import Decision
 from mpsrun.agent.outcome import JobResult, Policy, RankEnd, ranges
+from mpsrun.agent.ranks import refuse_newcomer
 from mpsrun.config import values
 from mpsrun.config.options import JobConfig
 from mpsrun.errors import CommandNotExecutableError, CommandNotFoundError, InterruptionError, MPSError
@@ -45,7 +46,7 @@ from mpsrun.runtime.interrupts import Interrupts, uninterrupted
 from mpsrun.runtime.loop import EventLoop
 from mpsrun.runtime.output import say
 from mpsrun.runtime.processes import ensure_descriptors, find_program
-from mpsrun.runtime.protocol import Ended, Listener, Started, new_token
+from mpsrun.runtime.protocol import Ended, Listener, Refusal, Started, new_token
 from mpsrun.session import leftovers
 from mpsrun.session.claim import SessionClaim
 from mpsrun.session.paths import session_base
@@ -419,7 +420,7 @@ class Job:
         """End the session (this node's agent's, or under --hosts the command's own claim); what failed, if anything
         (reported, never hiding the job's outcome). ``listener``: one no agent took (the job failed before)."""
         if listener is not None:
-            listener.close()
+            _turn_away(listener)
         try:
             if self.hosts is not None:
                 self.hosts.close()
@@ -461,6 +462,16 @@ class Job:
         if unwritten := report.save(self.config.report):
             self.note(unwritten)
         return unwritten
+
+
+def _turn_away(listener: Listener) -> None:
+    """The supervisors of a launcher started ahead that connected before the job stopped hear it, quietly (exit 0: no
+    launcher's banner), then the listener closes: a link closed without a word is a lost controller, which each
+    node's local rank 0 said beside the job's own line when its signal came after the close."""
+    listener.sock.setblocking(False)
+    while (link := listener.accept()) is not None:
+        refuse_newcomer(link, Refusal(ExitCode.OK, ""))
+    listener.close()
 
 
 def _import_the_rest() -> None:
