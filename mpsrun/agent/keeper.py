@@ -35,7 +35,7 @@ from mpsrun.agent.decision import Decision
 from mpsrun.agent.findings import mps_report, verified_line
 from mpsrun.agent.outcome import Policy
 from mpsrun.agent.pernode import KeeperRequest
-from mpsrun.agent.ranks import refuse_newcomer
+from mpsrun.agent.ranks import turn_away
 from mpsrun.agent.uplink import Upstream, join_command
 from mpsrun.agent.welcome import free_port, rendezvous
 from mpsrun.config.options import JobConfig
@@ -63,7 +63,7 @@ from mpsrun.session import leftovers
 from mpsrun.session.claim import SessionClaim
 from mpsrun.session.paths import user_root_lock
 
-__all__ = ["Keeper", "failure_answer", "main", "turn_away"]
+__all__ = ["Keeper", "failure_answer", "main", "turn_away_locked"]
 
 log = logging.getLogger("mpsrun")
 
@@ -79,14 +79,11 @@ def failure_answer(exc: BaseException) -> tuple[int, str]:
     return ExitCode.SETUP, f"node keeper failed: {exc!r}"
 
 
-def turn_away(listener: Listener, base: Path, refusal: Refusal) -> None:
-    """Answer every rank still waiting in the listener's backlog with ``refusal``, then close it; under the user's
-    lock, where ranks connect, so none comes between (a rank that meets a closed connection knows we died)."""
+def turn_away_locked(listener: Listener, base: Path, refusal: Refusal) -> None:
+    """:func:`~mpsrun.agent.ranks.turn_away` under the user's lock, where ranks connect, so none comes between (a
+    rank that meets a closed connection knows we died)."""
     with user_root_lock(base):
-        listener.sock.setblocking(False)
-        while (link := listener.accept()) is not None:
-            refuse_newcomer(link, refusal)
-        listener.close()
+        turn_away(listener, refusal)
 
 
 class Keeper:
@@ -135,7 +132,7 @@ class Keeper:
             keeper.agent.start()
         except BaseException as exc:  # the node's ranks that wait hear why, and start no keeper of their own
             code, why = failure_answer(exc)  # heard: whether the rank that started us gets it too
-            turn_away(listener, Path(request.base), Refusal(retry=True) if abandoned.is_set()
+            turn_away_locked(listener, Path(request.base), Refusal(retry=True) if abandoned.is_set()
                       else Refusal(code, why, failed=True, heard=_starter_listens()))
             if keeper is not None:
                 with contextlib.suppress(MPSError):
@@ -224,7 +221,7 @@ class Keeper:
         agent = self.agent
         agent.doorway.close_door()
         lines = self._closing_lines()
-        turn_away(agent.listener, Path(self.request.base), Refusal(retry=True))  # come again, to a new keeper
+        turn_away_locked(agent.listener, Path(self.request.base), Refusal(retry=True))  # come again, to a new keeper
         # A late rank finds no socket and a live owner: it waits for the directory to go, then starts a keeper.
         warnings = logging.handlers.BufferingHandler(1 << 10)  # (a hanging quit, logs kept): our stderr is a log
         warnings.setLevel(logging.WARNING)  # file, so the node's last rank says them

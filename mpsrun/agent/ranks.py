@@ -20,7 +20,7 @@ from mpsrun.runtime.protocol import Hello, Link, Listener, Message, Refusal
 if TYPE_CHECKING:
     from mpsrun.mps.placement import RankPlan
 
-__all__ = ["Doorway", "RankState", "refuse_newcomer", "token_matches"]
+__all__ = ["Doorway", "RankState", "refuse_newcomer", "token_matches", "turn_away"]
 
 
 def token_matches(offered: object, token: str) -> bool:
@@ -38,6 +38,15 @@ def refuse_newcomer(link: Link, refusal: Refusal) -> None:
         link.expect((Hello,), Deadline(HELLO_WAIT))
         link.send(refusal)
     link.close()
+
+
+def turn_away(listener: Listener, refusal: Refusal) -> None:
+    """Answer every peer still waiting in ``listener``'s backlog with ``refusal``, then close it (a peer that meets
+    a closed link without an answer takes it for a crash)."""
+    listener.sock.setblocking(False)
+    while (link := listener.accept()) is not None:
+        refuse_newcomer(link, refusal)
+    listener.close()
 
 
 class RankState:

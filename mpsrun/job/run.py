@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from mpsrun.agent.decision import Decision
 from mpsrun.agent.outcome import JobResult, Policy, RankEnd, ranges
-from mpsrun.agent.ranks import refuse_newcomer
+from mpsrun.agent.ranks import turn_away
 from mpsrun.config import values
 from mpsrun.config.options import JobConfig
 from mpsrun.errors import CommandNotExecutableError, CommandNotFoundError, InterruptionError, MPSError
@@ -419,8 +419,8 @@ class Job:
     def _close(self, claim: SessionClaim | None, listener: Listener | None) -> str:
         """End the session (this node's agent's, or under --hosts the command's own claim); what failed, if anything
         (reported, never hiding the job's outcome). ``listener``: one no agent took (the job failed before)."""
-        if listener is not None:
-            _turn_away(listener)
+        if listener is not None:  # a launcher's supervisors connected ahead hear the job's end, quietly (exit 0: no
+            turn_away(listener, Refusal(ExitCode.OK, ""))  # banner); a word would be a lost controller's
         try:
             if self.hosts is not None:
                 self.hosts.close()
@@ -462,16 +462,6 @@ class Job:
         if unwritten := report.save(self.config.report):
             self.note(unwritten)
         return unwritten
-
-
-def _turn_away(listener: Listener) -> None:
-    """The supervisors of a launcher started ahead that connected before the job stopped hear it, quietly (exit 0: no
-    launcher's banner), then the listener closes: a link closed without a word is a lost controller, which each
-    node's local rank 0 said beside the job's own line when its signal came after the close."""
-    listener.sock.setblocking(False)
-    while (link := listener.accept()) is not None:
-        refuse_newcomer(link, Refusal(ExitCode.OK, ""))
-    listener.close()
 
 
 def _import_the_rest() -> None:
