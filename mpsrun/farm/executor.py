@@ -274,7 +274,10 @@ class Executor(_Executor):
                     pids = {w.process.pid: w.index for w in self._workers
                             if w.running is not None and w.process is not None and w.process.is_alive()}
                 if pids:
-                    self._usage.sample(with_descendants(pids))
+                    try:
+                        self._usage.sample(with_descendants(pids))
+                    except Exception as exc:  # (out of descriptors, say): no sample this time, and no traceback
+                        log.debug("mpsrun: memory sample skipped: %s", exc)
 
     def _dispatch(self) -> None:
         """Give each idle worker its next call: a suspect of its server's fault once no other call runs there (it
