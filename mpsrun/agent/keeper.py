@@ -133,7 +133,7 @@ class Keeper:
         except BaseException as exc:  # the node's ranks that wait hear why, and start no keeper of their own
             code, why = failure_answer(exc)  # heard: whether the rank that started us gets it too
             turn_away_locked(listener, Path(request.base), Refusal(retry=True) if abandoned.is_set()
-                      else Refusal(code, why, failed=True, heard=_starter_listens()))
+                             else Refusal(code, why, failed=True, heard=_starter_listens()))
             if keeper is not None:
                 with contextlib.suppress(MPSError):
                     keeper.agent.close()

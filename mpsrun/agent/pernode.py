@@ -148,35 +148,34 @@ def _reserve(base: Path, name: str) -> str | None:
     keeper starts or closes in it. A dead keeper's directory is reaped first (or set aside, its logs kept), and what
     no keeper left there (a file, a FIFO, a link, a directory of neither record nor reservation) goes at once."""
     directory = user_root(base) / name
-    if directory.exists() or directory.is_symlink():
-        from mpsrun.session import registry  # rarely needed: not imported by every rank
-
-        planted = _left_behind(directory)
-        if not planted and not registry.read_state(directory).stale:
-            return None
+    with contextlib.suppress(FileNotFoundError):
         if not stat.S_ISDIR(os.lstat(directory).st_mode):
             directory.unlink()  # (a link only: never followed)
         else:
-            registry.reap(directory, force=planted, locked=True)
-        if directory.exists() or directory.is_symlink():
-            directory.rename(directory.with_name(f"{name}-{os.urandom(3).hex()}"))  # (secrets: OpenSSL's import)
+            from mpsrun.session import registry  # rarely needed: not imported by every rank
+
+            unmarked = _unmarked(directory)
+            if not unmarked and not registry.read_state(directory).stale:
+                return None
+            registry.reap(directory, force=unmarked, locked=True)
+            if os.path.lexists(directory):
+                directory.rename(directory.with_name(f"{name}-{os.urandom(3).hex()}"))  # (secrets: OpenSSL's import)
     try:
         return reserve_session_name(base, name)
     except FileExistsError:  # made there just now, not under the lock (so no keeper's): looked at again
         return None
 
 
-def _left_behind(directory: Path) -> bool:
-    """Under the user's lock: whether what holds a node session's name is no keeper's. A keeper's directory always
-    holds its record or its starting rank's reservation, regular files (each made, and the one replaced by the
-    other, under that lock); anything else there was planted, or left by what died."""
-    try:
-        if not stat.S_ISDIR(os.lstat(directory).st_mode):
-            return True
-        return not any(stat.S_ISREG(os.lstat(directory / mark).st_mode) for mark in (RECORD_FILE, RESERVATION)
-                       if os.path.lexists(directory / mark))
-    except OSError:  # (gone meanwhile: nothing to wait for)
-        return True
+def _unmarked(directory: Path) -> bool:
+    """Under the user's lock: whether a node session's directory is no keeper's. A keeper's directory always holds
+    its record or its starting rank's reservation, regular files (each made, and the one replaced by the other,
+    under that lock); one with neither was planted, or left by what died."""
+    def regular(mark: str) -> bool:
+        with contextlib.suppress(OSError):
+            return stat.S_ISREG(os.lstat(directory / mark).st_mode)
+        return False
+
+    return not (regular(RECORD_FILE) or regular(RESERVATION))
 
 
 def _connect_or_reserve(base: Path, name: str, address: str, config: JobConfig, identity: RankIdentity) -> Link | str:

@@ -23,7 +23,7 @@ from mpsrun.mps.daemon import unavailable_reason
 from mpsrun.mps.environment import GpuTarget
 from mpsrun.mps.placement import NodePlan, slot_environment
 from mpsrun.rank.identity import RankIdentity
-from mpsrun.runtime.output import LINE_MOST, clipped, escaped, say
+from mpsrun.runtime.output import one_line, say
 
 __all__ = ["plan_lines", "show"]
 
@@ -138,5 +138,5 @@ def show(config: JobConfig, more: Callable[[], list[str]] | None = None) -> int:
     except MPSError as exc:
         say(f"mpsrun: error: {exc}")
         return exc.exit_code
-    print("\n".join(clipped(escaped(line), LINE_MOST) for line in [*lines[:-1], *extra, lines[-1]]))
+    print("\n".join(map(one_line, [*lines[:-1], *extra, lines[-1]])))
     return ExitCode.OK

@@ -27,7 +27,7 @@ from contextlib import AbstractContextManager
 from mpsrun.runtime.constants import OUTPUT_LOCK_PATIENCE
 from mpsrun.runtime.deadline import Deadline
 
-__all__ = ["LINE_MOST", "LineWriter", "clipped", "printable", "say", "unread", "unread_output"]
+__all__ = ["LINE_MOST", "LineWriter", "clipped", "one_line", "printable", "say", "unread", "unread_output"]
 
 PIPE_BUF = select.PIPE_BUF
 
@@ -53,13 +53,18 @@ def escaped(text: str) -> str:
 LINE_MOST = 2000
 
 
+def one_line(text: str) -> str:
+    """``text`` as a line of ours shows it: escaped, and cut to LINE_MOST."""
+    return clipped(escaped(text), LINE_MOST)
+
+
 def say(line: str) -> None:
-    """Write a line of ours to stderr, escaped and cut to LINE_MOST, in one write (print writes the newline apart:
+    """Write a line of ours to stderr as :func:`one_line` shows it, in one write (print writes the newline apart:
     with unbuffered output the lines of several processes then run into each other); nothing if stderr is gone."""
     if sys.stderr is None:  # started with stderr closed
         return
     try:
-        sys.stderr.write(clipped(escaped(line), LINE_MOST) + "\n")
+        sys.stderr.write(one_line(line) + "\n")
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
