@@ -535,11 +535,11 @@ def test_a_stopped_daemon_cannot_turn_a_timeout_into_a_rank_failure(fake_gpu, sh
     more commands go to a daemon that left one unanswered (each waited out its own 10 s: the job took 32 s, with 4
     lines); the watch's commands, in the controller's loop, wait 2 s (with two GPUs they held the loop past the
     ranks' supervisors' backstop, and the timeout was said twice). Slow on purpose: the first unanswered command
-    waits out its deadline. The timeout leaves the ranks time to start under load, and the fake ranks' kernels wait
-    as long for the stopped daemon (a real rank's kernels run on its server, which is not stopped)."""
+    waits out its deadline. The timeout leaves the ranks time to start under load; the fake ranks' kernels run on, as
+    a real rank's do on its server, which the daemon's stop does not stop."""
     job = subprocess.Popen(job_argv(path, ["--timeout", "8", "--grace", "0.5", "--gpus", "all"],
                                     fake("--hold", "30", "--report-dir", str(short_tmp)), ranks=2),
-                           stderr=subprocess.PIPE, text=True, env={**os.environ, "FAKE_KERNEL_WAIT": "60"})
+                           stderr=subprocess.PIPE, text=True)
     wait_for(lambda: len(list(short_tmp.glob("*.json"))) >= 2, what="the ranks did not start", proc=job)
     daemons = [p for p in descendants(job, "nvidia-cuda-mps-control") if p.cmdline()[-1] == "-f"]
     for daemon in daemons:

@@ -39,6 +39,26 @@ def send(command: str, directory: os.PathLike[str] | str | None = None, timeout:
     return b"".join(chunks).decode()
 
 
+def attach(command: str, directory: str, timeout: float) -> tuple[str | None, _socket.socket | None, bytes]:
+    """Send ``command`` and keep the connection: the daemon's first line is the reply, a later one its news for this
+    client (a real client learns of its end from its server, not by asking the control daemon). Returns the reply,
+    the connection (None when no daemon answers) and any bytes read past the reply's line."""
+    conn = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    conn.settimeout(timeout)
+    try:
+        conn.connect(os.path.join(directory, "control"))
+        conn.sendall(command.encode() + b"\n")
+        received = b""
+        while b"\n" not in received and (chunk := conn.recv(65536)):
+            received += chunk
+    except OSError:
+        conn.close()
+        return None, None, b""
+    reply, _, rest = received.partition(b"\n")
+    conn.setblocking(False)
+    return reply.decode(), conn, rest
+
+
 def run_client() -> int:
     for line in sys.stdin:
         if not line.strip():

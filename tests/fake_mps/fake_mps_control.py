@@ -10,7 +10,8 @@ It speaks the real tool's interface as recorded on an H100 (tests/data/h100/):
 
 The daemon listens on ``$CUDA_MPS_PIPE_DIRECTORY/control`` (a UNIX socket, as the
 real one) and keeps its state in memory. Fake CUDA programs (``fakecuda.py``)
-connect through the same socket with private ``__client`` commands, so client
+connect through the same socket with private ``__client`` commands (a client keeps
+its connection, on which the daemon tells it of its end), so client
 lists, ``quit`` blocking while clients live, ``terminate_client`` and server faults
 behave as on the real daemon. The server is a real child process that dies with
 the daemon. Fault injection for tests, through the daemon's environment:
@@ -29,6 +30,7 @@ H100: a client beyond them fails to connect.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
@@ -38,6 +40,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from fake_mps_client import NO_DAEMON, run_client, run_server, send
 
@@ -89,6 +92,7 @@ class State:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)  # a client's state changed (terminated, faulted)
         # The devices this daemon serves, in order (several under mpsrun --gpu-bind none).
         self.uuids = (os.environ.get("CUDA_VISIBLE_DEVICES") or "GPU-fake").split(",")
         self.uuid = self.uuids[0]
@@ -199,6 +203,23 @@ def handle(state: State, line: str) -> tuple[str, bool]:
         return reply, False
 
 
+def hold_client(state: State, line: str, write: Callable[[bytes], object]) -> None:
+    """A client's connection, from its attach to its end: the reply, then one line when its state changes
+    ("terminated", "fault"). Ends quietly when the client does."""
+    reply = handle(state, line)[0]
+    write(reply.encode() + b"\n")
+    if not reply.startswith("ok"):
+        return
+    pid = int(line.split()[1])
+    with state.lock:
+        while state.clients.get(pid) == "ok" and pid_alive(pid):
+            state.changed.wait(1.0)
+        news = state.clients.get(pid)
+    if news in ("terminated", "fault"):
+        with contextlib.suppress(OSError):  # (a client that just ended)
+            write(f"{news}\n".encode())
+
+
 def dispatch(state: State, cmd: str, args: list[str]) -> str:
     if cmd == "get_server_list":
         pid = state.server_pid()
@@ -289,11 +310,12 @@ def dispatch(state: State, cmd: str, args: list[str]) -> str:
         if client not in state.live_clients():
             return f"Invalid process {args[1]}!\n1"
         state.clients[client] = "terminated"
+        state.changed.notify_all()
         state.server_log(f"MPS server requesting client {{PID: {client}, Context ID: 1}} to exit")
         state.server_log("Client termination succeeded.")
         return "0"
-    if cmd == "__client_connect":
-        # Fake CUDA init: a client attaches; the server starts lazily, as the real one does.
+    if cmd == "__client_attach":
+        # Fake CUDA init: a client attaches (hold_client keeps its connection); the server starts lazily, as the real one does.
         if state.quitting:
             return "refused"
         pid = int(args[0])
@@ -315,8 +337,6 @@ def dispatch(state: State, cmd: str, args: list[str]) -> str:
         state.log(f"NEW CLIENT {pid} from user {os.getuid()}: Server already exists")
         state.server_log(f"Client {{PID: {pid}, Context ID: 0}} connected")
         return f"ok {server} {uuid}"
-    if cmd == "__client_poll":
-        return state.clients.get(int(args[0]), "gone")
     if cmd == "__client_fault":
         # One client's fatal GPU error tears down every client of the server (Volta+ MPS).
         pid = int(args[0])
@@ -324,6 +344,7 @@ def dispatch(state: State, cmd: str, args: list[str]) -> str:
         # Recorded on the H100: every client is torn down, the server stays ACTIVE.
         for client in state.clients:
             state.clients[client] = "fault"
+        state.changed.notify_all()
         state.server_log(f"Client {{PID: {pid}, Context: 1}} encountered a fatal GPU error.")
         state.server_log("Server is handling a fatal GPU error.")
         for client in sorted(state.clients):
@@ -359,6 +380,8 @@ def run_daemon() -> int:
     class Handler(socketserver.StreamRequestHandler):
         def handle(self) -> None:
             line = self.rfile.readline().decode().strip()
+            if line.startswith("__client_attach"):
+                return hold_client(state, line, self.wfile.write)
             reply, stop = handle(state, line)
             self.wfile.write(reply.encode())
             if stop:

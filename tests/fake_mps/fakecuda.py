@@ -8,7 +8,7 @@ MPS client and "C" otherwise, so mpsrun's checks see what NVML would show.
 
 As a program: ``python fakecuda.py [--hold S] [--exit N] [--fault] [--report FILE]``
 initialises (or not, for ``--no-cuda-rank``; in a child, for ``--in-child``), then "runs kernels" for S seconds (checking with the server between
-kernels, like a real client's next CUDA call), then exits with N.
+kernels, like a real client's next CUDA call, on the connection it keeps to its daemon), then exits with N.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fake_mps_client import send
+from fake_mps_client import attach, send
 
 #: Device memory NVML lists for a context with nothing allocated, and for the MPS server (MiB, recorded on the H100,
 #: driver 580: clients that held 0.5, 1, 1.5 and 2 GiB were listed with 1030, 1542, 2054 and 2566 MiB, the server with
@@ -37,7 +37,7 @@ class Context:
         self.pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
         chosen = _visible_uuid(device)
         queues = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "2")
-        reply = send(f"__client_connect {self.pid} {chosen} {queues}", self.pipe, timeout=5)
+        reply, self.connection, self.news = attach(f"__client_attach {self.pid} {chosen} {queues}", self.pipe, 5)
         if reply is not None and reply.startswith("noqueues"):  # as measured on the H100, at cudaSetDevice
             raise SystemExit(_fail("cudaErrorMemoryAllocation: out of memory"))
         if reply is not None and reply.startswith("busy"):
@@ -49,6 +49,8 @@ class Context:
             self.mps, self.server, self.uuid = True, int(server), uuid
         else:
             self.mps, self.server, self.uuid = False, 0, chosen
+            if self.connection is not None:
+                self.connection.close()
         nvml_dir = os.environ.get("MPSRUN_FAKE_NVML")
         if nvml_dir:
             entry = os.path.join(nvml_dir, "procs", str(self.pid))
@@ -59,18 +61,25 @@ class Context:
             atexit.register(_remove, entry)
 
     def kernel(self) -> None:
-        """One 'kernel launch': an MPS client learns here that it was terminated or faulted."""
+        """One 'kernel launch': an MPS client learns here that it was terminated or faulted, from what its daemon
+        sent on the client's connection (a real client hears from its server, which a stopped daemon does not stop)."""
         if not self.mps:
             return
-        # (a fake's kernel asks its daemon; a real one's runs on the server, a daemon's SIGSTOP notwithstanding)
-        state = send(f"__client_poll {self.pid}", self.pipe, timeout=float(os.environ.get("FAKE_KERNEL_WAIT", "5")))
-        if state == "terminated":
+        assert self.connection is not None
+        try:
+            chunk = self.connection.recv(64)
+        except BlockingIOError:
+            chunk = None
+        if chunk is not None:
+            self.news += chunk or b"gone\n"  # an end of the connection: the daemon is gone
+        state = self.news.partition(b"\n")[0] if b"\n" in self.news else b""
+        if state == b"terminated":
             raise SystemExit(_fail("cudaErrorMpsClientTerminated",
                                    "Returning 810 (CUDA_ERROR_MPS_CLIENT_TERMINATED) from cuCtxSynchronize_v2"))
-        if state == "fault":
+        if state == b"fault":
             raise SystemExit(_fail("cudaErrorIllegalAddress",
                                    "Returning 700 (CUDA_ERROR_ILLEGAL_ADDRESS) from cuCtxSynchronize_v2"))
-        if state is None:
+        if state:
             raise SystemExit(_fail("cudaErrorMpsRpcFailure",
                                    "Returning 806 (CUDA_ERROR_MPS_RPC_FAILURE) from cuCtxSynchronize_v2"))
 
