@@ -500,23 +500,44 @@ def test_a_directory_a_rank_locked_deep_in_a_session_is_removed(tmp_path: Path, 
                 (session / name).chmod(0o755)
 
 
+_LEFT_BESIDE_MOUNTS = """
+import json, os, subprocess, sys
+outside, session = sys.argv[1], sys.argv[2]
+for mount in ("b", "n/m/b"):
+    subprocess.run(["mount", "--bind", outside, os.path.join(session, mount)], check=True)
+from mpsrun.runtime.files import remove_tree
+try:
+    remove_tree(session)
+except OSError as exc:
+    print(exc)
+mounts = {line.split()[4] for line in open("/proc/self/mountinfo")}  # (a bind mount of the same file system
+left = []                                                             # is no mount to os.path.ismount)
+for root, dirs, files in os.walk(os.path.dirname(session)):
+    dirs[:] = [d for d in dirs if os.path.join(root, d) not in mounts and os.path.join(root, d) != outside]
+    left += [os.path.join(root, name) for name in files if root != os.path.dirname(session)]
+print(json.dumps(left))
+"""
+
+
 @pytest.mark.skipif(os.getuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
 def test_a_bind_mount_in_a_session_is_not_entered(tmp_path: Path):
-    """A directory outside the session bind-mounted onto one inside it (a root rank, in mpsrun's own mount namespace)
-    is never entered: the removal fails on it with one reason and nothing outside the session is touched. It was
-    entered and a file outside deleted (found by the second hostile pass). Run in a private mount namespace of the
-    test's own, which ends with it."""
+    """A directory outside the session bind-mounted onto ones inside it (a root rank, in mpsrun's own mount
+    namespace), at the top and deeper down, is never entered: the removal fails on it with one reason, nothing outside
+    the session is touched, and everything else in the session goes. It was entered and a file outside deleted
+    (second hostile pass); then the removal stopped at the first mount point, leaving the daemon's files and logs
+    beside it (fifth pass). Run in a private mount namespace of the test's own, which ends with it."""
     outside, session = tmp_path / "outside", tmp_path / "s"
     outside.mkdir()
     (outside / "sentinel").write_text("keep")
-    (session / "b").mkdir(parents=True)
-    code = ("import subprocess, sys\nsubprocess.run(['mount', '--bind', sys.argv[1], sys.argv[2] + '/b'], check=True)\n"
-            "from mpsrun.runtime.files import remove_tree\ntry:\n    remove_tree(sys.argv[2])\nexcept OSError as exc:\n"
-            "    print(exc)\n")
-    done = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", code, str(outside),
-                           str(session)], capture_output=True, text=True, timeout=60)
+    for name in ("a/b", "b", "c/d/e", "n/m/b", "n/z/y"):
+        (session / name).mkdir(parents=True)
+    for name in ("a/file", "a/b/file", "c/d/e/file", "n/m/file", "n/z/y/file", "top-file", "zz"):
+        (session / name).write_text("x")
+    done = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", _LEFT_BESIDE_MOUNTS,
+                           str(outside), str(session)], capture_output=True, text=True, timeout=60)
     assert (outside / "sentinel").read_text() == "keep", done
     assert "a mount point, not entered" in done.stdout, done
+    assert done.stdout.splitlines()[-1] == "[]", done  # no file left but under the mount points
 
 
 @pytest.mark.skipif(os.getuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")

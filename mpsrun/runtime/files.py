@@ -158,7 +158,8 @@ def remove_tree(path: str | os.PathLike[str]) -> None:
 
     A rank can plant a tree thousands of levels deep, past Python's recursion (``shutil.rmtree`` recurses per level)
     and the descriptors one process may hold: each directory's subdirectories are moved up into the top one before
-    it is emptied and removed, so a tree of any depth takes two descriptors. Raises ``OSError`` for what cannot go."""
+    it is emptied and removed, so a tree of any depth takes two descriptors. Raises ``OSError`` for what cannot go
+    (a mount point), once all else has gone."""
     where = os.path.abspath(os.fspath(path))
     try:
         parent = os.open(os.path.dirname(where), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -175,9 +176,7 @@ def remove_tree(path: str | os.PathLike[str]) -> None:
             top = _opened(doomed, parent)
             try:
                 _make_ours(top)
-                while names := os.listdir(top):
-                    for name in names:
-                        _remove_entry(top, name)
+                _empty(top)
             finally:
                 os.close(top)
             os.rmdir(doomed, dir_fd=parent)
@@ -185,12 +184,26 @@ def remove_tree(path: str | os.PathLike[str]) -> None:
         os.close(parent)
 
 
-def _renamed(name: str, parent: int) -> str:
-    """The directory ``name`` in ``parent`` under a fresh name there, before it is entered: a mount point refuses
-    that, and is never entered (a bind mount of another directory would lose that directory's files)."""
+def _empty(top: int) -> None:
+    """Remove everything in ``top``, pass after pass (each moves subdirectories up); what cannot go (a mount point)
+    does not stop the rest. Raises the first failure once a pass removed nothing."""
+    while names := os.listdir(top):
+        failures = []
+        for name in names:
+            try:
+                _remove_entry(top, name)
+            except OSError as exc:
+                failures.append(exc)
+        if len(failures) == len(names):
+            raise failures[0]
+
+
+def _renamed(name: str, parent: int, into: int | None = None) -> str:
+    """The directory ``name`` in ``parent`` under a fresh name there (or in ``into``), before it is entered: a mount
+    point refuses that, and is never entered (a bind mount of another directory would lose that directory's files)."""
     here = f".{os.urandom(8).hex()}"
     try:
-        os.rename(name, here, src_dir_fd=parent, dst_dir_fd=parent)
+        os.rename(name, here, src_dir_fd=parent, dst_dir_fd=parent if into is None else into)
     except OSError as exc:
         if exc.errno == errno.EBUSY:
             raise OSError(exc.errno, "a mount point, not entered", name) from None
@@ -218,27 +231,38 @@ def _remove_entry(top: int, name: str) -> None:
             pass
         here = _renamed(name, top)
         fd = _opened(here, top)
+        stuck = None
         try:
             _make_ours(fd)
             for entry in os.listdir(fd):
-                with contextlib.suppress(FileNotFoundError):
-                    try:
-                        os.unlink(entry, dir_fd=fd)
-                    except IsADirectoryError:
-                        _move_up(entry, fd, top)
+                try:
+                    _unlink_or_move_up(entry, fd, top)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:  # (a mount point): the others go all the same
+                    stuck = stuck or exc
         finally:
             os.close(fd)
+        if stuck is not None:
+            raise stuck
         os.rmdir(here, dir_fd=top)
+
+
+def _unlink_or_move_up(name: str, parent: int, top: int) -> None:
+    try:
+        os.unlink(name, dir_fd=parent)
+    except IsADirectoryError:
+        _move_up(name, parent, top)
 
 
 def _move_up(name: str, parent: int, top: int) -> None:
     """Move the directory ``name`` in ``parent`` into ``top``, under a fresh name. Moving a directory rewrites its
     ``..``: one a rank made read-only (0500, 000) is made writable first."""
     try:
-        os.rename(name, f".{os.urandom(8).hex()}", src_dir_fd=parent, dst_dir_fd=top)
+        _renamed(name, parent, top)
     except PermissionError:
         _make_ours_by_name(name, parent)
-        os.rename(name, f".{os.urandom(8).hex()}", src_dir_fd=parent, dst_dir_fd=top)
+        _renamed(name, parent, top)
 
 
 def _make_ours_by_name(name: str, parent: int) -> None:
