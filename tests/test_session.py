@@ -375,3 +375,29 @@ def test_gpus_all_in_any_case(fake_gpu):
     """gpus='ALL' means every visible GPU, as on the command line."""
     with mps_session(gpus="ALL") as session:
         assert [g.uuid for g in session.gpus] == fake_gpu.uuids
+
+
+def test_a_signal_while_stale_sessions_are_removed_is_not_lost(fake_gpu, monkeypatch):
+    """A SIGTERM that comes while a new session removes what killed earlier runs left (best effort: whatever fails
+    there is passed over) stops the start-up. It was passed over with those failures, and every later signal of the
+    start-up only noted: a node keeper whose rank had gone (it sends itself SIGTERM) started on, with its daemon, in
+    1 of about 4 runs of test_a_rank_gone_as_soon_as_it_sent_its_keepers_request_leaves_nothing."""
+    import signal
+    import time
+
+    from mpsrun.errors import InterruptionError
+    from mpsrun.runtime.interrupts import Interrupts
+    from mpsrun.session import registry
+    from mpsrun.session.claim import SessionClaim
+    from mpsrun.session.paths import make_user_root
+
+    def signalled(*args: object, **kwargs: object) -> list[tuple[str, str]]:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # (the signal's exception comes first)
+        return []
+
+    monkeypatch.setattr(registry, "cleanup", signalled)
+    (make_user_root(fake_gpu.tmpdir) / "left-by-an-earlier-run").mkdir()
+    with pytest.raises(InterruptionError), Interrupts():
+        SessionClaim.make(fake_gpu.tmpdir, "api")
+    (make_user_root(fake_gpu.tmpdir) / "left-by-an-earlier-run").rmdir()

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mpsrun.errors import MPSError
+from mpsrun.errors import InterruptionError, MPSError
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.interrupts import uninterrupted
 from mpsrun.runtime.output import printable
@@ -38,13 +38,17 @@ STALE_REMOVAL_BUDGET = 1.0
 def _remove_stale(base: Path) -> None:
     """Best effort, never waiting long: stop and remove what a killed earlier run of this user left, within
     STALE_REMOVAL_BUDGET (a rank can plant records by the thousand; what is left waits for ``mpsrun cleanup``)."""
-    with contextlib.suppress(Exception):
+    try:
         if any(os.scandir(user_root(base))):  # nothing there, nothing to read (nor to import)
             from mpsrun.session import registry
 
             for session_id, what in registry.cleanup(base, lock_timeout=0, remove_kept=False,
                                                      deadline=Deadline(STALE_REMOVAL_BUDGET)):
                 log.info("mpsrun: stale session %s %s", printable(session_id), what)
+    except InterruptionError:  # a stopping signal stops the start-up (swallowed, every later one was only noted)
+        raise
+    except Exception as exc:  # best effort: whatever earlier runs left cannot stop this one
+        log.debug("mpsrun: stale sessions not removed: %r", exc)
 
 
 def _undo(dirs: SessionDirs | None, reaper: Reaper | None) -> None:
