@@ -34,6 +34,7 @@ from helpers import (
     job_argv,
     mpiexec,
     per_node_ranks,
+    run_job,
     settle,
     supervisors,
     wait_for,
@@ -184,6 +185,42 @@ def test_a_full_session_base_is_one_line_and_exit_3(fake_gpu, full_tmpfs, monkey
     assert out.returncode == 3, out.stderr
     assert out.stderr.count("\n") == 1 and "No space left on device" in out.stderr, out.stderr
     assert [p.name for p in full_tmpfs.rglob("*")] in ([], [f"mpsrun-{os.getuid()}"])
+
+
+@pytest.fixture
+def tight_tmpfs(short_tmp, request):
+    """A tmpfs that holds the user's mpsrun directory and room for ``request.param`` more inodes in all (root only:
+    mounting it)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = short_tmp / "tight"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=1m,nr_inodes={request.param + 2}", "tmpfs",
+                           str(mount)], capture_output=True, timeout=30)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
+    try:
+        (mount / f"mpsrun-{os.getuid()}").mkdir(mode=0o700)
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True, timeout=30)
+
+
+@pytest.mark.mpiexec
+@pytest.mark.parametrize(("path", "tight_tmpfs"), [("hosts", 3), ("per-node", 11), ("hosts", 13)],
+                         indirect=["tight_tmpfs"])
+def test_a_node_session_with_no_inode_left_is_one_line_and_leaves_nothing(fake_gpu, tight_tmpfs, monkeypatch, path):
+    """A node's session runs out of inodes as it is made: the job ends with one line that says so, or runs. Found by
+    the fifth hostile pass: under --hosts, a reservation's mark that did not fit left its directory for good, with a
+    line per rank about 'the job's controller'; a per-node keeper that could not make its log died in silence (exit
+    3, no word); one that could not make the output lock said 'node keeper failed: OSError(28, ...)'."""
+    monkeypatch.setenv("MPSRUN_TMPDIR", str(tight_tmpfs))
+    out = run_job(path, [], ["true"], ranks=2, timeout=60)
+    lines = [line for line in out.stderr.splitlines() if line.startswith("mpsrun")]
+    assert out.returncode == 0 or (out.returncode == 3 and len(lines) == 1 and "No space left on device" in lines[0]
+                                   and "OSError" not in lines[0]), out.stderr
+    assert settle(fake_gpu, timeout=20.0), "the job left something"
+    assert list(tight_tmpfs.rglob("*")) == [tight_tmpfs / f"mpsrun-{os.getuid()}"]
 
 
 @pytest.mark.mpiexec

@@ -1,10 +1,11 @@
 """The node keeper: a ``--per-node`` job's agent, as a process of its own on each node (each host under ``--hosts``).
 
-The node's first local rank (:mod:`mpsrun.agent.pernode`) starts it in a new interpreter with its
-:class:`KeeperRequest` on stdin. It forks into the background, claims the node session's directory (reserved by that
-rank) and listens in it, so the node's other ranks connect and wait; it starts the session and answers the starting
-rank on stdout (an encoded :class:`Admitted`, or the :class:`Refusal` that says why it cannot). It runs in its own
-session with its output in the session directory, so it never holds the launcher's output pipes open.
+The node's first local rank (:mod:`mpsrun.agent.pernode`) starts it in a new interpreter, then reserves the node
+session's directory for it, then sends its :class:`KeeperRequest` on stdin (a keeper whose request never comes drops
+that reservation). It forks into the background, claims the directory and listens in it, so the node's other ranks
+connect and wait; it starts the session and answers the starting rank on stdout (an encoded :class:`Admitted`, or the
+:class:`Refusal` that says why it cannot). It runs in its own session with its output in the session directory, so it
+never holds the launcher's output pipes open.
 
 Every local rank's supervisor joins it, however late; when the last of the ranks the launcher put on the node has had
 its verdict, the keeper ends the session first and that rank waits (lingers) until the keeper is gone, so the
@@ -62,6 +63,7 @@ from mpsrun.runtime.protocol import (
 from mpsrun.session import leftovers
 from mpsrun.session.claim import SessionClaim
 from mpsrun.session.paths import user_root_lock
+from mpsrun.session.reservation import drop_reservation
 
 __all__ = ["Keeper", "failure_answer", "main", "turn_away_locked"]
 
@@ -76,6 +78,9 @@ def failure_answer(exc: BaseException) -> tuple[int, str]:
         return exc.exit_code, str(exc)
     if isinstance(exc, KeyboardInterrupt):
         return ExitCode.SETUP, "this node's keeper was interrupted while its session started"
+    if isinstance(exc, OSError):  # (no room, no inode left)
+        where = f": {exc.filename}" if exc.filename else ""
+        return ExitCode.SETUP, f"this node's keeper could not start its session: {exc.strerror or exc}{where}"
     return ExitCode.SETUP, f"node keeper failed: {exc!r}"
 
 
@@ -272,7 +277,10 @@ class Keeper:
 
 def _detach(log_dir: Path) -> None:
     """Leave the starting rank's pipes: our output goes to the session directory from now on."""
-    target = os.open(log_dir / "keeper.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        target = os.open(log_dir / "keeper.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    except OSError:  # (no room for it): the node's job runs on without the keeper's log (it died, in silence)
+        target = os.open(os.devnull, os.O_WRONLY)
     for fd in (1, 2):
         os.dup2(target, fd)
     os.close(target)
@@ -306,14 +314,18 @@ def _answer(message: Admitted | Refusal) -> None:
 
 
 def _open(request: KeeperRequest, starter_pipe: int) -> Keeper | int:
-    """The keeper, started; or, when it cannot start, its exit code once the starting rank has heard why."""
+    """The keeper, started; or, when it cannot start, its exit code once the starting rank has heard why (and the
+    directory reserved for it dropped, if it failed before its claim: its rank may be gone)."""
     started, abandoned = threading.Event(), threading.Event()
-    threading.Thread(target=_abandon_when_alone, args=(started, abandoned), daemon=True).start()
     try:
         with Interrupts():  # a stopping signal while the session starts: undo it, say why, exit
+            # (its SIGTERM is sent only now: the default action would end us with the reservation left)
+            threading.Thread(target=_abandon_when_alone, args=(started, abandoned), daemon=True).start()
             keeper = Keeper.open(request, starter_pipe, abandoned)
     except Exception as exc:  # the starting rank must hear why, whatever it was
         started.set()
+        with user_root_lock(Path(request.base)):
+            drop_reservation(Path(request.base), request.name, request.reservation)
         code, why = failure_answer(exc)
         with contextlib.suppress(OSError):  # the starting rank may be gone
             _answer(Refusal(code, why, failed=True))
@@ -322,8 +334,16 @@ def _open(request: KeeperRequest, starter_pipe: int) -> Keeper | int:
     return keeper
 
 
-def main(argv: list[str] | None = None) -> int:  # (no arguments: the request comes on stdin)
-    request = KeeperRequest.from_json(json.loads(sys.stdin.read()))
+def main(argv: list[str]) -> int:
+    """``BASE NAME TOKEN``: the node session's directory, reserved with TOKEN once we were started; the request
+    comes on stdin."""
+    base, name, token = Path(argv[0]), argv[1], argv[2]
+    try:
+        request = KeeperRequest.from_json(json.loads(sys.stdin.read()))
+    except (ValueError, TypeError):  # none, or cut: the rank that started us was killed before it sent it whole
+        with user_root_lock(base):
+            drop_reservation(base, name, token)
+        return ExitCode.SETUP
     if os.fork() > 0:
         exit_now(ExitCode.OK)  # the starting rank waits for this; the keeper lives on in the background
     # The starting rank holds our stdout's pipe until it has joined: a copy, kept when our output leaves that pipe,
@@ -342,4 +362,4 @@ def main(argv: list[str] | None = None) -> int:  # (no arguments: the request co
 
 
 if __name__ == "__main__":
-    exit_now(main())  # the node's last rank waits for this process to end
+    exit_now(main(sys.argv[1:]))  # the node's last rank waits for this process to end

@@ -82,9 +82,34 @@ def node_session_name(env: Mapping[str, str]) -> str:
     return f"j{zlib.crc32(f'{node}:{job_key(env)}'.encode()):08x}"  # 32 bits, as a sha256 prefix was, without OpenSSL
 
 
-def _start_keeper(base: Path, name: str, reservation: str, config: JobConfig, identity: RankIdentity) -> IO[bytes]:
-    """Start the node keeper in the directory reserved for it (``reservation``: its token) and wait until it answers
-    or says why it cannot.
+class ReservedKeeper(NamedTuple):
+    """A node session's directory reserved with ``token`` for the keeper started for it first (``process``: its first
+    process, which waits for its request on stdin), and the descriptors of this rank's stdout and stderr it was given
+    (under ``--hosts``: see :func:`_start_keeper`)."""
+
+    token: str
+    process: subprocess.Popen[bytes]
+    output: tuple[int, int] | None
+
+
+def _spawn_keeper(base: Path, name: str, token: str) -> ReservedKeeper:
+    """Start the keeper for the directory about to be reserved with ``token``, before it is: a keeper whose request
+    never comes (this rank killed before it sent it) drops that reservation itself, as nothing else would."""
+    output = (os.dup(1), os.dup(2)) if os.environ.get(CONTROL_VARIABLE) else None
+    try:
+        process = subprocess.Popen([*own_module("mpsrun.agent.keeper"), str(base), name, token],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                   start_new_session=True, pass_fds=output or ())
+    finally:
+        for fd in output or ():
+            os.close(fd)
+    return ReservedKeeper(token, process, output)
+
+
+def _start_keeper(base: Path, name: str, reserved: ReservedKeeper, config: JobConfig,
+                  identity: RankIdentity) -> IO[bytes]:
+    """Send the keeper started for the reserved directory its request, and wait until it answers or says why it
+    cannot.
 
     Returns the keeper's answering pipe, still open: the keeper knows by its closing that this rank will not come,
     so it is closed only once this rank has joined (or when this process ends).
@@ -93,19 +118,12 @@ def _start_keeper(base: Path, name: str, reservation: str, config: JobConfig, id
     rank's output), and the node's ranks write there, each line under one lock: the launcher forwards each
     process's output in pieces, cutting lines of ranks that write at once. Under a bare ``--per-node`` the launcher is
     the user's, and so is each rank's output (its tags and its files per rank)."""
-    upstream = os.environ.get(CONTROL_VARIABLE)
-    output = (os.dup(1), os.dup(2)) if upstream else None
-    request = KeeperRequest(name=name, base=str(base), config=config.to_json(), reservation=reservation,
+    request = KeeperRequest(name=name, base=str(base), config=config.to_json(), reservation=reserved.token,
                             local_size=identity.local_world_size, world_size=identity.world_size,
                             devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-                            upstream=upstream, token=os.environ.get(TOKEN_VARIABLE, ""), starter=identity.rank,
-                            launcher=ProcessRef.of(os.getppid()), output=output)
-    try:
-        keeper = subprocess.Popen(own_module("mpsrun.agent.keeper"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, start_new_session=True, pass_fds=output or ())
-    finally:
-        for fd in output or ():
-            os.close(fd)
+                            upstream=os.environ.get(CONTROL_VARIABLE), token=os.environ.get(TOKEN_VARIABLE, ""),
+                            starter=identity.rank, launcher=ProcessRef.of(os.getppid()), output=reserved.output)
+    keeper = reserved.process
     assert keeper.stdin is not None and keeper.stdout is not None
     with contextlib.suppress(BrokenPipeError), keeper.stdin:  # a keeper killed at once: its status, below, says so
         keeper.stdin.write(json.dumps(request._asdict()).encode())
@@ -143,10 +161,11 @@ def _starter_says(exit_code: int, local_rank: int) -> bool:
     return _transient(exit_code) or local_rank == 0
 
 
-def _reserve(base: Path, name: str) -> str | None:
-    """Under the user's lock: reserve the node session's directory for a keeper of ours; None while another
-    keeper starts or closes in it. A dead keeper's directory is reaped first (or set aside, its logs kept), and what
-    no keeper left there (a file, a FIFO, a link, a directory of neither record nor reservation) goes at once."""
+def _reserve(base: Path, name: str) -> ReservedKeeper | None:
+    """Under the user's lock: reserve the node session's directory for a keeper of ours (started first); None while
+    another keeper starts or closes in it. A dead keeper's directory is reaped first (or set aside, its logs kept),
+    and what no keeper left there (a file, a FIFO, a link, a directory of neither record nor reservation) goes at
+    once."""
     directory = user_root(base) / name
     with contextlib.suppress(FileNotFoundError):
         if not stat.S_ISDIR(os.lstat(directory).st_mode):
@@ -160,10 +179,28 @@ def _reserve(base: Path, name: str) -> str | None:
             registry.reap(directory, force=unmarked, locked=True)
             if os.path.lexists(directory):
                 directory.rename(directory.with_name(f"{name}-{os.urandom(3).hex()}"))  # (secrets: OpenSSL's import)
+    reserved = _spawn_keeper(base, name, os.urandom(8).hex())
     try:
-        return reserve_session_name(base, name)
-    except FileExistsError:  # made there just now, not under the lock (so no keeper's): looked at again
-        return None
+        reserve_session_name(base, name, reserved.token)
+    except BaseException as exc:
+        _dismiss(reserved.process)
+        if isinstance(exc, FileExistsError):  # made there just now, not under the lock (so no keeper's): looked at
+            return None  # again
+        if isinstance(exc, OSError):  # (no room, no inode left): every rank of the node meets it
+            raise MPSError(f"cannot make this node's session directory {directory}: {exc.strerror}",
+                           path=str(directory)) from None
+        raise
+    return reserved
+
+
+def _dismiss(keeper: subprocess.Popen[bytes]) -> None:
+    """A keeper started for a reservation that was not made, ended: it has nothing yet (it waits for its request,
+    and its end without one would wait for the user's lock, which we hold)."""
+    for pipe in (keeper.stdin, keeper.stdout):
+        if pipe is not None:
+            pipe.close()
+    keeper.kill()
+    keeper.wait()
 
 
 def _unmarked(directory: Path) -> bool:
@@ -178,11 +215,13 @@ def _unmarked(directory: Path) -> bool:
     return not (regular(RECORD_FILE) or regular(RESERVATION))
 
 
-def _connect_or_reserve(base: Path, name: str, address: str, config: JobConfig, identity: RankIdentity) -> Link | str:
-    """The node keeper's link; or, with no keeper, the directory reserved for ours. The user's lock is held only to
-    look and to reserve: another keeper's start-up or closing is waited for without it, until --timeout at most."""
+def _connect_or_reserve(base: Path, name: str, address: str, config: JobConfig,
+                        identity: RankIdentity) -> Link | ReservedKeeper:
+    """The node keeper's link; or, with no keeper, the directory reserved for ours, which is started. The user's
+    lock is held only to look and to reserve: another keeper's start-up or closing is waited for without it, until
+    --timeout at most."""
 
-    def attempt() -> Link | str | None:
+    def attempt() -> Link | ReservedKeeper | None:
         with user_root_lock(base):
             with contextlib.suppress(OSError):
                 return connect(address, keep_descriptors=True)
@@ -190,7 +229,7 @@ def _connect_or_reserve(base: Path, name: str, address: str, config: JobConfig, 
 
     timed = config.timeout is not None and config.timeout < KEEPER_START_TIMEOUT
     deadline = Deadline(config.timeout if timed else KEEPER_START_TIMEOUT)
-    found = cast("Link | str | None", poll_until(attempt, deadline))  # mypy solves no unions
+    found = cast("Link | ReservedKeeper | None", poll_until(attempt, deadline))  # mypy solves no unions
     if found is not None:
         return found
     said = identity.local_rank == 0  # (every rank of the node waited for the same directory)
@@ -212,7 +251,7 @@ def _join_node(base: Path, name: str, config: JobConfig, identity: RankIdentity)
         pipe = _start_keeper(base, name, found, config, identity)
     except BaseException:
         with user_root_lock(base):
-            drop_reservation(base, name, found)
+            drop_reservation(base, name, found.token)
         raise
     try:
         return connect(address, keep_descriptors=True), pipe

@@ -406,7 +406,11 @@ class Listener:
         if where.startswith("unix:"):
             self.path: str | None = where[5:]
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.sock.bind(self.path)
+            try:
+                self.sock.bind(self.path)
+            except OSError as exc:  # said with the path (bind's error names none)
+                self.sock.close()
+                raise OSError(exc.errno, exc.strerror, self.path) from None
             self.address = where
         else:
             self.path = None

@@ -1,11 +1,10 @@
-"""A node session's reservation: the directory a node's starting rank makes for the keeper it starts.
-
-The rank makes it, under the user's lock, with a file that holds a fresh token (:func:`reserve_session_name`). The
-keeper it starts claims it (:func:`claim_reserved`) only while that token is there, under the same lock: its record
-goes in and the mark goes. The rank drops it (:func:`drop_reservation`) when its keeper failed, or ended before it
-was ready, again only with its own token. So a keeper that outlived what its rank saw of it (the rank saw the
-keeper's first process killed, after it had forked) never takes a directory of that name that another rank reserved
-since.
+"""A node session's reservation: the directory a node's starting rank makes for the keeper it starts. The rank makes it,
+under the user's lock, with a file that holds a fresh token (:func:`reserve_session_name`), once it has started the
+keeper for it: a keeper whose request never comes drops it. The keeper claims it (:func:`claim_reserved`) only while
+that token is there, under the same lock: its record goes in and the mark goes. The rank drops it
+(:func:`drop_reservation`) when its keeper failed, or ended before it was ready, again only with its own token. So a
+keeper that outlived what its rank saw of it (the rank saw the keeper's first process killed, after it had forked) never
+takes a directory of that name that another rank reserved since.
 """
 
 from __future__ import annotations
@@ -24,11 +23,10 @@ __all__ = ["RESERVATION", "claim_reserved", "drop_reservation", "holds_reservati
 RESERVATION = "reserved"  # the file in a node session's directory until its keeper claims it
 
 
-def reserve_session_name(base: Path, name: str) -> str:
+def reserve_session_name(base: Path, name: str, token: str) -> None:
     """Make the directory of the node session ``name`` for the keeper that will claim it, with a file that holds
-    a fresh token (returned), which tells this reservation from a later one of that name. FileExistsError if
+    ``token`` (a fresh one), which tells this reservation from a later one of that name. FileExistsError if
     there is a directory of that name."""
-    token = os.urandom(8).hex()
     root_fd = open_user_root(base)
     try:
         os.mkdir(name, 0o700, dir_fd=root_fd)
@@ -39,9 +37,13 @@ def reserve_session_name(base: Path, name: str) -> str:
         marker = os.open(RESERVATION, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=session_fd)
         with open(marker, "w") as stream:
             stream.write(token)
+    except BaseException:  # (no room for the mark): the directory goes with it
+        with contextlib.suppress(OSError):
+            os.unlink(RESERVATION, dir_fd=session_fd)
+        drop_reservation(base, name, token)
+        raise
     finally:
         os.close(session_fd)
-    return token
 
 
 def holds_reservation(base: Path, name: str, token: str) -> bool:
@@ -54,10 +56,14 @@ def holds_reservation(base: Path, name: str, token: str) -> bool:
 
 def drop_reservation(base: Path, name: str, token: str) -> None:
     """Remove the directory :func:`reserve_session_name` made with ``token``, if no keeper claimed it (the keeper
-    died first, or refused)."""
+    died first, or refused), or one left empty there (its maker killed before it wrote its mark: under the user's
+    lock, held here, an empty directory of a node session's name is no one's)."""
     if holds_reservation(base, name, token):
         with contextlib.suppress(OSError):
             remove_tree(user_root(base) / name)
+    else:
+        with contextlib.suppress(OSError):  # (not empty, or no directory: not touched)
+            os.rmdir(user_root(base) / name)
 
 
 def claim_reserved(base: Path, name: str, token: str, record: SessionRecord) -> SessionDirs:
