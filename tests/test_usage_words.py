@@ -260,3 +260,20 @@ def test_a_session_named_with_escapes_is_not_printed_raw(fake_gpu, command):
     passes on what `mpsrun status --json` lists): the one line says it escaped (both printed it raw)."""
     line = one_line(mpsrun(*command.split(), "x\x1b[2J\nsecond"))
     assert "\x1b" not in line and "x\\x1b[2J\\nsecond" in line, line
+
+
+_FROM_A_REMOVED_DIRECTORY = ("import os, sys\nos.mkdir(sys.argv[1])\nos.chdir(sys.argv[1])\nos.rmdir(sys.argv[1])\n"
+                             "os.execv(sys.executable, [sys.executable, '-m', 'mpsrun', *sys.argv[2:]])\n")
+
+
+@pytest.mark.parametrize("options", [["--report", "r.json", "true"], ["--output-filename", "out", "true"],
+                                     ["--tasks", "tasks.txt"], ["--results", "r.jsonl", "--array", "0-1", "true"]])
+def test_a_relative_path_in_a_removed_working_directory_is_named(fake_gpu, tmp_path, options):
+    """A relative path given to an option while the working directory has been removed: exit 2 and one line that
+    names the option and why (it was 'mpsrun: error: No such file or directory', exit 3: found by the fifth hostile
+    pass)."""
+    out = subprocess.run([sys.executable, "-c", _FROM_A_REMOVED_DIRECTORY, str(tmp_path / "gone"), "-np", "1",
+                          "--launcher", "local", *options], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and options[0] in out.stderr and "working directory was removed" in out.stderr

@@ -178,7 +178,17 @@ def parse_task_file(value: object, setting: str = "--tasks") -> str:
     if not text.strip() or "\0" in text:
         raise ConfigError(f"{setting} needs a file (or - for standard input), not {value!r}", setting=setting,
                           value=value)
-    return text if text == "-" else os.path.abspath(text)
+    return text if text == "-" else absolute(text, setting, value)
+
+
+def absolute(text: str, setting: str, value: object) -> str:
+    """The path ``text`` made absolute; a ConfigError where it is relative and the working directory was removed
+    (``os.getcwd`` fails: that said only 'No such file or directory')."""
+    try:
+        return os.path.abspath(text)
+    except FileNotFoundError:
+        raise ConfigError(f"{setting} {printable(text)}: a relative path, but the working directory was removed",
+                          setting=setting, value=value) from None
 
 
 def parse_count(value: object, setting: str) -> int:
@@ -415,7 +425,7 @@ def parse_output_dir(value: object, setting: str = "--output-filename") -> str:
     text = value if isinstance(value, str) else ""
     if not text.strip() or "\0" in text:
         raise ConfigError(f"{setting} needs a directory, not {value!r}", setting=setting, value=value)
-    return os.path.abspath(text)
+    return absolute(text, setting, value)
 
 
 def parse_report(value: object, setting: str = "--report") -> str:
@@ -424,7 +434,7 @@ def parse_report(value: object, setting: str = "--report") -> str:
     text = value if isinstance(value, str) else ""
     if not text.strip() or "\0" in text:
         raise ConfigError(f"{setting} needs a file name, not {value!r}", setting=setting, value=value)
-    path = os.path.abspath(text)
+    path = absolute(text, setting, value)
     if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
         return path
     directory = os.path.dirname(os.path.realpath(path))  # through a symlink, its target's
