@@ -196,7 +196,10 @@ class Agent:
         if session.gpus:
             self.usage = UsageSampler([gpu.uuid for gpu in session.gpus], self.policy.keep_samples)
         if self.welcoming.output is not None:  # each rank writes its lines under it
-            self.dirs.output_lock.touch(mode=0o600)
+            try:
+                self.dirs.output_lock.touch(mode=0o600)
+            except OSError as exc:  # (no room): a set-up failure like any, the launcher's ranks turned away quietly
+                raise MPSError(f"cannot make {self.dirs.output_lock}: {exc.strerror}") from None
             self._output_lock = str(self.dirs.output_lock)
 
     def notices(self) -> list[str]:
