@@ -225,6 +225,21 @@ def test_a_node_session_with_no_inode_left_is_one_line_and_leaves_nothing(fake_g
     assert list(tight_tmpfs.rglob("*")) == [tight_tmpfs / f"mpsrun-{os.getuid()}"]
 
 
+@pytest.mark.parametrize("tight_tmpfs", [10], indirect=True)
+def test_a_farm_whose_record_fills_up_warns_once(fake_gpu, tight_tmpfs, monkeypatch, short_tmp):
+    """A farm whose session record stops fitting as its tasks come and go: one warning, that the tasks' processes
+    may outlive a killed mpsrun, and the farm runs on. It was a warning per task, with an empty pid list once the
+    tasks had ended (sixth hostile pass)."""
+    monkeypatch.setenv("MPSRUN_TMPDIR", str(tight_tmpfs))
+    tasks = short_tmp / "tasks.txt"
+    tasks.write_text("true\n" * 6)
+    out = subprocess.run([*MPSRUN, "-np", "2", "--launcher", "local", "--tasks", str(tasks)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode in (0, 3), out.stderr
+    assert out.stderr.count("warning") <= 1 and "pid  " not in out.stderr, out.stderr
+    assert settle(fake_gpu, timeout=20.0)
+
+
 @pytest.mark.mpiexec
 @pytest.mark.parametrize("base", ["/proc", "/proc/self"])
 @pytest.mark.parametrize("path", PATHS)

@@ -274,6 +274,8 @@ def test_a_relative_path_in_a_removed_working_directory_is_named(fake_gpu, tmp_p
     pass)."""
     out = subprocess.run([sys.executable, "-c", _FROM_A_REMOVED_DIRECTORY, str(tmp_path / "gone"), "-np", "1",
                           "--launcher", "local", *options], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+                              "PWD": str(tmp_path / "gone")})  # (as a shell that was there says it)
     assert out.returncode == 2, out.stderr
-    assert out.stderr.count("\n") == 1 and options[0] in out.stderr and "working directory was removed" in out.stderr
+    assert out.stderr.count("\n") == 1 and options[0] in out.stderr, out.stderr
+    assert f"working directory ({tmp_path / 'gone'}) was removed" in out.stderr, out.stderr

@@ -187,8 +187,10 @@ def absolute(text: str, setting: str, value: object) -> str:
     try:
         return os.path.abspath(text)
     except FileNotFoundError:
-        raise ConfigError(f"{setting} {printable(text)}: a relative path, but the working directory was removed",
-                          setting=setting, value=value) from None
+        gone = os.environ.get("PWD")  # the shell's word for it, where it is gone too (a stale one names another)
+        where = f" ({printable(gone)})" if gone and not os.path.lexists(gone) else ""
+        raise ConfigError(f"{setting} {printable(text)}: a relative path, but the working directory{where} was "
+                          "removed", setting=setting, value=value) from None
 
 
 def parse_count(value: object, setting: str) -> int:

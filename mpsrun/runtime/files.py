@@ -177,6 +177,9 @@ def remove_tree(path: str | os.PathLike[str]) -> None:
             try:
                 _make_ours(top)
                 _empty(top)
+            except OSError as exc:  # said with where it is now (a mount point's name alone would not find it)
+                raise OSError(exc.errno, f"{exc.strerror} in {os.path.join(os.path.dirname(where), doomed)}",
+                              exc.filename) from None
             finally:
                 os.close(top)
             os.rmdir(doomed, dir_fd=parent)

@@ -117,6 +117,8 @@ class Session:
         self._defaults = DaemonDefaults()  # the daemons', once the GPUs are known
         self._depth = 0  # nested `with` blocks on this session
         self._owner_pid: int | None = None
+        # Ranks the record could not take were warned of: said once (a farm's tasks come and go).
+        self._unrecorded_said = False
         self._state = "new"
 
     # -- starting -------------------------------------------------------------------------
@@ -235,8 +237,10 @@ class Session:
             try:
                 self._claim.update(self._claim.record.with_ranks(ranks, replacing))
             except MPSError as exc:
-                log.warning("mpsrun: warning: %s; should mpsrun be killed, the processes of rank(s) with pid %s may "
-                            "outlive it", exc, ", ".join(str(rank.pid) for rank in ranks))
+                if not self._unrecorded_said:
+                    self._unrecorded_said = True
+                    log.warning("mpsrun: warning: %s; should mpsrun be killed, its ranks' processes may outlive it",
+                                exc)
 
     def add_launcher(self, pid: int) -> None:
         """Record the job's MPI launcher (its process group), for the reaper to end with the session."""
