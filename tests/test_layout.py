@@ -125,8 +125,8 @@ LARGER = {
                         "and its report"),
     "runtime/protocol.py": (480, "every message declared with its fields, and the link that carries them (descriptors "
                                  "too, what came with an awaited message, and its peer's process)"),
-    "config/values.py": (450, "every option's value, read and checked once, where it is parsed (a farm's ranges and "
-                              "files too)"),
+    "config/values.py": (460, "every option's value, read and checked once, where it is parsed (a farm's ranges and "
+                              "files too, and paths made absolute, a removed working directory said)"),
     "farm/executor.py": (520, "a concurrent.futures.Executor whole: its manager thread, its workers' lives and "
                               "deaths, a fault's triage, its shutdown on every path, and its accounts"),
     "session/session.py": (420, "the public Session: its arguments and docstrings are the Python API's documentation"),
