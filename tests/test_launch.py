@@ -153,12 +153,12 @@ def test_mps_off_starts_no_daemon(fake_gpu, short_tmp):
 @pytest.mark.parametrize(("mode", "code"), [("on", 3), ("auto", 0)])
 def test_rank_that_misses_the_daemon_is_reported(fake_gpu, short_tmp, monkeypatch, mode, code):
     """A rank pointing its pipe directory elsewhere runs without MPS: an error with --mps on, a warning with auto.
-    Each rank holds until NVML has been asked 4 times in its life (a rank is judged after two looks in a row): a
-    fixed 4 s was too short for a loaded machine's looks."""
+    Each rank holds until NVML has been asked 8 times in its life (a rank is judged after two looks in a row, and
+    the memory samples ask too): a fixed 4 s was too short for a loaded machine's looks."""
     elsewhere = short_tmp / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.setenv("FAKE_NVML_LOOK_LOG", str(short_tmp / "looks"))
-    command = ["env", f"CUDA_MPS_PIPE_DIRECTORY={elsewhere}", *fake("--hold", "1", "--until-looks", "4")]
+    command = ["env", f"CUDA_MPS_PIPE_DIRECTORY={elsewhere}", *fake("--hold", "1", "--until-looks", "8")]
     out = mpsrun("-np", 2, "--launcher", "local", "--mps", mode, "--grace", "1", *command)
     assert out.returncode == code, out.stderr
     assert "uses GPU 0 without MPS" in out.stderr

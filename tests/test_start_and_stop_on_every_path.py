@@ -313,13 +313,15 @@ def test_a_signal_in_per_node_start_up_leaves_nothing_soon(fake_gpu, sig):
 @pytest.mark.parametrize("path", PATHS)
 def test_a_short_run_without_mps_is_caught(fake_gpu, short_tmp, monkeypatch, path):
     """--mps on and a rank that uses the GPU without MPS for 0.7 s: exit 3 (the check's backoff let it pass). On a
-    busy machine the job's looks at NVML come later than their 0.2 s: the rank then stays until the watch has
-    looked 4 times since its context began (two looks in a row find a rank off MPS; 0.7 s is 3-4 looks)."""
+    busy machine the job's looks at NVML come later than their 0.2 s: the rank then stays until NVML's process list
+    was read 8 times since its context began (two looks in a row find a rank off MPS; 0.7 s is 3-4 looks). Not 4: the
+    memory samples read that list too, and under load 4 reads came before the watch knew the rank (exit 0, once in
+    a suite)."""
     monkeypatch.setenv("FAKE_NVML_LOOK_LOG", str(short_tmp / "looks"))
     miss = short_tmp / "miss.py"
     miss.write_text(MISS)
     out = subprocess.run(job_argv(path, ["--mps", "on"], [sys.executable, str(miss),
-                                                          *fake("--hold", "0.7", "--until-looks", "4")[1:]]),
+                                                          *fake("--hold", "0.7", "--until-looks", "8")[1:]]),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 3 and "rank 1 (pid" in out.stderr and "without MPS" in out.stderr, out.stderr
     settle(fake_gpu)
@@ -327,12 +329,13 @@ def test_a_short_run_without_mps_is_caught(fake_gpu, short_tmp, monkeypatch, pat
 
 def test_a_per_node_warning_reaches_the_user(fake_gpu, short_tmp, monkeypatch):
     """--mps auto, a per-node rank without MPS for 1 s: the warning is printed (it was sent through a rank that was
-    ending, and lost). On a busy machine the rank stays until the node keeper's watch has looked 4 times."""
+    ending, and lost). On a busy machine the rank stays until NVML's process list was read 8 times (the watch's
+    looks and the memory samples')."""
     monkeypatch.setenv("FAKE_NVML_LOOK_LOG", str(short_tmp / "looks"))
     miss = short_tmp / "miss.py"
     miss.write_text(MISS)
     out = subprocess.run(job_argv("per-node", [], [sys.executable, str(miss),
-                                                   *fake("--hold", "1", "--until-looks", "4")[1:]]),
+                                                   *fake("--hold", "1", "--until-looks", "8")[1:]]),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "warning: rank 1 (pid" in out.stderr, out.stderr
     settle(fake_gpu)
