@@ -1,10 +1,11 @@
-"""A node session's reservation: the directory a node's starting rank makes for the keeper it starts. The rank makes it,
-under the user's lock, with a file that holds a fresh token (:func:`reserve_session_name`), once it has started the
-keeper for it: a keeper whose request never comes drops it. The keeper claims it (:func:`claim_reserved`) only while
-that token is there, under the same lock: its record goes in and the mark goes. The rank drops it
-(:func:`drop_reservation`) when its keeper failed, or ended before it was ready, again only with its own token. So a
-keeper that outlived what its rank saw of it (the rank saw the keeper's first process killed, after it had forked) never
-takes a directory of that name that another rank reserved since.
+"""A node session's reservation: the directory a node's starting rank makes for the keeper it starts.
+
+The rank makes it, under the user's lock, with a file that holds a fresh token (:func:`reserve_session_name`), once
+it has started the keeper for it: a keeper whose request never comes drops it. The keeper claims it
+(:func:`claim_reserved`) only while that token is there, under the same lock: its record goes in and the mark goes.
+The rank drops it (:func:`drop_reservation`) when its keeper failed, or ended before it was ready, again only with its
+own token. So a keeper that outlived what its rank saw of it (the rank saw the keeper's first process killed, after it
+had forked) never takes a directory of that name that another rank reserved since.
 """
 
 from __future__ import annotations
