@@ -87,6 +87,51 @@ def test_a_supervisor_holds_the_launchers_connection_until_it_ends(fake_gpu):
     settle(fake_gpu)
 
 
+#: Rank 0 ends once rank 1 runs; rank 1 then looks whether rank 0's supervisor is still there a second after rank 0's
+#: program has ended, and writes what it saw.
+EARLY_AND_LATE = """
+import os, sys, time
+here = sys.argv[1]
+def wait(what):
+    for _ in range(3000):
+        if what():
+            return
+        time.sleep(0.02)
+    raise SystemExit(f"waited 60 s in vain: {what}")
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+if os.environ["RANK"] == "0":
+    wait(lambda: os.path.exists(os.path.join(here, "late")))
+    with open(os.path.join(here, "early.tmp"), "w") as out:
+        out.write(f"{os.getpid()} {os.getppid()}")
+    os.replace(os.path.join(here, "early.tmp"), os.path.join(here, "early"))
+else:
+    open(os.path.join(here, "late"), "w").close()
+    wait(lambda: os.path.exists(os.path.join(here, "early")))
+    program, supervisor = map(int, open(os.path.join(here, "early")).read().split())
+    wait(lambda: not alive(program))
+    time.sleep(1)
+    with open(os.path.join(here, "seen"), "w") as out:
+        out.write("lingers" if alive(supervisor) else "gone")
+"""
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_rank_that_ends_first_leaves_its_launcher_with_the_others(fake_gpu, short_tmp, path):
+    """A rank that ends while another of its node runs stays (its supervisor waits) until that one has ended too, so
+    that the node's ranks leave their launcher together: MPICH's Hydra spun a whole core from the first exit of its
+    processes to the last."""
+    out = subprocess.run(job_argv(path, [], [sys.executable, "-c", EARLY_AND_LATE, str(short_tmp)], ranks=2),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert (short_tmp / "seen").read_text() == "lingers"
+    settle(fake_gpu)
+
+
 IGNORE_TERM = ("import os, signal, sys, time\n"
                "signal.signal(signal.SIGINT, signal.SIG_IGN); signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
                "open(os.path.join(sys.argv[1], os.environ['RANK']), 'w').close()\n"

@@ -128,14 +128,15 @@ class Agent:
     ``listener`` in it, where ranks that show ``token`` join; :meth:`start` plans the ranks and starts the daemons;
     the owner of ``loop`` runs it; :meth:`close` ends the session. ``local_size`` and ``world_size``: the node's and
     the job's ranks, where known; ``deadline``: the job's ``--timeout``; ``closing``: under --per-node, the node's end
-    before its last rank's verdict (None while ranks are still awaited; the last rank then waits for the agent's
-    process to end); ``server_after``: when to ask for each MPS server after the last rank started (None: its first
-    client starts it)."""
+    before its last rank's verdict (None while ranks are still awaited; the ranks then wait for the agent's process
+    to end), and ``awaited``: whether ranks of the node have yet to come; ``server_after``: when to ask for each MPS
+    server after the last rank started (None: its first client starts it)."""
 
     def __init__(self, config: JobConfig, loop: EventLoop, top: Top, claim: SessionClaim, listener: Listener,
                  token: str, deadline: Deadline, *, welcoming: Welcoming, local_size: int | None,
                  world_size: int | None, server_after: float | None = None,
-                 closing: Callable[[], list[str] | None] | None = None) -> None:
+                 closing: Callable[[], list[str] | None] | None = None,
+                 awaited: Callable[[], bool] | None = None) -> None:
         self.config, self.loop, self.top, self.deadline = config, loop, top, deadline
         self.welcoming, self.local_size, self.world_size = welcoming, local_size, world_size
         self.host = socket.gethostname()
@@ -153,7 +154,7 @@ class Agent:
         self.stopping: int | None = None
         self.refusing: tuple[int, str] | None = None  # every rank that comes is refused so (a job that cannot run)
         self.lingering = False  # a rank told its end from now on waits for the agent's process to end
-        self._closing = closing
+        self._closing, self._awaited = closing, awaited
         self._by_link: dict[Link, RankState] = {}
         self._kill_timer: Timer | None = None
         self._detached = False
@@ -220,9 +221,11 @@ class Agent:
         self.refusing = (ExitCode.OK, "")
 
     def begin_close(self) -> None:
-        """Every rank has ended: the daemons may begin to quit while the launchers exit."""
+        """Every rank has ended: the daemons may begin to quit while the launchers exit, and the ranks that linger
+        go together (in the loop's next turn: the last one's verdict is still to be sent)."""
         self._detached = True
         self.session.begin_close()
+        self.loop.after(0, self.let_go)
 
     def close(self) -> None:
         """Stop admitting ranks and end the session (daemons, directory, reaper); TeardownError for what failed."""
@@ -411,9 +414,11 @@ class Agent:
                 self.ranks[rank] = RankState(rank, end=RankEnd(rank, None, None, "never started"), verdict_sent=True)
 
     def _verdict(self, state: RankState) -> None:
-        """Tell a rank's supervisor how the job ended for it (once). Under --per-node the node's last rank waits
-        (lingers) for the node's end, its session closed first (``closing``: None while ranks are still awaited),
-        and carries its last words."""
+        """Tell a rank's supervisor how the job ended for it (once). It waits (lingers) until every rank of the node
+        has ended (see Verdict), unless it is about to call MPI_Abort, which ends the others, or ranks of a node
+        keeper are still awaited (the launcher might start them only after its end: mpsrun's own start them all at
+        once). A keeper's ranks wait for its process's end, and its last rank carries the node's last words, its
+        session closed first (``closing``: None while ranks are still awaited)."""
         if state.verdict_sent:
             return
         state.verdict_sent = True
@@ -423,13 +428,15 @@ class Agent:
             self.lingering = True
             lines += self.top.closing(last)
         if state.link is not None:
-            state.link.send(Verdict(code, lines, last is not None))
+            aborting = state.end is not None and state.end.aborting
+            linger = last is not None or not (aborting or (self._awaited is not None and self._awaited()))
+            state.link.send(Verdict(code, lines, linger=linger, outlive=self._closing is not None))
 
     def let_go(self) -> None:
-        """Ranks that linger for the agent's end need not wait for it any more: their links are closed."""
+        """Ranks that linger for the agent need not wait for it any more: their links are closed."""
         for state in self.ranks.values():
-            if state.link is not None:
-                state.link.close()
+            if state.link is not None and not state.link.closed:
+                self.doorway.close(state.link)
         self.doorway.let_go()
 
     def settled(self) -> bool:

@@ -8,7 +8,7 @@ connect and wait; it starts the session and answers the starting rank on stdout 
 never holds the launcher's output pipes open.
 
 Every local rank's supervisor joins it, however late; when the last of the ranks the launcher put on the node has had
-its verdict, the keeper ends the session first and that rank waits (lingers) until the keeper is gone, so the
+its verdict, the keeper ends the session first, and the node's ranks wait (linger) until the keeper is gone, so the
 launcher's end means the node is clean. A bare ``--per-node`` job's node decides for itself (a
 :class:`~mpsrun.agent.decision.Decision`) and speaks through its ranks; under ``--hosts`` it reports to the job's
 command, which decides (:class:`Upstream`).
@@ -110,7 +110,8 @@ class Keeper:
         welcoming = Welcoming(settings=json.dumps(config.settings(), sort_keys=True), devices=request.devices,
                               extra=one_node, notices=True, output=request.output)
         self.agent = Agent(config, loop, top, claim, listener, request.name, deadline, welcoming=welcoming,
-                           local_size=request.local_size, world_size=request.world_size, closing=self.closing)
+                           local_size=request.local_size, world_size=request.world_size, closing=self.closing,
+                           awaited=lambda: self.arrivals.awaited())
         launcher = ProcessRef(*request.launcher) if request.launcher else None
         self.arrivals = Arrivals(loop, self.agent, request.local_size, request.starter, starter_pipe, launcher)
 

@@ -279,8 +279,8 @@ class RankSupervisor:
             wait = VERDICT_TIMEOUT if self.timeout is None else max(KILL_WAIT, self.backstop.remaining())
             verdict = self.link.expect((Verdict,), Deadline(wait), others=self._said)
             assert verdict is None or isinstance(verdict, Verdict)
-            if verdict is not None and verdict.linger:  # the node keeper's last rank: wait until it is gone
-                self.link.outlive_peer(Deadline(LINGER_TIMEOUT), others=self._said)
+            if verdict is not None and verdict.linger:  # until the node's ranks may leave together (Verdict)
+                self.link.outlive_peer(Deadline(LINGER_TIMEOUT), others=self._said, until_gone=verdict.outlive)
         # A rank about to call MPI_Abort: the link stays open until this process ends, for its closing tells the
         # controller that the launcher has ended us (ABORT_WAIT). Closed at the verdict, it let the controller stop
         # the other ranks before the MPI_Abort; under Hydra their supervisors' ends then closed their PMI

@@ -58,10 +58,11 @@ TMPDIR_VARIABLE = "MPSRUN_TMPDIR"
 # -- waits, in seconds -----------------------------------------------------------------------------------
 #: A supervisor waits this long for its welcome: the controller may be starting the MPS daemons meanwhile.
 WELCOME_TIMEOUT = 300.0
-#: A supervisor waits this long for its verdict after its rank ended; the node's last rank then waits for the node's
-#: teardown (LINGER_TIMEOUT), shorter.
+#: A supervisor waits this long for its verdict after its rank ended; it then waits for its node's other ranks and a
+#: node keeper's teardown (LINGER_TIMEOUT), shorter.
 VERDICT_TIMEOUT = 300.0
-#: The node keeper's teardown (a hanging quit, then SIGTERM, SIGKILL) after its last verdict.
+#: A rank waits this long after its verdict for its node's other ranks (they leave their launcher together) and the
+#: node keeper's teardown (a hanging quit, then SIGTERM, SIGKILL).
 LINGER_TIMEOUT = 60.0
 #: A rank's output still open after its process group is gone (a writer that left the group).
 DRAIN_TIMEOUT = 2.0

@@ -178,11 +178,16 @@ class Stop(NamedTuple):
 
 
 class Verdict(NamedTuple):
-    """How the job ended for a rank: its exit code, lines to say, and whether to wait for the node's end."""
+    """How the job ended for a rank: its exit code and lines to say. ``linger``: wait (LINGER_TIMEOUT at most) until
+    the agent lets the rank go, closing its link once every rank of the node has ended, so that the node's ranks
+    leave their MPI launcher together (MPICH's Hydra spins a core from the first exit of its processes to the
+    last); ``outlive``: then until the agent's process is gone (a node keeper: the launcher's end means a clean
+    node)."""
 
     exit_code: int
     lines: list[str] = []  # noqa: RUF012 - never changed: a NamedTuple's default is shared
     linger: bool = False
+    outlive: bool = False
 
 
 class Say(NamedTuple):
@@ -367,11 +372,12 @@ class Link:
                     others(message)
         return None
 
-    def outlive_peer(self, deadline: Deadline, others: Callable[[Message], object] | None = None) -> None:
-        """Wait until the peer's process is gone, not only its end of the link: a process's descriptors close a
-        moment before it ends. Where the kernel cannot name the peer (another host, another pid namespace), the
-        link's end is all there is to wait for."""
-        process = self._peer_process()
+    def outlive_peer(self, deadline: Deadline, others: Callable[[Message], object] | None = None,
+                     until_gone: bool = True) -> None:
+        """Wait until the peer closes the link and, ``until_gone``, until its process is gone: a process's
+        descriptors close a moment before it ends. Where the kernel cannot name the peer (another host, another
+        pid namespace), the link's end is all there is to wait for."""
+        process = self._peer_process() if until_gone else None
         try:
             self.expect((), deadline, others)
             if process is not None:
