@@ -19,6 +19,7 @@ from helpers import (
     control_logs,
     fake,
     job_argv,
+    per_node_ranks,
     remove_kept,
     running,
     settle,
@@ -331,6 +332,26 @@ def test_a_signal_during_the_teardown_is_said(fake_gpu, short_tmp, path, sig):
     lines = [line for line in err.splitlines() if line.startswith("mpsrun")]
     assert job.returncode == 128 + sig, err
     assert f"mpsrun: interrupted by {sig.name} while ending the job" in lines and len(lines) == 2, err
+    settle(fake_gpu)
+
+
+@pytest.mark.slow
+def test_a_signal_to_every_per_node_rank_during_the_teardown_is_said_once(fake_gpu, short_tmp):
+    """SIGTERM to every rank's mpsrun under --per-node (as srun gives it) once the ranks have ended, while a daemon
+    will not quit: the job exits 143 with one line for it, besides the quit's. Ranks that wait for their node's
+    others (so that they leave MPICH's Hydra together) said it too, a line each."""
+    fake_gpu.daemon_env(FAKE_MPS_QUIT_HANG="1")
+    job = subprocess.Popen(job_argv("per-node", [], fake("--hold", "0.2", "--report-dir", str(short_tmp))),
+                           stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: len(list(short_tmp.glob("*.json"))) == 3, what="the ranks did not start", proc=job)
+    wait_for(lambda: any("Cmd:quit" in log for log in control_logs(fake_gpu)), what="the ranks did not end",
+             proc=job)  # the teardown's quit hangs for its 10 s
+    for rank in per_node_ranks(job):
+        rank.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=60)
+    lines = [line for line in err.splitlines() if line.startswith("mpsrun")]
+    assert job.returncode == 143 and len(lines) == 2, err
+    assert "interrupted by SIGTERM while the job ended" in lines[1], err
     settle(fake_gpu)
 
 

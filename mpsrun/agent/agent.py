@@ -430,7 +430,8 @@ class Agent:
         if state.link is not None:
             aborting = state.end is not None and state.end.aborting
             linger = last is not None or not (aborting or (self._awaited is not None and self._awaited()))
-            state.link.send(Verdict(code, lines, linger=linger, outlive=self._closing is not None))
+            state.link.send(Verdict(code, lines, linger=linger, outlive=self._closing is not None,
+                                    last=last is not None))
 
     def let_go(self) -> None:
         """Ranks that linger for the agent need not wait for it any more: their links are closed."""

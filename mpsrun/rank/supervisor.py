@@ -280,7 +280,10 @@ class RankSupervisor:
             verdict = self.link.expect((Verdict,), Deadline(wait), others=self._said)
             assert verdict is None or isinstance(verdict, Verdict)
             if verdict is not None and verdict.linger:  # until the node's ranks may leave together (Verdict)
+                heard = len(interrupts.received)
                 self.link.outlive_peer(Deadline(LINGER_TIMEOUT), others=self._said, until_gone=verdict.outlive)
+                if not verdict.last:  # a signal while it waited is the others' (the launcher signals every rank)
+                    del interrupts.received[heard:]
         # A rank about to call MPI_Abort: the link stays open until this process ends, for its closing tells the
         # controller that the launcher has ended us (ABORT_WAIT). Closed at the verdict, it let the controller stop
         # the other ranks before the MPI_Abort; under Hydra their supervisors' ends then closed their PMI

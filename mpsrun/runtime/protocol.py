@@ -182,12 +182,14 @@ class Verdict(NamedTuple):
     the agent lets the rank go, closing its link once every rank of the node has ended, so that the node's ranks
     leave their MPI launcher together (MPICH's Hydra spins a core from the first exit of its processes to the
     last); ``outlive``: then until the agent's process is gone (a node keeper: the launcher's end means a clean
-    node)."""
+    node); ``last``: the node keeper's last rank, which speaks for the node's end (a signal meanwhile is its own;
+    to a rank that only waits for the others, it is theirs)."""
 
     exit_code: int
     lines: list[str] = []  # noqa: RUF012 - never changed: a NamedTuple's default is shared
     linger: bool = False
     outlive: bool = False
+    last: bool = False
 
 
 class Say(NamedTuple):
