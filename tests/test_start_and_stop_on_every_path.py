@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 from helpers import (
+    MPSRUN,
     PATHS,
     Output,
     control_logs,
@@ -129,6 +130,37 @@ def test_a_rank_that_ends_first_leaves_its_launcher_with_the_others(fake_gpu, sh
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert (short_tmp / "seen").read_text() == "lingers"
+    settle(fake_gpu)
+
+
+#: An mpiexec whose rank 1 exits 1 after a second, before its supervisor starts (as a supervisor that cannot start).
+LOSES_RANK_1 = """import os, sys
+real, args = {real!r}, sys.argv[1:]
+if args[:1] != ["--version"]:
+    args = [*args[:2], sys.executable, {rank!r}, *args[2:]]  # -n N, then the ranks' command
+os.execv(real, [real, *args])
+"""
+RANK_1_LOST = """import os, sys, time
+if os.environ.get("PMI_RANK") == "1":
+    time.sleep(1)
+    sys.exit(1)
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
+@pytest.mark.mpiexec
+def test_ranks_done_before_a_lost_one_would_join_do_not_wait_for_it(fake_gpu, short_tmp):
+    """Under --launcher mpiexec, a rank lost before its supervisor joins: the ranks already done leave at once, so
+    mpiexec ends and the job says which rank never started (exit 1). They waited for the lost one (up to 60 s), and
+    mpiexec for them, and mpsrun for mpiexec before it counted the rank as never started."""
+    rank = short_tmp / "rank.py"
+    rank.write_text(RANK_1_LOST)
+    launcher = short_tmp / "mpiexec"
+    launcher.write_text(f"#!{sys.executable}\n" + LOSES_RANK_1.format(real=mpiexec(), rank=str(rank)))
+    launcher.chmod(0o755)
+    out = subprocess.run([*MPSRUN, "-np", "3", "--launcher", "mpiexec", "--mpiexec", str(launcher), "true"],
+                         capture_output=True, text=True, timeout=40)
+    assert out.returncode == 1 and "before rank(s) 1 started" in out.stderr, out.stderr
     settle(fake_gpu)
 
 

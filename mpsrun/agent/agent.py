@@ -415,9 +415,9 @@ class Agent:
 
     def _verdict(self, state: RankState) -> None:
         """Tell a rank's supervisor how the job ended for it (once). It waits (lingers) until every rank of the node
-        has ended (see Verdict), unless it is about to call MPI_Abort, which ends the others, or ranks of a node
-        keeper are still awaited (the launcher might start them only after its end: mpsrun's own start them all at
-        once). A keeper's ranks wait for its process's end, and its last rank carries the node's last words, its
+        has ended (see Verdict), unless it is about to call MPI_Abort, which ends the others, or ranks of the node
+        have yet to join (its launcher might start them only after its end, or wait for it before it says that one
+        was lost). A keeper's ranks wait for its process's end, and its last rank carries the node's last words, its
         session closed first (``closing``: None while ranks are still awaited)."""
         if state.verdict_sent:
             return
@@ -429,9 +429,17 @@ class Agent:
             lines += self.top.closing(last)
         if state.link is not None:
             aborting = state.end is not None and state.end.aborting
-            linger = last is not None or not (aborting or (self._awaited is not None and self._awaited()))
+            linger = last is not None or not (aborting or self._still_awaited())
             state.link.send(Verdict(code, lines, linger=linger, outlive=self._closing is not None,
                                     last=last is not None))
+
+    def _still_awaited(self) -> bool:
+        """Whether ranks of the node have yet to join (a node keeper's arrivals, else the ranks the command launches):
+        a launcher that lost one before it joined ends only once the others have."""
+        if self._awaited is not None:
+            return self._awaited()
+        expected = self.welcoming.ranks
+        return expected is not None and any(rank not in self.ranks for rank in expected)
 
     def let_go(self) -> None:
         """Ranks that linger for the agent need not wait for it any more: their links are closed."""
