@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import mpsrun
+from helpers import MPSRUN, mpsrun
 
 from mpsrun.tools.bench import BenchRow, _rank_list, format_table, main
 
@@ -83,3 +83,11 @@ def test_bench_without_a_gpu_says_so_in_one_line(no_gpu):
         assert out.returncode == 3, out.stderr
         assert out.stderr.count("\n") == 1 and "bench needs an NVIDIA GPU" in out.stderr, out.stderr
     assert "bench needs an NVIDIA GPU" in json.loads(out.stdout)["error"]
+
+
+@pytest.mark.parametrize("option", [["--repeats", "0"], ["--repeats", "-1"], ["--kernel-ms", "-5"],
+                                    ["--launches", "0"], ["--kernel-ms", "nan"]])
+def test_bench_refuses_values_that_cannot_measure(no_gpu, option):
+    """``mpsrun bench --repeats 0`` reached statistics.median([]); every non-positive value is a usage error."""
+    out = subprocess.run([*MPSRUN, "bench", *option], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "must be a positive" in out.stderr, out.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -319,4 +320,44 @@ def test_a_non_blocking_output_gets_all_the_lines(fake_gpu, path):
     _, err = job.communicate(timeout=120)
     assert job.returncode == 0 and not err, err
     assert lines_of_each_rank(got.decode(), 2) == {r: list(range(20000)) for r in range(2)}
+    settle(fake_gpu)
+
+
+def _with_closed(fd: int, path: str, argv: list[str]) -> tuple[list[str], object]:
+    """``argv`` with descriptor ``fd`` closed in mpsrun: the command line and the preexec_fn that closes it (under a
+    bare --per-node, in each rank's mpsrun, not in mpiexec, whose own closed stdout is its own affair)."""
+    if path != "per-node":
+        return argv, lambda: os.close(fd)
+    launcher, ranks = argv[:3], argv[3:]
+    return [*launcher, "sh", "-c", f'exec "$@" {fd}>&-', "sh", *ranks], None
+
+
+@pytest.mark.mpiexec
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("fd", [1, 2])
+def test_a_closed_stdout_or_stderr_changes_nothing_but_the_output(fake_gpu, path, fd):
+    """mpsrun started with stdout or stderr closed (``>&-``): the job runs and exits with its rank's code, with no
+    traceback (Python's sys.stdout is None then: 'NoneType' object has no attribute 'flush', exit 1; under
+    the mpiexec launchers mpiexec's stdout was closed for good, and Hydra failed with 255)."""
+    argv, close = _with_closed(fd, path, job_argv(path, [], ["sh", "-c", "exit 6"], ranks=2))
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120, preexec_fn=close)
+    assert out.returncode == 6, out.stderr
+    assert "Traceback" not in out.stderr and "Traceback" not in out.stdout, out.stderr
+    settle(fake_gpu)
+
+
+@pytest.mark.mpiexec
+@pytest.mark.parametrize("path", ["mpiexec", "hosts"])
+def test_a_reader_that_leaves_early_ends_the_job_at_once(fake_gpu, path):
+    """mpsrun's output piped to a reader that takes one line (``| head -1``): mpiexec dies of SIGPIPE, and the job
+    says so in one line, at once (under --hosts it took 33 s: the job's controller gave up ranks as never started
+    whose starts its node keeper still relayed, and that keeper then waited 30 s for their verdicts)."""
+    job = subprocess.Popen(job_argv(path, ["--tag-output"], ["seq", "1", "2000000"], ranks=2),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert job.stdout is not None and job.stdout.readline().endswith("1\n")
+    job.stdout.close()  # the reader is gone: the next writes fail
+    _, stderr = job.communicate(timeout=25)  # less than a node keeper's wait for its verdicts
+    assert job.returncode == 128 + signal.SIGPIPE, stderr
+    assert [line for line in stderr.splitlines() if line.startswith("mpsrun")] == [stderr.splitlines()[0]], stderr
+    assert "SIGPIPE" in stderr, stderr  # ('before rank(s) N started' is true of a rank that was slow to join)
     settle(fake_gpu)

@@ -19,6 +19,7 @@ from helpers import FAKE_CUDA, PATHS, job_argv, reports, settle, wait_ready
 from helpers import run_source as run
 
 from mpsrun import mps_session
+from mpsrun.errors import SharedArrayError
 from mpsrun.runtime.deadline import Deadline
 from mpsrun.shared.handoff import HandoffError, Publisher, Subscription, join, take_over
 from mpsrun.shared.memory import HostMemory
@@ -535,3 +536,56 @@ def test_a_forked_child_does_not_keep_the_lock(short_tmp):
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
+
+
+@pytest.fixture
+def host_session(short_tmp, monkeypatch):
+    """A session directory for mpsrun.shared in this process, with host memory (no GPU here)."""
+    session = short_tmp / "session"
+    session.mkdir(mode=0o700)
+    monkeypatch.setenv("MPSRUN_SESSION_DIR", str(session))
+    return session
+
+
+@pytest.mark.parametrize(("args", "kwargs", "why"), [
+    (("d", (1,) * 33, "f4"), {}, "at most 32 dimensions"),
+    (("s", 4, "S0"), {}, "a dtype with a size"),
+    (("v", 4, "V0"), {}, "a dtype with a size"),
+    (("sub", 4, "(2,)f4"), {}, "no sub-array"),
+    (("big", (1 << 61,), "u1"), {}, "GiB here (the host's available memory)"),
+    (("shape", 4, "f8"), {"data": [1.0, 2.0, 3.0]}, "data of shape (3,)"),
+])
+def test_bad_shared_arrays_are_refused_at_once(host_session, args, kwargs, why):
+    """Each of the hostile pass's raw exceptions (NumPy's ValueError, OSError ENOMEM, a broadcast error) or hangs
+    (a 2 EiB zero-fill) is now a SharedArrayError naming the problem, before anything is allocated."""
+    from mpsrun import shared
+
+    started = time.monotonic()
+    with pytest.raises(SharedArrayError, match=why.replace("(", r"\(").replace(")", r"\)")):
+        shared.array(*args, **kwargs)
+    assert time.monotonic() - started < 10
+
+
+def test_an_init_that_asks_for_its_own_array_is_refused(host_session):
+    """An init that asks for the array it fills used to deadlock, ignoring timeout=3: it is an error at once."""
+    from mpsrun import shared
+
+    def init(out: object) -> None:
+        shared.array("same", 4, "f8", timeout=3)
+
+    with pytest.raises(SharedArrayError, match="asks for 'same' itself"):
+        shared.array("same", 4, "f8", init=init, timeout=3)
+
+
+@pytest.mark.parametrize("where", ["missing", "file"])
+def test_a_session_directory_that_cannot_hold_shared_arrays_is_refused(short_tmp, monkeypatch, where):
+    """A bogus MPSRUN_SESSION_DIR, or ``shared`` there being a file: a SharedArrayError, not an OSError."""
+    from mpsrun import shared
+
+    session = short_tmp / "session"
+    if where == "file":
+        session.mkdir()
+        (session / "shared").write_text("not a directory")
+    monkeypatch.setenv("MPSRUN_SESSION_DIR", str(session))
+    with pytest.raises(SharedArrayError, match="cannot use"):
+        shared.array("x", 4, "f8")

@@ -23,6 +23,7 @@ from helpers import (
     remove_kept,
     running,
     settle,
+    supervisors,
     wait_for,
     wait_processes_gone,
 )
@@ -466,3 +467,18 @@ def test_a_deferring_block_remembers_a_signal_that_comes_as_it_ends(monkeypatch)
             pass
     finally:  # the old pattern's raise left its handlers in force: not for the next test of this worker
         real_restore(handlers)
+
+
+@pytest.mark.mpiexec
+@pytest.mark.parametrize("path", PATHS)
+def test_sigusr1_while_mpsrun_starts_is_not_fatal(fake_gpu, path):
+    """SIGUSR1 to mpsrun once its session directory exists, before the ranks run: the job runs to its end (SIGUSR1's
+    default action ended mpsrun with 138 and no word; under the mpiexec launcher ranks then could not reach it)."""
+    job = subprocess.Popen(job_argv(path, [], ["sh", "-c", "sleep 1"], ranks=2), stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: fake_gpu.session_dirs(), what="no session directory", proc=job)
+    for pid in supervisors(job, path):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == 0, err
+    settle(fake_gpu)
