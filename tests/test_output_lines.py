@@ -18,8 +18,9 @@ import time
 import tty
 from pathlib import Path
 
+import psutil
 import pytest
-from helpers import PATHS, gpu_job_argv, job_argv, settle, wait_for
+from helpers import MPSRUN, PATHS, gpu_job_argv, job_argv, settle, wait_for
 
 from mpsrun.runtime.output import PIPE_BUF, LineWriter
 
@@ -361,3 +362,33 @@ def test_a_reader_that_leaves_early_ends_the_job_at_once(fake_gpu, path):
     assert [line for line in stderr.splitlines() if line.startswith("mpsrun")] == [stderr.splitlines()[0]], stderr
     assert "SIGPIPE" in stderr, stderr  # ('before rank(s) N started' is true of a rank that was slow to join)
     settle(fake_gpu)
+
+
+def test_a_closed_stdout_is_no_traceback(fake_gpu):
+    """`mpsrun --tag-output ... | head -1`: the reader goes away; no traceback, the job ends, nothing is left."""
+    job = subprocess.Popen([*MPSRUN, "-np", "2", "--launcher", "local", "--tag-output", sys.executable, "-c",
+                            "import itertools\nfor i in itertools.count(): print(i, flush=True)"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert job.stdout.readline().startswith("[rank ")
+    job.stdout.close()
+    _, err = job.communicate(timeout=60)
+    ours = [line for line in err.splitlines() if not line.startswith("[rank ")]  # a Python rank's own EPIPE is its own
+    assert not any("Traceback" in line for line in ours), err
+    settle(fake_gpu)
+
+
+def test_an_endless_line_keeps_memory_bounded(fake_gpu):
+    """A rank writing 100 MB with no newline under --tag-output: no process of the job grows past 150 MB."""
+    code = "import sys\nfor _ in range(100): sys.stdout.write('x' * (1 << 20))\nsys.stdout.flush()"
+    job = subprocess.Popen([*MPSRUN, "-np", "1", "--launcher", "local", "--tag-output", sys.executable, "-c", code],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    peak = 0
+    while job.poll() is None:
+        for proc in [*psutil.Process(job.pid).children(recursive=True), psutil.Process(job.pid)]:
+            try:
+                peak = max(peak, proc.memory_info().rss)
+            except psutil.Error:
+                continue
+        job.stdout.read(1 << 22)
+    job.communicate(timeout=60)
+    assert job.returncode == 0 and peak < 150 << 20, peak

@@ -1,6 +1,7 @@
 """Daemons, node keepers and rank supervisors that hang or die under a job: hanging quits waited out together, a
 daemon that dies said once, a stopped keeper or supervisor bounded by --timeout, a stopped daemon that must not
-turn a timeout into a rank's failure, a Ctrl-C that must not cut a daemon's quit. Each was once measured.
+turn a timeout into a rank's failure, a Ctrl-C that must not cut a daemon's quit, and signals while a quit hangs
+(a second Ctrl-C included) that leave nothing behind. Each was once measured.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import sys
 import psutil
 import pytest
 from helpers import (
+    MPSRUN,
     PATHS,
     Output,
+    control_logs,
     daemon_session,
     descendants,
     fake,
@@ -28,6 +31,7 @@ from helpers import (
     settle,
     wait_for,
     wait_processes_gone,
+    wait_ready,
 )
 
 
@@ -192,4 +196,37 @@ def test_a_ctrl_c_to_the_group_does_not_cut_the_daemons_quit(fake_gpu, path):
     err = output.text()
     assert job.returncode == 130, err
     assert "did not quit" not in err and "interrupted by SIGINT while ending the job" in err, err
+    settle(fake_gpu)
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_during_teardown_leaves_nothing(fake_gpu, short_tmp):
+    """A second SIGINT while the job tears down (quit waits for a client): one line, 130, nothing left."""
+    fake_gpu.daemon_env(FAKE_MPS_QUIT_HANG="1")
+    job = subprocess.Popen([*MPSRUN, "-np", "4", "--launcher", "local", "--grace", "1", "--tag-output",
+                            sys.executable, str(fake_gpu.client_command()[1]), "--hold", "60", "--report-dir",
+                            str(short_tmp)], stderr=subprocess.PIPE, text=True)
+    wait_ready(short_tmp, count=4, proc=job)
+    job.send_signal(signal.SIGINT)
+    wait_for(lambda: any("Cmd:quit" in log for log in control_logs(fake_gpu)), what="the teardown did not start",
+             proc=job)  # its quit hangs, waiting for a client
+    job.send_signal(signal.SIGINT)
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == 130, err
+    ours = [line for line in err.splitlines() if not line.startswith("[rank ")]  # a rank's own KeyboardInterrupt
+    assert not any("Traceback" in line for line in ours), err
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.slow
+def test_a_signal_while_quit_hangs_leaves_nothing(fake_gpu, sig):
+    """SIGTERM or SIGHUP while the daemon's quit hangs at teardown: teardown finishes (bounded), nothing is left."""
+    fake_gpu.daemon_env(FAKE_MPS_QUIT_HANG="1")
+    job = subprocess.Popen([*MPSRUN, "-np", "1", "--launcher", "local", "true"], stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: any("Cmd:quit" in log for log in control_logs(fake_gpu)), what="the teardown did not start",
+             proc=job)  # the quit client is running, and hangs
+    job.send_signal(sig)
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == 128 + sig and "Traceback" not in err, err
     settle(fake_gpu)

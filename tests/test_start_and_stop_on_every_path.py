@@ -32,6 +32,7 @@ from helpers import (
     settle,
     wait_for,
 )
+from helpers import mpsrun as run
 
 from mpsrun.runtime.constants import SAME_INTERRUPT
 
@@ -511,3 +512,37 @@ def test_an_interrupt_before_a_per_node_start_is_said_once_per_node(local_rank, 
                          env={**env, "MPI_LOCALRANKID": local_rank, "MPI_LOCALNRANKS": "2"})
     assert out.returncode == 130, out.stderr
     assert len(ours(out.stderr)) == lines and out.stderr.count("interrupted by SIGINT") == lines, out.stderr
+
+
+def test_timeout_bounds_start_up(fake_gpu):
+    """--timeout 2 with a daemon that never answers: exit 124 after about 2 s, and the message quotes the log."""
+    fake_gpu.daemon_env(FAKE_MPS_NO_ANSWER="1")
+    started = time.monotonic()
+    out = run("-np", "2", "--launcher", "local", "--timeout", "2", "true")
+    assert out.returncode == 124, out.stderr
+    assert time.monotonic() - started < 15 and out.stderr.count("\n") == 1
+    assert "timed out after 2 s while the MPS daemons started" in out.stderr
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.2, 0.4])
+def test_a_signal_as_a_hosts_job_starts_stops_its_ranks_at_once(fake_gpu, tmp_path, delay):
+    """SIGTERM to a --hosts job as it starts reaches its ranks at once (exit 143), well within --grace. Before, a
+    signal before the hosts' agents joined was sent to no agent, and one sent with an agent's admission was dropped
+    with it: the ranks ran on until twice --grace had passed (found by the hostile pass, 7 of 7 runs)."""
+    program = tmp_path / "long.py"
+    program.write_text("import time\nfor i in range(600):\n    print(i, flush=True)\n    time.sleep(0.1)\n")
+    job = subprocess.Popen(job_argv("hosts", ["-v", "--grace", "60"], [sys.executable, str(program)]),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while "ranks starting" not in job.stderr.readline():
+            pass
+        time.sleep(delay)
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=40)  # the ranks' SIGTERM comes at once, not after --grace 60
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    assert job.returncode == 143, err
+    assert "Traceback" not in err
+    settle(fake_gpu)

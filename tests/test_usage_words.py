@@ -4,6 +4,9 @@ Measured before: `--np 4` was "did you mean --mps?", torchrun's `--nproc-per-nod
 `--grace -1` "must be a number of seconds below 1,000,000,000", `env.py` alone "command not found", `--hosts
 localhost:0` reached Hydra (SIGFPE, exit 136) and a huge slot count made it spin a core, the subcommands printed
 argparse's usage block, and `--mps off` said "running without MPS: MPS is off".
+
+Also: quirky values refused, options that do nothing said to do nothing, and any command line at all (fuzzed) ending
+in a documented code with one line, never a traceback.
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import mpiexec, mpsrun
+from helpers import MPSRUN, mpiexec, mpsrun, settle, wait_processes_gone
+from helpers import mpsrun as run
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 
 def one_line(out) -> str:
@@ -279,3 +285,65 @@ def test_a_relative_path_in_a_removed_working_directory_is_named(fake_gpu, tmp_p
     assert out.returncode == 2, out.stderr
     assert out.stderr.count("\n") == 1 and options[0] in out.stderr, out.stderr
     assert f"working directory ({tmp_path / 'gone'}) was removed" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["-np", "\u0663", "true"], "whole number"),
+    (["--thread-percentage", "1e2", "true"], "whole number from 1 to 100"),
+    (["--mem-limit", "99999999999999999999999T", "true"], "between 1M and 1024T"),
+    (["--hosts", "a", "--hostfile", "/etc/hostname", "true"], "not both"),
+])
+def test_quirky_values_are_refused(fake_gpu, argv, message):
+    """Values once accepted or rounded silently are refused in one line with exit 2."""
+    out = run(*argv)
+    assert out.returncode == 2 and message in out.stderr and out.stderr.count("\n") == 1, out.stderr
+
+
+def test_grace_zero_in_any_spelling(fake_gpu):
+    """--grace 0 and --grace 0.00 mean the same."""
+    for value in ("0", "0.00"):
+        assert run("--launcher", "local", "--grace", value, "true").returncode == 0
+
+
+def test_options_without_effect_say_so(fake_gpu):
+    """--thread-percentage, --mem-limit and --priority under --mps off are warned about, not dropped silently."""
+    out = run("--launcher", "local", "--mps", "off", "--thread-percentage", "50", "--mem-limit", "1G", "true")
+    assert out.returncode == 0
+    assert "--thread-percentage, --mem-limit have no effect without MPS" in out.stderr
+
+
+def test_an_ambiguous_gpu_uuid_prefix_is_refused(fake_gpu):
+    """A UUID prefix that names several GPUs is refused (it used to pick the first)."""
+    fake_gpu.gpus.append({**fake_gpu.gpus[0], "uuid": "GPU-00000000-fake-second"})
+    (fake_gpu.nvml_dir / "gpus.json").write_text(__import__("json").dumps(fake_gpu.gpus))
+    out = run("--launcher", "local", "--gpus", "GPU-0000", "true")
+    assert out.returncode == 2 and "names 2 GPUs" in out.stderr
+
+
+_WORDS = st.sampled_from(["-np", "2", "3", "--launcher", "local", "--mps", "off", "auto", "--tag-output", "--grace",
+                          "0", "--timeout", "9", "--gpus", "0", "all", "--thread-percentage", "auto", "50,50",
+                          "--map-by", "round-robin", "--mem-limit", "1G", "-v", "-q", "--", "-m", "true", "false",
+                          "nosuchprogram", "--keep-logs", "--priority", "1"])
+
+
+@pytest.mark.timeout(300)  # 15 jobs: about 60 s beside the other tests, more on a loaded machine
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.one_of(_WORDS, st.text(max_size=8)), max_size=8))
+@example(words=["-m"])  # found in CI: `mpsrun -m true`, a rank's own ImportError traceback
+@example(words=["timeout"])  # found in a fresh run: coreutils' `timeout true` exits 125, the rank's own code
+@pytest.mark.slow
+def test_any_command_line_gives_a_documented_code(fake_gpu, words):
+    """Whatever the command line (with a fast command at the end), mpsrun exits 0, 2, the rank's own code, 126 or
+    127, with no traceback of its own and nothing left behind. The ranks' output is tagged, so a rank's own
+    traceback (`-m true`: Python's runner finds no module `true`) is told apart."""
+    words = [w for w in words if "\x00" not in w]
+    out = subprocess.run([*MPSRUN, "--tag-output", *words, "true"], capture_output=True, timeout=120,
+                         env={**os.environ, "MPSRUN_KEEP_LOGS": "0"})
+    own = f"exited with code {out.returncode} first".encode() in out.stderr  # the rank's own code, said so
+    assert out.returncode in (0, 1, 2, 126, 127) or own, out.stderr
+    ours = [line for line in out.stderr.splitlines() if not line.startswith(b"[rank ")]
+    assert not any(b"Traceback" in line for line in ours), out.stderr
+    if "--keep-logs" in words:  # it keeps the session on purpose: once its processes are gone, clean it up
+        wait_processes_gone(fake_gpu)
+        subprocess.run([*MPSRUN, "cleanup"], capture_output=True, timeout=60)
+    settle(fake_gpu)
