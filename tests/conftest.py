@@ -113,7 +113,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """The run leaves nothing in /tmp or /dev/shm: the second user's Python (tests/test_faults.py); what MPICH left of
+    """The run leaves nothing in /tmp or /dev/shm: the second user's Python (tests/test_other_users.py); what MPICH left of
     the tests that run mpiexec or mpi4py bare, as mpsrun removes it after its own jobs (made since the run began, and
     held by no process: a concurrent run's are in use); and, when every test passed, pytest's own base directory
     (it keeps the last three; a failed run's stays, to look at). Under xdist the controller does it, once every

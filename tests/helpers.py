@@ -351,7 +351,7 @@ def building_from_source() -> Any:
 
 
 def other_user_venv() -> Path:
-    """Where this test run's second user gets its Python (tests/test_faults.py); removed when the run ends."""
+    """Where this test run's second user gets its Python (tests/test_other_users.py); removed when the run ends."""
     return Path(f"/tmp/mpsrun-other-venv-{os.environ.get('MPSRUN_TEST_RUN', os.getpid())}")
 
 

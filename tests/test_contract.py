@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from helpers import PATHS, PROGRAMS, fake, job_argv, settle, supervisors, wait_ready
+from helpers import PATHS, PROGRAMS, fake, job_argv, mpsrun, settle, supervisors, wait_ready
 
 pytestmark = pytest.mark.mpiexec
 
@@ -131,3 +131,22 @@ def test_tagged_partial_lines_are_never_merged(fake_gpu, clean_tmp, path):
     assert sorted(out.stdout.splitlines()) == sorted(
         [f"[rank {r}] full-{r}" for r in range(3)] + [f"[rank {r}] partial-{r}" for r in range(3)])
     settle(fake_gpu)
+
+
+def test_segfaulting_rank_gives_139(fake_gpu):
+    """A rank killed by SIGSEGV makes mpsrun exit 139 and name the signal."""
+    code = "import os, signal, sys; os.environ['RANK'] == '1' and os.kill(os.getpid(), signal.SIGSEGV)"
+    out = mpsrun("-np", 2, "--launcher", "local", sys.executable, "-c", code)
+    assert out.returncode == 139
+    assert "rank 1" in out.stderr and "SIGSEGV" in out.stderr
+
+
+def test_fatal_gpu_fault_reports_the_torn_down_ranks(fake_gpu, short_tmp):
+    """One rank's fatal GPU fault, once every rank is a client, tears down every client; mpsrun names the first rank
+    to fail, says what the MPS log shows, and lists the ranks the server tore down."""
+    out = mpsrun("-np", 3, "--launcher", "local", "--grace", "1",
+                 *fake("--hold", "20", "--fault-rank", "1", "--report-dir", str(short_tmp)))
+    assert out.returncode == 1
+    assert "cudaErrorIllegalAddress" in out.stderr
+    assert "a client hit a fatal GPU error" in out.stderr
+    assert "rank(s) 0-2 were torn down by the MPS server after the fatal GPU fault" in out.stderr

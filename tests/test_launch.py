@@ -4,6 +4,7 @@ Every test runs the real CLI in a subprocess; the fake_gpu fixture then checks t
 process of the job (rank, daemon, server) survived and that no session directory is left.
 """
 
+import json
 import os
 import shutil
 import signal
@@ -11,6 +12,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from helpers import PATHS, PROGRAMS, fake, mpiexec, mpsrun, reports, run_job, wait_ready
@@ -245,3 +247,32 @@ def test_output_filename_gives_each_rank_its_files(path, fake_gpu, tmp_path):
         assert (directory / "stdout").read_text() == f"out {rank}\n"
         assert (directory / "stderr").read_text() == f"err {rank}\n"
         assert stat.S_IMODE(directory.stat().st_mode) == 0o777 & ~umask
+
+
+@pytest.mark.parametrize("launcher", ["local", "mpiexec"])
+def test_awkward_arguments_reach_the_rank_intact(fake_gpu, launcher):
+    """Spaces, quotes, ;, $(...), globs and non-UTF-8 bytes reach the rank unchanged: no shell anywhere."""
+    if launcher == "mpiexec" and shutil.which("mpiexec", path=os.path.dirname(sys.executable)) is None:
+        pytest.skip("no mpiexec")
+    awkward = ["a b", '"quoted"', "it's", "x;y", "$(touch /tmp/mpsrun-pwned)", "*", "\\n", os.fsdecode(b"caf\xe9")]
+    code = "import os, sys; sys.stdout.buffer.write(repr([os.fsencode(a) for a in sys.argv[1:]]).encode())"
+    args = ["-np", "1", "--launcher", launcher]
+    if launcher == "mpiexec":
+        args += ["--mpiexec", shutil.which("mpiexec", path=os.path.dirname(sys.executable))]
+    out = subprocess.run([sys.executable, "-m", "mpsrun", *args, sys.executable, "-c", code, *awkward],
+                         capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.decode() == repr([os.fsencode(a) for a in awkward])
+    assert not Path("/tmp/mpsrun-pwned").exists()
+
+
+def test_two_jobs_at_once_on_the_same_gpu_each_get_their_own_daemon(fake_gpu, short_tmp):
+    """Two mpsrun jobs on one GPU at the same time: separate daemons and directories, both succeed."""
+    reports = [short_tmp / "a", short_tmp / "b"]
+    for directory in reports:
+        directory.mkdir()
+    jobs = [subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "local",
+                              *fake("--report-dir", str(d), "--hold", "2")]) for d in reports]
+    assert [job.wait(timeout=60) for job in jobs] == [0, 0]
+    pipes = [{json.loads(p.read_text())["env"]["CUDA_MPS_PIPE_DIRECTORY"] for p in d.glob("*.json")} for d in reports]
+    assert len(pipes[0]) == len(pipes[1]) == 1 and pipes[0] != pipes[1]

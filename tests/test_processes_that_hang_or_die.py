@@ -230,3 +230,17 @@ def test_a_signal_while_quit_hangs_leaves_nothing(fake_gpu, sig):
     _, err = job.communicate(timeout=120)
     assert job.returncode == 128 + sig and "Traceback" not in err, err
     settle(fake_gpu)
+
+
+def test_daemon_killed_under_a_running_job(fake_gpu, short_tmp):
+    """Killing the daemon under a running job fails the job and the summary says the daemon stopped."""
+    job = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", "local", "--grace", "1",
+                            *fake("--report-dir", str(short_tmp), "--hold", "60")],
+                           stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: len(list(short_tmp.glob("*.json"))) == 2)
+    [root] = fake_gpu.session_dirs()
+    daemon_pid = json.loads((root / "session.json").read_text())["daemons"][0]["process"]["pid"]
+    os.killpg(daemon_pid, signal.SIGKILL)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode != 0
+    assert "MPS control daemon" in err and ("died under the job" in err or "stopped" in err)

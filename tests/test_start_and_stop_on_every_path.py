@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -546,3 +547,20 @@ def test_a_signal_as_a_hosts_job_starts_stops_its_ranks_at_once(fake_gpu, tmp_pa
     assert job.returncode == 143, err
     assert "Traceback" not in err
     settle(fake_gpu)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("launcher", ["local", "mpiexec"])
+def test_an_interrupt_during_start_up_is_one_line(fake_gpu, sig, launcher):
+    """A signal while the daemon starts (one that never answers): one line, exit 128+N, nothing left."""
+    fake_gpu.daemon_env(FAKE_MPS_NO_ANSWER="1")
+    where = ["--mpiexec", shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"] \
+        if launcher == "mpiexec" else []
+    job = subprocess.Popen([sys.executable, "-m", "mpsrun", "-np", "2", "--launcher", launcher, *where, "true"],
+                           stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: list(fake_gpu.tmpdir.rglob("control.log")), proc=job)  # the daemon was started
+    job.send_signal(sig)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 128 + sig
+    assert err == f"mpsrun: error: interrupted by {signal.Signals(sig).name}\n"
+    wait_for(lambda: not fake_gpu.session_dirs() and not fake_gpu.orphans())
