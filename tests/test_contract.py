@@ -7,6 +7,7 @@ server, session directory, lock file or temporary file may be left (the fake_gpu
 checks processes and session directories; this module checks $TMPDIR too).
 """
 
+import json
 import os
 import re
 import signal
@@ -14,8 +15,9 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
-from helpers import PATHS, PROGRAMS, fake, job_argv, mpsrun, settle, supervisors, wait_ready
+from helpers import FAKECUDA, PATHS, PROGRAMS, daemon_session, fake, job_argv, mpsrun, settle, supervisors, wait_ready
 
 pytestmark = pytest.mark.mpiexec
 
@@ -150,3 +152,78 @@ def test_fatal_gpu_fault_reports_the_torn_down_ranks(fake_gpu, short_tmp):
     assert "cudaErrorIllegalAddress" in out.stderr
     assert "a client hit a fatal GPU error" in out.stderr
     assert "rank(s) 0-2 were torn down by the MPS server after the fatal GPU fault" in out.stderr
+
+
+@pytest.mark.parametrize("path", ["local", "mpiexec"])
+def test_twenty_instantly_failing_ranks(fake_gpu, path):
+    """20 ranks that all fail at once: the first failure's code, one line, no traceback (descriptor reuse)."""
+    out = subprocess.run(job_argv(path, [], ["sh", "-c", "exit 3"], ranks=20), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 3, out.stderr
+    assert "Traceback" not in out.stderr and out.stderr.count(" first") == 1, out.stderr
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_file_that_cannot_be_executed_gives_126(fake_gpu, short_tmp, path):
+    """A command that exists but cannot be executed gives 126 (as a shell does), not 127."""
+    script = short_tmp / "noexec.sh"
+    script.write_text("echo hi\n")
+    script.chmod(0o644)
+    out = subprocess.run(job_argv(path, [], [str(script)]), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 126, out.stderr
+    assert "Permission denied" in out.stderr
+    settle(fake_gpu)
+
+
+@pytest.mark.parametrize("log", ["as it was", "with a 20 MB last line"])
+@pytest.mark.parametrize("path", PATHS)
+def test_the_daemon_dying_under_the_job_gives_3(fake_gpu, short_tmp, path, log):
+    """The MPS daemon killed under running ranks: exit 3 on every path, the summary says the daemon died, quoting
+    its log's last line cut to a line of ours. With a 20 MB last line (a rank can write the log) a node keeper's
+    word was past what its link takes: --per-node exited 143 without a word, --hosts 137 blaming the keeper."""
+    from mpsrun.runtime.output import LINE_MOST
+
+    job = subprocess.Popen(job_argv(path, ["--grace", "1"], [sys.executable, str(FAKECUDA), "--hold", "60",
+                                                             "--report-dir", str(short_tmp)]),
+                           stderr=subprocess.PIPE, text=True)
+    wait_ready(short_tmp, proc=job)
+    root = daemon_session(fake_gpu)
+    if log != "as it was":
+        with (root / "gpu0" / "log" / "control.log").open("a") as stream:
+            stream.write("x" * 20_000_000)
+    daemon = json.loads((root / "session.json").read_text())["daemons"][0]["process"]["pid"]
+    os.killpg(daemon, signal.SIGKILL)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 3, err[:3000]
+    assert "MPS control daemon of GPU 0 died under the job" in err and max(map(len, err.splitlines())) <= LINE_MOST
+    settle(fake_gpu)
+
+
+SLOW_CLEANUP = ("import os, signal, sys, time\n"
+                "def stop(*_):\n"
+                "    time.sleep(2); open(os.path.join(os.environ['MARK'], os.environ['RANK']), 'w').close(); sys.exit(0)\n"
+                "signal.signal(signal.SIGINT, stop)\n"
+                "open(os.path.join(os.environ['MARK'], 'ready' + os.environ['RANK']), 'w').close()\n"
+                "time.sleep(60)\n")
+
+
+@pytest.mark.parametrize("path", ["per-node", "mpiexec"])
+def test_one_interrupt_per_rank_is_not_a_second_ctrl_c(fake_gpu, short_tmp, monkeypatch, path):
+    """srun (and Hydra for its mpiexec) hands one SIGINT to every rank: that is one interrupt, so the ranks get
+    their --grace to clean up instead of being killed at once."""
+    monkeypatch.setenv("MARK", str(short_tmp))
+    job = subprocess.Popen(job_argv(path, ["--grace", "10"], [sys.executable, "-c", SLOW_CLEANUP]),
+                           stderr=subprocess.PIPE, text=True)
+    wait_ready(short_tmp, pattern="ready*", proc=job)
+    if path == "per-node":
+        targets = supervisors(job, path)
+    else:
+        targets = [p.pid for p in psutil.Process(job.pid).children() if "mpiexec" in p.name()]
+    for pid in targets:
+        os.kill(pid, signal.SIGINT)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 130, err
+    assert sorted(p.name for p in short_tmp.iterdir() if p.name.isdigit()) == ["0", "1", "2"], err
+    assert "second interrupt" not in err
+    settle(fake_gpu)

@@ -14,8 +14,9 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
-from helpers import PATHS, PROGRAMS, fake, mpiexec, mpsrun, reports, run_job, wait_ready
+from helpers import PATHS, PROGRAMS, fake, job_argv, mpiexec, mpsrun, reports, run_job, settle, wait_ready
 
 PROBE = PROGRAMS / "mpi_probe.py"
 
@@ -276,3 +277,45 @@ def test_two_jobs_at_once_on_the_same_gpu_each_get_their_own_daemon(fake_gpu, sh
     assert [job.wait(timeout=60) for job in jobs] == [0, 0]
     pipes = [{json.loads(p.read_text())["env"]["CUDA_MPS_PIPE_DIRECTORY"] for p in d.glob("*.json")} for d in reports]
     assert len(pipes[0]) == len(pipes[1]) == 1 and pipes[0] != pipes[1]
+
+
+@pytest.mark.mpiexec
+@pytest.mark.parametrize("path", ["local", "mpiexec"])
+def test_standard_input_goes_to_rank_0(fake_gpu, path):
+    """mpsrun's stdin reaches rank 0, as under mpirun, through the local launcher and the default one (MPICH's
+    Hydra); under the local launcher the other ranks read an empty stdin (Hydra never ends theirs: they do not read
+    it here). docs/command-line.md says so (it did not)."""
+    code = ("import os, sys\nif os.environ['RANK'] == '0' or sys.argv[1] == 'local':\n"
+            "    os.write(1, f\"{os.environ['RANK']} read {sys.stdin.read()!r}\\n\".encode())\n")
+    out = subprocess.run(job_argv(path, [], [sys.executable, "-c", code, path], ranks=3), input="hello\n",
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    expected = ["0 read 'hello\\n'"] + (["1 read ''", "2 read ''"] if path == "local" else [])
+    assert sorted(out.stdout.splitlines()) == expected, out.stdout
+    settle(fake_gpu)
+
+
+@pytest.mark.mpiexec
+@pytest.mark.parametrize("path", PATHS)
+def test_a_grandchild_that_ignores_sigterm_does_not_survive(fake_gpu, short_tmp, monkeypatch, path):
+    """When the job stops, a rank's child that ignores SIGTERM is killed with the rank's process group."""
+    monkeypatch.setenv("MARK", str(short_tmp))
+    code = ("import os, signal, subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import os, signal, time; "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "mark = os.environ[\"MARK\"] + \"/\" + os.environ[\"RANK\"]; "
+            "open(mark + \".tmp\", \"w\").write(str(os.getpid())); os.rename(mark + \".tmp\", mark); "
+            "time.sleep(300)'])\n"
+            "if os.environ['RANK'] == '1':  # once every rank's child ignores SIGTERM\n"
+            "    end = time.monotonic() + 60\n"
+            "    while sum(n.isdigit() for n in os.listdir(os.environ['MARK'])) < 3 and time.monotonic() < end:\n"
+            "        time.sleep(0.02)\n"
+            "    sys.exit(7)\n"
+            "time.sleep(300)\n")
+    out = subprocess.run(job_argv(path, ["--grace", "1"], [sys.executable, "-c", code]), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 7, out.stderr
+    children = [int(p.read_text()) for p in short_tmp.iterdir() if p.name.isdigit()]
+    assert len(children) == 3
+    settle(fake_gpu)
+    assert not [pid for pid in children if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]

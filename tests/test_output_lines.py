@@ -392,3 +392,14 @@ def test_an_endless_line_keeps_memory_bounded(fake_gpu):
         job.stdout.read(1 << 22)
     job.communicate(timeout=60)
     assert job.returncode == 0 and peak < 150 << 20, peak
+
+
+@pytest.mark.mpiexec
+def test_a_long_tagged_line_stays_one_line(fake_gpu):
+    """--tag-output keeps a 200 kB line as one tagged line (pieces only past 1 MiB)."""
+    code = "import sys; sys.stdout.write('x' * 200000 + '\\n')"
+    out = subprocess.run(job_argv("local", ["--tag-output"], [sys.executable, "-c", code], ranks=2),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert sorted(len(line) for line in out.stdout.splitlines()) == [200009, 200009]
+    settle(fake_gpu)

@@ -6,15 +6,17 @@ the ranks are started the way srun starts them (SLURM_* variables), each as its 
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
 import pytest
-from helpers import FAKECUDA, wait_ready
+from helpers import FAKECUDA, descendants, job_argv, reports, settle, wait_ready
 
 from mpsrun.agent.pernode import run_per_node
 from mpsrun.agent.uplink import join_command
@@ -246,3 +248,120 @@ def test_a_rank_refused_as_its_nodes_last_waits_until_the_keeper_is_gone(fake_gp
     assert late.returncode == 2 and "started with other mpsrun options" in err, err
     assert not keeper[0].is_running() or keeper[0].status() == psutil.STATUS_ZOMBIE
     assert leftovers(node) == []
+
+
+@pytest.mark.mpiexec
+def test_sigkill_to_mpiexec_under_per_node_leaves_nothing(fake_gpu, short_tmp):
+    """SIGKILL to the mpiexec running per-node ranks: the node keeper sees every rank go, stops the daemons and
+    removes the node's session; nothing is left on the node (no lock file either)."""
+    job = subprocess.Popen(job_argv("per-node", ["--grace", "1"], [sys.executable, str(FAKECUDA), "--hold", "60",
+                                                                   "--report-dir", str(short_tmp)]),
+                           stderr=subprocess.DEVNULL)
+    wait_ready(short_tmp, proc=job)
+    job.kill()
+    job.wait()
+    settle(fake_gpu)
+    root = fake_gpu.tmpdir / f"mpsrun-{os.getuid()}"
+    assert sorted(p.name for p in root.iterdir()) == []
+
+
+@pytest.mark.mpiexec
+def test_per_node_applies_lists_by_rank_and_sets_world_size(fake_gpu, short_tmp):
+    """--per-node takes a per-rank thread-percentage list by rank (never dropped) and sets WORLD_SIZE."""
+    out = subprocess.run(job_argv("per-node", ["--mps", "on", "--thread-percentage", "10,20,30"],
+                                  [sys.executable, str(FAKECUDA), "--report-dir", str(short_tmp)]),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    seen = reports(short_tmp)
+    assert {r: p["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] for r, p in seen.items()} == {0: "10", 1: "20", 2: "30"}
+    assert {p["env"]["WORLD_SIZE"] for p in seen.values()} == {"3"} and all(p["mps"] for p in seen.values())
+    settle(fake_gpu)
+
+
+@pytest.mark.mpiexec
+@pytest.mark.parametrize(("options", "message"), [
+    (["--thread-percentage", "10,20"], "lists 2 values but there are 3 ranks"),
+    (["-np", "4"], "-np 4, but the launcher started 3 ranks"),
+])
+def test_per_node_refuses_what_it_cannot_honour(fake_gpu, options, message):
+    """A per-rank list of the wrong length, or an -np the launcher contradicts, is refused with exit 2."""
+    out = subprocess.run(job_argv("per-node", options, [sys.executable, "-c", "pass"]), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr
+    settle(fake_gpu)
+
+
+@pytest.mark.mpiexec
+def test_a_leaked_per_node_session_is_cleaned_by_the_next(fake_gpu, short_tmp):
+    """A node session whose keeper was SIGKILLed (its reaper too) is removed by the next per-node job on the node
+    or by mpsrun cleanup, daemons included."""
+    job = subprocess.Popen(job_argv("per-node", ["--grace", "1"], [sys.executable, str(FAKECUDA), "--hold", "60",
+                                                                   "--report-dir", str(short_tmp)]),
+                           stderr=subprocess.DEVNULL)
+    wait_ready(short_tmp, proc=job)
+    [root] = fake_gpu.session_dirs()
+    record = json.loads((root / "session.json").read_text())
+    keeper = psutil.Process(record["owner"]["pid"])
+    reaper = descendants(keeper.pid, "mpsrun.session.reaper")
+    for proc in (*reaper, keeper):
+        proc.send_signal(signal.SIGKILL)
+    job.wait(timeout=60)
+    out = subprocess.run([sys.executable, "-m", "mpsrun", "cleanup"], capture_output=True, text=True, timeout=60)
+    assert f"{root.name}: removed" in out.stdout, out.stdout + out.stderr
+    settle(fake_gpu)
+
+
+@pytest.mark.mpiexec
+def test_per_node_ranks_that_end_before_others_join_still_share_one_verdict(fake_gpu):
+    """Per-node ranks that finish before the node's others even join: one node session for all (the keeper waits
+    for the ranks the launcher announced), one exit code (the first failure's), one summary."""
+    out = subprocess.run(job_argv("per-node", [], ["sh", "-c", "exit $((RANK+3))"]), capture_output=True, text=True,
+                         timeout=120)
+    first = re.search(r"rank (\d) \(pid \d+\) exited with code (\d) first", out.stderr)
+    assert first and int(first.group(2)) == int(first.group(1)) + 3, out.stderr
+    assert out.returncode == int(first.group(2)) and out.stderr.count(" first") == 1, out.stderr
+    assert "went away" not in out.stderr
+    settle(fake_gpu)
+
+
+@pytest.mark.mpiexec
+def test_per_node_first_rank_failing_at_once_stops_the_late_ones(fake_gpu):
+    """Rank 0 fails before the others have joined: they are stopped (or refused) at once, not run to their end."""
+    started = time.monotonic()
+    out = subprocess.run(job_argv("per-node", ["--grace", "1"], ["sh", "-c", "[ $RANK = 0 ] && exit 9; sleep 30"],
+                                  ranks=4), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 9, out.stderr
+    assert time.monotonic() - started < 20
+    settle(fake_gpu)
+
+
+@pytest.mark.mpiexec
+def test_per_node_keeps_logs_and_the_next_job_keeps_them_too(fake_gpu):
+    """--keep-logs under --per-node with instant ranks keeps the node's session and says where, once (a hostile pass
+    saw it said twice); a later job leaves kept logs alone; mpsrun cleanup removes them."""
+    out = subprocess.run(job_argv("per-node", ["--keep-logs"], ["true"]), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    [kept] = fake_gpu.session_dirs()
+    assert f"kept session logs in {kept}" in out.stderr and out.stderr.count(str(kept)) == 1, out.stderr
+    again = subprocess.run(job_argv("local", [], ["true"]), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and fake_gpu.session_dirs() == [kept]
+    cleaned = subprocess.run([sys.executable, "-m", "mpsrun", "cleanup"], capture_output=True, text=True, timeout=60)
+    assert f"{kept.name}: removed" in cleaned.stdout, cleaned.stdout
+    settle(fake_gpu)
+
+
+@pytest.mark.mpiexec
+@pytest.mark.parametrize("path", ["per-node", "hosts"])
+def test_per_node_says_what_the_keeper_sees(fake_gpu, short_tmp, path):
+    """Under --per-node the node keeper's words reach the user: a rank that misses the daemon under --mps auto is
+    warned about (as under the launcher), through one of the node's ranks."""
+    elsewhere = short_tmp / "elsewhere"
+    elsewhere.mkdir()
+    program = ["sh", "-c", f'if [ $RANK = 2 ]; then export CUDA_MPS_PIPE_DIRECTORY={elsewhere}; fi; '
+                           f'exec {sys.executable} {FAKECUDA} --hold 3']
+    out = subprocess.run(job_argv(path, ["--mps", "auto"], program), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"rank 2 \(pid \d+\) uses GPU 0 without MPS", out.stderr), out.stderr
+    settle(fake_gpu)
