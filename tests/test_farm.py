@@ -94,8 +94,9 @@ def test_every_task_runs_once_on_its_slot_and_its_result_is_a_line(fake_gpu, tmp
     lines = results(out)
     assert sorted(line["id"] for line in lines) == list(range(12))
     assert {line["slot"] for line in lines} <= {0, 1, 2} and len({line["slot"] for line in lines}) > 1
-    assert all(line["exit_code"] == 0 and line["cause"] == "ok" and line["tries"] == 1 and line["gpu"] == 0
-               and line["wall"] >= 0.2 and line["mps"] is True for line in lines), lines
+    fields = ("exit_code", "cause", "tries", "gpu", "mps")
+    assert [{name: line[name] for name in fields} for line in lines] == [dict(zip(fields, (0, "ok", 1, 0, True)))] * 12
+    assert min(line["wall"] for line in lines) >= 0.2
     assert not fake_gpu.session_dirs()
 
 

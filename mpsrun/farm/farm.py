@@ -78,14 +78,15 @@ def slots_of(session: Session, plans: Sequence[RankPlan], queues: Queues) -> lis
 
 
 class Running:
-    """A task running in a slot: its process, when it began, its output, and its try."""
+    """A task running in a slot: its process, when it began (``began`` on the monotonic clock, ``start`` since the
+    epoch, both taken before it was started: its wall time holds all of its life), its output, and its try."""
 
     __slots__ = ("alone", "began", "output", "process", "start", "task", "tries")
 
     def __init__(self, task: Task, tries: int, process: subprocess.Popen[bytes], output: RankOutput | None,
-                 alone: bool) -> None:
+                 alone: bool, began: float, start: float) -> None:
         self.task, self.tries, self.process, self.output, self.alone = task, tries, process, output, alone
-        self.began, self.start = time.monotonic(), time.time()
+        self.began, self.start = began, start
 
 
 class Tally:
@@ -195,6 +196,7 @@ class Farm:
             self._record(slot, task, tries, code, None, time.time(), None, None)
             self.loop.after(0, self._free)
             return
+        began, start = time.monotonic(), time.time()
         try:
             process, output = self._start(task, program, env)
         except OSError as exc:
@@ -206,7 +208,7 @@ class Farm:
             self._record(slot, task, tries, code, None, time.time(), None, None)
             self.loop.after(0, self._free)
             return
-        slot.running = Running(task, tries, process, output, alone)
+        slot.running = Running(task, tries, process, output, alone, began, start)
         self.active[slot.index] = slot
         if output is not None:
             output.forward()

@@ -155,6 +155,7 @@ class RankSupervisor:
         """Start the rank: its output to ``files`` (stdout, stderr) when given, else through pipes (or terminals) of
         ours, passed on in whole lines."""
         self._abort_channel()
+        began = time.monotonic()  # before the start: the rank's wall time holds all of its life
         try:
             outputs = list(files) or self.output.open()
             self.process = subprocess.Popen(
@@ -168,7 +169,7 @@ class RankSupervisor:
         # inheritable) and stay open here too until this process ends, as a plain rank holds them: Hydra's proxy
         # spins a core from the moment a rank's PMI connection closes until its process is gone.
         pid = self.process.pid
-        self.began = time.monotonic()
+        self.began = began
         self.link.send(Started(self.rank, pid, start_ticks(pid), socket.gethostname()))
         exit_fd = pidfd(pid)
         if exit_fd is None:
