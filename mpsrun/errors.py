@@ -242,6 +242,14 @@ class RecordError(MPSError, ValueError):
     """A session.json that cannot be read or does not hold a session record."""
 
 
+class LockHeldError(MPSError, TimeoutError):
+    """Another process of the user held the lock on the session root past the wait. Attributes: ``path`` (the
+    root), ``seconds`` (the wait)."""
+
+    def __init__(self, message: str, *, path: str = "", seconds: float = 0.0) -> None:
+        super().__init__(message, path=path, seconds=seconds)
+
+
 class HandoffError(MPSError):
     """A shared region could not be had: its publisher failed, or the deadline passed."""
 

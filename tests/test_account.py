@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import MPSRUN, PATHS, fake, job_argv, settle, wait_for
+from helpers import MPSRUN, PATHS, fake, job_argv, run_job, settle, wait_for
 
 from mpsrun.agent.account import RankAccount, Report, account_lines, memory_hint, report_path
 from mpsrun.mps import usage
@@ -269,6 +269,21 @@ def test_a_report_to_a_full_device_is_one_line_and_exit_3(fake_gpu, short_tmp):
     assert os.stat(full, follow_symlinks=False).st_mode & 0o170000 == 0o020000, "the device node was replaced"
     assert out.returncode == 3 and out.stderr.count("\n") == 1, (out.returncode, out.stderr)
     assert out.stderr.startswith(f"mpsrun: cannot write the report {full}: No space left on device"), out.stderr
+    settle(fake_gpu)
+
+
+def test_a_per_node_report_onto_a_device_is_written_there_and_nothing_beside_it(fake_gpu, short_tmp):
+    """A bare --per-node job's --report onto a device (a char device 1:7, what /dev/full is) is written as it stands,
+    as on the other paths: the node says in one line that it cannot, with the job's exit code. Each node wrote a new
+    regular file beside it instead (FILE.HOST: as root, /dev/full.node01 in /dev) and said nothing."""
+    full = short_tmp / "full"
+    try:
+        os.mknod(full, 0o020666, os.makedev(1, 7))
+    except (PermissionError, OSError) as exc:
+        pytest.skip(f"cannot make a device node here: {exc}")
+    out = run_job("per-node", ["--report", str(full)], ["true"], ranks=2)
+    assert sorted(p.name for p in short_tmp.iterdir()) == ["full"]
+    assert out.returncode == 0 and out.stderr.count(f"cannot write the report {full}: No space left") == 1, out.stderr
     settle(fake_gpu)
 
 

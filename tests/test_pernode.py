@@ -4,6 +4,7 @@ Each simulated node has its own node-local directory (MPSRUN_TMPDIR) and name (M
 the ranks are started the way srun starts them (SLURM_* variables), each as its own mpsrun.
 """
 
+import fcntl
 import json
 import os
 import re
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import FAKECUDA, descendants, job_argv, reports, settle, wait_ready
+from helpers import FAKECUDA, descendants, job_argv, reports, run_job, settle, wait_ready
 
 from mpsrun.agent.pernode import run_per_node
 from mpsrun.agent.uplink import join_command
@@ -158,6 +159,27 @@ def test_per_node_without_launcher_variables_is_a_setup_error(fake_gpu, monkeypa
     out = subprocess.run([sys.executable, "-m", "mpsrun", "--per-node", sys.executable, "-c", "pass"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 3 and "no local-rank variable" in out.stderr
+    assert leftovers(Path(os.environ["MPSRUN_TMPDIR"])) == []
+
+
+@pytest.mark.mpiexec
+@pytest.mark.parametrize("path", ["per-node", "hosts"])
+def test_a_held_lock_on_the_session_root_ends_a_node_start_at_its_timeout(fake_gpu, path):
+    """A process of the user that holds the lock on the session root (a rank of an earlier job can leave one behind)
+    holds a node's start no longer than --timeout: exit 124 at the timeout, naming the lock, with nothing left.
+    (The lock was waited for 60 s, then exit 3.)"""
+    root = Path(os.environ["MPSRUN_TMPDIR"]) / f"mpsrun-{os.getuid()}"
+    root.mkdir(mode=0o700)
+    held = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        out = run_job(path, ["--timeout", "3"], ["true"], ranks=2, timeout=45)
+    finally:
+        os.close(held)
+    assert out.returncode == 124, out.stderr
+    assert "timed out after 3 s" in out.stderr, out.stderr
+    if path == "per-node":  # (under --hosts the command's own timeout ends the job, as it would any node's start)
+        assert f"holds the lock on {root}" in out.stderr, out.stderr
     assert leftovers(Path(os.environ["MPSRUN_TMPDIR"])) == []
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -132,11 +133,21 @@ def to_say(accounts: Sequence[RankAccount], config: JobConfig) -> tuple[list[str
 
 def report_path(path: str, per_host: bool) -> str:
     """Where a report goes: ``path``, or under a bare ``--per-node`` job (each node writes its own ranks')
-    ``path`` with the host's name before its suffix (``job.json`` -> ``job.node01.json``)."""
-    if not per_host:
+    ``path`` with the host's name before its suffix (``job.json`` -> ``job.node01.json``). A FIFO or a device is
+    written as it stands on every path (a file made beside it would be left there: ``/dev/full.node01``)."""
+    if not per_host or _special(path):
         return path
     stem, suffix = os.path.splitext(path)
     return f"{stem}.{socket.gethostname()}{suffix}"
+
+
+def _special(path: str) -> bool:
+    """Whether ``path`` is (through links) a FIFO, a device or a socket."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
 def _version() -> str | None:

@@ -25,12 +25,18 @@ from pathlib import Path
 from typing import IO, Any, NamedTuple, cast
 
 from mpsrun.config.options import JobConfig
-from mpsrun.errors import ConfigError, InterruptionError, JoinError, MPSError
+from mpsrun.errors import ConfigError, InterruptionError, JoinError, LockHeldError, MPSError
 from mpsrun.exitcodes import ExitCode, describe_returncode
 from mpsrun.rank.identity import RankIdentity, identity_from_env, job_key
 from mpsrun.rank.join import greet, report_failure, take_output
 from mpsrun.rank.supervisor import run_rank
-from mpsrun.runtime.constants import CONTROL_VARIABLE, KEEPER_START_TIMEOUT, NODE_ID_VARIABLE, TOKEN_VARIABLE
+from mpsrun.runtime.constants import (
+    CONTROL_VARIABLE,
+    KEEPER_START_TIMEOUT,
+    LOCK_TIMEOUT,
+    NODE_ID_VARIABLE,
+    TOKEN_VARIABLE,
+)
 from mpsrun.runtime.deadline import Deadline, poll_until
 from mpsrun.runtime.output import say
 from mpsrun.runtime.processes import ProcessRef, own_module
@@ -222,17 +228,24 @@ def _connect_or_reserve(base: Path, name: str, address: str, config: JobConfig,
     --timeout at most."""
 
     def attempt() -> Link | ReservedKeeper | None:
-        with user_root_lock(base):
+        with user_root_lock(base, deadline.cap(LOCK_TIMEOUT)):  # (a process of the user may hold it for good)
             with contextlib.suppress(OSError):
                 return connect(address, keep_descriptors=True)
             return _reserve(base, name)
 
     timed = config.timeout is not None and config.timeout < KEEPER_START_TIMEOUT
     deadline = Deadline(config.timeout if timed else KEEPER_START_TIMEOUT)
-    found = cast("Link | ReservedKeeper | None", poll_until(attempt, deadline))  # mypy solves no unions
+    said = identity.local_rank == 0  # (every rank of the node waited for the same directory)
+    try:
+        found = cast("Link | ReservedKeeper | None", poll_until(attempt, deadline))  # mypy solves no unions
+    except LockHeldError:
+        if not timed:
+            raise
+        held = f"another process of yours holds the lock on {user_root(base)}"
+        raise JoinError(f"timed out after {config.timeout:g} s while this node's session started: {held}",
+                        speaks=said, exit_code=ExitCode.TIMEOUT) from None
     if found is not None:
         return found
-    said = identity.local_rank == 0  # (every rank of the node waited for the same directory)
     held = f"{user_root(base) / name} looks in use (a live keeper's record, or a reservation of the last minute)"
     if timed:
         raise JoinError(f"timed out after {config.timeout:g} s while this node's session started: {held}",

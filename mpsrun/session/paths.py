@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
-from mpsrun.errors import ConfigError, MPSError, UnsafeDirectoryError
+from mpsrun.errors import ConfigError, LockHeldError, MPSError, UnsafeDirectoryError
 from mpsrun.runtime.constants import LOCK_TIMEOUT, TMPDIR_VARIABLE
 from mpsrun.runtime.deadline import Deadline, poll_until
 from mpsrun.runtime.files import remove_tree
@@ -269,7 +269,8 @@ def user_root_lock(base: Path, timeout: float = LOCK_TIMEOUT) -> Iterator[Path]:
     fd = open_user_root(base)
     try:
         if not poll_until(lambda: _try_lock(fd), Deadline(timeout)):
-            raise MPSError(f"another mpsrun of yours held the lock on {user_root(base)} for more than {timeout:g} s")
+            raise LockHeldError(f"another mpsrun of yours held the lock on {user_root(base)} for more than "
+                                f"{timeout:g} s", path=str(user_root(base)), seconds=timeout)
         yield user_root(base)
     finally:
         os.close(fd)  # closing the descriptor releases the lock
