@@ -433,6 +433,30 @@ def test_a_task_file_without_a_newline_is_refused_without_reading_it_whole(fake_
         run.stderr
 
 
+@pytest.mark.parametrize("source", ["fifo", "stdin"])
+def test_a_task_list_no_one_writes_ends_the_farm_at_its_timeout(fake_gpu, tmp_path, source):
+    """--tasks FIFO with no writer, or --tasks - from a pipe that stays open, under --timeout 3: exit 124 at the
+    timeout, saying what it waited for, with nothing left (command-line.md: start-up included). The farm waited for
+    the list for ever: a FIFO's open until a writer came, the pipe until its writer closed it."""
+    argv = [PY, "-m", "mpsrun", "-np", "2", "--timeout", "3", "--tasks"]
+    if source == "fifo":
+        fifo = tmp_path / "tasks"
+        os.mkfifo(fifo)
+        run = subprocess.run([*argv, str(fifo)], capture_output=True, text=True, timeout=40)
+        what = f"--tasks {fifo}"
+    else:
+        reader, writer = os.pipe()
+        try:
+            run = subprocess.run([*argv, "-"], stdin=reader, capture_output=True, text=True, timeout=40)
+        finally:
+            os.close(reader)
+            os.close(writer)
+        what = "--tasks - (standard input)"
+    assert run.returncode == 124, run.stderr
+    assert run.stderr == f"mpsrun: error: timed out after 3 s while reading the task list ({what})\n"
+    assert not fake_gpu.session_dirs()
+
+
 def test_a_plain_task_line_is_split_as_shlex_splits_it():
     """Lines with no quote, backslash or comment take a quicker way than shlex's: the same words (tabs, carriage
     returns and other blanks between them; other characters, as shlex keeps them, within)."""

@@ -99,10 +99,9 @@ _DESCRIPTORS_PER_SLOT = 8
 class FarmRun:
     """One farm on this node, from its session's start to its end."""
 
-    def __init__(self, config: JobConfig, queue: TaskQueue, count: int) -> None:
-        self.config, self.queue, self.count = config, queue, count
+    def __init__(self, config: JobConfig, queue: TaskQueue, count: int, deadline: Deadline) -> None:
+        self.config, self.queue, self.count, self.deadline = config, queue, count, deadline
         self.loop = EventLoop()
-        self.deadline = Deadline(config.timeout)
         self.policy = Policy.for_job(config, self.deadline)
         self.failure: tuple[int, str] | None = None  # the farm's own (a fatal finding, --timeout)
         self.signalled: int | None = None
@@ -243,14 +242,15 @@ def _proven(watch: RankWatch | None, task: int, pid: int) -> bool | None:
 def run_farm(config: JobConfig) -> int:
     """Run ``config``'s farm to its end; its exit code. ConfigError (exit 2) for a task list that cannot be read,
     MPSError for a node that cannot run it (InterruptionError for a signal), before any task starts."""
+    deadline = Deadline(config.timeout)  # (from the start: reading the task list included)
     shared = shared_list(config)
     try:
-        tasks, done = farm_tasks(config)
+        tasks, done = farm_tasks(config, deadline)
         make_output_dir(config.output_filename)
         queue = TaskQueue(tasks, done, shared)
         results = ResultsFile(config.results, shared.held if shared else None) if config.results else None
         try:
-            return _run(config, queue, len(tasks), results)
+            return _run(config, FarmRun(config, queue, len(tasks), deadline), results)
         finally:
             if results is not None:
                 results.close()
@@ -262,10 +262,10 @@ def run_farm(config: JobConfig) -> int:
                 say(f"mpsrun: {exc}")
 
 
-def _run(config: JobConfig, queue: TaskQueue, count: int, results: ResultsFile | None) -> int:
+def _run(config: JobConfig, farm: FarmRun, results: ResultsFile | None) -> int:
     """The node's session claimed and the farm run; its teardown whatever happens, a signal only noted meanwhile."""
     claim: SessionClaim | None = None
-    farm, code = FarmRun(config, queue, count), ExitCode.SETUP
+    code = ExitCode.SETUP
     with Interrupts() as interrupts:
         try:
             claim = SessionClaim.make(session_base(None), "job", keep_logs=config.keep_logs)
@@ -302,7 +302,7 @@ def show(config: JobConfig) -> int:
 
 
 def _task_lines(config: JobConfig) -> list[str]:
-    tasks, done = farm_tasks(config)
+    tasks, done = farm_tasks(config, Deadline(config.timeout))
     to_run = [task for task in tasks if done.get(task.id) != task.argv]
     shown = [f"task {task.id}: {task.text}" for task in to_run[:TASKS_SHOWN]]
     more = [f"... and {len(to_run) - TASKS_SHOWN} more"] if len(to_run) > TASKS_SHOWN else []

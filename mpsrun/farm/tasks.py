@@ -1,5 +1,5 @@
 """A farm's task list: the lines of a task file (``--tasks``), or one command run for each index of a range
-(``--array``). Pure functions: nothing runs here.
+(``--array``). Nothing runs here.
 
 A task file's line is split as a shell splits words (quotes, backslashes, ``#`` comments) and is never run through
 a shell. Blank and comment lines are no tasks; the tasks are numbered from 0 in the order they come.
@@ -7,18 +7,20 @@ a shell. Blank and comment lines are no tasks; the tasks are numbered from 0 in 
 
 from __future__ import annotations
 
-import functools
+import math
+import os
 import re
+import select
 import shlex
-import sys
 from collections.abc import Iterable, Iterator, Sequence
-from typing import BinaryIO, NamedTuple
+from typing import NamedTuple
 
 from mpsrun.config import values
 from mpsrun.config.options import JobConfig
 from mpsrun.config.values import MAX_TASKS
-from mpsrun.errors import ConfigError
+from mpsrun.errors import ConfigError, JobTimeoutError
 from mpsrun.farm.results import succeeded_tasks
+from mpsrun.runtime.deadline import Deadline
 
 __all__ = ["LINE_MOST", "Task", "array_tasks", "farm_tasks", "read_task_lines", "task_lines"]
 
@@ -74,21 +76,47 @@ def task_lines(lines: Iterable[str], source: str = "--tasks") -> list[Task]:
     return tasks
 
 
-def _bounded_lines(file: BinaryIO, source: str) -> Iterator[str]:
-    """A task file's lines, none read past LINE_MOST bytes: a file with no newline (/dev/zero) is never read whole."""
-    for number, line in enumerate(iter(functools.partial(file.readline, LINE_MOST + 1), b""), 1):
-        if len(line) > LINE_MOST:
-            raise _refused(source, number, _TOO_LONG)
-        yield line.decode("utf-8", "surrogateescape")
+def _bounded_lines(fd: int, source: str, deadline: Deadline) -> Iterator[str]:
+    """The lines read from ``fd``, none past LINE_MOST bytes (a file with no newline, /dev/zero, is never read whole);
+    each read waited for until ``deadline`` at most (a FIFO no one writes to, a pipe its writer keeps open)."""
+    pending, number = b"", 0
+    while chunk := _read(fd, source, deadline):
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            number += 1
+            if len(line) >= LINE_MOST:
+                raise _refused(source, number, _TOO_LONG)
+            yield line.decode("utf-8", "surrogateescape")
+        if len(pending) > LINE_MOST:
+            raise _refused(source, number + 1, _TOO_LONG)
+    if pending:
+        yield pending.decode("utf-8", "surrogateescape")
 
 
-def read_task_lines(path: str, stdin: BinaryIO) -> list[Task]:
-    """The tasks of the task file at ``path`` (``-``: ``stdin``); ConfigError for one that cannot be read."""
+def _read(fd: int, source: str, deadline: Deadline) -> bytes:
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    if not poller.poll(None if deadline.seconds is None else math.ceil(deadline.remaining() * 1000)):
+        raise JobTimeoutError(f"timed out after {deadline.seconds:g} s while reading the task list ({source})",
+                              timeout=deadline.seconds or 0.0)
+    return os.read(fd, 1 << 16)
+
+
+def read_task_lines(path: str, stdin: int, deadline: Deadline) -> list[Task]:
+    """The tasks of the task file at ``path`` (``-``: the descriptor ``stdin``), read until ``deadline`` at most
+    (JobTimeoutError); ConfigError for one that cannot be read."""
+    source = "--tasks - (standard input)" if path == "-" else f"--tasks {path}"
     try:
         if path == "-":
-            return task_lines(_bounded_lines(stdin, "--tasks - (standard input)"), "--tasks - (standard input)")
-        with open(path, "rb") as file:
-            return task_lines(_bounded_lines(file, f"--tasks {path}"), f"--tasks {path}")
+            return task_lines(_bounded_lines(stdin, source, deadline), source)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO's open waits for a writer: its reads are waited for)
+        try:
+            os.set_blocking(fd, True)
+            return task_lines(_bounded_lines(fd, source, deadline), source)
+        finally:
+            os.close(fd)
+    except JobTimeoutError:  # (a TimeoutError, so an OSError)
+        raise
     except OSError as exc:
         raise ConfigError(f"--tasks {path}: {exc.strerror}", setting="--tasks", value=path) from None
 
@@ -98,10 +126,11 @@ def array_tasks(command: Sequence[str], indices: range) -> list[Task]:
     return [Task(index, tuple(word.replace("{}", str(index)) for word in command)) for index in indices]
 
 
-def farm_tasks(config: JobConfig) -> tuple[list[Task], dict[int, tuple[str, ...]]]:
-    """The farm's whole task list, and the tasks ``--resume`` finds succeeded (by number, with their commands)."""
+def farm_tasks(config: JobConfig, deadline: Deadline) -> tuple[list[Task], dict[int, tuple[str, ...]]]:
+    """The farm's whole task list, a task file read until ``deadline`` at most, and the tasks ``--resume`` finds
+    succeeded (by number, with their commands)."""
     if config.tasks is not None:
-        tasks = read_task_lines(config.tasks, sys.stdin.buffer)
+        tasks = read_task_lines(config.tasks, 0, deadline)  # (standard input)
     else:
         assert config.array is not None
         tasks = array_tasks(config.command, values.parse_index_range(config.array))

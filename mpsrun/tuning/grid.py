@@ -137,6 +137,7 @@ def farm_size(command: Sequence[str], options: Sequence[str]) -> int | None:
     task list again, and standard input is read once."""
     from mpsrun.config.commandline import parse_args
     from mpsrun.farm.tasks import farm_tasks
+    from mpsrun.runtime.deadline import Deadline
 
     try:
         config = parse_args([*options, *(["--", *command] if command else [])], environ={})
@@ -147,7 +148,7 @@ def farm_size(command: Sequence[str], options: Sequence[str]) -> int | None:
     if config.tasks == "-":
         raise ConfigError("mpsrun tune runs the farm once per trial: give --tasks a file, not - (standard input)",
                           setting="--tasks")
-    tasks, done = farm_tasks(config)
+    tasks, done = farm_tasks(config, Deadline(config.timeout))
     return sum(done.get(task.id) != task.argv for task in tasks) or 1
 
 
