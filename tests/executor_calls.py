@@ -17,6 +17,18 @@ def fails(x):
     raise ValueError(f"call {x} failed here")
 
 
+class TwoArgumentError(Exception):
+    """An exception whose __init__ takes other arguments than its args: its pickle does not make it again."""
+
+    def __init__(self, message, code):
+        super().__init__(message)
+        self.code = code
+
+
+def fails_unrebuildably(x):
+    raise TwoArgumentError(f"call {x} failed here", 2)
+
+
 def dies(x):
     os.kill(os.getpid(), signal.SIGKILL)
 

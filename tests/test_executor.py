@@ -43,6 +43,19 @@ def test_a_calls_exception_reaches_its_future_with_the_workers_traceback(fake_gp
     assert "Traceback" in cause and 'raise ValueError(f"call {x} failed here")' in cause, cause
 
 
+def test_an_exception_its_pickle_cannot_make_again_is_said_with_the_workers_traceback(fake_gpu):
+    """A call that raises an exception whose __init__ takes other arguments than its args (pickle cannot make it
+    again): its future fails with a TypeError naming the exception and its message, the worker's traceback as its
+    __cause__, and the worker serves on. The future got the TypeError of the failed rebuild, with no traceback."""
+    with mpsrun.Executor(workers=1) as executor:
+        failed = executor.submit(calls.fails_unrebuildably, 7).exception(timeout=60)
+        assert executor.submit(calls.placed, 3).result(timeout=60)[0] == 9
+    assert isinstance(failed, TypeError)
+    assert str(failed).startswith("the call's outcome cannot be sent back: TwoArgumentError: call 7 failed here: "), \
+        failed
+    assert 'raise TwoArgumentError(f"call {x} failed here", 2)' in str(failed.__cause__), failed.__cause__
+
+
 def test_a_killed_worker_fails_only_its_own_future_and_is_replaced(fake_gpu):
     """A worker SIGKILLed while it runs a call: that future fails with WorkerDiedError naming the worker, its GPU and
     the signal; the calls around it and after it succeed, on a fresh worker in its place."""

@@ -67,9 +67,19 @@ def serve(connection: Connection, env: Mapping[str, str], managed: Sequence[str]
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
             outcome = (number, True, result)
         except BaseException as exc:
-            outcome = (number, False, exc, "".join(traceback.format_exception(exc)))
+            outcome = (number, False, _sendable(exc), "".join(traceback.format_exception(exc)))
         try:
             connection.send(outcome)
         except Exception as exc:  # the result cannot be pickled: the future gets why
             connection.send((number, False, TypeError(f"the call's outcome cannot be sent back: {exc}"),
                              "".join(traceback.format_exception(exc))))
+
+
+def _sendable(exc: BaseException) -> BaseException:
+    """``exc``, or where its pickle does not make it again (an ``__init__`` that takes other arguments than the
+    exception's ``args``: it would fail in the executor's thread, as another error), one that says so."""
+    try:
+        pickle.loads(pickle.dumps(exc))  # noqa: S301 - what we have just pickled
+    except Exception as why:
+        return TypeError(f"the call's outcome cannot be sent back: {type(exc).__qualname__}: {exc}: {why}")
+    return exc
