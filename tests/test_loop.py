@@ -70,7 +70,7 @@ def test_an_ended_link_does_not_wake_the_descriptor_that_reuses_its_number():
 def test_a_signal_after_the_loops_last_look_reaches_its_callback():
     """A signal that comes once the loop has stopped looking, before its signals' block ends (the job's loop over,
     NVML shutting down), reaches the block's callback as the block ends, once; after the block, the handler from
-    before has it. It was lost: a SIGTERM there left a job to exit 0 (tests/test_startup.py's teardown test, now and
+    before has it. It was lost: a SIGTERM there left a job to exit 0 (tests/test_signals_as_jobs_start_and_end.py's teardown test, now and
     then in the suite)."""
     loop = EventLoop()
     seen, before = [], []
