@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import FAKECUDA, descendants, job_argv, reports, run_job, settle, wait_ready
+from helpers import FAKECUDA, descendants, fake, job_argv, reports, run_job, settle, wait_ready
 
 from mpsrun.agent.pernode import run_per_node
 from mpsrun.agent.uplink import join_command
@@ -180,6 +180,29 @@ def test_a_held_lock_on_the_session_root_ends_a_node_start_at_its_timeout(fake_g
     assert "timed out after 3 s" in out.stderr, out.stderr
     if path == "per-node":  # (under --hosts the command's own timeout ends the job, as it would any node's start)
         assert f"holds the lock on {root}" in out.stderr, out.stderr
+    assert leftovers(Path(os.environ["MPSRUN_TMPDIR"])) == []
+
+
+@pytest.mark.mpiexec
+@pytest.mark.parametrize("path", ["per-node", "hosts"])
+def test_a_lock_on_the_session_root_taken_under_a_running_node_holds_its_end_no_longer_than_the_timeout(
+        fake_gpu, short_tmp, path):
+    """A process of the user takes the lock on the session root while a node's ranks run, and holds it: the node's
+    keeper turns its ranks away without it once the job's --timeout has passed, says so, and the job ends with its
+    ranks' 0, leaving nothing. The keeper waited 60 s for the lock and died (62 s, exit 124 and no line; under --hosts
+    0 with 'timed out')."""
+    root = Path(os.environ["MPSRUN_TMPDIR"]) / f"mpsrun-{os.getuid()}"
+    job = subprocess.Popen(job_argv(path, ["--timeout", "5"], fake("--report-dir", str(short_tmp), "--hold", "1"),
+                                    ranks=2), stderr=subprocess.PIPE, text=True)
+    wait_ready(short_tmp, count=2, timeout=60)
+    held = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        _, err = job.communicate(timeout=45)
+    finally:
+        os.close(held)
+    assert job.returncode == 0, err
+    assert f"the lock on {root}" in err and "turned away without it" in err, err
     assert leftovers(Path(os.environ["MPSRUN_TMPDIR"])) == []
 
 

@@ -40,11 +40,12 @@ from mpsrun.agent.ranks import turn_away
 from mpsrun.agent.uplink import Upstream, join_command
 from mpsrun.agent.welcome import free_port, rendezvous
 from mpsrun.config.options import JobConfig
-from mpsrun.errors import InterruptionError, MPSError
+from mpsrun.errors import InterruptionError, LockHeldError, MPSError
 from mpsrun.exitcodes import ExitCode
 from mpsrun.runtime.constants import (
     FORWARDED_SIGNALS,
     LINGER_TIMEOUT,
+    LOCK_TIMEOUT,
     PASS_SIGNALS,
 )
 from mpsrun.runtime.deadline import Deadline, poll_until
@@ -84,11 +85,17 @@ def failure_answer(exc: BaseException) -> tuple[int, str]:
     return ExitCode.SETUP, f"node keeper failed: {exc!r}"
 
 
-def turn_away_locked(listener: Listener, base: Path, refusal: Refusal) -> None:
+def turn_away_locked(listener: Listener, base: Path, refusal: Refusal, wait: float = LOCK_TIMEOUT) -> None:
     """:func:`~mpsrun.agent.ranks.turn_away` under the user's lock, where ranks connect, so none comes between (a
-    rank that meets a closed connection knows we died)."""
-    with user_root_lock(base):
-        turn_away(listener, refusal)
+    rank that meets a closed connection knows we died). Where another process holds that lock past ``wait`` (what a
+    rank can do), without it, said: a rank that connects just then takes us for dead."""
+    try:
+        with user_root_lock(base, wait):
+            turn_away(listener, refusal)
+            return
+    except LockHeldError as exc:
+        log.warning("mpsrun: %s: this node's ranks were turned away without it", exc)
+    turn_away(listener, refusal)
 
 
 class Keeper:
@@ -227,12 +234,14 @@ class Keeper:
         agent = self.agent
         agent.doorway.close_door()
         lines = self._closing_lines()
-        turn_away_locked(agent.listener, Path(self.request.base), Refusal(retry=True))  # come again, to a new keeper
-        # A late rank finds no socket and a live owner: it waits for the directory to go, then starts a keeper.
         warnings = logging.handlers.BufferingHandler(1 << 10)  # (a hanging quit, logs kept): our stderr is a log
         warnings.setLevel(logging.WARNING)  # file, so the node's last rank says them
         log.addHandler(warnings)
         try:
+            # Come again, to a new keeper (not past the job's deadline: the lock may be held by what a rank left).
+            turn_away_locked(agent.listener, Path(self.request.base), Refusal(retry=True),
+                             self.deadline.cap(LOCK_TIMEOUT))
+            # A late rank finds no socket and a live owner: it waits for the directory to go, then starts a keeper.
             agent.close()
         except MPSError as exc:
             lines.append(str(exc))

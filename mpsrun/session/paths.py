@@ -270,7 +270,7 @@ def user_root_lock(base: Path, timeout: float = LOCK_TIMEOUT) -> Iterator[Path]:
     try:
         if not poll_until(lambda: _try_lock(fd), Deadline(timeout)):
             raise LockHeldError(f"another mpsrun of yours held the lock on {user_root(base)} for more than "
-                                f"{timeout:g} s", path=str(user_root(base)), seconds=timeout)
+                                f"{timeout:.3g} s", path=str(user_root(base)), seconds=timeout)
         yield user_root(base)
     finally:
         os.close(fd)  # closing the descriptor releases the lock
