@@ -2,6 +2,7 @@
 --max-failures, signals, a fatal GPU fault's culprit found, bad task lists refused; and nothing left behind."""
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -17,8 +18,10 @@ import pytest
 from helpers import FAKE_MPS, FAKECUDA, ROOT, wait_for
 
 from mpsrun.config.commandline import parse_args
-from mpsrun.errors import ConfigError
-from mpsrun.farm.tasks import Task, array_tasks, task_lines
+from mpsrun.errors import ConfigError, JobTimeoutError
+from mpsrun.farm.results import succeeded_tasks
+from mpsrun.farm.tasks import Task, array_tasks, read_task_lines, task_lines
+from mpsrun.runtime.deadline import Deadline
 from mpsrun.session.record import SessionRecord
 
 PY = sys.executable
@@ -558,6 +561,42 @@ def test_a_launcher_that_names_no_job_gets_no_shared_farm(fake_gpu, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_shared_list_held_by_another_process_ends_the_farm_at_its_timeout(fake_gpu, tmp_path):
+    """A farm of two nodes whose shared list's lock another process holds: --timeout 3 ends it at the timeout, exit
+    124 naming the lock, with nothing of its own left. It waited 60 s for the lock, whatever the timeout."""
+    lock = tmp_path / "r.jsonl.lock"
+    lock.touch()
+    env = {**os.environ, "PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1",
+           "MPSRUN_JOB_ID": "j1"}
+    held = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        run = subprocess.run([PY, "-m", "mpsrun", "--timeout", "3", "--array", "0-3", "--results",
+                              str(tmp_path / "r.jsonl"), "true"], env=env, capture_output=True, text=True, timeout=45)
+    finally:
+        os.close(held)
+    assert run.returncode == 124, run.stderr
+    assert run.stderr == f"mpsrun: error: timed out after 3 s while another node held the farm's shared task list " \
+        f"({lock})\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl.lock"]  # (the holder's)
+    assert not fake_gpu.session_dirs()
+
+
+def test_a_task_file_or_a_results_file_still_read_at_the_timeout_is_a_timeout(tmp_path):
+    """A regular task file, or the results file --resume reads back, still being read when the job's --timeout
+    passes: JobTimeoutError (exit 124), naming the file. Both were read to their end first (a 3 GB task file of
+    comments past any timeout, then exit 0 for no task; a 30 GB sparse results file for minutes)."""
+    tasks, done = tmp_path / "tasks", tmp_path / "r.jsonl"
+    tasks.write_text("true\n" * 3)
+    done.write_text(json.dumps({"id": 0, "cause": "ok", "command": ["true"]}) + "\n")
+    assert len(read_task_lines(str(tasks), 0, Deadline(None))) == 3
+    assert succeeded_tasks(str(done), Deadline(None)) == {0: ("true",)}
+    with pytest.raises(JobTimeoutError, match=f"timed out after 0 s while reading the task list \\(--tasks {tasks}"):
+        read_task_lines(str(tasks), 0, Deadline(0))
+    with pytest.raises(JobTimeoutError, match=f"timed out after 0 s while --resume read back --results {done}"):
+        succeeded_tasks(str(done), Deadline(0))
+
+
 def test_a_node_that_cannot_start_its_farm_is_counted_out(fake_gpu, tmp_path):
     """One node of two whose task file is missing (exit 2) still counts itself out of the shared list, so the other
     node's end removes the counter and its lock (they were left beside the results)."""
@@ -608,7 +647,7 @@ def test_an_argument_list_too_long_is_126_and_an_id_of_true_is_no_tasks():
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl") as out:
         out.write(json.dumps({"id": True, "cause": "ok", "command": ["true"]}) + "\n")
         out.flush()
-        assert succeeded_tasks(out.name) == {}
+        assert succeeded_tasks(out.name, Deadline(None)) == {}
 
 
 @pytest.mark.parametrize("fake_gpu", [2], indirect=True)

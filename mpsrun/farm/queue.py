@@ -18,8 +18,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mpsrun.errors import MPSError
+from mpsrun.errors import JobTimeoutError, MPSError
 from mpsrun.farm.tasks import Task
+from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.files import read_file, replace_file
 
 if TYPE_CHECKING:
@@ -34,22 +35,26 @@ LOCK_PATIENCE, LOCK_POLL = 60.0, 0.1
 
 class SharedList:
     """The counter of a task list that the farms of ``nodes`` nodes share (``job``: their launcher's job, which a
-    counter left by another job is not), beside the results file at ``results``."""
+    counter left by another job is not), beside the results file at ``results``. Its lock is waited for until the
+    job's ``deadline`` at most (--timeout: another process may hold it for good)."""
 
-    def __init__(self, results: str, job: str, nodes: int) -> None:
+    def __init__(self, results: str, job: str, nodes: int, deadline: Deadline) -> None:
         from filelock import FileLock  # only farms over several nodes take it
 
-        self.path, self.job, self.nodes = f"{results}.queue", job, nodes
+        self.path, self.job, self.nodes, self.deadline = f"{results}.queue", job, nodes, deadline
         self.lock: BaseFileLock = FileLock(f"{results}.lock", timeout=LOCK_PATIENCE)
-        with self.held():
+        with self.held() as held:
+            if not held:
+                raise JobTimeoutError(f"timed out after {deadline.seconds:g} s while another node held the farm's "
+                                      f"shared task list ({self.lock.lock_file})", timeout=deadline.seconds or 0.0)
             state = self._read()
             self._write({"job": job, "next": 0, "ended": 0} if state.get("job") != job else state)
 
     @contextlib.contextmanager
     def held(self, give_up: Callable[[], bool] = lambda: False) -> Iterator[bool]:
-        """The list's lock held (True), or not where ``give_up`` says so while waiting for it (False: a signal came,
-        and the farm's loop has it to deliver); MPSError naming the lock when another node holds it past
-        LOCK_PATIENCE."""
+        """The list's lock held (True), or not where ``give_up`` says so while waiting for it, or the job's deadline
+        passes (False: the farm's loop has the signal or the timeout to deliver); MPSError naming the lock when
+        another node holds it past LOCK_PATIENCE."""
         from filelock import Timeout
 
         deadline = time.monotonic() + LOCK_PATIENCE
@@ -58,7 +63,7 @@ class SharedList:
                 self.lock.acquire(timeout=LOCK_POLL)
                 break
             except Timeout:
-                if give_up():
+                if give_up() or self.deadline.expired():
                     yield False
                     return
                 if time.monotonic() > deadline:
@@ -108,8 +113,11 @@ class SharedList:
             return place
 
     def close(self) -> None:
-        """This node's farm has ended: the last node's end removes the counter and the lock."""
-        with self.held():
+        """This node's farm has ended: the last node's end removes the counter and the lock (not counted where the
+        lock is held past the job's deadline)."""
+        with self.held() as held:
+            if not held:
+                return
             state = self._read()
             if state.get("job") != self.job:
                 return

@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import NamedTuple
 
-from mpsrun.errors import ConfigError, MPSError
+from mpsrun.errors import ConfigError, JobTimeoutError, MPSError
+from mpsrun.runtime.deadline import Deadline
 from mpsrun.runtime.files import write_all
 
 __all__ = ["ResultsFile", "TaskCause", "TaskResult", "succeeded_tasks"]
@@ -117,17 +118,24 @@ def _ends_whole(path: str) -> bool:
     return True
 
 
-def _lines(path: str) -> Iterator[dict[str, object]]:
-    """The JSON objects of a results file, in order; a line that is not one (cut short as its job was killed, or
-    longer than LINE_LIMIT) is skipped. A results file that is no regular file is not read back."""
+def _lines(path: str, deadline: Deadline) -> Iterator[dict[str, object]]:
+    """The JSON objects of a results file, in order, read until ``deadline`` at most (JobTimeoutError); a line that
+    is not one (cut short as its job was killed, or longer than LINE_LIMIT) is skipped. A results file that is no
+    regular file is not read back."""
+    def overdue() -> bool:
+        if deadline.expired():
+            raise JobTimeoutError(f"timed out after {deadline.seconds:g} s while --resume read back --results {path}",
+                                  timeout=deadline.seconds or 0.0)
+        return False
+
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # (a FIFO opened to be read would wait for a writer)
             raise ConfigError(f"--resume reads back --results {path}: not a regular file", setting="--resume",
                               value=path)
         with open(path, "rb") as file:
-            while line := file.readline(LINE_LIMIT):
+            while (line := file.readline(LINE_LIMIT)) and not overdue():
                 if not line.endswith(b"\n") and len(line) == LINE_LIMIT:
-                    while (rest := file.readline(LINE_LIMIT)) and not rest.endswith(b"\n"):
+                    while (rest := file.readline(LINE_LIMIT)) and not rest.endswith(b"\n") and not overdue():
                         pass
                     continue
                 with contextlib.suppress(ValueError, RecursionError):
@@ -136,16 +144,18 @@ def _lines(path: str) -> Iterator[dict[str, object]]:
                         yield found
     except FileNotFoundError:
         return
+    except JobTimeoutError:  # (a TimeoutError, so an OSError)
+        raise
     except OSError as exc:
         raise ConfigError(f"--resume: cannot read --results {path}: {exc.strerror}", setting="--resume",
                           value=path) from None
 
 
-def succeeded_tasks(path: str) -> dict[int, tuple[str, ...]]:
+def succeeded_tasks(path: str, deadline: Deadline) -> dict[int, tuple[str, ...]]:
     """``--resume``: the tasks a results file records as succeeded, by number, with their commands (a task whose
-    command has changed since is not the one that succeeded)."""
+    command has changed since is not the one that succeeded); read until ``deadline`` at most."""
     done: dict[int, tuple[str, ...]] = {}
-    for line in _lines(path):
+    for line in _lines(path, deadline):
         task, command = line.get("id"), line.get("command")
         if line.get("cause") == TaskCause.OK and type(task) is int and isinstance(command, list):
             done[task] = tuple(map(str, command))

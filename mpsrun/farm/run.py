@@ -63,9 +63,9 @@ def farm_nodes(environ: Mapping[str, str]) -> int:
     return identity.world_size or 1
 
 
-def shared_list(config: JobConfig) -> SharedList | None:
+def shared_list(config: JobConfig, deadline: Deadline) -> SharedList | None:
     """The list the farms of several nodes share through ``--results`` (this node counted in at once, so that it is
-    counted out whatever fails next), or None for a farm of its own."""
+    counted out whatever fails next), or None for a farm of its own; its lock waited for until ``deadline``."""
     nodes = farm_nodes(os.environ)
     if nodes == 1:
         return None
@@ -76,7 +76,7 @@ def shared_list(config: JobConfig) -> SharedList | None:
     if job.startswith("ppid-"):  # (each node's would differ: each would take the whole list)
         raise ConfigError(f"this farm is one of {nodes}, but its launcher names no job they share: set "
                           f"{JOB_ID_VARIABLE} to one value for all of them (the batch job's id)", setting="--results")
-    return SharedList(config.results, job, nodes)
+    return SharedList(config.results, job, nodes, deadline)
 
 
 def _base_env(config: JobConfig) -> dict[str, str]:
@@ -243,7 +243,7 @@ def run_farm(config: JobConfig) -> int:
     """Run ``config``'s farm to its end; its exit code. ConfigError (exit 2) for a task list that cannot be read,
     MPSError for a node that cannot run it (InterruptionError for a signal), before any task starts."""
     deadline = Deadline(config.timeout)  # (from the start: reading the task list included)
-    shared = shared_list(config)
+    shared = shared_list(config, deadline)
     try:
         tasks, done = farm_tasks(config, deadline)
         make_output_dir(config.output_filename)

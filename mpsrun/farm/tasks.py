@@ -96,7 +96,8 @@ def _bounded_lines(fd: int, source: str, deadline: Deadline) -> Iterator[str]:
 def _read(fd: int, source: str, deadline: Deadline) -> bytes:
     poller = select.poll()
     poller.register(fd, select.POLLIN)
-    if not poller.poll(None if deadline.seconds is None else math.ceil(deadline.remaining() * 1000)):
+    if deadline.expired() or \
+            not poller.poll(None if deadline.seconds is None else math.ceil(deadline.remaining() * 1000)):
         raise JobTimeoutError(f"timed out after {deadline.seconds:g} s while reading the task list ({source})",
                               timeout=deadline.seconds or 0.0)
     return os.read(fd, 1 << 16)
@@ -134,4 +135,4 @@ def farm_tasks(config: JobConfig, deadline: Deadline) -> tuple[list[Task], dict[
     else:
         assert config.array is not None
         tasks = array_tasks(config.command, values.parse_index_range(config.array))
-    return tasks, succeeded_tasks(config.results) if config.resume and config.results else {}
+    return tasks, succeeded_tasks(config.results, deadline) if config.resume and config.results else {}
