@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -180,6 +181,26 @@ def test_a_held_lock_on_the_session_root_ends_a_node_start_at_its_timeout(fake_g
     assert "timed out after 3 s" in out.stderr, out.stderr
     if path == "per-node":  # (under --hosts the command's own timeout ends the job, as it would any node's start)
         assert f"holds the lock on {root}" in out.stderr, out.stderr
+    assert leftovers(Path(os.environ["MPSRUN_TMPDIR"])) == []
+
+
+@pytest.mark.mpiexec
+def test_a_nodes_timeout_counts_from_its_first_ranks_start_not_from_its_keepers(fake_gpu):
+    """The lock on the session root held for the first 2.5 s of a --per-node job of 3 s ranks under --timeout 4:
+    the job times out (124), 4 s after its start. The node's keeper counted the timeout from its own start, after
+    the wait for the lock, so the job ran on past it and ended 0."""
+    root = Path(os.environ["MPSRUN_TMPDIR"]) / f"mpsrun-{os.getuid()}"
+    root.mkdir(mode=0o700)
+    held = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    release = threading.Timer(2.5, os.close, (held,))
+    release.start()
+    try:
+        out = run_job("per-node", ["--timeout", "4"], ["sleep", "3"], ranks=2, timeout=60)
+    finally:
+        release.join()
+    assert out.returncode == 124, out.stderr
+    assert "timed out after 4 s" in out.stderr, out.stderr
     assert leftovers(Path(os.environ["MPSRUN_TMPDIR"])) == []
 
 

@@ -108,7 +108,7 @@ class Keeper:
         self.closed = False
         self.began = time.time()  # what MPI leaves on the node since then is the job's (mpsrun.session.leftovers)
         self.loop = loop = EventLoop()
-        self.deadline = deadline = Deadline(config.timeout)
+        self.deadline = deadline = Deadline(config.timeout, since=request.started)  # (from the starting rank's start)
         self.upstream = Upstream(link) if link is not None else None
         self.decision = None if link is not None else Decision(loop, stop=self._stop, kill=self._kill, say=self.note,
                                                                summary=True)

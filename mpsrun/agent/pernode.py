@@ -19,6 +19,7 @@ import select
 import socket
 import stat
 import subprocess
+import time
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -61,8 +62,8 @@ class KeeperRequest(NamedTuple):
     the rank read it), the token of the directory it reserved for the keeper (see :func:`_reserve`), how many ranks
     the launcher put on the node and in the job, the CUDA_VISIBLE_DEVICES every local rank must share, under
     ``--hosts`` the job's command and token and the starting rank's stdout and stderr (their descriptors in the
-    keeper: see :func:`_start_keeper`), the starting rank's number, and its parent (pid, start time): the node's
-    launcher."""
+    keeper: see :func:`_start_keeper`), the starting rank's number, its parent (pid, start time): the node's
+    launcher, and when it started (``time.monotonic()``: --timeout counts from there)."""
 
     name: str
     base: str
@@ -76,6 +77,7 @@ class KeeperRequest(NamedTuple):
     starter: int | None = None
     launcher: tuple[int, int] | None = None
     output: tuple[int, int] | None = None
+    started: float | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> KeeperRequest:
@@ -113,7 +115,7 @@ def _spawn_keeper(base: Path, name: str, token: str) -> ReservedKeeper:
 
 
 def _start_keeper(base: Path, name: str, reserved: ReservedKeeper, config: JobConfig,
-                  identity: RankIdentity) -> IO[bytes]:
+                  identity: RankIdentity, started: float | None = None) -> IO[bytes]:
     """Send the keeper started for the reserved directory its request, and wait until it answers or says why it
     cannot.
 
@@ -128,7 +130,8 @@ def _start_keeper(base: Path, name: str, reserved: ReservedKeeper, config: JobCo
                             local_size=identity.local_world_size, world_size=identity.world_size,
                             devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
                             upstream=os.environ.get(CONTROL_VARIABLE), token=os.environ.get(TOKEN_VARIABLE, ""),
-                            starter=identity.rank, launcher=ProcessRef.of(os.getppid()), output=reserved.output)
+                            starter=identity.rank, launcher=ProcessRef.of(os.getppid()), output=reserved.output,
+                            started=started)
     keeper = reserved.process
     assert keeper.stdin is not None and keeper.stdout is not None
     with contextlib.suppress(BrokenPipeError), keeper.stdin:  # a keeper killed at once: its status, below, says so
@@ -222,7 +225,7 @@ def _unmarked(directory: Path) -> bool:
 
 
 def _connect_or_reserve(base: Path, name: str, address: str, config: JobConfig,
-                        identity: RankIdentity) -> Link | ReservedKeeper:
+                        identity: RankIdentity, started: float | None = None) -> Link | ReservedKeeper:
     """The node keeper's link; or, with no keeper, the directory reserved for ours, which is started. The user's
     lock is held only to look and to reserve: another keeper's start-up or closing is waited for without it, until
     --timeout at most."""
@@ -234,7 +237,7 @@ def _connect_or_reserve(base: Path, name: str, address: str, config: JobConfig,
             return _reserve(base, name)
 
     timed = config.timeout is not None and config.timeout < KEEPER_START_TIMEOUT
-    deadline = Deadline(config.timeout if timed else KEEPER_START_TIMEOUT)
+    deadline = Deadline(config.timeout if timed else KEEPER_START_TIMEOUT, since=started)
     said = identity.local_rank == 0  # (every rank of the node waited for the same directory)
     try:
         found = cast("Link | ReservedKeeper | None", poll_until(attempt, deadline))  # mypy solves no unions
@@ -254,14 +257,16 @@ def _connect_or_reserve(base: Path, name: str, address: str, config: JobConfig,
                     speaks=said)
 
 
-def _join_node(base: Path, name: str, config: JobConfig, identity: RankIdentity) -> tuple[Link, IO[bytes] | None]:
-    """Connect to the node's keeper, starting it if there is none (then also the pipe that tells it we are here)."""
+def _join_node(base: Path, name: str, config: JobConfig, identity: RankIdentity,
+               started: float) -> tuple[Link, IO[bytes] | None]:
+    """Connect to the node's keeper, starting it if there is none (then also the pipe that tells it we are here);
+    ``started``: when this rank started (``time.monotonic()``), whence --timeout counts."""
     address = f"unix:{user_root(base) / name / 'control'}"
-    found = _connect_or_reserve(base, name, address, config, identity)
+    found = _connect_or_reserve(base, name, address, config, identity, started)
     if isinstance(found, Link):
         return found, None
     try:
-        pipe = _start_keeper(base, name, found, config, identity)
+        pipe = _start_keeper(base, name, found, config, identity, started)
     except BaseException:
         with user_root_lock(base):
             drop_reservation(base, name, found.token)
@@ -275,6 +280,7 @@ def _join_node(base: Path, name: str, config: JobConfig, identity: RankIdentity)
 
 def run_per_node(config: JobConfig, environ: Mapping[str, str] | None = None) -> int:
     """Run ``config.command`` as this process's rank, in the node's shared session; the rank's exit code."""
+    started = time.monotonic()
     env = os.environ if environ is None else environ
     identity: RankIdentity | None = identity_from_env(env)
     if identity is None:
@@ -305,7 +311,7 @@ def run_per_node(config: JobConfig, environ: Mapping[str, str] | None = None) ->
 
     def join(hello: Hello) -> tuple[Link, Welcome | Refusal | None]:
         for _ in range(JOIN_ATTEMPTS):
-            link, pipe = _join_node(base, name, config, joining)
+            link, pipe = _join_node(base, name, config, joining, started)
             with pipe or contextlib.nullcontext():  # we started the keeper: held until it has answered us
                 answer = greet(link, hello._replace(settings=json.dumps(config.settings(), sort_keys=True)))
             take_output(link, answer)

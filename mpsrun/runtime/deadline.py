@@ -15,9 +15,11 @@ T = TypeVar("T")
 class Deadline:
     """A point in monotonic time; ``Deadline(None)`` never expires."""
 
-    def __init__(self, seconds: float | None) -> None:
+    def __init__(self, seconds: float | None, since: float | None = None) -> None:
+        """``seconds`` from now, or from ``since`` (``time.monotonic()``: the clock is the machine's, so another
+        process's start counts too)."""
         self.seconds = seconds
-        self.at = math.inf if seconds is None else time.monotonic() + seconds
+        self.at = math.inf if seconds is None else (time.monotonic() if since is None else since) + seconds
 
     def remaining(self) -> float:
         return max(0.0, self.at - time.monotonic())
