@@ -582,6 +582,19 @@ def test_a_shared_list_held_by_another_process_ends_the_farm_at_its_timeout(fake
     assert not fake_gpu.session_dirs()
 
 
+def test_two_nodes_farms_that_time_out_together_leave_nothing_beside_the_results(fake_gpu, tmp_path):
+    """Two nodes' farms of one list whose --timeout passes at the same moment: both exit 124, and each still counts
+    itself out of the shared list as it ends (its lock held a moment by the other), so the counter and the lock go."""
+    out = tmp_path / "r.jsonl"
+    for node in "AB":
+        (fake_gpu.tmpdir / node).mkdir(mode=0o700)
+    farms = [start_node_farm(fake_gpu.tmpdir / node, node, 2, "-np", "2", "--timeout", "3", "--grace", "0.5",
+                             "--array", "0-9", "--results", str(out), "sleep", "30") for node in "AB"]
+    errors = [farm.communicate(timeout=60)[1] for farm in farms]
+    assert [farm.returncode for farm in farms] == [124, 124], errors
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl"], errors
+
+
 def test_a_task_file_or_a_results_file_still_read_at_the_timeout_is_a_timeout(tmp_path):
     """A regular task file, or the results file --resume reads back, still being read when the job's --timeout
     passes: JobTimeoutError (exit 124), naming the file. Both were read to their end first (a 3 GB task file of
