@@ -246,6 +246,9 @@ class LockHeldError(MPSError, TimeoutError):
     """Another process of the user held the lock on the session root past the wait. Attributes: ``path`` (the
     root), ``seconds`` (the wait)."""
 
+    path: str
+    seconds: float
+
     def __init__(self, message: str, *, path: str = "", seconds: float = 0.0) -> None:
         super().__init__(message, path=path, seconds=seconds)
 

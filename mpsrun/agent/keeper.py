@@ -93,8 +93,9 @@ def turn_away_locked(listener: Listener, base: Path, refusal: Refusal, wait: flo
         with user_root_lock(base, wait):
             turn_away(listener, refusal)
             return
-    except LockHeldError as exc:
-        log.warning("mpsrun: %s: this node's ranks were turned away without it", exc)
+    except LockHeldError as exc:  # (its words name the wait, 0 s where the job's deadline had passed)
+        log.warning("mpsrun: another process of yours held the lock on %s: this node's ranks were turned away "
+                    "without it", exc.path)
     turn_away(listener, refusal)
 
 
