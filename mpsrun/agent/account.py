@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import stat
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -135,19 +134,15 @@ def report_path(path: str, per_host: bool) -> str:
     """Where a report goes: ``path``, or under a bare ``--per-node`` job (each node writes its own ranks')
     ``path`` with the host's name before its suffix (``job.json`` -> ``job.node01.json``). A FIFO or a device is
     written as it stands on every path (a file made beside it would be left there: ``/dev/full.node01``)."""
-    if not per_host or _special(path):
+    if not per_host or _as_it_stands(path):
         return path
     stem, suffix = os.path.splitext(path)
     return f"{stem}.{socket.gethostname()}{suffix}"
 
 
-def _special(path: str) -> bool:
-    """Whether ``path`` is (through links) a FIFO, a device or a socket."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return False
-    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+def _as_it_stands(path: str) -> bool:
+    """Whether a report goes into ``path`` as it stands (through links: a FIFO or a device), not replacing it."""
+    return os.path.exists(path) and not os.path.isfile(path)
 
 
 def _version() -> str | None:
@@ -196,7 +191,7 @@ class Report(NamedTuple):
         data = {"mpsrun": _version(), **self._asdict(), "ranks": [account._asdict() for account in self.ranks]}
         data["samples"] = [{"time": s.time, "memory": {str(r): m for r, m in s.memory.items()}} for s in self.samples]
         text = json.dumps(data, indent=1) + "\n"
-        if os.path.exists(path) and not os.path.isfile(path):
+        if _as_it_stands(path):
             write_into(path, text.encode())
         else:
             replace_file(Path(os.path.realpath(path)), text.encode(), mode=0o666)  # as the user's other files are
