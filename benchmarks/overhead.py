@@ -17,6 +17,9 @@ Variants:
 - ``hand``: the same steps from this process (no shell, no interpreter to start: a floor, not a reference);
 - ``hand+mpiexec``: the same, with the ranks started by bare ``mpiexec`` (how a wrapper runs an
   MPI job; the reference for ``mpsrun --launcher mpiexec``);
+- ``script+mpiexec+least supervisor``: ``script+mpiexec`` with every rank started under
+  benchmarks/least_supervisor.py (an interpreter without ``site`` that imports what a supervisor speaking JSON over
+  a socket needs, starts the rank and waits for it): the floor of any design with a Python supervisor per rank;
 - ``bare mpiexec``: ``mpiexec -n N`` without MPS;
 - ``torchrun``: ``torchrun --standalone --nproc-per-node N`` of the same program (no MPS), where it is installed;
 - ``mpsrun local``, ``mpsrun local --mps off``, ``mpsrun mpiexec``: the ``mpsrun`` command.
@@ -137,6 +140,9 @@ def by_script(how: str) -> Callable[[int, list[str]], Callable[[], None]]:
     return variant
 
 
+LEAST_SUPERVISOR = [sys.executable, "-S", str(REPO / "benchmarks" / "least_supervisor.py")]
+
+
 def torchrun(n: int, command: list[str]) -> Callable[[], None]:
     """torchrun's launch of ``n`` copies of a Python ``command`` (``python -c CODE``), from a file of that code."""
     program = Path(tempfile.mkdtemp(prefix="mpsrun-torchrun-")) / "rank.py"
@@ -175,6 +181,7 @@ def mpsrun(*args: str, tree: str | None = None) -> Callable[[int, list[str]], Ca
 VARIANTS: dict[str, Callable[[int, list[str]], Callable[[], None]]] = {
     "script": by_script("local"),
     "script+mpiexec": by_script("mpiexec"),
+    "script+mpiexec+least supervisor": lambda n, cmd: by_script("mpiexec")(n, [*LEAST_SUPERVISOR, *cmd]),
     "hand": lambda n, cmd: lambda: hand(local_ranks(n, cmd)),
     "hand+mpiexec": lambda n, cmd: lambda: hand(mpiexec_ranks(n, cmd)),
     "bare mpiexec": lambda n, cmd: lambda: mpiexec_ranks(n, cmd)(dict(os.environ)),
@@ -185,7 +192,7 @@ VARIANTS: dict[str, Callable[[int, list[str]], Callable[[], None]]] = {
 if shutil.which("torchrun"):
     VARIANTS["torchrun"] = torchrun
 REFERENCE = {"mpsrun local": "script", "mpsrun mpiexec": "bare mpiexec", "mpsrun local --mps off": "script",
-             "script+mpiexec": "bare mpiexec"}
+             "script+mpiexec": "bare mpiexec", "script+mpiexec+least supervisor": "bare mpiexec"}
 REAL_REFERENCE = {"mpsrun local": "script", "mpsrun mpiexec": "script+mpiexec"}
 
 
