@@ -20,9 +20,12 @@ Variants:
 - ``script+mpiexec+least supervisor``: ``script+mpiexec`` with every rank started under
   benchmarks/least_supervisor.py (an interpreter without ``site`` that imports what a supervisor speaking JSON over
   a socket needs, starts the rank and waits for it): the floor of any design with a Python supervisor per rank;
-- ``bare mpiexec``: ``mpiexec -n N`` without MPS;
+- ``bare mpiexec``: ``mpiexec -n N`` without MPS; ``bare mpiexec+least supervisor``: each rank under the least
+  supervisor, and ``... +mpsrun's imports`` under it with what mpsrun's supervisor imports (where the time goes);
 - ``torchrun``: ``torchrun --standalone --nproc-per-node N`` of the same program (no MPS), where it is installed;
-- ``mpsrun local``, ``mpsrun local --mps off``, ``mpsrun mpiexec``: the ``mpsrun`` command.
+- ``mpsrun local``, ``mpsrun local --mps off``, ``mpsrun mpiexec``: the ``mpsrun`` command; ``mpsrun mpiexec
+  --mps off`` and ``--mpi4py-abort off`` (Python ranks started as given, not through mpi4py's runner) tell what
+  MPS and that runner add.
 
 ``--tree NAME=DIR`` (repeatable) adds ``mpsrun local [NAME]`` and ``mpsrun mpiexec [NAME]``: the same
 command run from another source tree (another commit's ``mpsrun/`` under DIR), in the same rounds,
@@ -185,14 +188,23 @@ VARIANTS: dict[str, Callable[[int, list[str]], Callable[[], None]]] = {
     "hand": lambda n, cmd: lambda: hand(local_ranks(n, cmd)),
     "hand+mpiexec": lambda n, cmd: lambda: hand(mpiexec_ranks(n, cmd)),
     "bare mpiexec": lambda n, cmd: lambda: mpiexec_ranks(n, cmd)(dict(os.environ)),
+    "bare mpiexec+least supervisor": lambda n, cmd: lambda: mpiexec_ranks(n, [*LEAST_SUPERVISOR, *cmd])(
+        dict(os.environ)),
+    "bare mpiexec+least supervisor+mpsrun's imports": lambda n, cmd: lambda: mpiexec_ranks(
+        n, [*LEAST_SUPERVISOR, "--import", "mpsrun.rank.cli", *cmd])(dict(os.environ)),
     "mpsrun local": mpsrun("--launcher", "local"),
     "mpsrun local --mps off": mpsrun("--launcher", "local", "--mps", "off"),
     "mpsrun mpiexec": mpsrun("--launcher", "mpiexec"),
+    "mpsrun mpiexec --mps off": mpsrun("--launcher", "mpiexec", "--mps", "off"),
+    "mpsrun mpiexec --mpi4py-abort off": mpsrun("--launcher", "mpiexec", "--mpi4py-abort", "off"),
 }
 if shutil.which("torchrun"):
     VARIANTS["torchrun"] = torchrun
 REFERENCE = {"mpsrun local": "script", "mpsrun mpiexec": "bare mpiexec", "mpsrun local --mps off": "script",
-             "script+mpiexec": "bare mpiexec", "script+mpiexec+least supervisor": "bare mpiexec"}
+             "script+mpiexec": "bare mpiexec", "script+mpiexec+least supervisor": "bare mpiexec",
+             "bare mpiexec+least supervisor": "bare mpiexec", "bare mpiexec+least supervisor+mpsrun's imports":
+             "bare mpiexec", "mpsrun mpiexec --mps off": "bare mpiexec", "mpsrun mpiexec --mpi4py-abort off":
+             "bare mpiexec"}
 REAL_REFERENCE = {"mpsrun local": "script", "mpsrun mpiexec": "script+mpiexec"}
 
 
@@ -263,7 +275,7 @@ def main() -> int:
     if args.only != "trivial":
         iters = calibrate(8.5)
         command = [*KERNEL_JOB, str(iters), str(args.launches)]
-        launched = [name for name in VARIANTS if name.startswith("mpsrun") and "--mps off" not in name]
+        launched = [name for name in VARIANTS if name.startswith("mpsrun") and " off" not in name]
         names = ["script", "script+mpiexec", "hand", "hand+mpiexec", *launched]
         real = {name: VARIANTS[name](8, command) for name in names}
         measure(real, 1, rng)  # warm-up: CuPy's kernel cache, not counted
