@@ -22,6 +22,9 @@ Variants:
   a socket needs, starts the rank and waits for it): the floor of any design with a Python supervisor per rank;
 - ``bare mpiexec``: ``mpiexec -n N`` without MPS; ``bare mpiexec+least supervisor``: each rank under the least
   supervisor, and ``... +mpsrun's imports`` under it with what mpsrun's supervisor imports (where the time goes);
+- ``least command``, ``least command -S``: benchmarks/least_command.py, the least Python command that starts MPS
+  and, meanwhile, ``mpiexec`` with every rank under the least supervisor (with and without ``site``): the floor of
+  ``mpsrun --launcher mpiexec`` in the same rounds;
 - ``torchrun``: ``torchrun --standalone --nproc-per-node N`` of the same program (no MPS), where it is installed;
 - ``mpsrun local``, ``mpsrun local --mps off``, ``mpsrun mpiexec``: the ``mpsrun`` command; ``mpsrun mpiexec
   --mps off`` and ``--mpi4py-abort off`` (Python ranks started as given, not through mpi4py's runner) tell what
@@ -146,6 +149,14 @@ def by_script(how: str) -> Callable[[int, list[str]], Callable[[], None]]:
 LEAST_SUPERVISOR = [sys.executable, "-S", str(REPO / "benchmarks" / "least_supervisor.py")]
 
 
+def least_command(*flags: str) -> Callable[[int, list[str]], Callable[[], None]]:
+    """benchmarks/least_command.py around ``n`` ranks (``flags``: the interpreter's)."""
+    def variant(n: int, command: list[str]) -> Callable[[], None]:
+        argv = [sys.executable, *flags, str(REPO / "benchmarks" / "least_command.py"), *mpiexec_argv(n), "--", *command]
+        return lambda: subprocess.run(argv, check=True) and None
+    return variant
+
+
 def torchrun(n: int, command: list[str]) -> Callable[[], None]:
     """torchrun's launch of ``n`` copies of a Python ``command`` (``python -c CODE``), from a file of that code."""
     program = Path(tempfile.mkdtemp(prefix="mpsrun-torchrun-")) / "rank.py"
@@ -197,6 +208,8 @@ VARIANTS: dict[str, Callable[[int, list[str]], Callable[[], None]]] = {
     "mpsrun mpiexec": mpsrun("--launcher", "mpiexec"),
     "mpsrun mpiexec --mps off": mpsrun("--launcher", "mpiexec", "--mps", "off"),
     "mpsrun mpiexec --mpi4py-abort off": mpsrun("--launcher", "mpiexec", "--mpi4py-abort", "off"),
+    "least command": least_command(),
+    "least command -S": least_command("-S"),
 }
 if shutil.which("torchrun"):
     VARIANTS["torchrun"] = torchrun
@@ -204,7 +217,7 @@ REFERENCE = {"mpsrun local": "script", "mpsrun mpiexec": "bare mpiexec", "mpsrun
              "script+mpiexec": "bare mpiexec", "script+mpiexec+least supervisor": "bare mpiexec",
              "bare mpiexec+least supervisor": "bare mpiexec", "bare mpiexec+least supervisor+mpsrun's imports":
              "bare mpiexec", "mpsrun mpiexec --mps off": "bare mpiexec", "mpsrun mpiexec --mpi4py-abort off":
-             "bare mpiexec"}
+             "bare mpiexec", "least command": "bare mpiexec", "least command -S": "bare mpiexec"}
 REAL_REFERENCE = {"mpsrun local": "script", "mpsrun mpiexec": "script+mpiexec"}
 
 
@@ -245,6 +258,7 @@ def main() -> int:
     parser.add_argument("--only", choices=("trivial", "real"))
     parser.add_argument("--launches", type=int, default=200)
     parser.add_argument("--trivial-ranks", default="4,48", help="rank counts of the trivial job (4,48)")
+    parser.add_argument("--variants", help="only these variants of the trivial job, comma-separated (default: all)")
     parser.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
                         help="also run mpsrun from the source tree DIR, as variants named [NAME]")
     args = parser.parse_args()
@@ -268,7 +282,8 @@ def main() -> int:
     rng = random.Random(args.seed)  # noqa: S311 - a reproducible order, not a secret
     results: dict[str, object] = {"repeats": args.repeats, "seed": args.seed}
     for n in (int(part) for part in args.trivial_ranks.split(",")) if args.only != "real" else ():
-        trivial = {name: make(n, [sys.executable, "-c", "pass"]) for name, make in VARIANTS.items()}
+        chosen = args.variants.split(",") if args.variants else list(VARIANTS)
+        trivial = {name: VARIANTS[name](n, [sys.executable, "-c", "pass"]) for name in chosen}
         measure(trivial, 1, rng)  # warm-up: page cache, not counted
         results["trivial" if n == 4 else f"trivial-{n}"] = samples = measure(trivial, args.repeats, rng)
         print(table(f"Trivial job, -np {n} python3 -c pass", samples, REFERENCE, ratio=False), flush=True)
