@@ -38,8 +38,10 @@ def main() -> int:
     for path in (root, f"{root}/pipe", f"{root}/log"):
         os.mkdir(path, 0o700)
     try:
-        subprocess.run([CONTROL, "-d"], env=env, check=True)  # returns once the daemon has forked off
-        code = subprocess.run([*launcher, *SUPERVISOR, *command], env=env).returncode
+        starting = subprocess.Popen([CONTROL, "-d"], env=env)  # it returns once the daemon has forked off: meanwhile,
+        code = subprocess.run([*launcher, *SUPERVISOR, *command], env=env).returncode  # mpiexec starts the ranks
+        if starting.wait() != 0:
+            raise SystemExit(f"{CONTROL} -d failed")
         with open(f"{root}/pipe/{CONTROL}.pid") as pid_file:
             daemon = int(pid_file.read())
         subprocess.run([CONTROL], input=b"quit\n", env=env, stdout=subprocess.DEVNULL, check=True)
