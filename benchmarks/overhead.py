@@ -1,6 +1,6 @@
 """What a job pays for mpsrun: start-up and teardown against MPS by hand and bare mpiexec.
 
-    python benchmarks/overhead.py [--repeats 3] [--seed 13] [--json FILE] [--only trivial|real]
+    python benchmarks/overhead.py [--repeats 3] [--seed 13] [--json FILE] [--only trivial|real] [--variants A,B]
 
 Two jobs, each run every way side by side, in alternating repeats (each round runs every
 variant once, in an order drawn from ``--seed``):
@@ -19,7 +19,7 @@ Variants:
   MPI job; the reference for ``mpsrun --launcher mpiexec``);
 - ``script+mpiexec+least supervisor``: ``script+mpiexec`` with every rank started under
   benchmarks/least_supervisor.py (an interpreter without ``site`` that imports what a supervisor speaking JSON over
-  a socket needs, starts the rank and waits for it): the floor of any design with a Python supervisor per rank;
+  a socket needs, starts the rank and waits for it): what a supervisor interpreter per rank adds to MPS by script;
 - ``bare mpiexec``: ``mpiexec -n N`` without MPS; ``bare mpiexec+least supervisor``: each rank under the least
   supervisor, and ``... +mpsrun's imports`` under it with what mpsrun's supervisor imports (where the time goes);
 - ``least command``, ``least command -S``: benchmarks/least_command.py, the least Python command that starts MPS
