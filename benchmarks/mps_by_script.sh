@@ -10,6 +10,7 @@ set -euo pipefail
 n=$1 how=$2
 shift 2
 root=$(mktemp -d /tmp/mps-script.XXXXXX)
+trap 'rm -rf "$root"' EXIT  # also when the daemon cannot start
 export CUDA_MPS_PIPE_DIRECTORY=$root/pipe CUDA_MPS_LOG_DIRECTORY=$root/log
 mkdir "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 nvidia-cuda-mps-control -d

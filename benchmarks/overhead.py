@@ -89,20 +89,21 @@ def hand(ranks: Callable[[dict[str, str]], None]) -> None:
     """MPS by hand around ``ranks``: what a wrapper script does, step by step."""
     root = Path(tempfile.mkdtemp(prefix="mps-hand-"))
     env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(root / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(root / "log")}
-    (root / "pipe").mkdir()
-    (root / "log").mkdir()
-    subprocess.run([CONTROL, "-d"], env=env, check=True)
-    deadline = time.monotonic() + 10
-    while control(env, "get_server_list").returncode != 0:  # poll until the daemon answers
-        if time.monotonic() > deadline:
-            raise RuntimeError("the hand-started daemon did not answer within 10 s")
-        time.sleep(0.002)
-    daemon = int((root / "pipe" / "nvidia-cuda-mps-control.pid").read_text())
     try:
+        (root / "pipe").mkdir()
+        (root / "log").mkdir()
+        subprocess.run([CONTROL, "-d"], env=env, check=True)
+        deadline = time.monotonic() + 10
+        while control(env, "get_server_list").returncode != 0:  # poll until the daemon answers
+            if time.monotonic() > deadline:
+                raise RuntimeError("the hand-started daemon did not answer within 10 s")
+            time.sleep(0.002)
         ranks(env)
-    finally:
-        control(env, "quit")
-        wait_gone(daemon, 10.0)
+    finally:  # also when the daemon could not start: nothing of it is left
+        control(env, "quit")  # (with no daemon, the control program only fails to reach one)
+        pid_file = root / "pipe" / "nvidia-cuda-mps-control.pid"
+        if pid_file.exists():
+            wait_gone(int(pid_file.read_text()), 10.0)
         shutil.rmtree(root)
 
 
