@@ -56,6 +56,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+from least_command import gone  # (benchmarks/, this script's directory, is first on the path)
 
 from mpsrun.job.mpiexec import detect_flavour
 from mpsrun.tools.benchwork import BLOCKS, KERNEL, THREADS
@@ -108,17 +109,12 @@ def hand(ranks: Callable[[dict[str, str]], None]) -> None:
 
 
 def wait_gone(pid: int, seconds: float) -> None:
-    """Until ``pid`` has exited; a daemonized process may stay a zombie (init need not reap it)."""
+    """Until ``pid`` has exited (:func:`least_command.gone`: a daemonized process may stay a zombie)."""
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return
-        if state in ("Z", "X"):
-            return
+    while not gone(pid):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the hand-started daemon {pid} did not exit within {seconds:g} s")
         time.sleep(0.002)
-    raise RuntimeError(f"the hand-started daemon {pid} did not exit within {seconds:g} s")
 
 
 def local_ranks(n: int, command: list[str]) -> Callable[[dict[str, str]], None]:
